@@ -1,0 +1,155 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_CONTEXT: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_CONTEXT: FinishReason
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "stopping", "include_logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: TokenIds
+    sampling: SamplingParams
+    stopping: StoppingCriteria
+    include_logprobs: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., include_logprobs: _Optional[bool] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class StoppingCriteria(_message.Message):
+    __slots__ = ("max_new_tokens", "stop", "ignore_eos")
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    def __init__(self, max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "logprobs", "queue_seconds", "time_to_first_token_seconds", "total_seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: FinishReason
+    usage: Usage
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    queue_seconds: float
+    time_to_first_token_seconds: float
+    total_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finish_reason: FinishReason
+    usage: Usage
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_name", "vocab_size", "context_length", "max_new_tokens_limit", "max_batch_size", "dtype", "quantization", "execution_providers", "eos_token_id", "server_version")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_PROVIDERS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    vocab_size: int
+    context_length: int
+    max_new_tokens_limit: int
+    max_batch_size: int
+    dtype: str
+    quantization: str
+    execution_providers: _containers.RepeatedScalarFieldContainer[str]
+    eos_token_id: int
+    server_version: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., execution_providers: _Optional[_Iterable[str]] = ..., eos_token_id: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("ids", "tokens")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
