@@ -180,7 +180,9 @@ class Decoder(nn.Module):
         if cfg.positions == "learned":
             self.pos_emb = nn.Embedding(cfg.context_length, cfg.d_model)
         elif cfg.positions == "sinusoidal":
-            self.register_buffer("pos_table", sinusoidal_table(cfg.context_length, cfg.d_model), persistent=False)
+            self.register_buffer(
+                "pos_table", sinusoidal_table(cfg.context_length, cfg.d_model), persistent=False
+            )
         else:
             cos, sin = rotary_tables(cfg.context_length, cfg.head_dim, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -206,8 +208,10 @@ class Decoder(nn.Module):
         cfg = self.cfg
         shape = (batch, cfg.n_heads, 0, cfg.head_dim)
         dev, dt = self.tok_emb.weight.device, self.tok_emb.weight.dtype
-        return [(torch.zeros(shape, device=dev, dtype=dt), torch.zeros(shape, device=dev, dtype=dt))
-                for _ in range(cfg.n_layers)]
+        return [
+            (torch.zeros(shape, device=dev, dtype=dt), torch.zeros(shape, device=dev, dtype=dt))
+            for _ in range(cfg.n_layers)
+        ]
 
     def forward(
         self,
@@ -225,7 +229,10 @@ class Decoder(nn.Module):
         elif self.cfg.positions == "sinusoidal":
             x = x + self.pos_table[position_ids]
         else:
-            rotary = (self.rope_cos[position_ids][:, None], self.rope_sin[position_ids][:, None])  # [B,1,S,Dh/2]
+            rotary = (
+                self.rope_cos[position_ids][:, None],
+                self.rope_sin[position_ids][:, None],
+            )  # [B,1,S,Dh/2]
         x = self.emb_dropout(x)
         bias = attention_bias(attention_mask, input_ids.shape[1], x.dtype)  # [B,1,S,T]
         presents: list[KV] = []
