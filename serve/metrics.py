@@ -1,0 +1,293 @@
+"""Prometheus metrics: what an operator needs to tell whether the service is healthy and fast.
+
+One `Metrics` object owns every metric, registered on a `CollectorRegistry` passed in, so tests build isolated
+instances and the server exposes exactly one registry on its own HTTP port (`start_http_server`).
+
+The hooks are called from two places: the scheduler's engine thread (`on_admitted`, `on_first_token`,
+`on_token`, `on_finished`, `on_step`, `set_load`) and the gRPC server (`on_request_done`, `set_ready`,
+`set_model_info`). prometheus_client's metrics are thread-safe, so no locking is needed here.
+
+Bucket choices (a quantile is only as precise as the buckets around it, and a quantile above the largest
+finite bucket is reported as that bucket's bound, so the largest bucket must exceed the worst real value):
+- Latencies that include queueing (TTFT, request duration, queue time) start at 1 ms (an idle server
+  answers in milliseconds) and reach minutes: under overload a request waits for others' generations, and
+  the longest generations of a context-length budget take minutes on CPU.
+- Inter-token latency is one decode step seen by one request: ~1 ms for a tiny model, 9-35 ms for a 30M
+  model at batch 16 on 2 CPU cores (measured for the KV-cache design), up to seconds on a starved machine.
+  Buckets are dense between 5 and 100 ms, where SLOs for streaming text sit.
+- Step duration covers decode steps (as above) and prefill steps, which process whole prompts: up to 10 s.
+- Token counts are exponential (powers of two) because prompt and generation lengths span orders of
+  magnitude; they reach 65536, above any context length this service is built for.
+- Batch size: every size up to 8, then powers of two up to 256 (the largest sensible `max_batch_size`).
+- Padding ratio is a fraction in [0, 1]: 0 is its own bucket (decode steps have no padding), then 0.1 steps.
+"""
+
+from __future__ import annotations
+
+import threading
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+import prometheus_client
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+FINISH_REASONS = ("length", "eos", "stop", "context")
+STEP_PHASES = ("prefill", "decode")
+STATUS_CODES = frozenset(code.name for code in grpc.StatusCode)
+
+QUEUEING_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+INTER_TOKEN_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
+STEP_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(17))  # 1 .. 65536
+BATCH_SIZE_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
+PADDING_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def _check_label(kind: str, value: str, allowed: frozenset[str] | tuple[str, ...]) -> None:
+    # Labels must stay a small bounded set: an unexpected value is a caller bug, not a new series.
+    if value not in allowed:
+        raise ValueError(f"unknown {kind} {value!r}: expected one of {', '.join(sorted(allowed))}")
+
+
+def new_registry() -> CollectorRegistry:
+    """A registry with the standard process, platform and GC collectors, like the default registry."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
+
+
+class Metrics:
+    """Every `textgen_*` metric, on one registry (a fresh one with the standard collectors by default)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else new_registry()
+        self._define_latencies()
+        self._define_sizes()
+        self._define_counters()
+        self._define_gauges()
+
+    def _define_latencies(self) -> None:
+        reg = self.registry
+        self.request_duration = Histogram(
+            "textgen_request_duration_seconds",
+            "Time from a request's arrival to its end (last token or error).",
+            ["rpc"],
+            buckets=QUEUEING_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.queue_time = Histogram(
+            "textgen_request_queue_seconds",
+            "Time from a request's arrival to its admission into a batch.",
+            buckets=QUEUEING_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            "textgen_time_to_first_token_seconds",
+            "Time from a request's arrival to its first generated token.",
+            buckets=QUEUEING_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.inter_token = Histogram(
+            "textgen_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request.",
+            buckets=INTER_TOKEN_BUCKETS,
+            registry=reg,
+        )
+        self.step_duration = Histogram(
+            "textgen_step_duration_seconds",
+            "Duration of one engine step.",
+            ["phase"],
+            buckets=STEP_BUCKETS,
+            registry=reg,
+        )
+
+    def _define_sizes(self) -> None:
+        reg = self.registry
+        self.prompt_tokens = Histogram(
+            "textgen_request_prompt_tokens",
+            "Prompt tokens per finished request.",
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=reg,
+        )
+        self.generation_tokens = Histogram(
+            "textgen_request_generation_tokens",
+            "Generated tokens per finished request.",
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=reg,
+        )
+        self.batch_size = Histogram(
+            "textgen_batch_size",
+            "Rows (sequences) in one engine step.",
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=reg,
+        )
+        self.padding_ratio = Histogram(
+            "textgen_batch_padding_ratio",
+            "Padded token slots divided by all token slots of one engine step.",
+            buckets=PADDING_RATIO_BUCKETS,
+            registry=reg,
+        )
+
+    def _define_counters(self) -> None:
+        reg = self.registry
+        self.requests = Counter(
+            "textgen_requests",
+            "Requests by RPC and final gRPC status code.",
+            ["rpc", "code"],
+            registry=reg,
+        )
+        self.finished = Counter(
+            "textgen_requests_finished",
+            "Generations that ended normally, by why they stopped.",
+            ["reason"],
+            registry=reg,
+        )
+        self.prompt_tokens_total = Counter(
+            "textgen_prompt_tokens",
+            "Prompt tokens of finished generations.",
+            registry=reg,
+        )
+        self.generation_tokens_total = Counter(
+            "textgen_generation_tokens",
+            "Tokens generated by finished generations.",
+            registry=reg,
+        )
+        # Known label values exist from the start, so rate() sees their first increment.
+        for reason in FINISH_REASONS:
+            self.finished.labels(reason=reason)
+        for phase in STEP_PHASES:
+            self.step_duration.labels(phase=phase)
+
+    def _define_gauges(self) -> None:
+        reg = self.registry
+        self.running = Gauge("textgen_requests_running", "Requests in the running batch.", registry=reg)
+        self.waiting = Gauge("textgen_requests_waiting", "Requests queued, not yet admitted.", registry=reg)
+        self.kv_used = Gauge("textgen_kv_cache_slots_used", "KV-cache slots (rows) in use.", registry=reg)
+        self.kv_capacity = Gauge(
+            "textgen_kv_cache_slots_capacity", "KV-cache slots (rows) in all.", registry=reg
+        )
+        self.ready = Gauge("textgen_ready", "1 when the server accepts requests, else 0.", registry=reg)
+        self.model_info = Info("textgen_model", "The model being served.", registry=reg)
+
+    # Scheduler side (may be called from the engine thread).
+
+    def on_admitted(self, queue_seconds: float) -> None:
+        self.queue_time.observe(queue_seconds)
+
+    def on_first_token(self, ttft_seconds: float) -> None:
+        self.ttft.observe(ttft_seconds)
+
+    def on_token(self, inter_token_seconds: float) -> None:
+        self.inter_token.observe(inter_token_seconds)
+
+    def on_finished(self, reason: str, prompt_tokens: int, generation_tokens: int) -> None:
+        _check_label("finish reason", reason, FINISH_REASONS)
+        self.finished.labels(reason=reason).inc()
+        self.prompt_tokens.observe(prompt_tokens)
+        self.generation_tokens.observe(generation_tokens)
+        self.prompt_tokens_total.inc(prompt_tokens)
+        self.generation_tokens_total.inc(generation_tokens)
+
+    def on_step(self, phase: str, batch_size: int, padding_ratio: float, seconds: float) -> None:
+        _check_label("step phase", phase, STEP_PHASES)
+        self.step_duration.labels(phase=phase).observe(seconds)
+        self.batch_size.observe(batch_size)
+        self.padding_ratio.observe(padding_ratio)
+
+    def set_load(self, running: int, waiting: int, kv_used: int, kv_capacity: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_used.set(kv_used)
+        self.kv_capacity.set(kv_capacity)
+
+    # Server side.
+
+    def on_request_done(self, rpc: str, code: str, seconds: float) -> None:
+        """Count a request once, with its final status code name (e.g. "OK", "CANCELLED")."""
+        _check_label("status code", code, STATUS_CODES)
+        self.requests.labels(rpc=rpc, code=code).inc()
+        self.request_duration.labels(rpc=rpc).observe(seconds)
+
+    def set_ready(self, ready: bool) -> None:
+        self.ready.set(1 if ready else 0)
+
+    def set_model_info(self, model: str, dtype: str, quantization: str, provider: str) -> None:
+        self.model_info.info(
+            {"model": model, "dtype": dtype, "quantization": quantization, "provider": provider}
+        )
+
+    def start_http_server(self, port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, threading.Thread]:
+        """Serve this registry at http://addr:port/metrics from a daemon thread; port 0 picks a free port."""
+        return prometheus_client.start_http_server(port, addr=addr, registry=self.registry)
+
+    def exposition(self) -> str:
+        """The text exposition format of everything in the registry (what /metrics returns)."""
+        return prometheus_client.generate_latest(self.registry).decode()

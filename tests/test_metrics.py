@@ -1,0 +1,237 @@
+"""serve.metrics: values read back from the registry, naming conventions, promtool, the HTTP endpoint."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve.metrics import (
+    INTER_TOKEN_BUCKETS,
+    QUEUEING_LATENCY_BUCKETS,
+    TOKEN_COUNT_BUCKETS,
+    Metrics,
+)
+
+# The families issue 7 asks for (the parser names counters without `_total` and info metrics with `_info`).
+EXPECTED_FAMILIES = {
+    "textgen_request_duration_seconds",
+    "textgen_request_queue_seconds",
+    "textgen_time_to_first_token_seconds",
+    "textgen_inter_token_latency_seconds",
+    "textgen_request_prompt_tokens",
+    "textgen_request_generation_tokens",
+    "textgen_batch_size",
+    "textgen_step_duration_seconds",
+    "textgen_batch_padding_ratio",
+    "textgen_requests",
+    "textgen_requests_finished",
+    "textgen_prompt_tokens",
+    "textgen_generation_tokens",
+    "textgen_requests_running",
+    "textgen_requests_waiting",
+    "textgen_kv_cache_slots_used",
+    "textgen_kv_cache_slots_capacity",
+    "textgen_model_info",
+    "textgen_ready",
+}
+
+
+@pytest.fixture
+def metrics() -> Metrics:
+    return Metrics(CollectorRegistry())
+
+
+def value(m: Metrics, name: str, **labels: str) -> float | None:
+    return m.registry.get_sample_value(name, labels)
+
+
+def exercise(m: Metrics) -> None:
+    """One observation through every hook, so every family has samples."""
+    m.on_admitted(0.002)
+    m.on_first_token(0.05)
+    m.on_token(0.012)
+    m.on_finished("eos", 7, 9)
+    m.on_step("prefill", 3, 0.25, 0.02)
+    m.on_step("decode", 3, 0.0, 0.01)
+    m.set_load(running=3, waiting=1, kv_used=3, kv_capacity=8)
+    m.on_request_done("Generate", "OK", 0.4)
+    m.set_ready(True)
+    m.set_model_info("demo", "float32", "none", "CPUExecutionProvider")
+
+
+def test_latency_histograms_count_and_sum(metrics: Metrics) -> None:
+    queue, ttft, gaps = [0.001, 0.004, 0.5], [0.02, 0.3], [0.01, 0.011, 0.013, 0.2]
+    for q in queue:
+        metrics.on_admitted(q)
+    for t in ttft:
+        metrics.on_first_token(t)
+    for g in gaps:
+        metrics.on_token(g)
+    for name, observed in [
+        ("textgen_request_queue_seconds", queue),
+        ("textgen_time_to_first_token_seconds", ttft),
+        ("textgen_inter_token_latency_seconds", gaps),
+    ]:
+        assert value(metrics, f"{name}_count") == len(observed)
+        assert value(metrics, f"{name}_sum") == pytest.approx(sum(observed))
+    # 0.01 falls in le=0.01 (inclusive upper bound); 0.011 and 0.013 do not.
+    assert value(metrics, "textgen_inter_token_latency_seconds_bucket", le="0.01") == 1
+    assert value(metrics, "textgen_inter_token_latency_seconds_bucket", le="0.015") == 3
+
+
+def test_finished_requests_count_tokens_and_reasons(metrics: Metrics) -> None:
+    finished = [("length", 10, 32), ("eos", 5, 3), ("eos", 100, 1), ("stop", 1, 4), ("context", 60, 4)]
+    for reason, prompt, generated in finished:
+        metrics.on_finished(reason, prompt, generated)
+    assert value(metrics, "textgen_requests_finished_total", reason="eos") == 2
+    assert value(metrics, "textgen_requests_finished_total", reason="length") == 1
+    assert value(metrics, "textgen_prompt_tokens_total") == 176
+    assert value(metrics, "textgen_generation_tokens_total") == 44
+    assert value(metrics, "textgen_request_prompt_tokens_count") == 5
+    assert value(metrics, "textgen_request_prompt_tokens_sum") == 176
+    assert value(metrics, "textgen_request_generation_tokens_sum") == 44
+    # Token-count buckets are powers of two: 32 generated tokens is within le=32, 4 tokens within le=4.
+    assert value(metrics, "textgen_request_generation_tokens_bucket", le="4.0") == 4
+
+
+def test_unused_finish_reasons_exist_at_zero(metrics: Metrics) -> None:
+    for reason in ("length", "eos", "stop", "context"):
+        assert value(metrics, "textgen_requests_finished_total", reason=reason) == 0
+
+
+def test_steps_by_phase(metrics: Metrics) -> None:
+    metrics.on_step("prefill", 4, 0.5, 0.1)
+    metrics.on_step("decode", 4, 0.0, 0.01)
+    metrics.on_step("decode", 3, 0.0, 0.02)
+    assert value(metrics, "textgen_step_duration_seconds_count", phase="decode") == 2
+    assert value(metrics, "textgen_step_duration_seconds_sum", phase="decode") == pytest.approx(0.03)
+    assert value(metrics, "textgen_step_duration_seconds_sum", phase="prefill") == pytest.approx(0.1)
+    assert value(metrics, "textgen_batch_size_sum") == 11
+    assert value(metrics, "textgen_batch_padding_ratio_bucket", le="0.0") == 2
+    assert value(metrics, "textgen_batch_padding_ratio_sum") == pytest.approx(0.5)
+
+
+def test_requests_counted_once_per_call_by_rpc_and_code(metrics: Metrics) -> None:
+    done = [("Generate", "OK", 1.0), ("Generate", "OK", 2.0), ("GenerateStream", "CANCELLED", 0.5)]
+    done += [("Generate", "RESOURCE_EXHAUSTED", 0.001)]
+    for rpc, code, seconds in done:
+        metrics.on_request_done(rpc, code, seconds)
+    assert value(metrics, "textgen_requests_total", rpc="Generate", code="OK") == 2
+    assert value(metrics, "textgen_requests_total", rpc="GenerateStream", code="CANCELLED") == 1
+    assert value(metrics, "textgen_requests_total", rpc="Generate", code="RESOURCE_EXHAUSTED") == 1
+    assert value(metrics, "textgen_request_duration_seconds_count", rpc="Generate") == 3
+    assert value(metrics, "textgen_request_duration_seconds_sum", rpc="Generate") == pytest.approx(3.001)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda m: m.on_finished("cancelled", 1, 1), "unknown finish reason 'cancelled'"),
+        (lambda m: m.on_step("verify", 1, 0.0, 0.1), "unknown step phase 'verify'"),
+        (lambda m: m.on_request_done("Generate", "ok", 0.1), "unknown status code 'ok'"),
+    ],
+)
+def test_unbounded_label_values_are_refused(metrics: Metrics, call, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call(metrics)
+
+
+def test_gauges_follow_load_and_return_to_zero(metrics: Metrics) -> None:
+    metrics.set_load(running=4, waiting=7, kv_used=4, kv_capacity=16)
+    assert value(metrics, "textgen_requests_waiting") == 7
+    assert value(metrics, "textgen_kv_cache_slots_capacity") == 16
+    metrics.set_load(running=0, waiting=0, kv_used=0, kv_capacity=16)
+    for name in ("textgen_requests_running", "textgen_requests_waiting", "textgen_kv_cache_slots_used"):
+        assert value(metrics, name) == 0
+
+
+def test_ready_and_model_info(metrics: Metrics) -> None:
+    assert value(metrics, "textgen_ready") == 0
+    metrics.set_ready(True)
+    assert value(metrics, "textgen_ready") == 1
+    metrics.set_model_info("demo", "float32", "none", "CPUExecutionProvider")
+    metrics.set_model_info("demo", "float16", "none", "CUDAExecutionProvider")
+    labels = {
+        "model": "demo",
+        "dtype": "float16",
+        "quantization": "none",
+        "provider": "CUDAExecutionProvider",
+    }
+    assert value(metrics, "textgen_model_info", **labels) == 1
+    # Setting it again replaces the series instead of adding a second one.
+    infos = [s for f in text_string_to_metric_families(metrics.exposition()) for s in f.samples]
+    assert [s.labels for s in infos if s.name == "textgen_model_info"] == [labels]
+
+
+def test_instances_are_isolated() -> None:
+    a, b = Metrics(CollectorRegistry()), Metrics(CollectorRegistry())
+    a.on_admitted(1.0)
+    assert value(b, "textgen_request_queue_seconds_count") == 0
+
+
+def test_default_registry_has_standard_collectors() -> None:
+    names = {f.name for f in text_string_to_metric_families(Metrics().exposition())}
+    assert {"process_resident_memory_bytes", "python_gc_collections", "python_info"} <= names
+
+
+def test_buckets_span_the_quantities() -> None:
+    assert QUEUEING_LATENCY_BUCKETS[0] <= 0.001 and QUEUEING_LATENCY_BUCKETS[-1] >= 300
+    assert INTER_TOKEN_BUCKETS[0] <= 0.001 and 2 <= INTER_TOKEN_BUCKETS[-1] <= 10
+    assert TOKEN_COUNT_BUCKETS[0] == 1 and TOKEN_COUNT_BUCKETS[-1] >= 32768
+    for buckets in (QUEUEING_LATENCY_BUCKETS, INTER_TOKEN_BUCKETS, TOKEN_COUNT_BUCKETS):
+        assert list(buckets) == sorted(set(buckets))
+
+
+def test_names_follow_prometheus_conventions(metrics: Metrics) -> None:
+    exercise(metrics)
+    # In text format 0.0.4 the `_created` timestamps of counters and histograms parse as separate families.
+    families = [
+        f
+        for f in text_string_to_metric_families(metrics.exposition())
+        if f.name.startswith("textgen_") and not f.name.endswith("_created")
+    ]
+    assert {f.name for f in families} == EXPECTED_FAMILIES
+    for family in families:
+        assert re.fullmatch(r"textgen_[a-z][a-z0-9_]*[a-z0-9]", family.name), family.name
+        assert family.documentation, family.name
+        if family.type == "counter":
+            assert {s.name for s in family.samples} <= {f"{family.name}_total", f"{family.name}_created"}
+        if "duration" in family.name or "latency" in family.name or "time" in family.name:
+            assert family.name.endswith("_seconds"), family.name
+        for sample in family.samples:
+            assert not {"request_id", "prompt", "id"} & set(sample.labels), sample
+
+
+def test_promtool_check_metrics(metrics: Metrics) -> None:
+    exercise(metrics)
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool absent: install Debian's prometheus package (.ci/system-deps.sh does in CI)")
+    result = subprocess.run(
+        [promtool, "check", "metrics"],
+        input=metrics.exposition(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_http_endpoint_serves_the_registry(metrics: Metrics) -> None:
+    metrics.set_ready(True)
+    server, thread = metrics.start_http_server(0, addr="127.0.0.1")
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            body = response.read().decode()
+        assert "textgen_ready 1.0" in body.splitlines()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
