@@ -1,0 +1,252 @@
+"""A generation request, the events it produces, and its state machine.
+
+`RequestTracker` is the one place that decides when a request stops (max_new_tokens, EOS, stop strings,
+context full) and what it emits; the scheduler and the offline API both drive it with the engine's tokens.
+It records the timestamps the metrics need (all `time.monotonic()` values).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import tokenizers
+
+from serve.errors import InvalidRequest
+from serve.sampling import SamplingParams
+from serve.textstream import TextStream
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    include_logprobs: bool = False
+    deadline: float | None = None  # a time.monotonic() value
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What one engine step produced for a request: new token ids and the text they completed."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]  # empty unless the request asked for them
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    finish_reason: str  # length | eos | stop | context
+    prompt_tokens: int
+    completion_tokens: int
+    queue_seconds: float
+    ttft_seconds: float
+    total_seconds: float
+
+
+Event = TokenEvent | FinishEvent
+
+
+class RequestState(enum.Enum):
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    FAILED = "failed"
+
+
+_ENDINGS = frozenset(
+    {RequestState.FINISHED, RequestState.CANCELLED, RequestState.EXPIRED, RequestState.FAILED}
+)
+_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.QUEUED: frozenset({RequestState.PREFILLING}) | (_ENDINGS - {RequestState.FINISHED}),
+    RequestState.PREFILLING: frozenset({RequestState.DECODING}) | _ENDINGS,
+    RequestState.DECODING: _ENDINGS,
+}
+
+
+@dataclass
+class RequestTimes:
+    arrival: float
+    admitted: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+def validate_request(request: GenerationRequest, vocab_size: int, max_total_tokens: int) -> None:
+    """Raise InvalidRequest unless the request can be served within `max_total_tokens` (prompt + new)."""
+    if not request.prompt_ids:
+        raise InvalidRequest(f"request {request.request_id}: the prompt is empty; give at least one token")
+    if request.max_new_tokens < 1:
+        raise InvalidRequest(
+            f"request {request.request_id}: max_new_tokens is {request.max_new_tokens}; it must be at least 1"
+        )
+    if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab_size:
+        raise InvalidRequest(
+            f"request {request.request_id}: prompt token ids must be in [0, {vocab_size - 1}]"
+        )
+    total = len(request.prompt_ids) + request.max_new_tokens
+    if total > max_total_tokens:
+        raise InvalidRequest(
+            f"request {request.request_id}: prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
+            f"({request.max_new_tokens}) = {total} exceeds the limit of {max_total_tokens} tokens"
+        )
+
+
+class RequestTracker:
+    """One request's state machine: queued -> prefilling -> decoding -> finished|cancelled|expired|failed.
+
+    Transitions happen on the thread that drives the engine; `request_cancel()` may be called from any thread
+    and only sets a flag that the driver turns into the CANCELLED state at the next step.
+    """
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        tokenizer: tokenizers.Tokenizer,
+        eos_token_id: int,
+        capacity: int,
+        arrival: float,
+    ) -> None:
+        self.request = request
+        self.state = RequestState.QUEUED
+        self.times = RequestTimes(arrival=arrival)
+        self.produced = (
+            0  # tokens the engine sampled for it (EOS included): its cache length is prompt + this
+        )
+        self.completion_tokens = 0  # tokens handed to the client (EOS excluded)
+        self.cancel_requested = False
+        self._eos = eos_token_id
+        self._capacity = capacity
+        self._text = TextStream(tokenizer, request.stop)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def context(self) -> int:
+        """Tokens in this request's KV row once the next decode step has run (prompt + produced)."""
+        return self.prompt_len + self.produced
+
+    @property
+    def reserved_tokens(self) -> int:
+        """The most KV tokens this request can ever occupy."""
+        return min(self.prompt_len + self.request.max_new_tokens, self._capacity)
+
+    @property
+    def done(self) -> bool:
+        return self.state in _ENDINGS
+
+    def request_cancel(self) -> None:
+        self.cancel_requested = True
+
+    def expired(self, now: float) -> bool:
+        return self.request.deadline is not None and now >= self.request.deadline
+
+    def admit(self, now: float) -> float:
+        """Move to PREFILLING; returns the seconds it waited in the queue."""
+        self._move(RequestState.PREFILLING)
+        self.times.admitted = now
+        return now - self.times.arrival
+
+    def end(self, state: RequestState, now: float) -> None:
+        """Leave without finishing normally (cancelled, expired or failed)."""
+        self._move(state)
+        self.times.finished = now
+
+    def accept(
+        self, token_id: int, logprob: float, now: float
+    ) -> tuple[TokenEvent | None, FinishEvent | None]:
+        """Take the engine's next token; returns what to send (either may be None) and stops when due."""
+        if self.state is RequestState.PREFILLING:
+            self._move(RequestState.DECODING)
+            self.times.first_token = now
+        self.times.last_token = now
+        self.produced += 1
+        if token_id == self._eos and not self.request.ignore_eos:
+            return self._event([], [], self._text.flush()), self._finish("eos", now)
+        self.completion_tokens += 1
+        delta = self._text.push(token_id)
+        logprobs = [logprob] if self.request.include_logprobs else []
+        if delta.stopped:
+            return self._event([token_id], logprobs, delta.text), self._finish("stop", now)
+        reason = self._limit_reached()
+        if reason is None:
+            return self._event([token_id], logprobs, delta.text), None
+        return self._event([token_id], logprobs, delta.text + self._text.flush()), self._finish(reason, now)
+
+    def _limit_reached(self) -> str | None:
+        if self.completion_tokens >= self.request.max_new_tokens:
+            return "length"
+        # One more token would not fit the KV row (the engine's contract: prompt + generated <= capacity).
+        if self.context >= self._capacity:
+            return "context"
+        return None
+
+    @staticmethod
+    def _event(token_ids: list[int], logprobs: list[float], text: str) -> TokenEvent | None:
+        if not token_ids and not text:
+            return None
+        return TokenEvent(token_ids=token_ids, text=text, logprobs=logprobs)
+
+    def _finish(self, reason: str, now: float) -> FinishEvent:
+        self._move(RequestState.FINISHED)
+        self.times.finished = now
+        return FinishEvent(
+            finish_reason=reason,
+            prompt_tokens=self.prompt_len,
+            completion_tokens=self.completion_tokens,
+            queue_seconds=_since(self.times.admitted, self.times.arrival),
+            ttft_seconds=_since(self.times.first_token, self.times.arrival),
+            total_seconds=now - self.times.arrival,
+        )
+
+    def _move(self, new: RequestState) -> None:
+        if new not in _TRANSITIONS.get(self.state, frozenset()):
+            raise RuntimeError(
+                f"request {self.request_id}: illegal transition {self.state.value} -> {new.value}"
+            )
+        self.state = new
+
+
+def _since(mark: float | None, start: float) -> float:
+    if mark is None:
+        raise RuntimeError("a finished request always has its admission and first-token times")
+    return mark - start
+
+
+@dataclass
+class Completion:
+    """A whole generation, assembled from a request's events (offline API and unary calls)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish: FinishEvent | None = None
+
+    def add(self, event: Event) -> None:
+        if isinstance(event, FinishEvent):
+            self.finish = event
+            return
+        self.token_ids.extend(event.token_ids)
+        self.text += event.text
+        self.logprobs.extend(event.logprobs)
+
+    @property
+    def finish_reason(self) -> str:
+        if self.finish is None:
+            raise RuntimeError(f"request {self.request_id} has not finished")
+        return self.finish.finish_reason

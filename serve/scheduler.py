@@ -1,0 +1,574 @@
+"""Continuous, padding-aware batching on one engine thread, bridged to asyncio.
+
+`BatchRunner` is the synchronous core (admission, one engine step at a time, stopping through
+`RequestTracker`, failure isolation, step records); the offline API drives it in a plain loop.
+`Scheduler` runs it on ONE dedicated thread (ONNX Runtime releases the GIL while it computes) and hands
+events to the event loop with `loop.call_soon_threadsafe`, one call per step.
+
+Admission policy, evaluated between every two engine steps:
+- FCFS: the oldest waiting request heads the next prefill group; when it does not fit, nobody overtakes it,
+  so the running batch drains until it does (a long prompt cannot be starved by a stream of short ones).
+- Padding-aware grouping: younger requests join the head's group while the group's padding
+  (rows x longest prompt vs. the sum of lengths) stays within `max_padding_ratio` and the group's padded
+  size within `max_prefill_tokens` (large arrivals are split over several steps; a single prompt larger
+  than the budget is prefilled alone, since the engine cannot chunk a prefill).
+- KV budget: every request reserves prompt + max_new_tokens; the batch's padded footprint
+  rows x largest reservation must stay within `max_batch_tokens`. Decode pads every row to the longest
+  context, so this bounds every step; a long request gives its share back as soon as it leaves.
+- Running streams are never stalled by two prefills in a row, and a partial group waits up to
+  `max_wait_seconds` for company while others are decoding (no wait when the engine is idle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import tokenizers
+from pydantic import BaseModel, ConfigDict, Field
+
+from serve.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    Draining,
+    EngineFailure,
+    InvalidRequest,
+    QueueFull,
+    TextgenError,
+)
+from serve.request import (
+    Event,
+    FinishEvent,
+    GenerationRequest,
+    RequestState,
+    RequestTracker,
+    validate_request,
+)
+
+if TYPE_CHECKING:
+    from serve.engine import NewSequence, TokenOut
+    from serve.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class BatchEngine(Protocol):
+    """What the scheduler needs from `serve.engine.Engine`."""
+
+    max_batch_size: int
+    capacity: int
+    vocab_size: int
+    eos_token_id: int
+    tokenizer: tokenizers.Tokenizer
+
+    def prefill(self, new: Sequence[NewSequence]) -> list[TokenOut]: ...
+    def decode(self) -> list[TokenOut]: ...
+    def release(self, seq_ids: Iterable[str]) -> None: ...
+    @property
+    def batch_size(self) -> int: ...
+    def kv_shape(self) -> tuple[int, ...]: ...
+
+
+class SchedulerLimits(BaseModel):
+    """Batching limits. `None` means "as large as the engine allows" and is filled in by `resolve`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_batch_size: int | None = Field(None, ge=1, description="rows running at once (<= engine KV slots)")
+    max_batch_tokens: int | None = Field(
+        None, ge=1, description="KV token slots incl. padding: rows x largest prompt+max_new_tokens"
+    )
+    max_prefill_tokens: int = Field(4096, ge=1, description="padded prompt tokens prefilled in one step")
+    max_queue: int = Field(256, ge=0, description="waiting requests; more are refused at once")
+    max_wait_seconds: float = Field(
+        0.01, ge=0.0, description="how long a partial prefill group may wait for company while others decode"
+    )
+    max_padding_ratio: float = Field(
+        0.25, ge=0.0, le=1.0, description="length bucketing: most padding a prefill group may carry"
+    )
+    step_history: int = Field(1024, ge=1, description="engine steps kept for inspection")
+
+    def resolve(self, engine: BatchEngine) -> SchedulerLimits:
+        """These limits with the engine's sizes filled in; ValueError when they exceed the engine."""
+        rows = self.max_batch_size or engine.max_batch_size
+        if rows > engine.max_batch_size:
+            raise ValueError(f"max_batch_size {rows} exceeds the engine's {engine.max_batch_size} KV slots")
+        return self.model_copy(
+            update={
+                "max_batch_size": rows,
+                "max_batch_tokens": self.max_batch_tokens or rows * engine.capacity,
+            }
+        )
+
+    @property
+    def batch_size(self) -> int:
+        if self.max_batch_size is None:
+            raise RuntimeError("SchedulerLimits.resolve(engine) was not called")
+        return self.max_batch_size
+
+    @property
+    def batch_tokens(self) -> int:
+        if self.max_batch_tokens is None:
+            raise RuntimeError("SchedulerLimits.resolve(engine) was not called")
+        return self.max_batch_tokens
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step. `padded_tokens` = rows x longest (prompt or context), `real_tokens` = their sum."""
+
+    phase: str  # prefill | decode
+    rows: int
+    padded_tokens: int
+    real_tokens: int
+    seconds: float
+
+    @property
+    def padding_ratio(self) -> float:
+        return 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    running: int
+    waiting: int
+    kv_slots_used: int
+    kv_slots_capacity: int
+    kv_tokens_reserved: int  # sum of running requests' prompt + max_new_tokens
+    batch_size: int  # the engine's rows in use after the last step
+    kv_shape: tuple[int, ...]  # the engine's live KV view after the last step
+    outcomes: dict[str, int]  # finished / cancelled / expired / failed / rejected
+
+
+Delivery = tuple[RequestTracker, "Event | TextgenError"]
+
+
+class BatchRunner:
+    """Admission and engine steps; every method but `enqueue`, `reject_waiting`, `wake` runs on one thread."""
+
+    def __init__(self, engine: BatchEngine, limits: SchedulerLimits, metrics: Metrics | None = None) -> None:
+        self.engine = engine
+        self.limits = limits
+        self._metrics = metrics
+        self._cv = threading.Condition()  # guards _waiting; wakes the engine thread
+        self._stats_lock = threading.Lock()  # guards _steps and _outcomes (read by other threads)
+        self._waiting: deque[RequestTracker] = deque()
+        self._running: dict[str, RequestTracker] = {}  # insertion order is not the engine's row order
+        self._steps: deque[StepRecord] = deque(maxlen=limits.step_history)
+        self._outcomes: Counter[str] = Counter()
+        self._last_phase = ""
+        self._shape = (engine.batch_size, engine.kv_shape())
+
+    # -- called from any thread -------------------------------------------------------------------------
+    def enqueue(self, tracker: RequestTracker) -> None:
+        with self._cv:
+            if len(self._waiting) >= self.limits.max_queue:
+                self.count("rejected")
+                raise QueueFull(
+                    f"request {tracker.request_id}: the queue is full ({self.limits.max_queue} waiting); "
+                    "retry later"
+                )
+            self._waiting.append(tracker)
+            self._cv.notify()
+
+    def reject_waiting(self, error: Callable[[RequestTracker], TextgenError]) -> list[Delivery]:
+        """Fail every queued request (used when draining: they can be retried elsewhere at once)."""
+        with self._cv:
+            rejected = list(self._waiting)
+            self._waiting.clear()
+        now = time.monotonic()
+        for tracker in rejected:
+            tracker.end(RequestState.FAILED, now)
+            self.count("failed")
+        return [(tracker, error(tracker)) for tracker in rejected]
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def wait_for_work(self, stop: Callable[[], bool]) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: bool(self._running or self._waiting) or stop())
+
+    @property
+    def idle(self) -> bool:
+        return not self._running and not self._waiting
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def count(self, outcome: str) -> None:
+        with self._stats_lock:
+            self._outcomes[outcome] += 1
+
+    def steps(self) -> list[StepRecord]:
+        with self._stats_lock:
+            return list(self._steps)
+
+    def snapshot(self) -> SchedulerSnapshot:
+        batch_size, kv_shape = self._shape
+        running = list(self._running.values())
+        with self._stats_lock:
+            outcomes = dict(self._outcomes)
+        return SchedulerSnapshot(
+            running=len(running),
+            waiting=len(self._waiting),
+            kv_slots_used=batch_size,
+            kv_slots_capacity=self.engine.max_batch_size,
+            kv_tokens_reserved=sum(t.reserved_tokens for t in running),
+            batch_size=batch_size,
+            kv_shape=kv_shape,
+            outcomes=outcomes,
+        )
+
+    # -- the engine thread ---------------------------------------------------------------------------------
+    def step(self) -> list[Delivery]:
+        """Drop cancelled/expired requests, then run one prefill (admission) or one decode step."""
+        deliveries: list[Delivery] = []
+        now = time.monotonic()
+        self._leave(self._sweep(list(self._running.values()), now, deliveries))
+        with self._cv:
+            swept = self._sweep(list(self._waiting), now, deliveries)
+            group = self._select(now)
+            if swept or group:
+                taken = {id(t) for t in (*swept, *group)}
+                self._waiting = deque(t for t in self._waiting if id(t) not in taken)
+        if group:
+            self._prefill(group, deliveries)
+        elif self._running:
+            self._decode(deliveries)
+        self._publish_load()
+        return deliveries
+
+    def abort(self, error: Callable[[RequestTracker], TextgenError]) -> list[Delivery]:
+        """Fail everything queued or running (draining past its grace, or a scheduler bug)."""
+        deliveries = self.reject_waiting(error)
+        running = list(self._running.values())
+        now = time.monotonic()
+        for tracker in running:
+            tracker.end(RequestState.FAILED, now)
+            self.count("failed")
+            deliveries.append((tracker, error(tracker)))
+        self._leave(running)
+        self._publish_load()
+        return deliveries
+
+    def _sweep(self, trackers: list[RequestTracker], now: float, out: list[Delivery]) -> list[RequestTracker]:
+        gone: list[RequestTracker] = []
+        for tracker in trackers:
+            if tracker.cancel_requested:
+                tracker.end(RequestState.CANCELLED, now)
+                out.append((tracker, Cancelled(f"request {tracker.request_id} was cancelled")))
+            elif tracker.expired(now):
+                tracker.end(RequestState.EXPIRED, now)
+                out.append((tracker, DeadlineExceeded(_deadline_message(tracker))))
+            else:
+                continue
+            self.count(tracker.state.value)
+            gone.append(tracker)
+        return gone
+
+    def _select(self, now: float) -> list[RequestTracker]:
+        """The next prefill group (empty: decode instead). Caller holds the lock."""
+        free_rows = self.limits.batch_size - len(self._running)
+        if not self._waiting or free_rows <= 0 or (self._running and self._last_phase == "prefill"):
+            return []
+        head = self._waiting[0]
+        group = [head]
+        if not self._fits_kv(group):
+            return []  # FCFS: nobody overtakes the head; running requests leave until it fits
+        left_out = False
+        for candidate in list(self._waiting)[1:]:
+            if len(group) == free_rows:
+                break
+            if self._acceptable([*group, candidate]):
+                group.append(candidate)
+            else:
+                left_out = True
+        partial = len(group) < free_rows and not left_out
+        if self._running and partial and now - head.times.arrival < self.limits.max_wait_seconds:
+            return []  # let more arrivals share this prefill instead of stalling the decoders again soon
+        return group
+
+    def _acceptable(self, group: list[RequestTracker]) -> bool:
+        lengths = [t.prompt_len for t in group]
+        padded = len(group) * max(lengths)
+        return (
+            padded <= self.limits.max_prefill_tokens
+            and 1.0 - sum(lengths) / padded <= self.limits.max_padding_ratio
+            and self._fits_kv(group)
+        )
+
+    def _fits_kv(self, group: list[RequestTracker]) -> bool:
+        members = [*self._running.values(), *group]
+        return len(members) * max(t.reserved_tokens for t in members) <= self.limits.batch_tokens
+
+    def _prefill(self, group: list[RequestTracker], deliveries: list[Delivery]) -> None:
+        from serve.engine import NewSequence  # the real engine module imports ONNX Runtime
+
+        now = time.monotonic()
+        for tracker in group:
+            queued = tracker.admit(now)
+            self._running[tracker.request_id] = tracker
+            if self._metrics is not None:
+                self._metrics.on_admitted(queued)
+        lengths = [t.prompt_len for t in group]
+        new = [NewSequence(t.request_id, t.request.prompt_ids, t.request.sampling) for t in group]
+        self._run_step("prefill", group, lengths, lambda: self.engine.prefill(new), deliveries)
+
+    def _decode(self, deliveries: list[Delivery]) -> None:
+        rows = list(self._running.values())
+        self._run_step("decode", rows, [t.context for t in rows], self.engine.decode, deliveries)
+
+    def _run_step(
+        self,
+        phase: str,
+        trackers: list[RequestTracker],
+        lengths: list[int],
+        call: Callable[[], list[TokenOut]],
+        deliveries: list[Delivery],
+    ) -> None:
+        self._last_phase = phase
+        start = time.perf_counter()
+        try:
+            outs = call()
+        except Exception as exc:  # ONNX Runtime errors: fail exactly this step's requests, keep serving
+            log.exception("engine %s step failed for %d requests", phase, len(trackers))
+            self._fail(trackers, phase, exc, deliveries)
+            return
+        record = StepRecord(
+            phase, len(trackers), len(lengths) * max(lengths), sum(lengths), time.perf_counter() - start
+        )
+        with self._stats_lock:
+            self._steps.append(record)
+        if self._metrics is not None:
+            self._metrics.on_step(phase, record.rows, record.padding_ratio, record.seconds)
+        self._accept(outs, deliveries)
+
+    def _accept(self, outs: list[TokenOut], deliveries: list[Delivery]) -> None:
+        now = time.monotonic()
+        finished: list[RequestTracker] = []
+        for out in outs:
+            tracker = self._running[out.seq_id]
+            previous = tracker.times.last_token
+            token, finish = tracker.accept(out.token_id, out.logprob, now)
+            if self._metrics is not None:
+                if previous is None:
+                    self._metrics.on_first_token(now - tracker.times.arrival)
+                else:
+                    self._metrics.on_token(now - previous)
+            if token is not None:
+                deliveries.append((tracker, token))
+            if finish is not None:
+                deliveries.append((tracker, finish))
+                finished.append(tracker)
+                self._on_finished(finish)
+        self._leave(finished)
+
+    def _on_finished(self, finish: FinishEvent) -> None:
+        self.count("finished")
+        if self._metrics is not None:
+            self._metrics.on_finished(finish.finish_reason, finish.prompt_tokens, finish.completion_tokens)
+
+    def _fail(self, trackers: list[RequestTracker], phase: str, exc: Exception, out: list[Delivery]) -> None:
+        now = time.monotonic()
+        for tracker in trackers:
+            tracker.end(RequestState.FAILED, now)
+            self.count("failed")
+            out.append(
+                (
+                    tracker,
+                    EngineFailure(
+                        f"request {tracker.request_id}: the engine failed during {phase}: "
+                        f"{type(exc).__name__}: {exc}"
+                    ),
+                )
+            )
+        self._leave(trackers)
+
+    def _leave(self, trackers: list[RequestTracker]) -> None:
+        joined = [t.request_id for t in trackers if self._running.pop(t.request_id, None) is not None]
+        if not joined:
+            return
+        try:
+            self.engine.release(joined)
+        except Exception:  # nothing left to fail: the requests already ended; keep serving the others
+            log.exception("engine release failed for %s", joined)
+
+    def _publish_load(self) -> None:
+        self._shape = (self.engine.batch_size, self.engine.kv_shape())
+        if self._metrics is not None:
+            self._metrics.set_load(
+                len(self._running), len(self._waiting), self._shape[0], self.engine.max_batch_size
+            )
+
+
+def _deadline_message(tracker: RequestTracker) -> str:
+    where = "while queued" if tracker.times.admitted is None else "while generating"
+    return f"request {tracker.request_id}: deadline exceeded {where}"
+
+
+class RequestHandle:
+    """A submitted request: iterate it for its events; `cancel()` frees its slot at the next step.
+
+    Iteration yields TokenEvents then one FinishEvent, and raises the serve.errors exception of a request
+    that was cancelled, expired or failed. Use it on the event loop that submitted it.
+    """
+
+    def __init__(self, tracker: RequestTracker, loop: asyncio.AbstractEventLoop, wake: Callable[[], None]):
+        self.request_id = tracker.request_id
+        self._tracker = tracker
+        self._loop = loop
+        self._wake = wake
+        self._queue: asyncio.Queue[Event | TextgenError | None] = asyncio.Queue()
+        self._ended = False  # the scheduler delivered the last item
+        self._exhausted = False  # the iterator returned or raised the last item
+        self._cancelled = False
+
+    @property
+    def state(self) -> RequestState:
+        return self._tracker.state
+
+    def cancel(self) -> None:
+        """Idempotent; no effect once the request has ended."""
+        if self._cancelled or self._ended:
+            return
+        self._cancelled = True
+        self._tracker.request_cancel()
+        self._wake()
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, None)  # wakes a pending __anext__
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._exhausted:
+            raise StopAsyncIteration
+        item = None if self._cancelled else await self._queue.get()
+        if self._cancelled:
+            self._exhausted = True
+            raise Cancelled(f"request {self.request_id} was cancelled")
+        if isinstance(item, TextgenError):
+            self._exhausted = True
+            raise item
+        if isinstance(item, FinishEvent):
+            self._exhausted = True
+        if item is None:
+            raise RuntimeError(f"request {self.request_id}: empty event")  # only cancel() puts None
+        return item
+
+    def _push(self, item: Event | TextgenError) -> None:
+        self._ended = isinstance(item, FinishEvent | TextgenError)
+        self._queue.put_nowait(item)
+
+
+class Scheduler:
+    """Continuous batching on one engine thread; `submit` and the handles live on the event loop."""
+
+    def __init__(
+        self, engine: BatchEngine, limits: SchedulerLimits | None = None, metrics: Metrics | None = None
+    ) -> None:
+        self.limits = (limits or SchedulerLimits()).resolve(engine)
+        self._engine = engine
+        self._runner = BatchRunner(engine, self.limits, metrics)
+        self._handles: dict[str, RequestHandle] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._draining = False
+        self._stopping = False
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most prompt + max_new_tokens one request may ask for."""
+        return min(self._engine.capacity, self.limits.batch_tokens)
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the scheduler is already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="textgen-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises InvalidRequest, QueueFull or Draining at once. Call on the event loop."""
+        if self._loop is None:
+            raise RuntimeError("Scheduler.start() was not awaited")
+        if self._draining:
+            raise Draining(f"request {request.request_id}: the server is shutting down; retry elsewhere")
+        if request.request_id in self._handles:
+            raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+        validate_request(request, self._engine.vocab_size, self.max_total_tokens)
+        tracker = RequestTracker(
+            request,
+            self._engine.tokenizer,
+            self._engine.eos_token_id,
+            self._engine.capacity,
+            arrival=time.monotonic(),
+        )
+        self._runner.enqueue(tracker)
+        handle = RequestHandle(tracker, self._loop, self._runner.wake)
+        self._handles[request.request_id] = handle
+        return handle
+
+    def snapshot(self) -> SchedulerSnapshot:
+        return self._runner.snapshot()
+
+    def steps(self) -> list[StepRecord]:
+        """The most recent engine steps, oldest first (at most `limits.step_history`)."""
+        return self._runner.steps()
+
+    async def drain(self, grace_seconds: float) -> None:
+        """Stop admitting, let running requests finish within the grace period, fail the rest, stop."""
+        self._draining = True
+        self._deliver(self._runner.reject_waiting(_draining_error))
+        deadline = time.monotonic() + grace_seconds
+        while not self._runner.idle and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self._stopping = True
+        self._runner.wake()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        # The thread posted its last deliveries with call_soon_threadsafe; let them run before returning.
+        await asyncio.sleep(0)
+
+    def _run(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        while True:
+            self._runner.wait_for_work(lambda: self._stopping)
+            if self._stopping:
+                break
+            try:
+                deliveries = self._runner.step()
+            except Exception:  # a scheduler bug must not leave callers waiting forever
+                log.exception("scheduler step failed; failing every request in flight")
+                deliveries = self._runner.abort(_internal_error)
+            if deliveries:
+                loop.call_soon_threadsafe(self._deliver, deliveries)
+        deliveries = self._runner.abort(_draining_error)
+        if deliveries:
+            loop.call_soon_threadsafe(self._deliver, deliveries)
+
+    def _deliver(self, deliveries: list[Delivery]) -> None:
+        for tracker, item in deliveries:
+            handle = self._handles.get(tracker.request_id)
+            if handle is None:
+                continue
+            handle._push(item)
+            if isinstance(item, FinishEvent | TextgenError):
+                del self._handles[tracker.request_id]
+
+
+def _draining_error(tracker: RequestTracker) -> TextgenError:
+    return Draining(f"request {tracker.request_id}: the server is shutting down; retry elsewhere")
+
+
+def _internal_error(tracker: RequestTracker) -> TextgenError:
+    return EngineFailure(f"request {tracker.request_id}: internal scheduler error; see the server log")
