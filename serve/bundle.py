@@ -1,0 +1,268 @@
+"""The model bundle: a directory the server loads with nothing else, described by a validated manifest.
+
+Layout (written by `export.bundle_writer`):
+    manifest.json          this module's `Manifest`
+    model.onnx             the standard graph (portable ops; the TensorRT graph) [+ external data if > 2 GB]
+    model_inplace.onnx     the in-place GroupQueryAttention serving graph (ONNX Runtime CPU/CUDA)
+    tokenizer.json         the `tokenizers` byte-level BPE
+
+`load_bundle` refuses anything it cannot serve with a `BundleError` naming the file and the problem, so a
+bad bundle fails at start-up with one line instead of at the first request. Runtime side only: no torch, no
+onnx package.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
+from tokenizers import Tokenizer
+
+from serve.errors import BundleError
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+_CHUNK = 1 << 20
+
+
+class _Strict(BaseModel):
+    # A misspelt key is a bug in whoever wrote the manifest: refuse it rather than silently use a default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Architecture(_Strict):
+    vocab_size: PositiveInt
+    context_length: PositiveInt
+    d_model: PositiveInt
+    n_layers: PositiveInt
+    n_heads: PositiveInt
+    head_dim: PositiveInt
+    d_ff: PositiveInt
+    positions: Literal["learned", "sinusoidal", "rotary"]
+    activation: Literal["gelu", "relu"]
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> Architecture:
+        if self.n_heads * self.head_dim != self.d_model:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) x head_dim ({self.head_dim}) must equal d_model ({self.d_model})"
+            )
+        return self
+
+
+def _plain_file_name(name: str) -> str:
+    # Bundle files live directly in the bundle directory: no paths that could escape it.
+    if not name or PurePosixPath(name).name != name or name in (".", ".."):
+        raise ValueError(f"{name!r} must be a plain file name inside the bundle directory")
+    return name
+
+
+class GraphSpec(_Strict):
+    file: str
+    external_data: str | None = None  # only for graphs over protobuf's 2 GB limit
+    inputs: list[str] = Field(min_length=1)
+    outputs: list[str] = Field(min_length=1)
+    opset: PositiveInt
+
+    @model_validator(mode="after")
+    def _plain_names(self) -> GraphSpec:
+        _plain_file_name(self.file)
+        if self.external_data is not None:
+            _plain_file_name(self.external_data)
+        return self
+
+    def files(self) -> list[str]:
+        return [self.file] + ([self.external_data] if self.external_data else [])
+
+
+class Graphs(_Strict):
+    standard: GraphSpec  # input_ids, attention_mask, position_ids, past_key_values.* (concatenating)
+    inplace: GraphSpec | None = None  # GroupQueryAttention with bound KV buffers; None: standard graph only
+
+
+class ShapeRange(_Strict):
+    min: NonNegativeInt
+    opt: NonNegativeInt
+    max: PositiveInt
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ShapeRange:
+        if not self.min <= self.opt <= self.max:
+            raise ValueError(f"need min <= opt <= max, got {self.min}, {self.opt}, {self.max}")
+        return self
+
+
+class TensorRTProfile(_Strict):
+    """Optimization-profile ranges of the standard graph's dynamic axes."""
+
+    batch: ShapeRange
+    seq: ShapeRange
+    past: ShapeRange
+
+
+class TensorRTSettings(_Strict):
+    profile: TensorRTProfile
+    fp16: bool = False
+    int8: bool = False
+    engine_cache_dir: str = "trt_engines"  # relative: resolved against a directory the server may write
+
+    def provider_options(self, arch: Architecture, cache_root: Path) -> dict[str, str]:
+        """Options for ONNX Runtime's TensorrtExecutionProvider running the standard graph."""
+        return {
+            "trt_fp16_enable": str(self.fp16),
+            "trt_int8_enable": str(self.int8),
+            "trt_engine_cache_enable": "True",
+            "trt_engine_cache_path": str(cache_root / self.engine_cache_dir),
+            "trt_profile_min_shapes": self._shapes(arch, "min"),
+            "trt_profile_opt_shapes": self._shapes(arch, "opt"),
+            "trt_profile_max_shapes": self._shapes(arch, "max"),
+        }
+
+    def _shapes(self, arch: Architecture, which: Literal["min", "opt", "max"]) -> str:
+        p = self.profile
+        b, s, past = (getattr(r, which) for r in (p.batch, p.seq, p.past))
+        shapes = {
+            "input_ids": (b, s),
+            "attention_mask": (b, past + s),
+            "position_ids": (b, s),
+            **{
+                f"past_key_values.{i}.{kind}": (b, arch.n_heads, past, arch.head_dim)
+                for i in range(arch.n_layers)
+                for kind in ("key", "value")
+            },
+        }
+        return ",".join(f"{name}:{'x'.join(map(str, dims))}" for name, dims in shapes.items())
+
+
+class Manifest(_Strict):
+    format_version: Literal[1]
+    model_name: str = Field(min_length=1)
+    architecture: Architecture
+    graphs: Graphs
+    dtype: Literal["float32", "float16"]
+    quantization: Literal["none", "int8"]
+    eos_token_id: NonNegativeInt
+    pad_token_id: NonNegativeInt
+    tokenizer: str = "tokenizer.json"
+    execution_providers: list[str] = Field(min_length=1)  # recommended, best first
+    tensorrt: TensorRTSettings
+    verification: dict[str, Any] = Field(default_factory=dict)  # export.verify's report, as written
+    checksums: dict[str, str]  # file name -> sha256 hex, for every file but the manifest
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        vocab = self.architecture.vocab_size
+        for name in ("eos_token_id", "pad_token_id"):
+            if getattr(self, name) >= vocab:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be below vocab_size ({vocab})")
+        _plain_file_name(self.tokenizer)
+        unlisted = sorted(set(self.files()) - set(self.checksums))
+        if unlisted:
+            raise ValueError(f"files without a checksum: {unlisted}")
+        for name, digest in self.checksums.items():
+            _plain_file_name(name)
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError(f"checksum of {name!r} is not a lowercase sha256 hex digest")
+        return self
+
+    def files(self) -> list[str]:
+        """Every file the bundle needs besides the manifest."""
+        graphs = [self.graphs.standard] + ([self.graphs.inplace] if self.graphs.inplace else [])
+        return [f for g in graphs for f in g.files()] + [self.tokenizer]
+
+
+@dataclass(frozen=True)
+class Bundle:
+    root: Path
+    manifest: Manifest
+    tokenizer: Tokenizer
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    @property
+    def standard_graph(self) -> Path:
+        return self.path(self.manifest.graphs.standard.file)
+
+    @property
+    def inplace_graph(self) -> Path | None:
+        spec = self.manifest.graphs.inplace
+        return self.path(spec.file) if spec else None
+
+    def tensorrt_options(self, cache_root: Path | None = None) -> dict[str, str]:
+        """TensorRT provider options; the engine cache goes under `cache_root` (default: the bundle dir)."""
+        return self.manifest.tensorrt.provider_options(self.manifest.architecture, cache_root or self.root)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_manifest(root: Path) -> Manifest:
+    """Parse and validate `root/manifest.json` (no file checks)."""
+    path = root / MANIFEST_FILE
+    if not path.is_file():
+        raise BundleError(f"{path}: manifest missing; is {root} a bundle written by `textgen-export`?")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BundleError(f"{path}: not readable JSON: {exc}") from exc
+    version = raw.get("format_version") if isinstance(raw, dict) else None
+    if version != FORMAT_VERSION:
+        raise BundleError(
+            f"{path}: unsupported bundle format version {version!r} (this server reads {FORMAT_VERSION}); "
+            "re-export the model with this version's `textgen-export`"
+        )
+    try:
+        return Manifest.model_validate(raw)
+    except ValidationError as exc:
+        raise BundleError(f"{path}: invalid manifest: {exc}") from exc
+
+
+def verify_checksums(root: Path, manifest: Manifest) -> None:
+    for name, expected in manifest.checksums.items():
+        path = root / name
+        if not path.is_file():
+            raise BundleError(f"{path}: file listed in the manifest is missing; re-export the bundle")
+        actual = sha256_file(path)
+        if actual != expected:
+            raise BundleError(
+                f"{path}: checksum mismatch (manifest sha256 {expected[:12]}…, file {actual[:12]}…): "
+                "the file was changed or truncated after export; re-export the bundle"
+            )
+
+
+def load_bundle(path: Path | str) -> Bundle:
+    """Load and fully validate a bundle directory: manifest, every file's checksum, the tokenizer."""
+    root = Path(path)
+    if not root.is_dir():
+        raise BundleError(f"{root}: bundle directory does not exist (export one with `textgen-export`)")
+    manifest = read_manifest(root)
+    verify_checksums(root, manifest)
+    tok_path = root / manifest.tokenizer
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    except Exception as exc:  # tokenizers raises a bare Exception for malformed files
+        raise BundleError(f"{tok_path}: not a valid tokenizers file: {exc}") from exc
+    if tokenizer.get_vocab_size() > manifest.architecture.vocab_size:
+        raise BundleError(
+            f"{tok_path}: tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
+            f"{manifest.architecture.vocab_size}"
+        )
+    return Bundle(root=root, manifest=manifest, tokenizer=tokenizer)
