@@ -80,23 +80,31 @@ class RequestTimes:
     finished: float | None = None
 
 
-def validate_request(request: GenerationRequest, vocab_size: int, max_total_tokens: int) -> None:
-    """Raise InvalidRequest unless the request can be served within `max_total_tokens` (prompt + new)."""
+def validate_request(
+    request: GenerationRequest, vocab_size: int, max_total_tokens: int, *, stop_at_context: bool = False
+) -> None:
+    """Raise InvalidRequest unless the request fits `max_total_tokens` (prompt + max_new_tokens).
+
+    With `stop_at_context` only the prompt must leave room for one token; generation then ends with
+    finish reason `context` when the limit is reached (the offline API's behaviour).
+    """
+    rid = request.request_id
     if not request.prompt_ids:
-        raise InvalidRequest(f"request {request.request_id}: the prompt is empty; give at least one token")
+        raise InvalidRequest(f"request {rid}: the prompt is empty; give at least one token")
     if request.max_new_tokens < 1:
-        raise InvalidRequest(
-            f"request {request.request_id}: max_new_tokens is {request.max_new_tokens}; it must be at least 1"
-        )
+        raise InvalidRequest(f"request {rid}: max_new_tokens is {request.max_new_tokens}; it must be >= 1")
     if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab_size:
+        raise InvalidRequest(f"request {rid}: prompt token ids must be in [0, {vocab_size - 1}]")
+    prompt = len(request.prompt_ids)
+    if stop_at_context and prompt >= max_total_tokens:
         raise InvalidRequest(
-            f"request {request.request_id}: prompt token ids must be in [0, {vocab_size - 1}]"
+            f"request {rid}: prompt of {prompt} tokens; at most {max_total_tokens - 1} leave room to generate"
         )
-    total = len(request.prompt_ids) + request.max_new_tokens
-    if total > max_total_tokens:
+    total = prompt + request.max_new_tokens
+    if not stop_at_context and total > max_total_tokens:
         raise InvalidRequest(
-            f"request {request.request_id}: prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
-            f"({request.max_new_tokens}) = {total} exceeds the limit of {max_total_tokens} tokens"
+            f"request {rid}: prompt ({prompt} tokens) + max_new_tokens ({request.max_new_tokens}) = {total} "
+            f"exceeds the limit of {max_total_tokens} tokens"
         )
 
 
@@ -112,7 +120,7 @@ class RequestTracker:
         request: GenerationRequest,
         tokenizer: tokenizers.Tokenizer,
         eos_token_id: int,
-        capacity: int,
+        token_limit: int,
         arrival: float,
     ) -> None:
         self.request = request
@@ -124,7 +132,7 @@ class RequestTracker:
         self.completion_tokens = 0  # tokens handed to the client (EOS excluded)
         self.cancel_requested = False
         self._eos = eos_token_id
-        self._capacity = capacity
+        self._limit = token_limit  # prompt + generated tokens may not exceed it
         self._text = TextStream(tokenizer, request.stop)
 
     @property
@@ -143,7 +151,7 @@ class RequestTracker:
     @property
     def reserved_tokens(self) -> int:
         """The most KV tokens this request can ever occupy."""
-        return min(self.prompt_len + self.request.max_new_tokens, self._capacity)
+        return min(self.prompt_len + self.request.max_new_tokens, self._limit)
 
     @property
     def done(self) -> bool:
@@ -190,8 +198,8 @@ class RequestTracker:
     def _limit_reached(self) -> str | None:
         if self.completion_tokens >= self.request.max_new_tokens:
             return "length"
-        # One more token would not fit the KV row (the engine's contract: prompt + generated <= capacity).
-        if self.context >= self._capacity:
+        # One more token would exceed the limit (the engine's contract: prompt + generated <= capacity).
+        if self.context >= self._limit:
             return "context"
         return None
 

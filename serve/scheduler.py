@@ -165,6 +165,20 @@ class BatchRunner:
         self._last_phase = ""
         self._shape = (engine.batch_size, engine.kv_shape())
 
+    @property
+    def max_total_tokens(self) -> int:
+        """The most KV tokens one request may occupy: its slot, and the whole batch budget at most."""
+        return min(self.engine.capacity, self.limits.batch_tokens)
+
+    def track(self, request: GenerationRequest, *, stop_at_context: bool = False) -> RequestTracker:
+        """Validate a request (InvalidRequest) and start its state machine."""
+        validate_request(
+            request, self.engine.vocab_size, self.max_total_tokens, stop_at_context=stop_at_context
+        )
+        return RequestTracker(
+            request, self.engine.tokenizer, self.engine.eos_token_id, self.max_total_tokens, time.monotonic()
+        )
+
     # -- called from any thread -------------------------------------------------------------------------
     def enqueue(self, tracker: RequestTracker) -> None:
         with self._cv:
@@ -487,7 +501,7 @@ class Scheduler:
     @property
     def max_total_tokens(self) -> int:
         """The most prompt + max_new_tokens one request may ask for."""
-        return min(self._engine.capacity, self.limits.batch_tokens)
+        return self._runner.max_total_tokens
 
     async def start(self) -> None:
         if self._thread is not None:
@@ -504,14 +518,7 @@ class Scheduler:
             raise Draining(f"request {request.request_id}: the server is shutting down; retry elsewhere")
         if request.request_id in self._handles:
             raise InvalidRequest(f"request id {request.request_id!r} is already in use")
-        validate_request(request, self._engine.vocab_size, self.max_total_tokens)
-        tracker = RequestTracker(
-            request,
-            self._engine.tokenizer,
-            self._engine.eos_token_id,
-            self._engine.capacity,
-            arrival=time.monotonic(),
-        )
+        tracker = self._runner.track(request)
         self._runner.enqueue(tracker)
         handle = RequestHandle(tracker, self._loop, self._runner.wake)
         self._handles[request.request_id] = handle

@@ -1,0 +1,82 @@
+"""Offline generation on an engine: no server, no asyncio, no thread.
+
+All prompts go through the scheduler's `BatchRunner` (the same admission, batching and per-request stopping
+as the server), driven in a plain loop on the calling thread. Benchmarks and tests use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from serve.errors import EngineFailure, InvalidRequest, TextgenError
+from serve.request import Completion, GenerationRequest, RequestTracker
+from serve.sampling import SamplingParams
+from serve.scheduler import BatchEngine, BatchRunner, SchedulerLimits
+
+# Offline callers hand over all their work at once: nothing is gained by waiting for more arrivals.
+OFFLINE_LIMITS = SchedulerLimits(max_wait_seconds=0.0)
+GREEDY = SamplingParams()
+
+
+def generate(
+    engine: BatchEngine,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
+    *,
+    max_new_tokens: int = 64,
+    stop: tuple[str, ...] = (),
+    ignore_eos: bool = False,
+    include_logprobs: bool = False,
+    limits: SchedulerLimits = OFFLINE_LIMITS,
+) -> list[Completion]:
+    """Complete every prompt (text, or token ids) and return the completions in prompt order.
+
+    A generation that reaches the engine's capacity ends with finish reason `context` instead of being
+    refused. Raises InvalidRequest for a bad prompt and EngineFailure if an engine step fails.
+    """
+    params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(params) != len(prompts):
+        raise InvalidRequest(f"{len(params)} sampling parameter sets for {len(prompts)} prompts")
+    runner = BatchRunner(engine, limits.model_copy(update={"max_queue": len(prompts)}).resolve(engine))
+    trackers = [
+        runner.track(
+            GenerationRequest(
+                request_id=f"offline-{index}",
+                prompt_ids=_token_ids(engine, prompt),
+                sampling=params[index],
+                max_new_tokens=max_new_tokens,
+                stop=stop,
+                ignore_eos=ignore_eos,
+                include_logprobs=include_logprobs,
+            ),
+            stop_at_context=True,
+        )
+        for index, prompt in enumerate(prompts)
+    ]
+    for tracker in trackers:
+        runner.enqueue(tracker)
+    return _run(runner, trackers)
+
+
+def _run(runner: BatchRunner, trackers: list[RequestTracker]) -> list[Completion]:
+    completions = {t.request_id: Completion(t.request_id) for t in trackers}
+    try:
+        while not runner.idle:
+            for tracker, item in runner.step():
+                if isinstance(item, TextgenError):
+                    raise item
+                completions[tracker.request_id].add(item)
+    except BaseException:
+        runner.abort(_abandoned)  # free the engine's rows for whoever uses it next
+        raise
+    return list(completions.values())
+
+
+def _token_ids(engine: BatchEngine, prompt: str | Sequence[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return list(engine.tokenizer.encode(prompt).ids)
+    return [int(token) for token in prompt]
+
+
+def _abandoned(tracker: RequestTracker) -> TextgenError:
+    return EngineFailure(f"request {tracker.request_id}: abandoned after another request failed")
