@@ -1,0 +1,255 @@
+"""The generation engine: one prefill or one decode step at a time over a slot-based, in-place KV cache.
+
+Rows [0, n) of preallocated `[max_batch_size, heads, capacity, head_dim]` buffers (one K and one V per layer)
+hold the running sequences, right-padded: row r's valid cache entries are [0, lengths[r]). A prefill group
+is written straight into rows [n, n + k), a contiguous view, so joining copies nothing; a sequence that
+leaves is replaced by the last row (swap-remove), which copies only that row's valid prefix. The buffers are
+bound as both the past input and the present output of the serving graph, so GroupQueryAttention appends
+each step's keys and values in place (see export/onnx_inplace.py for the graph's semantics).
+
+Not thread-safe: the scheduler calls it from its one engine thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from serve.errors import BundleError
+from serve.runtime import SessionConfig, create_session, ortvalue
+from serve.sampling import SamplingBatch, SamplingParams
+
+if TYPE_CHECKING:
+    from serve.bundle import Bundle
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    eos_token_id: int
+    pad_token_id: int
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    max_batch_size: int = 16
+    capacity: int | None = None  # tokens per slot; default: the model's context length
+    session: SessionConfig = field(default_factory=SessionConfig)
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    seq_id: str
+    prompt_ids: Sequence[int]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    seq_id: str
+    token_id: int
+    logprob: float
+
+
+class Engine:
+    def __init__(
+        self, graph_path: str, tokenizer: Tokenizer, spec: ModelSpec, settings: EngineSettings
+    ) -> None:
+        if settings.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {settings.max_batch_size}")
+        capacity = settings.capacity or spec.context_length
+        if not 2 <= capacity <= spec.context_length:
+            raise ValueError(
+                f"capacity must be in [2, {spec.context_length}] (the context length), got {capacity}"
+            )
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.max_batch_size = settings.max_batch_size
+        self.capacity = capacity
+        self.session = create_session(graph_path, settings.session)
+        self.providers: list[str] = self.session.get_providers()
+        shape = (settings.max_batch_size, spec.n_heads, capacity, spec.head_dim)
+        self._kv = [
+            (f"{kind}.{layer}", np.zeros(shape, np.float32))
+            for layer in range(spec.n_layers)
+            for kind in ("key", "value")
+        ]
+        self._lengths = np.zeros(settings.max_batch_size, np.int64)  # tokens in each row's cache
+        self._pending = np.zeros(settings.max_batch_size, np.int64)  # sampled, not yet in the cache
+        self._ids: list[str] = []
+        self._sampling = SamplingBatch()
+        self._logits = np.zeros((settings.max_batch_size, spec.vocab_size), np.float32)
+        self.last_logits = self._logits[:0]
+        self.last_step_seconds = 0.0
+
+    @classmethod
+    def from_bundle(cls, bundle: Bundle, settings: EngineSettings) -> Engine:
+        m = bundle.manifest
+        if bundle.inplace_graph is None:
+            raise BundleError(
+                f"{bundle.root}: the bundle has no in-place serving graph (graphs.inplace); "
+                "re-export it with this version's `textgen-export`"
+            )
+        arch = m.architecture
+        spec = ModelSpec(
+            n_layers=arch.n_layers,
+            n_heads=arch.n_heads,
+            head_dim=arch.head_dim,
+            vocab_size=arch.vocab_size,
+            context_length=arch.context_length,
+            eos_token_id=m.eos_token_id,
+            pad_token_id=m.pad_token_id,
+        )
+        # The bundle's optimization profile names the standard graph's inputs; the serving graph's
+        # GroupQueryAttention runs on CUDA anyway, so TensorRT gets only its engine cache and precision.
+        trt = {k: v for k, v in bundle.tensorrt_options().items() if not k.startswith("trt_profile_")}
+        session = replace(settings.session, tensorrt_options=trt)
+        return cls(str(bundle.inplace_graph), bundle.tokenizer, spec, replace(settings, session=session))
+
+    # -- what the scheduler reads ------------------------------------------------------------------------
+    @property
+    def context_length(self) -> int:
+        return self.spec.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.spec.eos_token_id
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._ids)
+
+    @property
+    def running_ids(self) -> list[str]:
+        return list(self._ids)
+
+    def kv_shape(self) -> tuple[int, ...]:
+        """Shape of the live KV view the graph runs on: (rows, heads, capacity, head_dim)."""
+        return self._kv[0][1][: self.batch_size].shape
+
+    def lengths(self) -> dict[str, int]:
+        """Tokens in each running sequence's cache."""
+        return {seq_id: int(self._lengths[r]) for r, seq_id in enumerate(self._ids)}
+
+    # -- steps -------------------------------------------------------------------------------------------
+    def prefill(self, new: Sequence[NewSequence]) -> list[TokenOut]:
+        """Run the prompts of `new` as one right-padded group; they join the batch. Returns first tokens."""
+        n, k = self.batch_size, len(new)
+        if not new:
+            return []
+        if n + k > self.max_batch_size:
+            raise ValueError(f"{n} running + {k} new sequences exceed max_batch_size {self.max_batch_size}")
+        known = set(self._ids)
+        for seq in new:
+            if not 1 <= len(seq.prompt_ids) < self.capacity:
+                raise ValueError(
+                    f"sequence {seq.seq_id}: prompt of {len(seq.prompt_ids)} tokens, "
+                    f"must be 1..{self.capacity - 1}"
+                )
+            if seq.seq_id in known:
+                raise ValueError(f"sequence {seq.seq_id} is already running")
+            known.add(seq.seq_id)
+        lens = np.array([len(s.prompt_ids) for s in new], np.int64)
+        width = int(lens.max())
+        ids = np.full((k, width), self.spec.pad_token_id, np.int64)
+        for row, seq in enumerate(new):
+            ids[row, : lens[row]] = seq.prompt_ids
+        positions = np.broadcast_to(np.arange(width, dtype=np.int64), (k, width))
+        logits = self._run(slice(n, n + k), ids, positions, lens - 1, width, lens - 1)
+        group = SamplingBatch()
+        for seq in new:
+            group.append(seq.sampling, seq.prompt_ids)
+        tokens, logprobs = group.sample(logits)
+        self._sampling.extend(group)
+        self._ids.extend(s.seq_id for s in new)
+        self._lengths[n : n + k] = lens
+        return self._emit(n, tokens, logprobs)
+
+    def decode(self) -> list[TokenOut]:
+        """One step for every running sequence: feed each its pending token, sample the next."""
+        n = self.batch_size
+        if n == 0:
+            raise RuntimeError("decode() with no running sequence")
+        lengths = self._lengths[:n]
+        if int(lengths.max()) >= self.capacity:
+            full = [s for s, length in zip(self._ids, lengths, strict=True) if length >= self.capacity]
+            raise ValueError(
+                f"sequences {full} filled their {self.capacity}-token KV slot; release them first"
+            )
+        logits = self._run(
+            slice(0, n),
+            self._pending[:n, None],
+            lengths[:, None],
+            lengths,  # after this step each row holds lengths + 1 tokens; seqlens_k is that minus one
+            int(lengths.max()) + 1,
+            np.zeros(n, np.int64),
+        )
+        self._lengths[:n] += 1
+        return self._emit(0, *self._sampling.sample(logits))
+
+    def release(self, seq_ids: Iterable[str]) -> None:
+        """The sequences leave the batch; each is replaced by the current last row."""
+        for seq_id in seq_ids:
+            try:
+                row = self._ids.index(seq_id)
+            except ValueError:
+                continue  # already gone: release is idempotent
+            last = len(self._ids) - 1
+            if row != last:
+                valid = int(self._lengths[last])
+                for _, buf in self._kv:
+                    buf[row, :, :valid] = buf[last, :, :valid]
+                self._lengths[row] = self._lengths[last]
+                self._pending[row] = self._pending[last]
+                self._ids[row] = self._ids[last]
+            self._ids.pop()
+            self._sampling.remove(row)
+
+    # -- internals ---------------------------------------------------------------------------------------
+    def _run(
+        self,
+        rows: slice,
+        input_ids: np.ndarray,
+        position_ids: np.ndarray,
+        seqlens_k: np.ndarray,
+        total: int,
+        last_index: np.ndarray,
+    ) -> np.ndarray:
+        count = rows.stop - rows.start
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, np.int64))
+        binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, np.int64))
+        binding.bind_cpu_input("seqlens_k", seqlens_k.astype(np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
+        binding.bind_cpu_input("last_index", np.ascontiguousarray(last_index, np.int64))
+        logits = self._logits[:count]
+        binding.bind_ortvalue_output("logits", ortvalue(logits))
+        for name, buf in self._kv:
+            view = ortvalue(buf[rows])  # rows of the leading axis: contiguous, so no copy
+            binding.bind_ortvalue_input(f"past_{name}", view)
+            binding.bind_ortvalue_output(f"present_{name}", view)
+        start = time.perf_counter()
+        self.session.run_with_iobinding(binding)
+        self.last_step_seconds = time.perf_counter() - start
+        self.last_logits = logits
+        return logits
+
+    def _emit(self, first_row: int, tokens: np.ndarray, logprobs: np.ndarray) -> list[TokenOut]:
+        self._pending[first_row : first_row + len(tokens)] = tokens
+        ids = self._ids[first_row:]
+        return [
+            TokenOut(seq_id, int(t), float(lp)) for seq_id, t, lp in zip(ids, tokens, logprobs, strict=True)
+        ]
