@@ -40,7 +40,9 @@ def _ensure_packages(out: Path) -> None:
         init = out / rel / "__init__.py"
         if not init.exists():
             init.parent.mkdir(parents=True, exist_ok=True)
-            init.write_text('"""Generated gRPC stubs; regenerate with `make proto`."""\n' if rel == "" else "")
+            init.write_text(
+                '"""Generated gRPC stubs; regenerate with `make proto`."""\n' if rel == "" else ""
+            )
 
 
 def generate(out: Path) -> list[Path]:

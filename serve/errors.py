@@ -46,8 +46,15 @@ class BundleError(TextgenError):
     """A bundle that cannot be served: the message names the file and the problem."""
 
 
-def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status and message a client sees for an exception raised while serving its request."""
+def grpc_status(exc: BaseException, request_id: str | None = None) -> tuple[grpc.StatusCode, str]:
+    """The status and message a client sees for an exception raised while serving its request.
+
+    INTERNAL messages carry the request id so an operator can find the request in the server's logs.
+    """
     if isinstance(exc, TextgenError):
-        return exc.code, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+        code, message = exc.code, str(exc)
+    else:
+        code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    if code is grpc.StatusCode.INTERNAL and request_id and request_id not in message:
+        message = f"{message} (request_id {request_id})"
+    return code, message

@@ -1,0 +1,129 @@
+"""Server configuration: one pydantic-settings model fed by CLI flags and `TEXTGEN_*` environment variables.
+
+Precedence: CLI flag > environment variable > default. Every field `x_y` is the flag `--x-y` and the variable
+`TEXTGEN_X_Y`. Invalid values fail at start with a message naming the setting and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, FilePath, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, CliApp, NoDecode, SettingsConfigDict, SettingsError
+
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+Port = Annotated[int, Field(ge=0, le=65535)]
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message lists every bad setting."""
+
+
+class ServerSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="TEXTGEN_",
+        env_ignore_empty=True,
+        extra="forbid",
+        cli_prog_name="textgen-serve",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+    )
+
+    bundle: Path = Field(description="model bundle directory (written by textgen-export)")
+    host: str = Field("0.0.0.0", description="gRPC listen address")
+    port: Port = Field(50051, description="gRPC port (0: any free port, logged at start)")
+    metrics_host: str = Field("0.0.0.0", description="Prometheus /metrics listen address")
+    metrics_port: Port = Field(
+        8000, description="Prometheus /metrics port (0: any free port, logged at start)"
+    )
+    providers: Annotated[list[str] | None, NoDecode] = Field(
+        None, description="ONNX Runtime execution providers, comma-separated, in order of preference"
+    )
+    threads: int | None = Field(None, ge=1, le=1024, description="ONNX Runtime intra-op threads")
+    max_batch_size: int = Field(16, ge=1, le=1024, description="rows in one engine step")
+    max_queue: int = Field(256, ge=1, le=1_000_000, description="waiting requests before RESOURCE_EXHAUSTED")
+    max_batch_tokens: int | None = Field(
+        None, ge=1, description="KV slots (including padding) for the running batch; default: all the cache"
+    )
+    max_prefill_tokens: int = Field(4096, ge=1, description="padded prompt tokens prefilled per engine step")
+    max_wait_seconds: float = Field(
+        0.01, ge=0, le=60, description="how long a partial prefill group may wait for company"
+    )
+    default_max_new_tokens: int = Field(128, ge=1, description="max_new_tokens when a request gives 0")
+    max_new_tokens: int = Field(1024, ge=1, description="the largest max_new_tokens a request may ask for")
+    max_stop_strings: int = Field(8, ge=0, le=1024, description="stop strings per request")
+    max_stop_length: int = Field(64, ge=1, le=65536, description="characters per stop string")
+    max_message_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, le=2**31 - 1, description="largest gRPC message received or sent"
+    )
+    grace_seconds: float = Field(
+        30.0, ge=0, le=3600, description="drain time for running requests on SIGTERM"
+    )
+    tls_cert: FilePath | None = Field(None, description="PEM server certificate chain (enables TLS)")
+    tls_key: FilePath | None = Field(None, description="PEM private key of tls_cert")
+    tls_client_ca: FilePath | None = Field(
+        None, description="PEM CA that client certificates must chain to (mTLS)"
+    )
+    auth_token: SecretStr | None = Field(
+        None, description="bearer token clients must send (authorization header)"
+    )
+    log_level: LogLevel = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+    log_prompts: bool = Field(False, description="include prompt and completion text in request logs")
+
+    @field_validator("providers", mode="before")
+    @classmethod
+    def _split_providers(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [p.strip() for p in value.split(",") if p.strip()]
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper_log_level(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServerSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+        if self.default_max_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"default_max_new_tokens ({self.default_max_new_tokens}) must be <= "
+                f"max_new_tokens ({self.max_new_tokens})"
+            )
+        if self.providers == []:
+            raise ValueError("providers must name at least one execution provider when given")
+        if self.auth_token is not None and not self.auth_token.get_secret_value().strip():
+            raise ValueError("auth_token must not be blank")
+        return self
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls_cert is not None
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "settings"
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"  {where}: {message}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def load_settings(argv: list[str] | None = None, **overrides: object) -> ServerSettings:
+    """Settings from `argv` (CLI flags) over `TEXTGEN_*` over defaults; `overrides` win over all (tests).
+
+    Raises ConfigError with one line per bad setting.
+    """
+    try:
+        if argv is None:
+            return ServerSettings(**overrides)  # type: ignore[arg-type]
+        return CliApp.run(ServerSettings, cli_args=argv, **overrides)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+    except SettingsError as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from None

@@ -1,0 +1,86 @@
+"""ServerSettings: CLI flags and TEXTGEN_* variables feed the same fields; bad configuration fails clearly."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from serve.config import ConfigError, load_settings
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("TEXTGEN_"):
+            monkeypatch.delenv(name)
+
+
+def test_defaults(tmp_path: Path) -> None:
+    settings = load_settings(["--bundle", str(tmp_path)])
+    assert settings.bundle == tmp_path
+    assert (settings.port, settings.metrics_port) == (50051, 8000)
+    assert settings.log_prompts is False
+    assert settings.auth_token is None and not settings.tls_enabled
+
+
+def test_flags_and_environment_map_to_the_same_fields(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TEXTGEN_BUNDLE", str(tmp_path))
+    monkeypatch.setenv("TEXTGEN_PORT", "6000")
+    monkeypatch.setenv("TEXTGEN_PROVIDERS", "cuda, cpu")
+    monkeypatch.setenv("TEXTGEN_MAX_BATCH_SIZE", "4")
+    monkeypatch.setenv("TEXTGEN_LOG_LEVEL", "debug")
+    from_env = load_settings([])
+    assert (from_env.port, from_env.max_batch_size, from_env.log_level) == (6000, 4, "DEBUG")
+    assert from_env.providers == ["cuda", "cpu"]
+    # A flag wins over its variable.
+    from_flags = load_settings(
+        ["--port", "7000", "--providers", "cpu", "--log-prompts", "--max-batch-size", "2"]
+    )
+    assert (from_flags.port, from_flags.providers, from_flags.log_prompts) == (7000, ["cpu"], True)
+    assert from_flags.max_batch_size == 2
+
+
+def test_auth_token_is_secret(tmp_path: Path) -> None:
+    settings = load_settings(["--bundle", str(tmp_path), "--auth-token", "s3cret"])
+    assert settings.auth_token is not None and settings.auth_token.get_secret_value() == "s3cret"
+    assert "s3cret" not in repr(settings)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "70000"], "port: Input should be less than or equal to 65535"),
+        (["--metrics-port", "-1"], "metrics_port: Input should be greater than or equal to 0"),
+        (["--max-batch-size", "0"], "max_batch_size"),
+        (["--grace-seconds", "-1"], "grace_seconds"),
+        (["--log-level", "chatty"], "log_level"),
+        (["--max-new-tokens", "10"], "default_max_new_tokens (128) must be <= max_new_tokens (10)"),
+        (["--tls-client-ca", "{cert}"], "tls_client_ca (mTLS) needs tls_cert and tls_key"),
+        (["--tls-cert", "{cert}"], "tls_cert and tls_key must be given together"),
+        (["--tls-key", "/nonexistent/key.pem"], "tls_key: Path does not point to a file"),
+        (["--auth-token", "  "], "auth_token must not be blank"),
+    ],
+)
+def test_invalid_configuration_names_the_setting(tmp_path: Path, argv: list[str], message: str) -> None:
+    cert = tmp_path / "cert.pem"
+    cert.write_text("pem")
+    argv = [arg.format(cert=cert) for arg in argv]
+    with pytest.raises(ConfigError, match="invalid configuration") as info:
+        load_settings(["--bundle", str(tmp_path), *argv])
+    assert message in str(info.value)
+
+
+def test_missing_bundle_is_reported() -> None:
+    with pytest.raises(ConfigError, match="bundle: Field required"):
+        load_settings([])
+
+
+def test_unknown_flag_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        load_settings(["--bundle", "x", "--no-such-flag", "1"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
