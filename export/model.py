@@ -39,6 +39,12 @@ class DecoderConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.positions not in ("learned", "sinusoidal", "rotary"):
@@ -97,7 +103,8 @@ def attention_bias(attention_mask: Tensor, seq_len: int, dtype: torch.dtype) -> 
     """
     total = attention_mask.shape[-1]
     key_pos = torch.arange(total, device=attention_mask.device)
-    query_pos = key_pos[total - seq_len :] if seq_len <= total else key_pos
+    # Offset arithmetic, not a slice under a Python `if`: no shape-dependent branch for the tracer.
+    query_pos = torch.arange(seq_len, device=attention_mask.device) + (total - seq_len)
     causal = key_pos[None, :] <= query_pos[:, None]  # [S,T]
     allowed = causal[None, None, :, :] & attention_mask[:, None, None, :].bool()  # [B,1,S,T]
     zero = torch.zeros((), dtype=dtype, device=attention_mask.device)
@@ -109,6 +116,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.head_dim
+        self.d_model = cfg.d_model
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.out = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
@@ -118,14 +126,12 @@ class Attention(nn.Module):
         self.recorded: Tensor | None = None
 
     def split_heads(self, x: Tensor) -> Tensor:
-        b, s, _ = x.shape
-        return x.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # [B,H,S,Dh]
+        return x.unflatten(-1, (self.n_heads, self.head_dim)).transpose(1, 2)  # [B,S,D] -> [B,H,S,Dh]
 
     def forward(
         self, x: Tensor, bias: Tensor, past: KV, rotary: tuple[Tensor, Tensor] | None
     ) -> tuple[Tensor, KV]:
-        b, s, d = x.shape
-        q, k, v = (self.split_heads(t) for t in self.qkv(x).split(d, dim=-1))  # [B,H,S,Dh] each
+        q, k, v = (self.split_heads(t) for t in self.qkv(x).split(self.d_model, dim=-1))  # [B,H,S,Dh] each
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         k = torch.cat((past[0], k), dim=2)  # [B,H,T,Dh]
@@ -138,7 +144,7 @@ class Attention(nn.Module):
         else:
             drop = self.dropout if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)  # [B,H,S,Dh]
-        y = y.transpose(1, 2).reshape(b, s, d)
+        y = y.transpose(1, 2).flatten(2)  # [B,S,D]
         return self.resid_dropout(self.out(y)), (k, v)
 
 

@@ -1,0 +1,95 @@
+"""The embedded demo model: its size, its training recipe, where it lives, and building it once.
+
+`ensure_demo_checkpoint()` trains the demo decoder on the stdlib the first time and reuses the file after
+that. Several processes (the server, parallel test runs) may ask at once: a lock file makes one of them
+train while the others wait and then reuse its result.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from export.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from export.model import DecoderConfig
+from export.train import TrainConfig, train
+
+DEMO_CONFIG = DecoderConfig(
+    vocab_size=2048,
+    context_length=256,
+    d_model=192,
+    n_layers=4,
+    n_heads=4,
+    d_ff=768,
+    positions="learned",
+    activation="gelu",
+    tie_embeddings=True,
+    dropout=0.0,
+)
+
+DEMO_TRAIN = TrainConfig(
+    steps=600,
+    batch_size=16,
+    learning_rate=3e-3,
+    min_learning_rate=3e-4,
+    warmup_steps=50,
+    label_smoothing=0.0,
+    corpus_bytes=4_000_000,
+)
+
+
+def textgen_home() -> Path:
+    """$TEXTGEN_HOME, or ./models relative to the working directory."""
+    return Path(os.environ.get("TEXTGEN_HOME") or "models")
+
+
+def demo_checkpoint_path() -> Path:
+    return textgen_home() / "demo" / "checkpoint.pt"
+
+
+def demo_bundle_path() -> Path:
+    return textgen_home() / "demo" / "bundle"
+
+
+def is_current_demo(path: Path) -> bool:
+    """True if `path` is a valid checkpoint built from the current demo config and recipe."""
+    try:
+        ckpt = load_checkpoint(path)
+    except CheckpointError:
+        return False
+    return ckpt.config == DEMO_CONFIG and ckpt.meta.get("train_config") == DEMO_TRAIN.to_dict()
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_demo_checkpoint(progress: bool = True) -> Path:
+    """Return the demo checkpoint's path, training it first if it is missing, invalid or stale.
+
+    The file is written atomically (temp file + rename), so an interrupted run leaves no truncated
+    checkpoint behind: the next call simply trains again.
+    """
+    path = demo_checkpoint_path()
+    if path.exists() and is_current_demo(path):
+        return path
+    with _exclusive(path.with_name(".checkpoint.lock")):
+        # Another process may have finished training while this one waited for the lock.
+        if path.exists() and is_current_demo(path):
+            return path
+        if progress:
+            print(f"building the demo model into {path} (first run only)", file=sys.stderr)
+        result = train(DEMO_CONFIG, DEMO_TRAIN, progress=progress)
+        save_checkpoint(path, result.model, result.tokenizer, result.meta)
+    return path

@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny decoder configs for fast model tests, and the demo checkpoint built once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from export.model import DecoderConfig
+
+POSITIONS = ("learned", "sinusoidal", "rotary")
+
+
+@pytest.fixture(params=POSITIONS)
+def tiny_config(request: pytest.FixtureRequest) -> DecoderConfig:
+    """A decoder small enough for exact comparisons in milliseconds, once per position variant."""
+    return DecoderConfig(
+        vocab_size=97,
+        context_length=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_ff=64,
+        positions=request.param,
+    )
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoint() -> Path:
+    """Path of the trained demo checkpoint; trained on first use (~3 min), reused after that."""
+    from export.demo import ensure_demo_checkpoint
+
+    return ensure_demo_checkpoint(progress=False)
