@@ -123,7 +123,7 @@ def test_tls_accepts_the_right_ca_and_refuses_others(
 
 def test_mtls_requires_a_client_certificate_from_the_client_ca(
     serve, pki: Pki, pki_files, tmp_path: Path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     settings = ServerSettings(
         bundle=tmp_path,
         tls_cert=pki_files["server_cert"],

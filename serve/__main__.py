@@ -1,0 +1,7 @@
+"""`python -m serve`: the same as `textgen-serve`."""
+
+import sys
+
+from serve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,237 @@
+"""`textgen-client`: call a textgen server from the command line.
+
+    textgen-client generate "Once upon a time" --stream --max-new-tokens 64 --verbose
+    textgen-client info
+    textgen-client health
+
+Exit codes: 0 on success (`health`: SERVING), 1 when the server answers with an error (or NOT_SERVING),
+2 for bad arguments. The token may also come from TEXTGEN_AUTH_TOKEN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from serve._proto.textgen.v1 import textgen_pb2 as pb
+from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+
+DEFAULT_TARGET = "localhost:50051"
+TOKEN_ENV = "TEXTGEN_AUTH_TOKEN"
+# Requests that never reached a server (replica gone, draining) are safe to send again, to another replica.
+RETRY_POLICY = {
+    "maxAttempts": 3,
+    "initialBackoff": "0.1s",
+    "maxBackoff": "1s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+
+
+def service_config(lb: str | None) -> str:
+    config: dict[str, object] = {"methodConfig": [{"name": [{}], "retryPolicy": RETRY_POLICY}]}
+    if lb is not None:
+        config["loadBalancingConfig"] = [{lb: {}}]
+    return json.dumps(config)
+
+
+def channel_credentials(
+    tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None
+) -> grpc.ChannelCredentials | None:
+    """TLS when any TLS option is given (no CA: the system roots); mTLS with a client certificate and key."""
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("--tls-cert and --tls-key must be given together")
+    if tls_ca is None and tls_cert is None:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls_ca.read_bytes() if tls_ca else None,
+        private_key=tls_key.read_bytes() if tls_key else None,
+        certificate_chain=tls_cert.read_bytes() if tls_cert else None,
+    )
+
+
+def connect(
+    target: str,
+    *,
+    credentials: grpc.ChannelCredentials | None = None,
+    lb: str | None = None,
+    server_name: str | None = None,
+    max_message_bytes: int = 4 * 1024 * 1024,
+) -> grpc.Channel:
+    """A channel with the retry policy for UNAVAILABLE and, optionally, a load-balancing policy."""
+    options: list[tuple[str, object]] = [
+        ("grpc.service_config", service_config(lb)),
+        ("grpc.enable_retries", 1),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+    if server_name is not None:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    if credentials is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, credentials, options=options)
+
+
+def auth_metadata(token: str | None) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")] if token else []
+
+
+def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+    )
+    if args.seed is not None:
+        sampling.seed = args.seed
+    return pb.GenerateRequest(
+        request_id=args.request_id,
+        text=args.prompt,
+        sampling=sampling,
+        stopping=pb.StoppingCriteria(
+            max_new_tokens=args.max_new_tokens, stop=args.stop, ignore_eos=args.ignore_eos
+        ),
+        include_logprobs=args.logprobs,
+    )
+
+
+def _report(fields: dict[str, object], err: TextIO) -> None:
+    print(" ".join(f"{key}={value}" for key, value in fields.items()), file=err)
+
+
+def run_generate(stub: pb_grpc.TextGenerationStub, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    request = generate_request(args)
+    metadata = auth_metadata(args.token)
+    if not args.stream:
+        response = stub.Generate(request, metadata=metadata, timeout=args.timeout)
+        out.write(response.text + "\n")
+        if args.verbose:
+            _report(
+                {
+                    "request_id": response.request_id,
+                    "finish_reason": pb.FinishReason.Name(response.finish_reason),
+                    "prompt_tokens": response.usage.prompt_tokens,
+                    "completion_tokens": response.usage.completion_tokens,
+                    "queue_s": f"{response.queue_seconds:.4f}",
+                    "ttft_s": f"{response.time_to_first_token_seconds:.4f}",
+                    "total_s": f"{response.total_seconds:.4f}",
+                },
+                err,
+            )
+        return 0
+    last = pb.GenerateStreamResponse()
+    for message in stub.GenerateStream(request, metadata=metadata, timeout=args.timeout):
+        out.write(message.text)
+        out.flush()
+        last = message
+    out.write("\n")
+    if args.verbose:
+        _report(
+            {
+                "request_id": last.request_id,
+                "finish_reason": pb.FinishReason.Name(last.finish_reason),
+                "prompt_tokens": last.usage.prompt_tokens,
+                "completion_tokens": last.usage.completion_tokens,
+            },
+            err,
+        )
+    return 0
+
+
+def run_info(stub: pb_grpc.TextGenerationStub, args: argparse.Namespace, out: TextIO) -> int:
+    info = stub.GetModelInfo(
+        pb.GetModelInfoRequest(), metadata=auth_metadata(args.token), timeout=args.timeout
+    )
+    out.write(json.dumps(json_format.MessageToDict(info, preserving_proto_field_name=True), indent=2) + "\n")
+    return 0
+
+
+def run_health(channel: grpc.Channel, args: argparse.Namespace, out: TextIO) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    response = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    out.write(status + "\n")
+    return 0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _connection_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--target", default=DEFAULT_TARGET, help="host:port, or a gRPC name (dns:///, ipv4:a,b)"
+    )
+    parser.add_argument("--tls-ca", type=Path, help="PEM CA to verify the server (enables TLS)")
+    parser.add_argument("--tls-cert", type=Path, help="PEM client certificate (mTLS)")
+    parser.add_argument("--tls-key", type=Path, help="PEM client key (mTLS)")
+    parser.add_argument("--tls-server-name", help="expected server name when it differs from the target host")
+    parser.add_argument(
+        "--token", default=os.environ.get(TOKEN_ENV), help=f"bearer token (default ${TOKEN_ENV})"
+    )
+    parser.add_argument("--lb", choices=["pick_first", "round_robin"], help="load-balancing policy")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+
+def _positive_or_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="textgen-client", description="Call a textgen server.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate a completion of a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    gen.add_argument("--max-new-tokens", type=_positive_or_zero, default=0, help="0: the server's default")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-k", type=_positive_or_zero, default=0, help="0: off")
+    gen.add_argument("--top-p", type=float, default=0.0, help="0: off")
+    gen.add_argument("--repetition-penalty", type=float, default=0.0, help="0: off")
+    gen.add_argument("--seed", type=_positive_or_zero, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--logprobs", action="store_true", help="ask for token logprobs")
+    gen.add_argument("--request-id", default="")
+    gen.add_argument("--verbose", action="store_true", help="print usage and timings to stderr")
+    health = commands.add_parser("health", help="the server's health status")
+    health.add_argument("--service", default="", help="service name ('' = the whole server)")
+    info = commands.add_parser("info", help="the served model")
+    for sub in (gen, health, info):
+        _connection_options(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    with connect(
+        args.target, credentials=credentials, lb=args.lb, server_name=args.tls_server_name
+    ) as channel:
+        try:
+            if args.command == "health":
+                return run_health(channel, args, out)
+            stub = pb_grpc.TextGenerationStub(channel)
+            if args.command == "info":
+                return run_info(stub, args, out)
+            return run_generate(stub, args, out, err)
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=err)
+            return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,457 @@
+"""The gRPC server: the TextGeneration service, health, reflection, auth, TLS and the drain lifecycle.
+
+Start-up order: metrics endpoint, gRPC port (health answers NOT_SERVING while the model loads), bundle and
+engine, scheduler, warm-up, then SERVING. SIGTERM/SIGINT: NOT_SERVING, new requests UNAVAILABLE, running
+requests get `grace_seconds` to finish, then the process exits 0.
+
+Every failure a client sees goes through `serve.errors.grpc_status`; nothing else picks status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import logging
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from serve._proto.textgen.v1 import textgen_pb2 as pb
+from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.auth import TokenAuthInterceptor, server_credentials
+from serve.bundle import Bundle, load_bundle
+from serve.config import ConfigError, ServerSettings
+from serve.engine import Engine, EngineSettings
+from serve.errors import Draining, grpc_status
+from serve.metrics import Metrics
+from serve.request import Completion, FinishEvent, GenerationRequest
+from serve.runtime import SessionConfig
+from serve.sampling import SamplingParams
+from serve.scheduler import RequestHandle, Scheduler, SchedulerLimits
+from serve.validation import (
+    RequestLimits,
+    check_request_id,
+    generation_request,
+    prompt_ids,
+    reject_unknown_fields,
+)
+
+log = logging.getLogger("textgen.server")
+request_log = logging.getLogger("textgen.requests")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+# After the scheduler has drained, handlers only have their last messages to write.
+STOP_GRACE_SECONDS = 5.0
+
+
+def server_version() -> str:
+    try:
+        return importlib.metadata.version("textgen-serving")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+FINISH_REASONS = {
+    "length": pb.FINISH_REASON_LENGTH,
+    "eos": pb.FINISH_REASON_EOS,
+    "stop": pb.FINISH_REASON_STOP,
+    "context": pb.FINISH_REASON_CONTEXT,
+}
+
+
+def finish_reason(reason: str) -> pb.FinishReason.ValueType:
+    return FINISH_REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
+
+
+# --- the loaded model ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedModel:
+    bundle: Bundle
+    engine: Engine
+    scheduler: Scheduler
+    limits: RequestLimits
+
+
+def request_limits(settings: ServerSettings, engine: Engine, scheduler: Scheduler) -> RequestLimits:
+    return RequestLimits(
+        vocab_size=engine.vocab_size,
+        # A KV slot, or the whole batch budget when that is smaller, bounds prompt + new tokens.
+        context_length=scheduler.max_total_tokens,
+        default_max_new_tokens=settings.default_max_new_tokens,
+        max_new_tokens=settings.max_new_tokens,
+        max_stop_strings=settings.max_stop_strings,
+        max_stop_length=settings.max_stop_length,
+    )
+
+
+def scheduler_limits(settings: ServerSettings) -> SchedulerLimits:
+    return SchedulerLimits(
+        max_batch_size=settings.max_batch_size,
+        max_queue=settings.max_queue,
+        max_batch_tokens=settings.max_batch_tokens,
+        max_prefill_tokens=settings.max_prefill_tokens,
+        max_wait_seconds=settings.max_wait_seconds,
+    )
+
+
+async def load_model(settings: ServerSettings, metrics: Metrics | None) -> LoadedModel:
+    """Bundle, engine and a started scheduler; raises BundleError for a bundle that cannot be served."""
+    bundle = await asyncio.to_thread(load_bundle, settings.bundle)
+    session = SessionConfig(providers=tuple(settings.providers or ()), threads=settings.threads or 0)
+    engine_settings = EngineSettings(max_batch_size=settings.max_batch_size, session=session)
+    engine = await asyncio.to_thread(Engine.from_bundle, bundle, engine_settings)
+    scheduler = Scheduler(engine, scheduler_limits(settings), metrics)
+    await scheduler.start()
+    return LoadedModel(bundle, engine, scheduler, request_limits(settings, engine, scheduler))
+
+
+async def warm_up(model: LoadedModel) -> None:
+    """One prefill and one decode step, so the first client does not pay for ONNX Runtime's lazy set-up."""
+    warm = GenerationRequest(
+        request_id="warm-up",
+        prompt_ids=[model.engine.eos_token_id],
+        sampling=SamplingParams(),
+        max_new_tokens=2,
+        ignore_eos=True,
+    )
+    async for _event in model.scheduler.submit(warm):
+        pass
+
+
+# --- one RPC's accounting -----------------------------------------------------------------------------------
+
+
+@dataclass
+class CallRecord:
+    """What the one log line and the request metric of an RPC say."""
+
+    rpc: str
+    started: float = field(default_factory=time.perf_counter)
+    request_id: str = ""
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    error: str = ""
+    finish: FinishEvent | None = None
+    prompt: str | None = None
+    text: str | None = None
+
+    def fields(self, log_prompts: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"rpc": self.rpc, "request_id": self.request_id, "code": self.code.name}
+        if self.error:
+            out["error"] = self.error
+        if self.finish is not None:
+            out.update(
+                finish_reason=self.finish.finish_reason,
+                prompt_tokens=self.finish.prompt_tokens,
+                completion_tokens=self.finish.completion_tokens,
+                queue_s=round(self.finish.queue_seconds, 6),
+                ttft_s=round(self.finish.ttft_seconds, 6),
+            )
+        out["total_s"] = round(time.perf_counter() - self.started, 6)
+        if log_prompts:
+            out.update(prompt=self.prompt, text=self.text)
+        return out
+
+
+# --- the service -------------------------------------------------------------------------------------------
+
+
+class TextGenerationService(pb_grpc.TextGenerationServicer):
+    def __init__(self, settings: ServerSettings, metrics: Metrics | None) -> None:
+        self._settings = settings
+        self._metrics = metrics
+        self.model: LoadedModel | None = None
+        self.draining = False
+
+    def _ready_model(self) -> LoadedModel:
+        if self.draining:
+            raise Draining("the server is shutting down: retry on another replica")
+        if self.model is None:
+            raise Draining("the model is still loading: retry when health reports SERVING")
+        return self.model
+
+    @contextlib.asynccontextmanager
+    async def _call(self, rpc: str, context: grpc.aio.ServicerContext) -> AsyncIterator[CallRecord]:
+        """Maps whatever ends the RPC to its one status, log line and metric."""
+        record = CallRecord(rpc=rpc)
+        try:
+            yield record
+        except asyncio.CancelledError:
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            record.code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            record.code, record.error = grpc_status(exc, record.request_id or None)
+            if record.code is grpc.StatusCode.INTERNAL:
+                log.exception("request %s failed", record.request_id)
+            await context.abort(record.code, record.error)
+        finally:
+            self._account(record)
+
+    def _account(self, record: CallRecord) -> None:
+        request_log.info(json.dumps(record.fields(self._settings.log_prompts), ensure_ascii=False))
+        if self._metrics is not None:
+            self._metrics.on_request_done(record.rpc, record.code.name, time.perf_counter() - record.started)
+
+    async def _submit(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, record: CallRecord
+    ) -> RequestHandle:
+        model = self._ready_model()
+        reject_unknown_fields(request)
+        record.request_id = check_request_id(request.request_id) or uuid.uuid4().hex
+        record.prompt = request.text if request.WhichOneof("input") == "text" else None
+        encode = model.engine.tokenizer.encode
+        prompt = await asyncio.to_thread(
+            prompt_ids, request, lambda text: encode(text).ids, model.limits.vocab_size
+        )
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        generation = generation_request(
+            request, request_id=record.request_id, prompt=prompt, limits=model.limits, deadline=deadline
+        )
+        if self.draining:  # the drain may have begun while the prompt was being tokenized
+            raise Draining("the server is shutting down: retry on another replica")
+        return model.scheduler.submit(generation)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GenerateResponse:
+        async with self._call("Generate", context) as record:
+            handle = await self._submit(request, context, record)
+            completion = Completion(record.request_id)
+            async with _cancel_unless_finished(handle):
+                async for event in handle:
+                    completion.add(event)
+            finish = completion.finish
+            assert finish is not None  # the scheduler ends every handle with a FinishEvent or an exception
+            record.finish, record.text = finish, completion.text
+            return pb.GenerateResponse(
+                request_id=record.request_id,
+                text=completion.text,
+                token_ids=completion.token_ids,
+                finish_reason=finish_reason(finish.finish_reason),
+                usage=pb.Usage(
+                    prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens
+                ),
+                logprobs=completion.logprobs,
+                queue_seconds=finish.queue_seconds,
+                time_to_first_token_seconds=finish.ttft_seconds,
+                total_seconds=finish.total_seconds,
+            )
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        async with self._call("GenerateStream", context) as record:
+            handle = await self._submit(request, context, record)
+            texts: list[str] = []
+            async with _cancel_unless_finished(handle):
+                async for event in handle:
+                    if isinstance(event, FinishEvent):
+                        record.finish = event
+                        yield pb.GenerateStreamResponse(
+                            request_id=record.request_id,
+                            finish_reason=finish_reason(event.finish_reason),
+                            usage=pb.Usage(
+                                prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens
+                            ),
+                        )
+                        continue
+                    texts.append(event.text)
+                    yield pb.GenerateStreamResponse(
+                        request_id=record.request_id,
+                        text=event.text,
+                        token_ids=event.token_ids,
+                        logprobs=event.logprobs,
+                    )
+            record.text = "".join(texts)
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        async with self._call("GetModelInfo", context):
+            model = self._ready_model()
+            manifest = model.bundle.manifest
+            return pb.ModelInfo(
+                model_name=manifest.model_name,
+                vocab_size=model.engine.vocab_size,
+                context_length=model.engine.context_length,
+                max_new_tokens_limit=min(self._settings.max_new_tokens, model.limits.context_length - 1),
+                max_batch_size=model.engine.max_batch_size,
+                dtype=manifest.dtype,
+                quantization=manifest.quantization,
+                execution_providers=model.engine.providers,
+                eos_token_id=model.engine.eos_token_id,
+                server_version=server_version(),
+            )
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        async with self._call("Tokenize", context):
+            model = self._ready_model()
+            reject_unknown_fields(request)
+            encoding = await asyncio.to_thread(model.engine.tokenizer.encode, request.text)
+            return pb.TokenizeResponse(ids=encoding.ids, tokens=encoding.tokens)
+
+
+@contextlib.asynccontextmanager
+async def _cancel_unless_finished(handle: RequestHandle) -> AsyncIterator[None]:
+    """A handler that stops early (client gone, deadline, error) frees the request's slot at once."""
+    finished = False
+    try:
+        yield
+        finished = True
+    finally:
+        if not finished:
+            handle.cancel()
+
+
+# --- server lifecycle --------------------------------------------------------------------------------------
+
+
+def _address(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+class TextgenServer:
+    """The whole server: `await start()`, then `await drain()`; `serve()` drives it from signals."""
+
+    def __init__(self, settings: ServerSettings, metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.service = TextGenerationService(settings, self.metrics)
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self.metrics_port = 0
+        self._server = self._build_server()
+
+    def _build_server(self) -> grpc.aio.Server:
+        interceptors = []
+        if self.settings.auth_token is not None:
+            interceptors.append(
+                TokenAuthInterceptor(self.settings.auth_token.get_secret_value(), self._count_unauthenticated)
+            )
+        limit = self.settings.max_message_bytes
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+        )
+        pb_grpc.add_TextGenerationServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        return server
+
+    def _count_unauthenticated(self, rpc: str) -> None:
+        self.metrics.on_request_done(rpc, grpc.StatusCode.UNAUTHENTICATED.name, 0.0)
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    def _bind(self) -> int:
+        address = _address(self.settings.host, self.settings.port)
+        credentials = server_credentials(self.settings)
+        try:
+            if credentials is None:
+                port = self._server.add_insecure_port(address)
+            else:
+                port = self._server.add_secure_port(address, credentials)
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot listen on {address}: {exc}") from None
+        if port == 0:
+            raise ConfigError(f"cannot listen on {address}: the address is in use or not local")
+        return port
+
+    async def start(self) -> None:
+        """Listen (health NOT_SERVING), load and warm up the model, then report SERVING."""
+        self.metrics_port = self._start_metrics()
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self._bind()
+        await self._server.start()
+        log.info(
+            "listening on %s (tls=%s)", _address(self.settings.host, self.port), self.settings.tls_enabled
+        )
+        model = await load_model(self.settings, self.metrics)
+        await warm_up(model)
+        self.service.model = model
+        self._publish_model_info(model)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.metrics.set_ready(True)
+        log.info("serving %s", model.bundle.manifest.model_name)
+
+    def _start_metrics(self) -> int:
+        address = _address(self.settings.metrics_host, self.settings.metrics_port)
+        try:
+            server, _thread = self.metrics.start_http_server(
+                self.settings.metrics_port, self.settings.metrics_host
+            )
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {address}: {exc}") from None
+        port = int(server.server_port)
+        log.info("metrics on http://%s/metrics", _address(self.settings.metrics_host, port))
+        return port
+
+    def _publish_model_info(self, model: LoadedModel) -> None:
+        manifest = model.bundle.manifest
+        provider = model.engine.providers[0] if model.engine.providers else "unknown"
+        self.metrics.set_model_info(manifest.model_name, manifest.dtype, manifest.quantization, provider)
+
+    async def drain(self) -> None:
+        """NOT_SERVING, refuse new work, let running requests finish within grace_seconds, stop."""
+        log.info("draining: up to %.1f s for running requests", self.settings.grace_seconds)
+        self.service.draining = True
+        self.metrics.set_ready(False)
+        await self.health.enter_graceful_shutdown()
+        if self.service.model is not None:
+            await self.service.model.scheduler.drain(self.settings.grace_seconds)
+        await self._server.stop(STOP_GRACE_SECONDS)
+        log.info("stopped")
+
+    async def stop(self) -> None:
+        """Immediate stop (tests, failed start-up): running calls are cancelled."""
+        self.service.draining = True
+        if self.service.model is not None:
+            await self.service.model.scheduler.drain(0.0)
+        await self._server.stop(None)
+
+
+async def serve(settings: ServerSettings) -> None:
+    """Run until SIGTERM or SIGINT, then drain; a failed start-up stops the server and re-raises."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = TextgenServer(settings)
+    starting = asyncio.create_task(server.start())
+    signalled = asyncio.create_task(stop.wait())
+    done, _pending = await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    if starting not in done:  # a signal during start-up: no request has been admitted yet
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        await server.stop()
+        return
+    try:
+        starting.result()
+    except BaseException:
+        signalled.cancel()
+        await server.stop()
+        raise
+    await signalled
+    await server.drain()

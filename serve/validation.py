@@ -1,0 +1,151 @@
+"""Turns a `textgen.v1.GenerateRequest` into a `GenerationRequest`, or raises InvalidRequest.
+
+Every message names the field, the value received and the allowed range, so a client can fix its request
+without reading the server's source. Nothing here blocks on the engine: it runs before the request is queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from serve._proto.textgen.v1 import textgen_pb2 as pb
+from serve.errors import InvalidRequest
+from serve.request import GenerationRequest
+from serve.sampling import SamplingParams
+
+MAX_REQUEST_ID_CHARS = 128
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request may ask for: the model's shape and the server's caps."""
+
+    vocab_size: int
+    context_length: int
+    default_max_new_tokens: int
+    max_new_tokens: int
+    max_stop_strings: int
+    max_stop_length: int
+
+
+def reject_unknown_fields(message: Message) -> None:
+    """Fields this server does not know would be silently ignored (a newer sampling option): refuse them."""
+    unknown = UnknownFieldSet(message)
+    if len(unknown):
+        numbers = sorted({field.field_number for field in unknown})
+        raise InvalidRequest(
+            f"{message.DESCRIPTOR.name} has unknown field number(s) {numbers}: "
+            f"this server speaks {message.DESCRIPTOR.file.package} without them"
+        )
+    for field, value in message.ListFields():
+        if field.message_type is not None and not field.is_repeated:
+            reject_unknown_fields(value)
+
+
+def check_request_id(request_id: str) -> str:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(
+            f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed"
+        )
+    return request_id
+
+
+def prompt_ids(
+    request: pb.GenerateRequest, encode: Callable[[str], Sequence[int]], vocab_size: int
+) -> list[int]:
+    """The prompt as token ids; `encode` is the bundle tokenizer's."""
+    which = request.WhichOneof("input")
+    if which is None:
+        raise InvalidRequest("input is required: set either text or token_ids")
+    if which == "text":
+        if not request.text:
+            raise InvalidRequest("text is empty: give at least one character")
+        ids = list(encode(request.text))
+        if not ids:
+            raise InvalidRequest("text encodes to no tokens: give at least one token of text")
+        return ids
+    ids = list(request.token_ids.ids)
+    if not ids:
+        raise InvalidRequest("token_ids is empty: give at least one token id")
+    for position, token in enumerate(ids):
+        if token >= vocab_size:
+            raise InvalidRequest(
+                f"token_ids[{position}] = {token} is outside the vocabulary: allowed 0..{vocab_size - 1}"
+            )
+    return ids
+
+
+def sampling_params(sampling: pb.SamplingParams) -> SamplingParams:
+    params = SamplingParams(
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        repetition_penalty=sampling.repetition_penalty,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+    )
+    params.validate()
+    return params
+
+
+def stop_strings(stop: Sequence[str], limits: RequestLimits) -> tuple[str, ...]:
+    if len(stop) > limits.max_stop_strings:
+        raise InvalidRequest(f"{len(stop)} stop strings given; at most {limits.max_stop_strings} are allowed")
+    for index, text in enumerate(stop):
+        if not text:
+            raise InvalidRequest(
+                f"stop[{index}] is empty: stop strings need 1..{limits.max_stop_length} characters"
+            )
+        if len(text) > limits.max_stop_length:
+            raise InvalidRequest(
+                f"stop[{index}] has {len(text)} characters; allowed 1..{limits.max_stop_length}"
+            )
+    return tuple(stop)
+
+
+def max_new_tokens(requested: int, prompt_tokens: int, limits: RequestLimits) -> int:
+    """0 asks for the server's default, shortened to what the context leaves; an explicit value must fit."""
+    room = limits.context_length - prompt_tokens
+    if room < 1:
+        raise InvalidRequest(
+            f"prompt has {prompt_tokens} tokens; the context holds {limits.context_length}, "
+            f"so prompts may have at most {limits.context_length - 1} tokens"
+        )
+    if requested == 0:
+        return min(limits.default_max_new_tokens, room)
+    if requested > limits.max_new_tokens:
+        raise InvalidRequest(
+            f"max_new_tokens = {requested} is above the server's cap: allowed 1..{limits.max_new_tokens} "
+            f"(0 = default {limits.default_max_new_tokens})"
+        )
+    if requested > room:
+        raise InvalidRequest(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({requested}) = {prompt_tokens + requested} "
+            f"exceeds the context length {limits.context_length}: "
+            f"allowed max_new_tokens 1..{room} for this prompt"
+        )
+    return requested
+
+
+def generation_request(
+    request: pb.GenerateRequest,
+    *,
+    request_id: str,
+    prompt: list[int],
+    limits: RequestLimits,
+    deadline: float | None,
+) -> GenerationRequest:
+    """The scheduler's request for an already tokenized prompt; raises InvalidRequest on any bad value."""
+    return GenerationRequest(
+        request_id=request_id,
+        prompt_ids=prompt,
+        sampling=sampling_params(request.sampling),
+        max_new_tokens=max_new_tokens(request.stopping.max_new_tokens, len(prompt), limits),
+        stop=stop_strings(request.stopping.stop, limits),
+        ignore_eos=request.stopping.ignore_eos,
+        include_logprobs=request.include_logprobs,
+        deadline=deadline,
+    )

@@ -1,0 +1,153 @@
+"""Request validation: every INVALID_ARGUMENT case names the field and the allowed range."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from serve._proto.textgen.v1 import textgen_pb2 as pb
+from serve.errors import InvalidRequest
+from serve.validation import (
+    RequestLimits,
+    check_request_id,
+    generation_request,
+    max_new_tokens,
+    prompt_ids,
+    reject_unknown_fields,
+)
+
+LIMITS = RequestLimits(
+    vocab_size=100,
+    context_length=64,
+    default_max_new_tokens=16,
+    max_new_tokens=32,
+    max_stop_strings=2,
+    max_stop_length=5,
+)
+
+
+def _encode(text: str) -> list[int]:
+    return [ord(c) % 100 for c in text]
+
+
+def _build(request: pb.GenerateRequest) -> object:
+    prompt = prompt_ids(request, _encode, LIMITS.vocab_size)
+    return generation_request(request, request_id="r1", prompt=prompt, limits=LIMITS, deadline=None)
+
+
+def test_valid_request_maps_every_field() -> None:
+    request = pb.GenerateRequest(
+        text="hello",
+        sampling=pb.SamplingParams(temperature=0.5, top_k=5, top_p=0.9, repetition_penalty=1.1, seed=7),
+        stopping=pb.StoppingCriteria(max_new_tokens=10, stop=["\n"], ignore_eos=True),
+        include_logprobs=True,
+    )
+    generation = generation_request(
+        request, request_id="r1", prompt=prompt_ids(request, _encode, 100), limits=LIMITS, deadline=12.5
+    )
+    assert generation.prompt_ids == _encode("hello")
+    assert generation.max_new_tokens == 10 and generation.stop == ("\n",)
+    assert generation.ignore_eos and generation.include_logprobs and generation.deadline == 12.5
+    assert generation.sampling.seed == 7 and generation.sampling.top_k == 5
+    assert generation.sampling.temperature == pytest.approx(0.5)
+
+
+def test_unset_seed_is_none_and_zero_seed_is_kept() -> None:
+    unset = _build(pb.GenerateRequest(text="a"))
+    zero = _build(pb.GenerateRequest(text="a", sampling=pb.SamplingParams(seed=0)))
+    assert unset.sampling.seed is None  # type: ignore[attr-defined]
+    assert zero.sampling.seed == 0  # type: ignore[attr-defined]
+
+
+def test_token_ids_input_is_taken_as_is() -> None:
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 99]))
+    assert prompt_ids(request, _encode, 100) == [1, 2, 99]
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (pb.GenerateRequest(), "input is required: set either text or token_ids"),
+        (pb.GenerateRequest(text=""), "text is empty"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids is empty"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 100])), r"token_ids\[1\] = 100 .* allowed 0\.\.99"),
+    ],
+)
+def test_bad_input(request_: pb.GenerateRequest, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        prompt_ids(request_, _encode, 100)
+
+
+def test_text_that_encodes_to_nothing() -> None:
+    with pytest.raises(InvalidRequest, match="encodes to no tokens"):
+        prompt_ids(pb.GenerateRequest(text="x"), lambda _text: [], 100)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "message"),
+    [
+        (pb.SamplingParams(temperature=-0.1), r"temperature must be a finite number >= 0 \(0 = greedy\)"),
+        (pb.SamplingParams(temperature=math.nan), "temperature .* got nan"),
+        (pb.SamplingParams(temperature=math.inf), "temperature .* got inf"),
+        (pb.SamplingParams(top_p=1.5), r"top_p must be in \[0, 1\]"),
+        (pb.SamplingParams(top_p=-0.5), r"top_p must be in \[0, 1\]"),
+        (pb.SamplingParams(top_p=math.nan), r"top_p must be in \[0, 1\]"),
+        (pb.SamplingParams(repetition_penalty=-1), "repetition_penalty must be 0 .* or a finite number > 0"),
+        (pb.SamplingParams(repetition_penalty=math.inf), "repetition_penalty"),
+    ],
+)
+def test_bad_sampling(sampling: pb.SamplingParams, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        _build(pb.GenerateRequest(text="a", sampling=sampling))
+
+
+@pytest.mark.parametrize(
+    ("stop", "message"),
+    [
+        (["a", "b", "c"], "3 stop strings given; at most 2 are allowed"),
+        (["toolong"], r"stop\[0\] has 7 characters; allowed 1\.\.5"),
+        (["ok", ""], r"stop\[1\] is empty"),
+    ],
+)
+def test_bad_stop_strings(stop: list[str], message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        _build(pb.GenerateRequest(text="a", stopping=pb.StoppingCriteria(stop=stop)))
+
+
+def test_max_new_tokens_default_cap_and_context() -> None:
+    assert max_new_tokens(0, prompt_tokens=10, limits=LIMITS) == 16  # the server's default
+    assert max_new_tokens(0, prompt_tokens=60, limits=LIMITS) == 4  # the default, shortened to the context
+    assert max_new_tokens(32, prompt_tokens=32, limits=LIMITS) == 32  # exactly fills the context
+    with pytest.raises(
+        InvalidRequest, match=r"max_new_tokens = 33 is above the server's cap: allowed 1\.\.32"
+    ):
+        max_new_tokens(33, prompt_tokens=1, limits=LIMITS)
+    with pytest.raises(
+        InvalidRequest, match=r"= 65 exceeds the context length 64: allowed max_new_tokens 1\.\.4"
+    ):
+        max_new_tokens(5, prompt_tokens=60, limits=LIMITS)
+    with pytest.raises(InvalidRequest, match="prompts may have at most 63 tokens"):
+        max_new_tokens(0, prompt_tokens=64, limits=LIMITS)
+
+
+def test_prompt_longer_than_context_is_refused() -> None:
+    with pytest.raises(InvalidRequest, match="prompt has 70 tokens; the context holds 64"):
+        _build(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 70)))
+
+
+def test_request_id_length() -> None:
+    assert check_request_id("abc") == "abc"
+    with pytest.raises(InvalidRequest, match="request_id has 129 characters; at most 128"):
+        check_request_id("x" * 129)
+
+
+def test_unknown_fields_are_refused_at_any_depth() -> None:
+    top = pb.GenerateRequest.FromString(pb.GenerateRequest(text="a").SerializeToString() + b"\x38\x05")
+    with pytest.raises(InvalidRequest, match=r"GenerateRequest has unknown field number\(s\) \[7\]"):
+        reject_unknown_fields(top)
+    nested = pb.GenerateRequest(text="a")
+    nested.sampling.MergeFromString(b"\x30\x01")  # field 6 of SamplingParams does not exist
+    with pytest.raises(InvalidRequest, match=r"SamplingParams has unknown field number\(s\) \[6\]"):
+        reject_unknown_fields(nested)
+    reject_unknown_fields(pb.GenerateRequest(text="a", sampling=pb.SamplingParams(temperature=1)))
