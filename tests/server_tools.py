@@ -4,6 +4,7 @@ throwaway PKI made with `cryptography` for TLS and mTLS tests."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime
 import threading
 from collections.abc import Coroutine
@@ -28,8 +29,11 @@ class LoopThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
         self._thread.start()
 
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return self.submit(coro).result(timeout)
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

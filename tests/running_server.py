@@ -1,0 +1,79 @@
+"""A real TextgenServer on a loopback port for tests, driven from a LoopThread."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from server_tools import LoopThread
+
+from serve.config import ServerSettings
+from serve.metrics import Metrics
+from serve.scheduler import SchedulerSnapshot
+from serve.server import LoadedModel, TextgenServer
+
+
+def loopback_settings(bundle: Path, **overrides: Any) -> ServerSettings:
+    """Settings for a test server: loopback only, any free ports."""
+    fields: dict[str, Any] = {
+        "bundle": bundle,
+        "host": "127.0.0.1",
+        "port": 0,
+        "metrics_host": "127.0.0.1",
+        "metrics_port": 0,
+        **overrides,
+    }
+    return ServerSettings(**fields)
+
+
+class RunningServer:
+    """A TextgenServer started on a LoopThread; `stop()` stops it at once."""
+
+    def __init__(self, loop: LoopThread, settings: ServerSettings) -> None:
+        self.loop = loop
+        self.server = TextgenServer(settings, Metrics())
+        loop.run(self.server.start())
+        self.target = f"127.0.0.1:{self.server.port}"
+
+    @property
+    def model(self) -> LoadedModel:
+        model = self.server.service.model
+        assert model is not None, "the server has not loaded its model"
+        return model
+
+    def snapshot(self) -> SchedulerSnapshot:
+        return self.model.scheduler.snapshot()
+
+    def wait_for(
+        self, condition: Callable[[SchedulerSnapshot], bool], timeout: float = 10.0
+    ) -> SchedulerSnapshot:
+        """The first scheduler snapshot that satisfies `condition`; fails after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            snapshot = self.snapshot()
+            if condition(snapshot):
+                return snapshot
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"no scheduler snapshot satisfied the condition in {timeout} s: {snapshot}"
+                )
+            time.sleep(0.005)
+
+    def wait_idle(self, timeout: float = 10.0) -> SchedulerSnapshot:
+        return self.wait_for(lambda s: s.running == 0 and s.waiting == 0, timeout)
+
+    def stop(self) -> None:
+        self.loop.run(self.server.stop())
+
+
+def slow_decode(engine: Any, seconds: float) -> Any:
+    """A replacement for `engine.decode` that sleeps first, so a test can act while a request is running."""
+    decode = engine.decode
+
+    def slowed() -> Any:
+        time.sleep(seconds)
+        return decode()
+
+    return slowed

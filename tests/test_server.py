@@ -1,0 +1,307 @@
+"""The gRPC service end to end: a real server with the tiny bundle on a loopback port, real channels.
+
+Tests that need a request to still be running when they act slow the engine's decode step down (test
+instrumentation on the real engine; the scheduler and the server are the product's).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from running_server import RunningServer, loopback_settings, slow_decode
+from server_tools import LoopThread, rpc_error
+
+from serve._proto.textgen.v1 import textgen_pb2 as pb
+from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.errors import EngineFailure
+
+PROMPT = "the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[LoopThread]:
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+@pytest.fixture(scope="module")
+def server(loop: LoopThread, tiny_bundle: Path) -> Iterator[RunningServer]:
+    running = RunningServer(
+        loop, loopback_settings(tiny_bundle, max_new_tokens=32, default_max_new_tokens=8, max_stop_strings=2)
+    )
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def channel(server: RunningServer) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(server.target) as chan:
+        yield chan
+
+
+@pytest.fixture(scope="module")
+def stub(channel: grpc.Channel) -> pb_grpc.TextGenerationStub:
+    return pb_grpc.TextGenerationStub(channel)
+
+
+def greedy(max_new_tokens: int = 12, **fields: object) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        text=PROMPT, stopping=pb.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True), **fields
+    )
+
+
+# --- the happy paths ----------------------------------------------------------------------------------------
+
+
+def test_generate_and_stream_agree(stub: pb_grpc.TextGenerationStub) -> None:
+    whole = stub.Generate(greedy(request_id="agree-1"))
+    parts = list(stub.GenerateStream(greedy(request_id="agree-2")))
+    assert whole.request_id == "agree-1" and {p.request_id for p in parts} == {"agree-2"}
+    assert "".join(p.text for p in parts) == whole.text
+    assert [t for p in parts for t in p.token_ids] == list(whole.token_ids)
+    assert len(whole.token_ids) == 12 and whole.finish_reason == pb.FINISH_REASON_LENGTH
+    *body, last = parts
+    assert last.finish_reason == whole.finish_reason and last.usage == whole.usage
+    assert all(p.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not p.HasField("usage") for p in body)
+    assert whole.usage.completion_tokens == 12
+    assert 0 <= whole.queue_seconds <= whole.time_to_first_token_seconds <= whole.total_seconds
+
+
+def test_server_makes_a_request_id_when_none_is_given(stub: pb_grpc.TextGenerationStub) -> None:
+    first, second = stub.Generate(greedy(2)), stub.Generate(greedy(2))
+    assert first.request_id and second.request_id and first.request_id != second.request_id
+
+
+def test_token_ids_input_and_logprobs(stub: pb_grpc.TextGenerationStub) -> None:
+    ids = list(stub.Tokenize(pb.TokenizeRequest(text=PROMPT)).ids)
+    by_text = stub.Generate(greedy(6))
+    by_ids = stub.Generate(
+        pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=ids),
+            stopping=pb.StoppingCriteria(max_new_tokens=6, ignore_eos=True),
+            include_logprobs=True,
+        )
+    )
+    assert list(by_ids.token_ids) == list(by_text.token_ids) and by_ids.usage.prompt_tokens == len(ids)
+    assert len(by_ids.logprobs) == 6 and all(lp <= 0 and math.isfinite(lp) for lp in by_ids.logprobs)
+    assert not by_text.logprobs  # only when asked for
+
+
+def test_default_max_new_tokens(stub: pb_grpc.TextGenerationStub) -> None:
+    response = stub.Generate(pb.GenerateRequest(text=PROMPT, stopping=pb.StoppingCriteria(ignore_eos=True)))
+    assert response.usage.completion_tokens == 8  # the server's default_max_new_tokens
+
+
+def test_model_info(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> None:
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    manifest = server.model.bundle.manifest
+    assert info.model_name == manifest.model_name
+    assert info.vocab_size == manifest.architecture.vocab_size
+    assert info.context_length == manifest.architecture.context_length
+    assert info.eos_token_id == manifest.eos_token_id
+    assert (info.dtype, info.quantization) == (manifest.dtype, manifest.quantization)
+    assert info.max_new_tokens_limit == min(32, info.context_length - 1)
+    assert info.max_batch_size == server.model.engine.max_batch_size
+    assert "CPUExecutionProvider" in info.execution_providers
+    assert info.server_version
+
+
+def test_tokenize(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> None:
+    response = stub.Tokenize(pb.TokenizeRequest(text=PROMPT))
+    encoding = server.model.engine.tokenizer.encode(PROMPT)
+    assert list(response.ids) == encoding.ids and list(response.tokens) == encoding.tokens
+    assert server.model.engine.tokenizer.decode(list(response.ids)) == PROMPT
+
+
+def test_health_and_reflection(channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "textgen.v1.TextGeneration"):
+        status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+    answers = list(
+        reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    )
+    names = {s.name for s in answers[0].list_services_response.service}
+    assert {"textgen.v1.TextGeneration", "grpc.health.v1.Health"} <= names
+
+
+# --- every INVALID_ARGUMENT case ----------------------------------------------------------------------------
+
+
+def _sampling(**fields: float) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(**fields))
+
+
+def _stopping(**fields: object) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=PROMPT, stopping=pb.StoppingCriteria(**fields))
+
+
+INVALID = [
+    (pb.GenerateRequest(), "input is required: set either text or token_ids"),
+    (pb.GenerateRequest(text=""), "text is empty"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids is empty"),
+    (
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**6])),
+        "token_ids[1] = 1000000 is outside the vocabulary",
+    ),
+    (_stopping(max_new_tokens=33), "max_new_tokens = 33 is above the server's cap: allowed 1..32"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 5000)), "prompt has 5000 tokens; the context holds"),
+    (_sampling(temperature=-1), "temperature must be a finite number >= 0 (0 = greedy), got -1"),
+    (_sampling(temperature=math.nan), "temperature must be a finite number >= 0 (0 = greedy), got nan"),
+    (_sampling(top_p=1.5), "top_p must be in [0, 1] (0 = off), got 1.5"),
+    (_sampling(repetition_penalty=-2), "repetition_penalty must be 0 (off) or a finite number > 0, got -2"),
+    (_stopping(stop=["a", "b", "c"]), "3 stop strings given; at most 2 are allowed"),
+    (_stopping(stop=["x" * 65]), "stop[0] has 65 characters; allowed 1..64"),
+    (pb.GenerateRequest(text=PROMPT, request_id="r" * 200), "request_id has 200 characters; at most 128"),
+]
+
+
+@pytest.mark.parametrize(("request_", "message"), INVALID, ids=[m.split(" ")[0] for _, m in INVALID])
+def test_invalid_argument(
+    stub: pb_grpc.TextGenerationStub, request_: pb.GenerateRequest, message: str
+) -> None:
+    for call in (stub.Generate, stub.GenerateStream):
+        error = rpc_error(lambda call=call: call(request_))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in error.details()
+
+
+def test_prompt_plus_max_new_tokens_beyond_the_context(
+    stub: pb_grpc.TextGenerationStub, server: RunningServer
+) -> None:
+    limit = server.model.limits.context_length
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[1] * (limit - 4)), stopping=pb.StoppingCriteria(max_new_tokens=5)
+    )
+    error = rpc_error(lambda: stub.Generate(request))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"exceeds the context length {limit}: allowed max_new_tokens 1..4" in error.details()
+
+
+def test_unknown_field_is_refused(channel: grpc.Channel) -> None:
+    raw = channel.unary_unary(
+        "/textgen.v1.TextGeneration/Generate", response_deserializer=pb.GenerateResponse.FromString
+    )
+    payload = pb.GenerateRequest(text=PROMPT).SerializeToString() + b"\x38\x05"  # field 7: not in textgen.v1
+    error = rpc_error(lambda: raw(payload))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown field number(s) [7]" in error.details()
+
+
+def test_bad_requests_leave_the_server_healthy(
+    stub: pb_grpc.TextGenerationStub, server: RunningServer
+) -> None:
+    before = stub.Generate(greedy(5)).text
+    for request, _message in INVALID:
+        rpc_error(lambda request=request: stub.Generate(request))
+    assert stub.Generate(greedy(5)).text == before
+    assert server.wait_idle().running == 0
+
+
+# --- failures while running ---------------------------------------------------------------------------------
+
+
+def test_engine_failure_is_internal_with_the_request_id_and_the_server_recovers(
+    stub: pb_grpc.TextGenerationStub, server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = server.model.engine
+    decode = engine.decode
+    failures = iter([True])
+
+    def failing_once() -> object:
+        if next(failures, False):
+            raise EngineFailure("injected decode failure")
+        return decode()
+
+    monkeypatch.setattr(engine, "decode", failing_once)
+    error = rpc_error(lambda: stub.Generate(greedy(4, request_id="doomed")))
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert "doomed" in error.details()
+    assert stub.Generate(greedy(4)).usage.completion_tokens == 4
+
+
+def test_deadline_exceeded_frees_the_slot(
+    stub: pb_grpc.TextGenerationStub, server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server.model.engine, "decode", slow_decode(server.model.engine, 0.05))
+    error = rpc_error(lambda: stub.Generate(greedy(30), timeout=0.3))
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert server.wait_idle(2.0).running == 0
+
+
+def test_cancelling_a_stream_frees_its_slot(
+    stub: pb_grpc.TextGenerationStub, server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server.model.engine, "decode", slow_decode(server.model.engine, 0.05))
+    cancelled_before = server.snapshot().outcomes.get("cancelled", 0)
+    call = stub.GenerateStream(greedy(30))
+    next(call)
+    assert server.snapshot().running == 1
+    call.cancel()
+    snapshot = server.wait_idle(2.0)
+    assert snapshot.running == 0 and snapshot.kv_slots_used == 0
+    assert snapshot.outcomes.get("cancelled", 0) == cancelled_before + 1
+
+
+def test_request_log_lines(
+    stub: pb_grpc.TextGenerationStub, server: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="textgen.requests"):
+        stub.Generate(greedy(3, request_id="logged"))
+        rpc_error(lambda: stub.Generate(pb.GenerateRequest(request_id="bad")))
+    lines = {r.getMessage() for r in caplog.records if r.name == "textgen.requests"}
+    ok = next(line for line in lines if '"request_id": "logged"' in line)
+    assert '"code": "OK"' in ok and '"completion_tokens": 3' in ok and '"ttft_s"' in ok
+    assert PROMPT not in ok  # no prompt text unless log_prompts
+    assert any('"code": "INVALID_ARGUMENT"' in line for line in lines)
+
+
+# --- limits -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_server(loop: LoopThread, tiny_bundle: Path) -> Iterator[RunningServer]:
+    running = RunningServer(
+        loop, loopback_settings(tiny_bundle, max_batch_size=1, max_queue=1, max_message_bytes=2048)
+    )
+    yield running
+    running.stop()
+
+
+def test_queue_full_is_resource_exhausted(
+    small_server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = small_server.model.engine
+    monkeypatch.setattr(engine, "decode", slow_decode(engine, 0.02))
+    with grpc.insecure_channel(small_server.target) as chan:
+        stub = pb_grpc.TextGenerationStub(chan)
+        running = stub.GenerateStream(greedy(20))
+        next(running)  # the only row is busy
+        queued = stub.GenerateStream(greedy(2))
+        waiting = threading.Thread(target=lambda: list(queued))
+        waiting.start()
+        small_server.wait_for(lambda s: s.waiting == 1)
+        error = rpc_error(lambda: stub.Generate(greedy(2)))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue is full" in error.details()
+        assert list(running)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        waiting.join(10)
+
+
+def test_oversized_message_is_refused_by_the_transport(small_server: RunningServer) -> None:
+    with grpc.insecure_channel(small_server.target) as chan:
+        stub = pb_grpc.TextGenerationStub(chan)
+        error = rpc_error(lambda: stub.Generate(pb.GenerateRequest(text="x" * 4096)))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert stub.Generate(greedy(2)).usage.completion_tokens == 2
