@@ -1,0 +1,130 @@
+"""textgen-client against a real server with TLS and token auth on a loopback port."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from running_server import RunningServer, loopback_settings
+from server_tools import LoopThread, Pki, make_pki
+
+from serve.client import main
+
+TOKEN = "client-test-token"
+
+
+@pytest.fixture(scope="module")
+def pki_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    pki: Pki = make_pki()
+    return pki.write(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bundle: Path, pki_files: dict[str, Path]) -> Iterator[RunningServer]:
+    loop = LoopThread()
+    settings = loopback_settings(
+        tiny_bundle,
+        tls_cert=pki_files["server_cert"],
+        tls_key=pki_files["server_key"],
+        auth_token=TOKEN,
+        max_new_tokens=16,
+    )
+    running = RunningServer(loop, settings)
+    yield running
+    running.stop()
+    loop.close()
+
+
+def run(
+    server: RunningServer, pki_files: dict[str, Path], *args: str, token: str = TOKEN
+) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    command, *rest = args
+    connection = [
+        "--target",
+        server.target,
+        "--tls-ca",
+        str(pki_files["ca"]),
+        "--tls-server-name",
+        "localhost",
+        "--token",
+        token,
+        "--timeout",
+        "30",
+    ]
+    code = main([command, *rest, *connection], out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_generate_plain_and_streamed_print_the_same_text(
+    server: RunningServer, pki_files: dict[str, Path]
+) -> None:
+    options = ("--max-new-tokens", "8", "--ignore-eos")
+    code, plain, _ = run(server, pki_files, "generate", "hello there", *options)
+    assert code == 0 and plain.endswith("\n")
+    code, streamed, usage = run(
+        server, pki_files, "generate", "hello there", "--stream", "--verbose", *options
+    )
+    assert code == 0 and streamed == plain
+    assert "finish_reason=FINISH_REASON_LENGTH" in usage and "completion_tokens=8" in usage
+
+
+def test_verbose_generate_reports_usage_and_timings(
+    server: RunningServer, pki_files: dict[str, Path]
+) -> None:
+    code, _, usage = run(
+        server,
+        pki_files,
+        "generate",
+        "hi",
+        "--max-new-tokens",
+        "3",
+        "--ignore-eos",
+        "--verbose",
+        "--request-id",
+        "c1",
+    )
+    assert code == 0
+    for field in ("request_id=c1", "completion_tokens=3", "ttft_s=", "total_s="):
+        assert field in usage
+
+
+def test_info_and_health(server: RunningServer, pki_files: dict[str, Path]) -> None:
+    code, out, _ = run(server, pki_files, "info")
+    info = json.loads(out)
+    assert code == 0 and info["model_name"] == server.model.bundle.manifest.model_name
+    assert info["max_new_tokens_limit"] == 16
+    code, out, _ = run(server, pki_files, "health")
+    assert (code, out.strip()) == (0, "SERVING")
+
+
+def test_wrong_token_is_refused(server: RunningServer, pki_files: dict[str, Path]) -> None:
+    code, out, err = run(server, pki_files, "generate", "hi", token="wrong")
+    assert code == 1 and out == ""
+    assert err.startswith("error: UNAUTHENTICATED: invalid bearer token")
+
+
+def test_server_errors_are_printed_with_their_status(
+    server: RunningServer, pki_files: dict[str, Path]
+) -> None:
+    code, _, err = run(server, pki_files, "generate", "hi", "--max-new-tokens", "17")
+    assert (
+        code == 1 and "INVALID_ARGUMENT: max_new_tokens = 17 is above the server's cap: allowed 1..16" in err
+    )
+
+
+def test_round_robin_over_a_list_of_addresses(server: RunningServer, pki_files: dict[str, Path]) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    target = f"ipv4:{server.target},{server.target}"
+    argv = ["health", "--target", target, "--lb", "round_robin", "--tls-ca", str(pki_files["ca"])]
+    code = main([*argv, "--tls-server-name", "localhost"], out=out, err=err)
+    assert (code, out.getvalue().strip()) == (0, "SERVING"), err.getvalue()
+
+
+def test_tls_client_options_are_checked() -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["info", "--tls-cert", "cert.pem"], out=io.StringIO(), err=io.StringIO())
+    assert exit_info.value.code == 2

@@ -1,0 +1,222 @@
+"""Start-up, drain and exit: health flips at start and on drain; SIGTERM with streams in flight finishes
+them and exits 0; a broken bundle or bad configuration exits non-zero with a clear message."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from running_server import RunningServer, loopback_settings, slow_decode
+from server_tools import LoopThread, rpc_error
+
+import serve.server
+from serve._proto.textgen.v1 import textgen_pb2 as pb
+from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.metrics import Metrics
+from serve.server import TextgenServer
+
+REPO = Path(__file__).resolve().parent.parent
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def long_request(max_new_tokens: int = 30) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        text="once upon a time", stopping=pb.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True)
+    )
+
+
+def health_status(target: str) -> int:
+    with grpc.insecure_channel(target) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[LoopThread]:
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+def test_health_is_not_serving_until_the_model_is_loaded(
+    loop: LoopThread, tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = asyncio.Event()
+    load_model = serve.server.load_model
+
+    async def gated_load(*args: object) -> serve.server.LoadedModel:
+        await gate.wait()
+        return await load_model(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(serve.server, "load_model", gated_load)
+    server = TextgenServer(loopback_settings(tiny_bundle), Metrics())
+    starting = loop.submit(server.start())
+    deadline = time.monotonic() + 10
+    while server.port == 0:  # listening comes before loading
+        assert time.monotonic() < deadline and not starting.done()
+        time.sleep(0.01)
+    target = f"127.0.0.1:{server.port}"
+    try:
+        assert health_status(target) == NOT_SERVING
+        with grpc.insecure_channel(target) as channel:
+            error = rpc_error(lambda: pb_grpc.TextGenerationStub(channel).Generate(long_request(2)))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "still loading" in error.details()
+        loop.loop.call_soon_threadsafe(gate.set)
+        starting.result(60)
+        assert health_status(target) == SERVING
+    finally:
+        loop.run(server.stop())
+
+
+def test_drain_finishes_running_streams_and_refuses_new_requests(
+    loop: LoopThread, tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    running = RunningServer(loop, loopback_settings(tiny_bundle, grace_seconds=30))
+    monkeypatch.setattr(running.model.engine, "decode", slow_decode(running.model.engine, 0.03))
+    with grpc.insecure_channel(running.target) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        stream = stub.GenerateStream(long_request())
+        first = next(stream)
+        draining = loop.submit(running.server.drain())
+        deadline = time.monotonic() + 5
+        while health_status(running.target) != NOT_SERVING:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        refused = rpc_error(lambda: stub.Generate(long_request(2)))
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.details()
+        rest = list(stream)
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 30
+        draining.result(30)
+
+
+def test_drain_fails_what_outlives_the_grace_period(
+    loop: LoopThread, tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    running = RunningServer(loop, loopback_settings(tiny_bundle, grace_seconds=0.2))
+    monkeypatch.setattr(running.model.engine, "decode", slow_decode(running.model.engine, 0.05))
+    with grpc.insecure_channel(running.target) as channel:
+        stream = pb_grpc.TextGenerationStub(channel).GenerateStream(long_request())
+        next(stream)
+        draining = loop.submit(running.server.drain())
+        error = rpc_error(lambda: stream)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in error.details()
+        draining.result(30)
+
+
+# --- the process --------------------------------------------------------------------------------------------
+
+# Slows every decode step so streams are still running when the signal arrives (test instrumentation only).
+SLOW_SERVER = """
+import sys, time
+import serve.engine
+decode = serve.engine.Engine.decode
+def slow(self):
+    time.sleep(0.02)
+    return decode(self)
+serve.engine.Engine.decode = slow
+from serve.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+class ServerProcess:
+    def __init__(self, *args: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TEXTGEN_")}
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                SLOW_SERVER,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+                *args,
+            ],
+            cwd=REPO,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._port = threading.Event()
+        self.port = 0
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            found = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+            if found:
+                self.port = int(found.group(1))
+                self._port.set()
+
+    def wait_serving(self, timeout: float = 60) -> str:
+        assert self._port.wait(timeout), "".join(self.lines)
+        target = f"127.0.0.1:{self.port}"
+        deadline = time.monotonic() + timeout
+        while health_status(target) != SERVING:
+            assert time.monotonic() < deadline and self.proc.poll() is None, "".join(self.lines)
+            time.sleep(0.05)
+        return target
+
+
+def test_sigterm_completes_streams_in_flight_and_exits_0(tiny_bundle: Path) -> None:
+    server = ServerProcess("--bundle", str(tiny_bundle), "--grace-seconds", "30")
+    try:
+        target = server.wait_serving()
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.TextGenerationStub(channel)
+            streams = [stub.GenerateStream(long_request(25)) for _ in range(3)]
+            for stream in streams:
+                next(stream)  # every stream is running
+            server.proc.send_signal(signal.SIGTERM)
+            for stream in streams:
+                assert list(stream)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert server.proc.wait(30) == 0, "".join(server.lines)
+        log = "".join(server.lines)
+        assert "draining" in log and '"code": "OK"' in log
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+def test_broken_bundle_exits_1_with_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_text("{not json")
+    result = subprocess.run(
+        [sys.executable, "-m", "serve", "--bundle", str(tmp_path), "--port", "0", "--metrics-port", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if "start-up failed" in line]
+    assert len(errors) == 1 and "manifest.json" in errors[0], result.stderr
+
+
+def test_bad_configuration_exits_2(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "serve", "--bundle", str(tmp_path), "--port", "99999"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "port: Input should be less than or equal to 65535" in result.stderr
