@@ -1,0 +1,320 @@
+"""Next-token choice for the whole running batch: logits processors and per-row sampling state.
+
+Runs on the hot path (every decode step, every row), so everything is vectorized numpy over `[n, vocab]`.
+The processors follow Hugging Face / TGI semantics and are applied as a chain in TGI's order: repetition
+penalty, temperature, top-k, top-p. Each takes a per-row parameter vector and leaves alone the rows where
+its parameter means "off".
+
+Reproducibility: a seeded row draws its randomness only from its own `np.random.Generator` (one uniform per
+step) and every reduction runs along its own row, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from serve.errors import InvalidRequest
+
+MAX_SEED = 2**64 - 1
+
+# Top-p first looks for its threshold among this many largest logits; a full sort is needed only for rows
+# whose nucleus is wider (nearly flat distributions), which keeps the usual case O(vocab) instead of a sort.
+_TOP_P_CANDIDATES = 256
+# Tokens per block of the two-level inverse-CDF draw.
+_DRAW_BLOCK = 64
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request picks its tokens. The zero value of each field means "off"; temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0
+    repetition_penalty: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise InvalidRequest naming the field, the value and the allowed range."""
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise InvalidRequest(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
+            )
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequest(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0.0 <= self.top_p <= 1.0:  # also false for NaN
+            raise InvalidRequest(f"top_p must be in [0, 1] (0 = off), got {self.top_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty >= 0.0):
+            raise InvalidRequest(
+                f"repetition_penalty must be 0 (off) or a finite number > 0, got {self.repetition_penalty}"
+            )
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED
+        ):
+            raise InvalidRequest(f"seed must be an integer in 0..{MAX_SEED} or unset, got {self.seed!r}")
+
+
+def _active_rows(logits: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """The rows a processor changes, as a block it may modify, and their indices (None: all rows)."""
+    if active.all():
+        return logits, None
+    rows = np.flatnonzero(active)
+    return logits[rows], rows
+
+
+def _store(logits: np.ndarray, block: np.ndarray, rows: np.ndarray | None) -> None:
+    if rows is not None:
+        logits[rows] = block
+
+
+def _penalizes(penalty: np.ndarray) -> np.ndarray:
+    """Which rows a repetition penalty changes: 0 is off and 1 is the identity."""
+    return (penalty > 0.0) & (penalty != 1.0)
+
+
+def apply_repetition_penalty(logits: np.ndarray, penalty: np.ndarray, seen: np.ndarray) -> None:
+    """In place: over tokens already seen, positive logits are divided by the penalty, the rest multiplied.
+
+    `penalty` [n] (0 and 1 are off), `seen` bool [n, vocab] (prompt and generated tokens). Only the seen
+    entries are touched: they are few, and a full-width select costs a mispredicted branch per logit.
+    """
+    active = _penalizes(penalty)
+    if not active.any():
+        return
+    rows, cols = np.nonzero(seen & active[:, None])
+    values = logits[rows, cols]
+    factor = penalty[rows].astype(np.float32)
+    logits[rows, cols] = np.where(values > 0.0, values / factor, values * factor)
+
+
+def apply_temperature(logits: np.ndarray, temperature: np.ndarray) -> None:
+    """In place: divide each row by its temperature (0 = greedy and 1 are left alone)."""
+    active = (temperature > 0.0) & (temperature != 1.0)
+    if not active.any():
+        return
+    block, rows = _active_rows(logits, active)
+    block /= temperature[active, None].astype(np.float32)
+    _store(logits, block, rows)
+
+
+def apply_top_k(logits: np.ndarray, top_k: np.ndarray) -> None:
+    """In place: keep each row's `k` largest logits (and any tied with the k-th), -inf elsewhere; 0 = off."""
+    vocab = logits.shape[1]
+    active = (top_k > 0) & (top_k < vocab)
+    if not active.any():
+        return
+    block, rows = _active_rows(logits, active)
+    kth = vocab - top_k[active]
+    # One partition places every distinct k-th position the block needs.
+    partitioned = np.partition(block, np.unique(kth), axis=1)
+    threshold = np.take_along_axis(partitioned, kth[:, None], axis=1)
+    block[block < threshold] = -np.inf
+    _store(logits, block, rows)
+
+
+def _nucleus_threshold(descending: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the logit of the last token the nucleus needs, and whether the sorted prefix reached it.
+
+    `descending` holds (a prefix of) each row's logits sorted high to low; `target` is the probability
+    mass to reach, in the unnormalized units of exp(logit - row max).
+    """
+    cumulative = np.cumsum(np.exp(descending - descending[:, :1]), axis=1)
+    inside = (cumulative < target[:, None]).sum(axis=1)
+    reached = inside < descending.shape[1]
+    last = np.minimum(inside, descending.shape[1] - 1)
+    return np.take_along_axis(descending, last[:, None], axis=1), reached
+
+
+def apply_top_p(logits: np.ndarray, top_p: np.ndarray) -> None:
+    """In place: keep the smallest set of top tokens whose probability reaches `p` (ties with its last token
+    kept too), -inf elsewhere; 0 and 1 are off."""
+    active = (top_p > 0.0) & (top_p < 1.0)
+    if not active.any():
+        return
+    block, rows = _active_rows(logits, active)
+    row_max = block.max(axis=1, keepdims=True)
+    target = top_p[active].astype(np.float32) * np.exp(block - row_max).sum(axis=1)
+    vocab = block.shape[1]
+    threshold = np.empty((block.shape[0], 1), dtype=block.dtype)
+    wide = np.ones(block.shape[0], dtype=bool)
+    if vocab > _TOP_P_CANDIDATES:
+        top = np.partition(block, vocab - _TOP_P_CANDIDATES, axis=1)[:, vocab - _TOP_P_CANDIDATES :]
+        found, reached = _nucleus_threshold(np.sort(top, axis=1)[:, ::-1], target)
+        threshold[reached] = found[reached]
+        wide = ~reached
+    if wide.any():
+        threshold[wide] = _nucleus_threshold(np.sort(block[wide], axis=1)[:, ::-1], target[wide])[0]
+    block[block < threshold] = -np.inf
+    _store(logits, block, rows)
+
+
+def _draw(logits: np.ndarray, uniform: np.ndarray) -> np.ndarray:
+    """Inverse-CDF sampling from softmax(logits), one uniform in [0, 1) per row.
+
+    In two levels (which block of tokens, then which token in it) because a cumulative sum over the whole
+    vocabulary is a serial chain of adds, several times slower than the block sums.
+    """
+    n, vocab = logits.shape
+    blocks = -(-vocab // _DRAW_BLOCK)
+    weights = np.zeros((n, blocks * _DRAW_BLOCK), dtype=np.float32)
+    np.exp(logits - logits.max(axis=1, keepdims=True), out=weights[:, :vocab])
+    weights = weights.reshape(n, blocks, _DRAW_BLOCK)
+    block_cdf = np.cumsum(weights.sum(axis=2), axis=1, dtype=np.float64)
+    # (1 - u) lies in (0, 1], so the target is > 0 and <= the total: the chosen block has weight > 0.
+    target = (1.0 - uniform) * block_cdf[:, -1]
+    block = np.minimum((block_cdf < target[:, None]).sum(axis=1), blocks - 1)
+    before = np.where(block > 0, block_cdf[np.arange(n), block - 1], 0.0)
+    inner = weights[np.arange(n), block]
+    offset = (np.cumsum(inner, axis=1, dtype=np.float64) < (target - before)[:, None]).sum(axis=1)
+    # Rounding may leave the block's running sum just short of its total: take its last weighted token.
+    last_weighted = _DRAW_BLOCK - 1 - np.argmax(inner[:, ::-1] > 0.0, axis=1)
+    return block * _DRAW_BLOCK + np.minimum(offset, last_weighted)
+
+
+@dataclass(slots=True)
+class _Row:
+    params: SamplingParams
+    rng: np.random.Generator | None  # None for greedy rows: they never draw
+    # Tokens seen so far (prompt + generated) as a bool mask, kept only for rows with a repetition penalty;
+    # sized by the largest prompt id until the first step tells the vocabulary size.
+    seen: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+
+
+@dataclass(slots=True)
+class _Layout:
+    """Per-row parameter vectors and row groups, rebuilt when rows join or leave (not every step)."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    penalty: np.ndarray
+    greedy: np.ndarray  # row indices decided by argmax
+    sampled: np.ndarray  # row indices drawn at random
+    penalized: np.ndarray  # row indices with a repetition penalty
+    generators: list[np.random.Generator]  # of the sampled rows, in the same order
+
+    @classmethod
+    def of(cls, rows: Sequence[_Row]) -> _Layout:
+        params = [row.params for row in rows]
+        temperature = np.array([p.temperature for p in params], dtype=np.float32)
+        penalty = np.array([p.repetition_penalty for p in params], dtype=np.float32)
+        return cls(
+            temperature=temperature,
+            top_k=np.array([p.top_k for p in params], dtype=np.int64),
+            top_p=np.array([p.top_p for p in params], dtype=np.float32),
+            penalty=penalty,
+            greedy=np.flatnonzero(temperature == 0.0),
+            sampled=np.flatnonzero(temperature > 0.0),
+            penalized=np.flatnonzero(_penalizes(penalty)),
+            generators=[row.rng for row in rows if row.rng is not None],
+        )
+
+
+class SamplingBatch:
+    """Sampling state of the running sequences, in the engine's row order (swap-remove keeps them aligned)."""
+
+    def __init__(self) -> None:
+        self._rows: list[_Row] = []
+        self._layout: _Layout | None = None  # rebuilt lazily: several rows often join before a step
+        self._scratch = np.empty((0, 0), dtype=np.float32)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def append(self, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
+        """Add a row at the end (the engine's next row). Unseeded sampling rows get a seed from OS entropy."""
+        rng = None if params.greedy else np.random.default_rng(params.seed)
+        row = _Row(params=params, rng=rng)
+        if _penalizes(np.float32(params.repetition_penalty)):
+            ids = np.asarray(prompt_ids, dtype=np.int64)
+            if ids.size and ids.min() < 0:
+                raise ValueError(f"prompt token ids must be >= 0, got {int(ids.min())}")
+            row.seen = np.zeros(int(ids.max()) + 1 if ids.size else 0, dtype=bool)
+            row.seen[ids] = True
+        self._rows.append(row)
+        self._layout = None
+
+    def extend(self, other: SamplingBatch) -> None:
+        """Append `other`'s rows, state included (a prefill group joining the running batch)."""
+        self._rows.extend(other._rows)
+        self._layout = None
+
+    def remove(self, index: int) -> None:
+        """Drop row `index`; the last row moves into its place, as the engine's KV rows do."""
+        if not 0 <= index < len(self._rows):
+            raise IndexError(f"row {index} out of range for a batch of {len(self._rows)}")
+        last = self._rows.pop()
+        if index < len(self._rows):
+            self._rows[index] = last
+        self._layout = None
+
+    def sample(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Choose each row's next token from its logits [n, vocab]: tokens int64 [n] and their logprobs
+        float32 [n] under the model's raw distribution (before any processor). Records the tokens for the
+        repetition penalty."""
+        logits = np.asarray(logits, dtype=np.float32)
+        if logits.ndim != 2 or logits.shape[0] != len(self._rows):
+            raise ValueError(
+                f"logits must be [{len(self._rows)}, vocab] for this batch, got {list(logits.shape)}"
+            )
+        if self._layout is None:
+            self._layout = _Layout.of(self._rows)
+        layout = self._layout
+        if layout.sampled.size == 0 and layout.penalized.size == 0:
+            tokens = logits.argmax(axis=1)
+        else:
+            tokens = self._choose(logits, layout)
+        return tokens, self._logprobs(logits, tokens)
+
+    def _choose(self, logits: np.ndarray, layout: _Layout) -> np.ndarray:
+        work = logits
+        if layout.penalized.size:
+            work = logits.copy()
+            apply_repetition_penalty(work, layout.penalty, self._seen_mask(layout.penalized, logits.shape[1]))
+        tokens = np.empty(logits.shape[0], dtype=np.int64)
+        tokens[layout.greedy] = work[layout.greedy].argmax(axis=1)
+        if layout.sampled.size:
+            rows = layout.sampled
+            warped = work[rows]  # a copy: the chain below works in place
+            apply_temperature(warped, layout.temperature[rows])
+            apply_top_k(warped, layout.top_k[rows])
+            apply_top_p(warped, layout.top_p[rows])
+            uniform = np.array([rng.random() for rng in layout.generators])
+            tokens[rows] = _draw(warped, uniform)
+        for i in layout.penalized:
+            self._rows[i].seen[tokens[i]] = True
+        return tokens
+
+    def _seen_mask(self, penalized: np.ndarray, vocab: int) -> np.ndarray:
+        """bool [n, vocab]: each penalized row's seen tokens (other rows all False, never read)."""
+        mask = np.zeros((len(self._rows), vocab), dtype=bool)
+        for i in penalized:
+            row = self._rows[i]
+            if row.seen.size > vocab:
+                raise ValueError(
+                    f"row {i} has prompt token id {row.seen.size - 1} outside the vocabulary of {vocab}"
+                )
+            if row.seen.size < vocab:
+                row.seen = np.concatenate([row.seen, np.zeros(vocab - row.seen.size, dtype=bool)])
+            mask[i] = row.seen
+        return mask
+
+    def _logprobs(self, logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """log_softmax(logits)[row, token], in a reused buffer (a fresh [n, vocab] one costs page faults)."""
+        n, vocab = logits.shape
+        if self._scratch.shape[0] < n or self._scratch.shape[1] != vocab:
+            self._scratch = np.empty((max(n, self._scratch.shape[0]), vocab), dtype=np.float32)
+        shifted = self._scratch[:n]
+        row_max = logits.max(axis=1, keepdims=True)
+        np.subtract(logits, row_max, out=shifted)
+        chosen = np.take_along_axis(shifted, tokens[:, None], axis=1)[:, 0]
+        np.exp(shifted, out=shifted)
+        return (chosen - np.log(shifted.sum(axis=1))).astype(np.float32)
