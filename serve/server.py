@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,10 +31,10 @@ from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.auth import TokenAuthInterceptor, server_credentials
 from serve.bundle import Bundle, load_bundle
 from serve.config import ConfigError, ServerSettings
-from serve.engine import Engine, EngineSettings
+from serve.engine import Engine, EngineSettings, NewSequence
 from serve.errors import Draining, grpc_status
 from serve.metrics import Metrics
-from serve.request import Completion, FinishEvent, GenerationRequest
+from serve.request import Completion, FinishEvent
 from serve.runtime import SessionConfig
 from serve.sampling import SamplingParams
 from serve.scheduler import RequestHandle, Scheduler, SchedulerLimits
@@ -106,27 +107,25 @@ def scheduler_limits(settings: ServerSettings) -> SchedulerLimits:
 
 
 async def load_model(settings: ServerSettings, metrics: Metrics | None) -> LoadedModel:
-    """Bundle, engine and a started scheduler; raises BundleError for a bundle that cannot be served."""
+    """Bundle, warmed-up engine, started scheduler; raises BundleError for a bundle that cannot be served."""
     bundle = await asyncio.to_thread(load_bundle, settings.bundle)
     session = SessionConfig(providers=tuple(settings.providers or ()), threads=settings.threads or 0)
     engine_settings = EngineSettings(max_batch_size=settings.max_batch_size, session=session)
     engine = await asyncio.to_thread(Engine.from_bundle, bundle, engine_settings)
+    await asyncio.to_thread(warm_up, engine)
     scheduler = Scheduler(engine, scheduler_limits(settings), metrics)
     await scheduler.start()
     return LoadedModel(bundle, engine, scheduler, request_limits(settings, engine, scheduler))
 
 
-async def warm_up(model: LoadedModel) -> None:
-    """One prefill and one decode step, so the first client does not pay for ONNX Runtime's lazy set-up."""
-    warm = GenerationRequest(
-        request_id="warm-up",
-        prompt_ids=[model.engine.eos_token_id],
-        sampling=SamplingParams(),
-        max_new_tokens=2,
-        ignore_eos=True,
+def warm_up(engine: Engine) -> None:
+    """One prefill and one decode step before the scheduler starts, so the first client does not pay for
+    ONNX Runtime's lazy set-up; run on the engine directly so no metric counts it as a request."""
+    engine.prefill(
+        [NewSequence(seq_id="warm-up", prompt_ids=[engine.eos_token_id], sampling=SamplingParams())]
     )
-    async for _event in model.scheduler.submit(warm):
-        pass
+    engine.decode()
+    engine.release(["warm-up"])
 
 
 # --- one RPC's accounting -----------------------------------------------------------------------------------
@@ -337,6 +336,7 @@ class TextgenServer:
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.metrics_port = 0
+        self._metrics_server: WSGIServer | None = None
         self._server = self._build_server()
 
     def _build_server(self) -> grpc.aio.Server:
@@ -388,7 +388,6 @@ class TextgenServer:
             "listening on %s (tls=%s)", _address(self.settings.host, self.port), self.settings.tls_enabled
         )
         model = await load_model(self.settings, self.metrics)
-        await warm_up(model)
         self.service.model = model
         self._publish_model_info(model)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -403,6 +402,7 @@ class TextgenServer:
             )
         except OSError as exc:
             raise ConfigError(f"cannot serve metrics on {address}: {exc}") from None
+        self._metrics_server = server
         port = int(server.server_port)
         log.info("metrics on http://%s/metrics", _address(self.settings.metrics_host, port))
         return port
@@ -421,6 +421,7 @@ class TextgenServer:
         if self.service.model is not None:
             await self.service.model.scheduler.drain(self.settings.grace_seconds)
         await self._server.stop(STOP_GRACE_SECONDS)
+        await self._stop_metrics()
         log.info("stopped")
 
     async def stop(self) -> None:
@@ -429,6 +430,13 @@ class TextgenServer:
         if self.service.model is not None:
             await self.service.model.scheduler.drain(0.0)
         await self._server.stop(None)
+        await self._stop_metrics()
+
+    async def _stop_metrics(self) -> None:
+        server, self._metrics_server = self._metrics_server, None
+        if server is not None:
+            await asyncio.to_thread(server.shutdown)  # waits up to one poll interval (0.5 s)
+            server.server_close()
 
 
 async def serve(settings: ServerSettings) -> None:
