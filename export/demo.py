@@ -32,13 +32,15 @@ DEMO_CONFIG = DecoderConfig(
 )
 
 DEMO_TRAIN = TrainConfig(
-    steps=600,
-    batch_size=16,
+    steps=400,
+    batch_size=8,
     learning_rate=3e-3,
     min_learning_rate=3e-4,
-    warmup_steps=50,
+    warmup_steps=30,
     label_smoothing=0.0,
-    corpus_bytes=4_000_000,
+    corpus_bytes=3_000_000,
+    eval_every=100,
+    eval_batches=8,
 )
 
 
