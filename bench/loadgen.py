@@ -1,0 +1,634 @@
+"""`textgen-bench`: a gRPC load generator for a running textgen server, reporting like `vllm bench serve`.
+
+    textgen-bench --target localhost:50051 --concurrency 16 --num-requests 128 --max-new-tokens 128 \\
+        --ignore-eos --output results.json --metrics-url http://localhost:8000/metrics
+
+Every request is a `GenerateStream` call; the client timestamps each streamed message that carries tokens.
+Definitions (those of vLLM's benchmark, so figures compare):
+- TTFT: from sending the request to the first message with a token.
+- TPOT: per request, (end-to-end latency - TTFT) / (output tokens - 1); requests with one token have none.
+- ITL: every gap between consecutive token-bearing messages, pooled over all requests.
+- E2EL: from sending the request to the end of its stream.
+Throughputs divide by the benchmark's wall time (first request sent to last stream ended).
+
+Load shapes: closed loop (`--concurrency` clients, each sends its next request when the last ends) or open
+loop (`--request-rate`, Poisson arrivals; `--concurrency` then caps requests in flight). Prompts are random
+token ids (`--dataset synthetic`, sent as `token_ids`) or text windows from the Python stdlib sources
+(`--dataset corpus`, sent as `text`, cut to length with the server's Tokenize RPC).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import sysconfig
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import grpc
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+from serve._proto.textgen.v1 import textgen_pb2 as pb
+from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+
+Dataset = Literal["synthetic", "corpus"]
+# Duration-bound runs cycle through this many prepared prompts.
+DURATION_PROMPT_POOL = 256
+# Characters per token to start from when cutting corpus text; corrected by tokenizing.
+CHARS_PER_TOKEN_GUESS = 4
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    target: str
+    concurrency: int | None = None  # closed loop: clients (default 1); open loop: cap on requests in flight
+    request_rate: float | None = None  # requests/s, Poisson arrivals; None: closed loop
+    num_requests: int | None = 64
+    duration: float | None = None  # seconds; replaces num_requests
+    input_len: int = 32
+    input_len_spread: float = 0.0  # prompt length uniform in input_len * [1 - spread, 1 + spread]
+    max_new_tokens: int = 128
+    output_len_spread: float = 0.0
+    ignore_eos: bool = False
+    dataset: Dataset = "synthetic"
+    temperature: float = 0.0
+    seed: int = 0
+    timeout: float = 600.0  # per request, seconds
+    percentiles: tuple[float, ...] = (99.0,)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.num_requests is None) == (self.duration is None):
+            raise ValueError("give exactly one of num_requests and duration")
+        checks = {
+            "concurrency": self.concurrency is None or self.concurrency >= 1,
+            "request_rate": self.request_rate is None or self.request_rate > 0,
+            "num_requests": self.num_requests is None or self.num_requests >= 1,
+            "duration": self.duration is None or self.duration > 0,
+            "input_len": self.input_len >= 1,
+            "max_new_tokens": self.max_new_tokens >= 1,
+            "input_len_spread": 0.0 <= self.input_len_spread < 1.0,
+            "output_len_spread": 0.0 <= self.output_len_spread < 1.0,
+            "timeout": self.timeout > 0,
+            "percentiles": all(0.0 < p < 100.0 for p in self.percentiles),
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid load settings: {', '.join(bad)} (see textgen-bench --help)")
+
+    @property
+    def closed_loop(self) -> bool:
+        return self.request_rate is None
+
+
+# --- the workload ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str | None
+    token_ids: tuple[int, ...]
+    max_new_tokens: int
+
+    def message(self, request_id: str, config: LoadConfig) -> pb.GenerateRequest:
+        stopping = pb.StoppingCriteria(max_new_tokens=self.max_new_tokens, ignore_eos=config.ignore_eos)
+        sampling = pb.SamplingParams(temperature=config.temperature)
+        if config.temperature > 0:
+            sampling.seed = config.seed
+        if self.text is not None:
+            return pb.GenerateRequest(
+                request_id=request_id, text=self.text, sampling=sampling, stopping=stopping
+            )
+        return pb.GenerateRequest(
+            request_id=request_id,
+            token_ids=pb.TokenIds(ids=self.token_ids),
+            sampling=sampling,
+            stopping=stopping,
+        )
+
+
+def sample_length(mean: int, spread: float, rng: random.Random) -> int:
+    low, high = max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
+    return rng.randint(low, high)
+
+
+def synthetic_ids(length: int, vocab_size: int, eos_token_id: int, rng: random.Random) -> tuple[int, ...]:
+    """Uniform random ids, EOS excluded (a prompt made of EOS tokens is not a realistic input)."""
+    ids = []
+    while len(ids) < length:
+        token = rng.randrange(vocab_size)
+        if token != eos_token_id:
+            ids.append(token)
+    return tuple(ids)
+
+
+def stdlib_texts(limit_files: int = 200) -> list[str]:
+    """The Python stdlib's own sources: text that is on every machine that runs this tool."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = []
+    for path in sorted(root.glob("*.py"))[:limit_files]:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if len(text) > 4096:
+            texts.append(text)
+    if not texts:
+        raise RuntimeError(f"no Python sources found under {root} for --dataset corpus")
+    return texts
+
+
+def corpus_window(texts: Sequence[str], chars: int, rng: random.Random) -> str:
+    text = texts[rng.randrange(len(texts))]
+    chars = min(chars, len(text))
+    start = rng.randrange(len(text) - chars + 1)
+    return text[start : start + chars]
+
+
+def cut_to_tokens(text: str, length: int, count_tokens: Callable[[str], int]) -> str:
+    """The longest prefix of `text` found, by proportional cuts, that has at most `length` tokens."""
+    tokens = count_tokens(text)
+    while tokens > length and len(text) > 1:
+        text = text[: max(1, min(len(text) - 1, len(text) * length // tokens))]
+        tokens = count_tokens(text)
+    return text
+
+
+def build_prompts(
+    config: LoadConfig, count: int, info: pb.ModelInfo, count_tokens: Callable[[str], int]
+) -> list[Prompt]:
+    rng = random.Random(config.seed)
+    texts = stdlib_texts() if config.dataset == "corpus" else []
+    prompts = []
+    for _ in range(count):
+        length = sample_length(config.input_len, config.input_len_spread, rng)
+        new_tokens = sample_length(config.max_new_tokens, config.output_len_spread, rng)
+        if config.dataset == "corpus":
+            window = corpus_window(texts, length * CHARS_PER_TOKEN_GUESS, rng)
+            prompts.append(Prompt(cut_to_tokens(window, length, count_tokens), (), new_tokens))
+        else:
+            ids = synthetic_ids(length, info.vocab_size, info.eos_token_id, rng)
+            prompts.append(Prompt(None, ids, new_tokens))
+    return prompts
+
+
+# --- one request -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it; times in seconds, `start` relative to the benchmark's start."""
+
+    request_id: str
+    start: float
+    success: bool = False
+    error: str = ""
+    prompt_tokens: int = 0  # from the server's usage message
+    output_tokens: int = 0  # token ids received
+    finish_reason: str = ""
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+async def send(
+    stub: pb_grpc.TextGenerationStub, message: pb.GenerateRequest, origin: float, timeout: float
+) -> RequestRecord:
+    sent = time.perf_counter()
+    record = RequestRecord(request_id=message.request_id, start=sent - origin)
+    last: float | None = None
+    try:
+        async for reply in stub.GenerateStream(message, timeout=timeout):
+            now = time.perf_counter()
+            if reply.token_ids:
+                if last is None:
+                    record.ttft = now - sent
+                else:
+                    record.itl.append(now - last)
+                last = now
+                record.output_tokens += len(reply.token_ids)
+            if reply.HasField("usage"):
+                record.prompt_tokens = reply.usage.prompt_tokens
+                record.finish_reason = pb.FinishReason.Name(reply.finish_reason)
+        record.success = True
+    except grpc.aio.AioRpcError as exc:
+        record.error = f"{exc.code().name}: {exc.details()}"
+    record.latency = time.perf_counter() - sent
+    return record
+
+
+# --- load shapes -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    records: list[RequestRecord]
+    duration: float
+
+
+class _Plan:
+    """Hands out requests until the count is reached or the duration has passed."""
+
+    def __init__(self, config: LoadConfig, prompts: list[Prompt], origin: float) -> None:
+        self._config = config
+        self._prompts = prompts
+        self._end = None if config.duration is None else origin + config.duration
+        self._issued = 0
+
+    def next(self) -> pb.GenerateRequest | None:
+        if self._config.num_requests is not None and self._issued >= self._config.num_requests:
+            return None
+        if self._end is not None and time.perf_counter() >= self._end:
+            return None
+        prompt = self._prompts[self._issued % len(self._prompts)]
+        self._issued += 1
+        return prompt.message(f"bench-{self._issued - 1}", self._config)
+
+
+async def _closed_loop(
+    plan: _Plan, clients: int, issue: Callable[[pb.GenerateRequest], asyncio.Future[RequestRecord]]
+) -> list[RequestRecord]:
+    async def client() -> list[RequestRecord]:
+        done = []
+        while (message := plan.next()) is not None:
+            done.append(await issue(message))
+        return done
+
+    per_client = await asyncio.gather(*(client() for _ in range(clients)))
+    return [record for records in per_client for record in records]
+
+
+async def _open_loop(
+    plan: _Plan,
+    rate: float,
+    cap: int | None,
+    rng: random.Random,
+    issue: Callable[[pb.GenerateRequest], asyncio.Future[RequestRecord]],
+) -> list[RequestRecord]:
+    limit = asyncio.Semaphore(cap) if cap is not None else None
+
+    async def bounded(message: pb.GenerateRequest) -> RequestRecord:
+        if limit is None:
+            return await issue(message)
+        async with limit:
+            return await issue(message)
+
+    tasks = []
+    while (message := plan.next()) is not None:
+        tasks.append(asyncio.ensure_future(bounded(message)))
+        await asyncio.sleep(rng.expovariate(rate))
+    return list(await asyncio.gather(*tasks))
+
+
+async def run_load(config: LoadConfig, stub: pb_grpc.TextGenerationStub, prompts: list[Prompt]) -> RunResult:
+    total = config.num_requests
+    bar = tqdm(total=total, unit="req", disable=not config.progress, file=sys.stderr, leave=False)
+    origin = time.perf_counter()
+    plan = _Plan(config, prompts, origin)
+
+    def issue(message: pb.GenerateRequest) -> asyncio.Future[RequestRecord]:
+        future = asyncio.ensure_future(send(stub, message, origin, config.timeout))
+        future.add_done_callback(lambda _f: bar.update(1))
+        return future
+
+    if config.closed_loop:
+        records = await _closed_loop(plan, config.concurrency or 1, issue)
+    else:
+        assert config.request_rate is not None
+        rng = random.Random(config.seed + 1)
+        records = await _open_loop(plan, config.request_rate, config.concurrency, rng, issue)
+    duration = time.perf_counter() - origin
+    bar.close()
+    records.sort(key=lambda r: r.start)
+    return RunResult(records, duration)
+
+
+# --- statistics --------------------------------------------------------------------------------------------
+
+
+def distribution(values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
+    """mean, median and the given percentiles of `values_s` (seconds), in milliseconds; NaN when empty."""
+    values = np.asarray(values_s, dtype=np.float64) * 1e3
+    out = {"mean": math.nan, "median": math.nan} | {_pname(p): math.nan for p in percentiles}
+    if values.size:
+        out["mean"] = float(values.mean())
+        out["median"] = float(np.median(values))
+        for p in percentiles:
+            out[_pname(p)] = float(np.percentile(values, p))
+    return out
+
+
+def _pname(p: float) -> str:
+    return f"p{p:g}"
+
+
+def summarize(result: RunResult, percentiles: Sequence[float]) -> dict[str, object]:
+    ok = [r for r in result.records if r.success]
+    inputs = sum(r.prompt_tokens for r in ok)
+    outputs = sum(r.output_tokens for r in ok)
+    duration = result.duration
+    return {
+        "successful_requests": len(ok),
+        "failed_requests": len(result.records) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": inputs,
+        "total_output_tokens": outputs,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": outputs / duration,
+        "total_token_throughput": (inputs + outputs) / duration,
+        "ttft_ms": distribution([r.ttft for r in ok if r.ttft is not None], percentiles),
+        "tpot_ms": distribution([t for r in ok if (t := r.tpot) is not None], percentiles),
+        "itl_ms": distribution([gap for r in ok for gap in r.itl], percentiles),
+        "e2el_ms": distribution([r.latency for r in ok], percentiles),
+    }
+
+
+SECTIONS = (
+    ("ttft_ms", "Time to First Token", "TTFT"),
+    ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
+    ("itl_ms", "Inter-token Latency", "ITL"),
+    ("e2el_ms", "End-to-end Latency", "E2EL"),
+)
+
+
+def format_report(summary: dict[str, object], title: str = "Serving Benchmark Result") -> str:
+    width = 50
+
+    def line(label: str, value: object) -> str:
+        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
+        return f"{label:<40}{shown:>10}"
+
+    rows = [
+        f"{' ' + title + ' ':=^{width}}",
+        line("Successful requests:", summary["successful_requests"]),
+        line("Failed requests:", summary["failed_requests"]),
+        line("Benchmark duration (s):", summary["duration_s"]),
+        line("Total input tokens:", summary["total_input_tokens"]),
+        line("Total generated tokens:", summary["total_output_tokens"]),
+        line("Request throughput (req/s):", summary["request_throughput"]),
+        line("Output token throughput (tok/s):", summary["output_throughput"]),
+        line("Total token throughput (tok/s):", summary["total_token_throughput"]),
+    ]
+    for key, heading, short in SECTIONS:
+        rows.append(f"{heading:-^{width}}")
+        stats = summary[key]
+        assert isinstance(stats, dict)
+        for stat, value in stats.items():
+            label = stat.capitalize() if stat in ("mean", "median") else stat.upper()
+            rows.append(line(f"{label} {short} (ms):", value))
+    rows.append("=" * width)
+    return "\n".join(rows)
+
+
+# --- the server's own figures ------------------------------------------------------------------------------
+
+# (sample name, labels that must match) -> what the check calls it
+SERVER_SAMPLES = {
+    "stream_requests": ("textgen_requests_total", {"rpc": "GenerateStream"}),
+    "stream_ok": ("textgen_requests_total", {"rpc": "GenerateStream", "code": "OK"}),
+    "ttft_sum": ("textgen_time_to_first_token_seconds_sum", {}),
+    "ttft_count": ("textgen_time_to_first_token_seconds_count", {}),
+    "generation_tokens": ("textgen_generation_tokens_total", {}),
+}
+
+
+def parse_server_figures(exposition: str) -> dict[str, float]:
+    """Sums of the SERVER_SAMPLES over the series whose labels match, from Prometheus text format."""
+    figures = dict.fromkeys(SERVER_SAMPLES, 0.0)
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            for key, (name, labels) in SERVER_SAMPLES.items():
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    figures[key] += sample.value
+    return figures
+
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return parse_server_figures(response.read().decode("utf-8"))
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    client: float
+    server: float
+    ok: bool
+
+
+def compare_with_server(before: dict[str, float], after: dict[str, float], result: RunResult) -> list[Check]:
+    """The server's own counts and TTFT over the run against the client's (no other traffic assumed)."""
+    delta = {key: after[key] - before[key] for key in SERVER_SAMPLES}
+    ok = [r for r in result.records if r.success]
+    client_ttft = [r.ttft for r in ok if r.ttft is not None]
+    client_ttft_mean = float(np.mean(client_ttft)) if client_ttft else math.nan
+    server_ttft_mean = delta["ttft_sum"] / delta["ttft_count"] if delta["ttft_count"] else math.nan
+    output_tokens = sum(r.output_tokens for r in ok)
+    return [
+        Check(
+            "requests (GenerateStream)",
+            len(result.records),
+            delta["stream_requests"],
+            delta["stream_requests"] == len(result.records),
+        ),
+        Check("successful requests (code OK)", len(ok), delta["stream_ok"], delta["stream_ok"] == len(ok)),
+        Check(
+            "generated tokens",
+            output_tokens,
+            delta["generation_tokens"],
+            delta["generation_tokens"] == output_tokens,
+        ),
+        # The server's clock starts when the request arrives and stops before the token crosses the network.
+        Check(
+            "mean TTFT (s): server <= client",
+            client_ttft_mean,
+            server_ttft_mean,
+            server_ttft_mean <= client_ttft_mean,
+        ),
+    ]
+
+
+def format_checks(checks: Sequence[Check]) -> str:
+    rows = [f"{' Server metrics vs client ':=^78}", f"{'check':<36}{'client':>14}{'server':>14}{'':>4}result"]
+    for check in checks:
+        rows.append(
+            f"{check.name:<36}{check.client:>14.6g}{check.server:>14.6g}"
+            f"    {'ok' if check.ok else 'MISMATCH'}"
+        )
+    return "\n".join(rows)
+
+
+# --- putting it together -----------------------------------------------------------------------------------
+
+
+@dataclass
+class BenchmarkOutput:
+    config: LoadConfig
+    model: dict[str, object]
+    summary: dict[str, object]
+    records: list[RequestRecord]
+    checks: list[Check] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "config": asdict(self.config),
+            "model": self.model,
+            "summary": self.summary,
+            "server_checks": [asdict(c) for c in self.checks],
+            "records": [asdict(r) | {"tpot": r.tpot} for r in self.records],
+        }
+
+
+async def benchmark(config: LoadConfig, metrics_url: str | None = None) -> BenchmarkOutput:
+    """Prepare the prompts, run the load, and (with `metrics_url`) compare with the server's metrics."""
+    async with grpc.aio.insecure_channel(config.target) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        prompts = await _prepare(config, stub, info)
+        before = await asyncio.to_thread(scrape, metrics_url) if metrics_url else None
+        result = await run_load(config, stub, prompts)
+        checks = []
+        if metrics_url and before is not None:
+            checks = compare_with_server(before, await asyncio.to_thread(scrape, metrics_url), result)
+    model = {"name": info.model_name, "vocab_size": info.vocab_size, "max_batch_size": info.max_batch_size}
+    return BenchmarkOutput(config, model, summarize(result, config.percentiles), result.records, checks)
+
+
+async def _prepare(config: LoadConfig, stub: pb_grpc.TextGenerationStub, info: pb.ModelInfo) -> list[Prompt]:
+    count = config.num_requests or DURATION_PROMPT_POOL
+    if config.dataset == "synthetic":
+        return build_prompts(config, count, info, _no_tokenizer)
+    # Tokenize is a blocking helper for build_prompts: run it on a private channel from a worker thread.
+    with grpc.insecure_channel(config.target) as channel:
+        sync_stub = pb_grpc.TextGenerationStub(channel)
+
+        def count_tokens(text: str) -> int:
+            return len(sync_stub.Tokenize(pb.TokenizeRequest(text=text), timeout=30).ids)
+
+        return await asyncio.to_thread(build_prompts, config, count, info, count_tokens)
+
+
+def _no_tokenizer(text: str) -> int:
+    raise AssertionError("synthetic prompts are never tokenized")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="textgen-bench",
+        description="Load-test a textgen gRPC server; reports as `vllm bench serve` does.",
+    )
+    p.add_argument("--target", default="localhost:50051", help="server HOST:PORT")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="closed loop: clients (default 1); with --request-rate: the most requests in flight",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="open loop: requests per second, Poisson arrivals (default: closed loop)",
+    )
+    amount = p.add_mutually_exclusive_group()
+    amount.add_argument("--num-requests", type=int, default=None, help="requests to send (default 64)")
+    amount.add_argument("--duration", type=float, default=None, help="send requests for this many seconds")
+    p.add_argument(
+        "--dataset",
+        choices=("synthetic", "corpus"),
+        default="synthetic",
+        help="random token ids, or text from the Python stdlib sources",
+    )
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens (mean)")
+    p.add_argument(
+        "--input-len-spread", type=float, default=0.0, help="prompt length uniform in input_len * [1-s, 1+s]"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128, help="max_new_tokens per request (mean)")
+    p.add_argument(
+        "--output-len-spread",
+        type=float,
+        default=0.0,
+        help="max_new_tokens uniform in max_new_tokens * [1-s, 1+s]",
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_new_tokens per request")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths, arrivals and sampling")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, seconds")
+    p.add_argument("--percentiles", default="99", help="comma-separated percentiles to report, e.g. 50,90,99")
+    p.add_argument(
+        "--metrics-url",
+        default=None,
+        help="the server's Prometheus endpoint (http://HOST:PORT/metrics): compare its figures",
+    )
+    p.add_argument("--output", type=Path, default=None, help="write summary and per-request records (JSON)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> LoadConfig:
+    num_requests = args.num_requests if args.num_requests is not None or args.duration is not None else 64
+    return LoadConfig(
+        target=args.target,
+        concurrency=args.concurrency,
+        request_rate=args.request_rate,
+        num_requests=num_requests,
+        duration=args.duration,
+        input_len=args.input_len,
+        input_len_spread=args.input_len_spread,
+        max_new_tokens=args.max_new_tokens,
+        output_len_spread=args.output_len_spread,
+        ignore_eos=args.ignore_eos,
+        dataset=args.dataset,
+        temperature=args.temperature,
+        seed=args.seed,
+        timeout=args.timeout,
+        percentiles=tuple(float(p) for p in args.percentiles.split(",") if p.strip()),
+        progress=not args.no_progress,
+    )
+
+
+def write_json(output: BenchmarkOutput, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(output.to_json(), indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser().error(str(exc))
+    try:
+        output = asyncio.run(benchmark(config, args.metrics_url))
+    except grpc.RpcError as exc:
+        print(
+            f"textgen-bench: cannot reach {config.target}: {exc.code().name}: {exc.details()}",
+            file=sys.stderr,
+        )
+        return 1
+    print(format_report(output.summary))
+    if output.checks:
+        print(format_checks(output.checks))
+    if args.output is not None:
+        write_json(output, args.output)
+        print(f"records written to {args.output}")
+    # Failed requests are a result (an overload test expects some); nothing served or a mismatch is not.
+    broken = output.summary["successful_requests"] == 0 or not all(c.ok for c in output.checks)
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

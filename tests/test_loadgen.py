@@ -1,0 +1,217 @@
+"""The load generator: its statistics on hand-made records, and a few-request smoke run on a real server."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from running_server import RunningServer, loopback_settings
+from server_tools import LoopThread
+
+from bench.loadgen import (
+    LoadConfig,
+    RequestRecord,
+    RunResult,
+    compare_with_server,
+    cut_to_tokens,
+    distribution,
+    format_report,
+    main,
+    parse_server_figures,
+    summarize,
+    synthetic_ids,
+)
+
+# --- statistics on hand-made records ---------------------------------------------------------------------
+
+
+def record(ttft: float, itl: list[float], prompt: int = 10, start: float = 0.0) -> RequestRecord:
+    """A successful request whose first token came after `ttft` and the others `itl` apart."""
+    return RequestRecord(
+        request_id=f"r{start}",
+        start=start,
+        success=True,
+        prompt_tokens=prompt,
+        output_tokens=1 + len(itl),
+        ttft=ttft,
+        itl=list(itl),
+        latency=ttft + sum(itl),
+    )
+
+
+def test_tpot_excludes_the_first_token() -> None:
+    r = record(ttft=0.5, itl=[0.1, 0.2, 0.3])
+    assert r.tpot == pytest.approx((r.latency - 0.5) / 3)
+    assert r.tpot == pytest.approx(0.2)
+    assert record(ttft=0.5, itl=[]).tpot is None  # one token: no time per output token
+
+
+def test_distribution_is_in_milliseconds_with_interpolated_percentiles() -> None:
+    values = [i / 1000 for i in range(1, 101)]  # 1..100 ms
+    stats = distribution(values, (50.0, 99.0))
+    assert stats["mean"] == pytest.approx(50.5)
+    assert stats["median"] == pytest.approx(50.5)
+    assert stats["p99"] == pytest.approx(99.01)  # linear interpolation between 99 and 100
+    assert math.isnan(distribution([], (99.0,))["p99"])
+
+
+def test_summary_pools_itl_but_averages_tpot_per_request() -> None:
+    fast = record(ttft=0.1, itl=[0.01] * 9, prompt=5)  # 10 tokens
+    slow = record(ttft=0.3, itl=[0.1], prompt=7, start=1.0)  # 2 tokens
+    failed = RequestRecord(request_id="bad", start=0.5, error="UNAVAILABLE: gone", latency=0.2)
+    summary = summarize(RunResult([fast, slow, failed], duration=2.0), (99.0,))
+    assert summary["successful_requests"] == 2 and summary["failed_requests"] == 1
+    assert summary["total_input_tokens"] == 12 and summary["total_output_tokens"] == 12
+    assert summary["request_throughput"] == pytest.approx(1.0)
+    assert summary["output_throughput"] == pytest.approx(6.0)
+    assert summary["total_token_throughput"] == pytest.approx(12.0)
+    # TPOT: mean of the two requests' own figures (10 ms and 100 ms), not of their ten gaps.
+    assert summary["tpot_ms"]["mean"] == pytest.approx(55.0)
+    # ITL: the ten gaps pooled, nine of 10 ms and one of 100 ms.
+    assert summary["itl_ms"]["mean"] == pytest.approx(19.0)
+    assert summary["itl_ms"]["median"] == pytest.approx(10.0)
+    assert summary["ttft_ms"]["mean"] == pytest.approx(200.0)
+    assert summary["e2el_ms"]["mean"] == pytest.approx((0.19 + 0.4) / 2 * 1e3)
+    report = format_report(summary)
+    assert "Failed requests:" in report and "P99 ITL (ms):" in report and "Median TPOT (ms):" in report
+
+
+EXPOSITION = """\
+# TYPE textgen_requests counter
+textgen_requests_total{{rpc="GenerateStream",code="OK"}} {ok}
+textgen_requests_total{{rpc="GenerateStream",code="CANCELLED"}} {cancelled}
+textgen_requests_total{{rpc="Generate",code="OK"}} 100.0
+# TYPE textgen_time_to_first_token_seconds histogram
+textgen_time_to_first_token_seconds_bucket{{le="+Inf"}} {ttft_count}
+textgen_time_to_first_token_seconds_count {ttft_count}
+textgen_time_to_first_token_seconds_sum {ttft_sum}
+# TYPE textgen_generation_tokens counter
+textgen_generation_tokens_total {tokens}
+"""
+
+
+def exposition(ok: int, cancelled: int, ttft_count: int, ttft_sum: float, tokens: int) -> str:
+    return EXPOSITION.format(
+        ok=ok, cancelled=cancelled, ttft_count=ttft_count, ttft_sum=ttft_sum, tokens=tokens
+    )
+
+
+def test_server_figures_sum_matching_series_only() -> None:
+    figures = parse_server_figures(exposition(3, 1, 4, 0.4, 40))
+    assert figures["stream_requests"] == 4 and figures["stream_ok"] == 3  # the unary Generate is not counted
+    assert figures["ttft_count"] == 4 and figures["ttft_sum"] == pytest.approx(0.4)
+    assert figures["generation_tokens"] == 40
+
+
+def test_comparison_with_the_server_flags_what_disagrees() -> None:
+    result = RunResult([record(0.2, [0.01] * 4), record(0.2, [0.01] * 4)], duration=1.0)
+    before = parse_server_figures(exposition(5, 0, 6, 1.0, 100))
+    agreeing = parse_server_figures(exposition(7, 0, 8, 1.3, 110))  # server TTFT 150 ms < client 200 ms
+    assert all(check.ok for check in compare_with_server(before, agreeing, result))
+    off = parse_server_figures(exposition(8, 0, 8, 1.6, 111))  # one extra request, TTFT 300 ms, one token
+    failing = {check.name for check in compare_with_server(before, off, result) if not check.ok}
+    assert failing == {
+        "requests (GenerateStream)",
+        "successful requests (code OK)",
+        "generated tokens",
+        "mean TTFT (s): server <= client",
+    }
+
+
+def test_corpus_prompts_are_cut_to_at_most_the_token_budget() -> None:
+    def words(text: str) -> int:
+        return len(text.split())
+
+    text = " ".join(f"word{i}" for i in range(100))
+    cut = cut_to_tokens(text, 30, words)
+    assert 25 <= words(cut) <= 30 and text.startswith(cut)
+
+
+def test_synthetic_prompts_avoid_eos() -> None:
+    import random
+
+    ids = synthetic_ids(500, vocab_size=4, eos_token_id=0, rng=random.Random(1))
+    assert len(ids) == 500 and 0 not in ids and set(ids) == {1, 2, 3}
+
+
+def test_bad_settings_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="concurrency"):
+        LoadConfig(target="x:1", concurrency=0)
+    with pytest.raises(ValueError, match="exactly one"):
+        LoadConfig(target="x:1", num_requests=4, duration=1.0)
+
+
+# --- smoke run against a real server ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bundle: Path) -> Iterator[RunningServer]:
+    loop = LoopThread()
+    running = RunningServer(loop, loopback_settings(tiny_bundle, max_batch_size=4))
+    yield running
+    running.stop()
+    loop.close()
+
+
+def test_closed_loop_smoke_run_matches_the_server(server: RunningServer, tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    argv = [
+        "--target",
+        server.target,
+        "--concurrency",
+        "2",
+        "--num-requests",
+        "4",
+        "--max-new-tokens",
+        "5",
+        "--input-len",
+        "6",
+        "--ignore-eos",
+        "--no-progress",
+        "--output",
+        str(out),
+        "--metrics-url",
+        f"http://127.0.0.1:{server.server.metrics_port}/metrics",
+    ]
+    assert main(argv) == 0
+    saved = json.loads(out.read_text())
+    assert saved["summary"]["successful_requests"] == 4 and saved["summary"]["failed_requests"] == 0
+    assert saved["summary"]["total_output_tokens"] == 20
+    assert len(saved["records"]) == 4
+    for rec in saved["records"]:
+        assert rec["success"] and rec["output_tokens"] == 5 and rec["prompt_tokens"] == 6
+        assert rec["finish_reason"] == "FINISH_REASON_LENGTH"
+        assert 0 < rec["ttft"] <= rec["latency"] and len(rec["itl"]) >= 1
+    assert [c["ok"] for c in saved["server_checks"]] == [True] * 4
+
+
+def test_open_loop_corpus_run_sends_text(server: RunningServer, tmp_path: Path) -> None:
+    out = tmp_path / "open.json"
+    argv = [
+        "--target",
+        server.target,
+        "--request-rate",
+        "50",
+        "--num-requests",
+        "3",
+        "--dataset",
+        "corpus",
+        "--input-len",
+        "8",
+        "--max-new-tokens",
+        "3",
+        "--output-len-spread",
+        "0.5",
+        "--ignore-eos",
+        "--no-progress",
+        "--output",
+        str(out),
+    ]
+    assert main(argv) == 0
+    saved = json.loads(out.read_text())
+    assert saved["summary"]["successful_requests"] == 3
+    for rec in saved["records"]:
+        assert 1 <= rec["prompt_tokens"] <= 8 and 2 <= rec["output_tokens"] <= 4
