@@ -114,15 +114,13 @@ def _describe(error: ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
-def load_settings(argv: list[str] | None = None, **overrides: object) -> ServerSettings:
-    """Settings from `argv` (CLI flags) over `TEXTGEN_*` over defaults; `overrides` win over all (tests).
+def load_settings(argv: list[str]) -> ServerSettings:
+    """Settings from `argv` (CLI flags) over `TEXTGEN_*` variables over defaults.
 
-    Raises ConfigError with one line per bad setting.
+    Raises ConfigError with one line per bad setting; an unknown flag exits with argparse's usage (code 2).
     """
     try:
-        if argv is None:
-            return ServerSettings(**overrides)  # type: ignore[arg-type]
-        return CliApp.run(ServerSettings, cli_args=argv, **overrides)
+        return CliApp.run(ServerSettings, cli_args=argv)
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
     except SettingsError as exc:

@@ -69,7 +69,7 @@ FINISH_REASONS = {
 }
 
 
-def finish_reason(reason: str) -> pb.FinishReason.ValueType:
+def finish_reason(reason: str) -> pb.FinishReason:
     return FINISH_REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
 
 
