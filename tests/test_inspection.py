@@ -1,0 +1,270 @@
+"""Model inspection: recorded attention, the recompute check, head diversity, layer statistics, embedding
+neighbours, and the pictures and page of `textgen-export inspect`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from tokenizers import Tokenizer
+from torch import Tensor
+
+from export.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from export.inspection import cli
+from export.inspection.attention import (
+    InspectionError,
+    TextBatch,
+    attention_layers,
+    encode_texts,
+    recompute_errors,
+    record_attention,
+    weight_on_padding,
+)
+from export.inspection.diversity import head_stats, layer_diversity
+from export.inspection.embeddings import nearest_neighbours
+from export.inspection.layers import residual_stats
+from export.model import Attention, Decoder, DecoderConfig
+from export.tokenizer import EOS_ID, PAD_ID, train_tokenizer
+
+TOL = 1e-5
+CODE = "def __init__(self, items):\n    self.items = list(items)\n    return None\n"
+TEXTS = [CODE, "for item in self.items:\n    print(item)\n"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    corpus = [CODE * 3, "import os\nimport sys\nfor i in range(10):\n    print(i, os.sep, sys.argv)\n"] * 5
+    return train_tokenizer(corpus, vocab_size=320, min_frequency=1)
+
+
+def _sharp_model(cfg: DecoderConfig, seed: int = 0) -> Decoder:
+    """Q and K weights large enough that heads attend sharply and differently (default init: ~uniform)."""
+    torch.manual_seed(seed)
+    model = Decoder(cfg).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.qkv.weight[: 2 * cfg.d_model].normal_(std=0.4)
+    return model
+
+
+@pytest.fixture
+def model(tiny_config: DecoderConfig, tokenizer: Tokenizer) -> Decoder:
+    return _sharp_model(dataclasses.replace(tiny_config, vocab_size=tokenizer.get_vocab_size()))
+
+
+@pytest.fixture
+def batch(tokenizer: Tokenizer) -> TextBatch:
+    return encode_texts(tokenizer, TEXTS, max_tokens=40)
+
+
+def test_batch_is_left_padded(batch: TextBatch, tokenizer: Tokenizer) -> None:
+    short = len(tokenizer.encode(TEXTS[1]).ids)
+    width = batch.input_ids.shape[1]
+    assert batch.lengths == [width, short] and short < width
+    assert batch.input_ids[1, : width - short].eq(PAD_ID).all()
+    assert batch.labels[1][: width - short] == ["<pad>"] * (width - short)
+    assert batch.position_ids[1, width - short :].tolist() == list(range(short))
+
+
+def test_recorded_rows_sum_to_one_over_allowed_keys(model: Decoder, batch: TextBatch) -> None:
+    weights = record_attention(model, batch)
+    cfg = model.cfg
+    b, s = batch.input_ids.shape
+    assert weights.shape == (cfg.n_layers, b, cfg.n_heads, s, s)
+    allowed = batch.allowed()[None, :, None]  # [1,B,1,S,S]
+    real = batch.attention_mask.bool()[None, :, None, :]  # [1,B,1,S]
+    sums = weights.sum(-1)
+    torch.testing.assert_close(sums[real.expand_as(sums)], torch.ones(int(real.expand_as(sums).sum())),
+                               atol=TOL, rtol=0)
+    assert weights.masked_select(~allowed).abs().max() == 0  # masked keys, padding query rows
+    assert weights.triu(diagonal=1).abs().max() == 0  # the future
+    assert sums[~real.expand_as(sums)].abs().max() == 0  # padding query rows are zeroed
+    assert weight_on_padding(weights, batch) == 0
+
+
+def test_recording_restores_the_flag(model: Decoder, batch: TextBatch) -> None:
+    layers = attention_layers(model)
+    layers[0].record = True  # a caller's own setting survives
+    record_attention(model, batch)
+    assert [layer.record for layer in layers] == [True] + [False] * (len(layers) - 1)
+    assert all(layer.recorded is None for layer in layers)
+
+
+def test_recomputed_output_matches_the_fast_path(model: Decoder, batch: TextBatch) -> None:
+    errors = recompute_errors(model, batch)
+    assert len(errors) == model.cfg.n_layers
+    assert max(errors) <= TOL
+
+
+def test_recompute_check_catches_wrong_weights(model: Decoder, batch: TextBatch) -> None:
+    def scramble(module: torch.nn.Module, _args: object, _out: object) -> None:
+        if isinstance(module, Attention) and module.recorded is not None:
+            module.recorded = module.recorded.flip(-2)  # rows of other queries
+
+    hook = attention_layers(model)[1].register_forward_hook(scramble)
+    try:
+        errors = recompute_errors(model, batch)
+    finally:
+        hook.remove()
+    assert errors[0] <= TOL < errors[1]
+
+
+def test_padded_row_attends_like_the_text_alone(
+    model: Decoder, tokenizer: Tokenizer, batch: TextBatch
+) -> None:
+    together = record_attention(model, batch)[:, 1]  # [L,H,S,S]
+    alone = record_attention(model, encode_texts(tokenizer, TEXTS[1:], max_tokens=40))[:, 0]
+    n = alone.shape[-1]
+    torch.testing.assert_close(together[..., -n:, -n:], alone, atol=TOL, rtol=0)
+
+
+def _identical_heads(model: Decoder) -> Decoder:
+    """Copy head 0's Q, K and V weights and biases into every head of every layer."""
+    d, dh = model.cfg.d_model, model.cfg.head_dim
+    with torch.no_grad():
+        for block in model.blocks:
+            qkv = block.attn.qkv
+            for part in range(3):  # Q | K | V
+                head0 = slice(part * d, part * d + dh)
+                for h in range(1, model.cfg.n_heads):
+                    head = slice(part * d + h * dh, part * d + (h + 1) * dh)
+                    qkv.weight[head] = qkv.weight[head0]
+                    qkv.bias[head] = qkv.bias[head0]
+    return model
+
+
+def test_identical_heads_are_flagged(model: Decoder, batch: TextBatch) -> None:
+    assert not any(d.flagged for d in layer_diversity(record_attention(model, batch), batch))
+    same = layer_diversity(record_attention(_identical_heads(model), batch), batch)
+    assert all(d.flagged for d in same)
+    assert max(d.max_jsd for d in same) < 1e-6
+
+
+def _attention_from(pattern: str, batch: TextBatch) -> Tensor:
+    """Synthetic weights [1,B,1,S,S]: every head looks only at itself, at the previous token, or uniformly."""
+    allowed = batch.allowed().float()
+    if pattern == "self":
+        w = torch.eye(allowed.shape[-1]) * allowed
+    elif pattern == "previous":
+        first = batch.position_ids == 0  # a text's first token has no previous one: it looks at itself
+        w = torch.diag_embed(first.float()) + torch.diag_embed(~first[..., 1:], offset=-1).float()
+        w = w * allowed
+    else:
+        w = allowed / allowed.sum(-1, keepdim=True).clamp(min=1)
+    return w[None, :, None]
+
+
+def test_head_stats_of_known_patterns(batch: TextBatch) -> None:
+    (self_head,) = head_stats(_attention_from("self", batch), batch)
+    assert self_head.entropy == pytest.approx(0, abs=TOL) and self_head.distance == pytest.approx(0, abs=TOL)
+    (previous,) = head_stats(_attention_from("previous", batch), batch)
+    assert previous.entropy == pytest.approx(0, abs=TOL) and previous.distance == pytest.approx(1, abs=TOL)
+    # Uniform over the i + 1 visible keys: entropy log2(i + 1), distance i / 2, averaged over rows i >= 1.
+    (uniform,) = head_stats(_attention_from("uniform", batch), batch)
+    rows = [i for n in batch.lengths for i in range(1, n)]
+    assert uniform.entropy == pytest.approx(sum(math.log2(i + 1) for i in rows) / len(rows), abs=1e-4)
+    assert uniform.distance == pytest.approx(sum(i / 2 for i in rows) / len(rows), abs=1e-4)
+
+
+def test_layer_stats_catch_an_injected_nan(model: Decoder, batch: TextBatch) -> None:
+    healthy = residual_stats(model, batch)
+    assert [s.name for s in healthy] == ["embeddings"] + [f"block {i}" for i in range(model.cfg.n_layers)]
+    assert not any(s.flags for s in healthy)
+    with torch.no_grad():
+        model.blocks[1].ffn.down.weight[0, 0] = float("nan")
+    broken = residual_stats(model, batch)
+    assert not any(s.flags for s in broken[:2])
+    assert broken[2].nan > 0 and any("NaN" in f for f in broken[2].flags)
+
+
+def test_layer_stats_flag_a_scale_jump(model: Decoder, batch: TextBatch) -> None:
+    with torch.no_grad():
+        model.blocks[0].ffn.down.weight.mul_(1000)
+    stats = residual_stats(model, batch, jump=8.0)
+    assert stats[1].ratio is not None and stats[1].ratio > 8
+    assert any("std changed" in f for f in stats[1].flags)
+
+
+def test_nearest_neighbour_is_the_parallel_embedding(model: Decoder, tokenizer: Tokenizer) -> None:
+    a, b = tokenizer.encode("self").ids[0], tokenizer.encode("items").ids[0]
+    with torch.no_grad():
+        model.tok_emb.weight[b] = 3 * model.tok_emb.weight[a]
+        model.tok_emb.weight[EOS_ID] = model.tok_emb.weight[a]  # special tokens never count as neighbours
+    (found,) = nearest_neighbours(model, tokenizer, [a], k=3)
+    assert found.token_id == a and len(found.neighbours) == 3
+    assert found.neighbours[0] == ("items", pytest.approx(1.0, abs=TOL))
+    assert [s for _, s in found.neighbours] == sorted((s for _, s in found.neighbours), reverse=True)
+
+
+def _args(checkpoint: Path | str, text: str, out: Path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(["--checkpoint", str(checkpoint), "--text", text, "--out", str(out), *extra])
+
+
+def _assert_png(path: Path) -> None:
+    assert path.stat().st_size > 1000
+    with Image.open(path) as image:
+        assert image.format == "PNG" and min(image.size) > 100
+        image.verify()
+
+
+def test_command_writes_pictures_and_page(
+    tokenizer: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = DecoderConfig(vocab_size=tokenizer.get_vocab_size(), context_length=64, d_model=32, n_layers=2,
+                        n_heads=4, d_ff=64)
+    path = save_checkpoint(tmp_path / "ckpt.pt", _sharp_model(cfg), tokenizer)
+    out = tmp_path / "report"
+    assert cli.run(_args(path, CODE, out)) == 0
+    pngs = ["attention_layer0.png", "attention_layer1.png", "attention_padded.png", "diversity.png",
+            "layers.png"]
+    for name in pngs:
+        _assert_png(out / name)
+    page = (out / "index.html").read_text(encoding="utf-8")
+    assert "<script" not in page
+    for name in pngs:
+        assert f'<img src="{name}"' in page
+    assert "Nothing flagged." in page and "self" in page  # the neighbours table names tokens of the text
+    assert str(out / "index.html") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "text", "extra", "message"),
+    [
+        ("missing.pt", CODE, [], "file not found"),
+        (None, "x", [], "at least 2 tokens"),
+        (None, CODE, ["--max-tokens", "1000"], "--max-tokens"),
+        (None, CODE, ["--jump", "0.5"], "--jump"),
+    ],
+)
+def test_command_errors_are_one_line(
+    tokenizer: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    checkpoint: str | None, text: str, extra: list[str], message: str,
+) -> None:
+    cfg = DecoderConfig(vocab_size=tokenizer.get_vocab_size(), context_length=64, d_model=16, n_layers=1,
+                        n_heads=2, d_ff=32)
+    tiny = Decoder(cfg)
+    ckpt = tmp_path / checkpoint if checkpoint else save_checkpoint(tmp_path / "c.pt", tiny, tokenizer)
+    assert cli.run(_args(ckpt, text, tmp_path / "out", *extra)) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_empty_text_is_refused(tokenizer: Tokenizer) -> None:
+    with pytest.raises(InspectionError, match="empty"):
+        encode_texts(tokenizer, [CODE, ""], max_tokens=40)
+
+
+def test_trained_demo_model_is_not_flagged(demo_checkpoint: Path) -> None:
+    ckpt: Checkpoint = load_checkpoint(demo_checkpoint)
+    batch = encode_texts(ckpt.tokenizer, TEXTS, max_tokens=40)
+    diversity = layer_diversity(record_attention(ckpt.model, batch), batch)
+    assert not any(d.flagged for d in diversity), [d.max_jsd for d in diversity]
+    assert max(recompute_errors(ckpt.model, batch)) <= 1e-4
+    assert not any(s.flags for s in residual_stats(ckpt.model, batch))
