@@ -1,0 +1,157 @@
+"""Checkpoint (or in-memory model) -> verified bundle: the steps behind `textgen-export onnx/demo/random`.
+
+trace the standard graph -> write the in-place serving graph -> [INT8 | FP16] -> stage the bundle ->
+verify it (export.verify) -> write the report into the manifest -> rename into place. A bundle that fails
+verification is never put in place.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from export.bundle_writer import BundleStage
+from export.fp16 import convert_fp16
+from export.model import Decoder, DecoderConfig
+from export.onnx_inplace import OPSET as INPLACE_OPSET
+from export.onnx_inplace import build_inplace_graph
+from export.onnx_standard import DEFAULT_OPSET, export_standard_graph
+from export.quantize import quantize_int8
+from export.tokenizer import EOS_ID, PAD_ID, tokenizer_to_json
+from export.verify import VerificationFailed, verify_bundle
+from serve.bundle import Bundle, ShapeRange, TensorRTProfile, TensorRTSettings, load_bundle
+
+STANDARD_FILE = "model.onnx"
+INPLACE_FILE = "model_inplace.onnx"
+TRT_MAX_BATCH = 16  # the engine's default slot count
+TRT_OPT_BATCH = 8
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    model_name: str
+    opset: int = DEFAULT_OPSET
+    int8: bool = False
+    fp16: bool = False
+    progress: bool = True
+    source: str | None = None  # where the weights came from (checkpoint path, preset), for the report
+
+    def __post_init__(self) -> None:
+        if self.int8 and self.fp16:
+            raise ValueError(
+                "--int8 and --fp16 are separate bundles (INT8 targets the CPU, FP16 the GPU); choose one"
+            )
+
+
+def tensorrt_settings(cfg: DecoderConfig, fp16: bool) -> TensorRTSettings:
+    """Profile: prefill (past 0, seq up to the context) through decode (seq 1, past up to context - 1)."""
+    ctx = cfg.context_length
+    return TensorRTSettings(
+        profile=TensorRTProfile(
+            batch=ShapeRange(min=1, opt=TRT_OPT_BATCH, max=TRT_MAX_BATCH),
+            seq=ShapeRange(min=1, opt=1, max=ctx),
+            past=ShapeRange(min=0, opt=ctx // 2, max=ctx - 1),
+        ),
+        fp16=fp16,
+        # INT8 bundles use ONNX Runtime's dynamic quantization (CPU); TensorRT INT8 would need calibration.
+        int8=False,
+    )
+
+
+def _providers(options: ExportOptions) -> list[str]:
+    if options.int8:  # dynamic quantization's integer MatMuls are a CPU kernel
+        return ["CPUExecutionProvider"]
+    gpu = ["TensorrtExecutionProvider", "CUDAExecutionProvider"]
+    return gpu if options.fp16 else [*gpu, "CPUExecutionProvider"]
+
+
+def _manifest_fields(cfg: DecoderConfig, options: ExportOptions, graphs: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "format_version": 1,
+        "model_name": options.model_name,
+        "architecture": {
+            "vocab_size": cfg.vocab_size,
+            "context_length": cfg.context_length,
+            "d_model": cfg.d_model,
+            "n_layers": cfg.n_layers,
+            "n_heads": cfg.n_heads,
+            "head_dim": cfg.head_dim,
+            "d_ff": cfg.d_ff,
+            "positions": cfg.positions,
+            "activation": cfg.activation,
+        },
+        "graphs": graphs,
+        "dtype": "float16" if options.fp16 else "float32",
+        "quantization": "int8" if options.int8 else "none",
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "execution_providers": _providers(options),
+        "tensorrt": tensorrt_settings(cfg, options.fp16),
+    }
+
+
+class _Progress:
+    def __init__(self, enabled: bool, total: int) -> None:
+        self._bar = tqdm(total=total, disable=not enabled, unit="step", leave=False)
+
+    @contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        self._bar.set_description(what)
+        yield
+        self._bar.update()
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _build_graphs(
+    model: Decoder, options: ExportOptions, progress: _Progress
+) -> tuple[onnx.ModelProto, onnx.ModelProto, dict[str, Any]]:
+    stats: dict[str, Any] = {}
+    with progress.step("tracing the standard graph (torch.onnx dynamo)"):
+        started = time.perf_counter()
+        standard = export_standard_graph(model, options.opset)
+        stats["trace_seconds"] = round(time.perf_counter() - started, 1)
+    with progress.step("writing the in-place serving graph"):
+        inplace = build_inplace_graph(model)
+    if options.int8:
+        with progress.step("INT8 dynamic quantization"):
+            standard, stats["int8_standard"] = quantize_int8(standard)
+            inplace, stats["int8_inplace"] = quantize_int8(inplace)
+    if options.fp16:
+        with progress.step("FP16 conversion"):
+            standard, inplace = convert_fp16(standard), convert_fp16(inplace)
+    return standard, inplace, stats
+
+
+def export_bundle(model: Decoder, tokenizer: Tokenizer, out: Path, options: ExportOptions) -> Bundle:
+    """Export, verify and write the bundle at `out`, replacing any there. Raises VerificationFailed."""
+    model = model.eval()
+    progress = _Progress(options.progress, total=4 + (options.int8 or options.fp16))
+    try:
+        standard, inplace, stats = _build_graphs(model, options, progress)
+        with BundleStage(out) as stage, progress.step("verifying against PyTorch"):
+            graphs = {
+                "standard": stage.add_graph(STANDARD_FILE, standard, options.opset),
+                "inplace": stage.add_graph(INPLACE_FILE, inplace, INPLACE_OPSET),
+            }
+            stage.add_tokenizer(tokenizer_to_json(tokenizer))
+            fields = _manifest_fields(model.cfg, options, graphs)
+            report = verify_bundle(stage.write_manifest(fields), model)
+            report["export"] = {**stats, "source": options.source}
+            if not report["passed"]:
+                raise VerificationFailed(report)
+            stage.write_manifest({**fields, "verification": report})
+            with progress.step("moving the bundle into place"):
+                stage.commit()
+    finally:
+        progress.close()
+    return load_bundle(out)

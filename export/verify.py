@@ -1,0 +1,218 @@
+"""Checks run on every export (and by `textgen-export verify`): parity, batch invariance, no NaN.
+
+Reference: the PyTorch model when a checkpoint is at hand, else the bundle's own standard graph (then only
+the serving graph is compared against it). Each check drives a greedy generation over a fixed, left-padded
+prompt set: a prefill, then `DECODE_STEPS` decode steps.
+
+- Standard graph: our own ONNX Runtime loop with concatenated caches, teacher-forced on the reference's
+  tokens so every step compares logits of the same inputs; max |logits diff| over real (non-padding)
+  positions, greedy tokens identical, all outputs finite (padded rows included), and batch invariance
+  (each prompt generated alone gives the tokens it got in the batch).
+- Serving graph: through `serve.engine.Engine` (right-padded slots, in-place cache); `last_logits` of each
+  step against the reference, while the engine's own greedy tokens still agree with it.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Sequence
+from importlib import metadata
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from export.generation import (
+    DECODE_STEPS,
+    Generation,
+    Shape,
+    StepFn,
+    agreement_prefix,
+    encode_prompts,
+    greedy,
+    session_step,
+    torch_step,
+)
+from export.model import Decoder
+from export.quantize import count_weight_matmuls, int8_accuracy
+from serve.bundle import Bundle
+from serve.engine import Engine, EngineSettings, NewSequence
+from serve.runtime import SessionConfig, create_session
+from serve.sampling import SamplingParams
+
+FP32_TOLERANCE = 1e-4
+FP16_TOLERANCE = 5e-2
+VERIFY_THREADS = 2
+
+
+class VerificationFailed(Exception):
+    """The exported graphs do not match the model; the report says which check failed."""
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        failed = ", ".join(report.get("failed", [])) or "unknown"
+        super().__init__(f"verification failed: {failed}")
+        self.report = report
+
+
+def max_logit_diff(ref: Generation, cand: Generation) -> float:
+    """Max |diff| over the real (non-padding) prompt positions and every decode step."""
+    real = ref.prompt_mask.astype(bool)
+    prefill = float(np.abs(ref.logits[0][real] - cand.logits[0][real]).max())
+    steps = zip(ref.logits[1:], cand.logits[1:], strict=True)
+    return max([prefill] + [float(np.abs(r - c).max()) for r, c in steps])
+
+
+def batch_invariant(step: StepFn, prompts: Sequence[Sequence[int]], pad_id: int, shape: Shape) -> bool:
+    together = greedy(step, prompts, pad_id, shape).tokens
+    alone = [greedy(step, [p], pad_id, shape).tokens[0] for p in prompts]
+    return bool(np.array_equal(together, np.stack(alone)))
+
+
+def check_standard(
+    session: ort.InferenceSession,
+    reference: Generation,
+    prompts: Sequence[Sequence[int]],
+    pad_id: int,
+    shape: Shape,
+    dtype: type = np.float32,
+) -> dict[str, Any]:
+    step = session_step(session)
+    cand = greedy(step, prompts, pad_id, shape, forced=reference.tokens, dtype=dtype)
+    return {
+        "max_abs_logits_diff": max_logit_diff(reference, cand),
+        "greedy_identical": bool(np.array_equal(cand.own, reference.tokens)),
+        "greedy_token_agreement": float((cand.own == reference.tokens).mean()),
+        "finite": cand.finite,
+        "batch_invariant": batch_invariant(step, prompts, pad_id, shape),
+    }
+
+
+def check_engine(bundle: Bundle, reference: Generation, prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """The serving graph through the engine: right-padded slots, in-place cache, the engine's own greedy."""
+    settings = EngineSettings(
+        max_batch_size=len(prompts), session=SessionConfig(providers=("cpu",), threads=VERIFY_THREADS)
+    )
+    engine = Engine.from_bundle(bundle, settings)
+    greedy_params = SamplingParams()
+    ids = [f"verify-{i}" for i in range(len(prompts))]
+    outs = engine.prefill([NewSequence(i, p, greedy_params) for i, p in zip(ids, prompts, strict=True)])
+    logits = [engine.last_logits.copy()]
+    tokens = [[o.token_id for o in outs]]
+    for _ in range(len(reference.logits) - 1):
+        outs = engine.decode()
+        logits.append(engine.last_logits.copy())
+        tokens.append([o.token_id for o in outs])
+    engine.release(ids)
+    own = np.array(tokens).T
+    agree = agreement_prefix(reference.tokens, own)
+    # Compare a step's logits only while the row has been fed the reference's tokens so far.
+    fed_same = np.concatenate([np.ones((len(prompts), 1), bool), agree[:, :-1]], axis=1)
+    diffs = [np.abs(reference.logits[0][:, -1] - logits[0]).max()] + [
+        np.abs(reference.logits[t][fed_same[:, t]] - logits[t][fed_same[:, t]]).max(initial=0.0)
+        for t in range(1, len(logits))
+    ]
+    return {
+        "max_abs_logits_diff": float(max(diffs)),
+        "greedy_identical": bool(np.array_equal(own, reference.tokens)),
+        "greedy_token_agreement": float((own == reference.tokens).mean()),
+        "finite": bool(all(np.isfinite(x).all() for x in logits)),
+        "providers": engine.providers,
+    }
+
+
+def versions() -> dict[str, str]:
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "onnx": version("onnx"),
+        "onnxruntime": ort.__version__,
+        "tokenizers": version("tokenizers"),
+        "textgen-serving": version("textgen-serving"),
+    }
+
+
+def _failures(report: dict[str, Any]) -> list[str]:
+    failed: list[str] = []
+    tolerance = report["tolerance"]
+    for graph in ("standard", "inplace"):
+        r = report.get(graph)
+        if r is None:
+            continue
+        failed += [f"{graph}: NaN/Inf in outputs"] * (not r["finite"])
+        failed += [f"{graph}: batch invariance"] * (not r.get("batch_invariant", True))
+        if tolerance is not None:  # INT8 is judged on accuracy instead
+            if r["max_abs_logits_diff"] > tolerance:
+                failed.append(f"{graph}: max |logits diff| {r['max_abs_logits_diff']:.2e} > {tolerance:.0e}")
+            failed += [f"{graph}: greedy tokens differ from the reference"] * (not r["greedy_identical"])
+    int8 = report.get("int8", {})
+    if int8.get("perplexity_ratio", 0.0) > int8.get("max_perplexity_ratio", 1.0):
+        ratio, limit = int8["perplexity_ratio"], int8["max_perplexity_ratio"]
+        failed.append(f"int8: perplexity {ratio:.3f}x fp32 > {limit}x")
+    if int8.get("float_weight_matmuls"):
+        failed.append(f"int8: {int8['float_weight_matmuls']} weight MatMul(s) left unquantized")
+    return failed
+
+
+def _int8_report(
+    bundle: Bundle, session: ort.InferenceSession, model: Decoder | None, shape: Shape
+) -> dict[str, Any]:
+    counts = {
+        role: count_weight_matmuls(onnx.load(str(path), load_external_data=False))
+        for role, path in (("standard", bundle.standard_graph), ("inplace", bundle.inplace_graph))
+        if path is not None
+    }
+    report: dict[str, Any] = {
+        "weight_matmuls": counts,
+        "float_weight_matmuls": sum(c["float"] for c in counts.values()),
+    }
+    if model is None:
+        report["accuracy"] = "not measured: needs the fp32 checkpoint (--checkpoint)"
+        return report
+    arch, m = bundle.manifest.architecture, bundle.manifest
+    return report | int8_accuracy(
+        torch_step(model), session_step(session), bundle.tokenizer, shape, m.pad_token_id, arch.context_length
+    )
+
+
+def verify_bundle(bundle: Bundle, model: Decoder | None = None) -> dict[str, Any]:
+    """Run the checks on `bundle` against `model` (or its own standard graph) and return the report."""
+    m = bundle.manifest
+    arch = m.architecture
+    shape = Shape(arch.n_layers, arch.n_heads, arch.head_dim)
+    prompts = encode_prompts(bundle.tokenizer, arch.context_length)
+    np_dtype = np.float16 if m.dtype == "float16" else np.float32
+    session = create_session(bundle.standard_graph, SessionConfig(providers=("cpu",), threads=VERIFY_THREADS))
+    if model is not None:
+        model = model.eval()
+        reference_name = "pytorch"
+        reference = greedy(torch_step(model), prompts, m.pad_token_id, shape)
+    else:
+        reference_name = "standard graph"
+        reference = greedy(session_step(session), prompts, m.pad_token_id, shape, dtype=np_dtype)
+    report: dict[str, Any] = {
+        "reference": reference_name,
+        "prompts": len(prompts),
+        "decode_steps": DECODE_STEPS,
+        "tolerance": {"float32": FP32_TOLERANCE, "float16": FP16_TOLERANCE}[m.dtype]
+        if m.quantization == "none"
+        else None,
+        "standard": check_standard(session, reference, prompts, m.pad_token_id, shape, np_dtype),
+    }
+    if bundle.inplace_graph is not None and m.dtype == "float32":
+        report["inplace"] = check_engine(bundle, reference, prompts)
+    if m.quantization == "int8":
+        report["int8"] = _int8_report(bundle, session, model, shape)
+    report["failed"] = _failures(report)
+    report["passed"] = not report["failed"]
+    report["versions"] = versions()
+    report["files"] = {name: bundle.path(name).stat().st_size for name in m.files()}
+    report["opset"] = m.graphs.standard.opset
+    return report
