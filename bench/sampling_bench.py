@@ -54,7 +54,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    print(f"SamplingBatch.sample, n={args.rows}, vocab={args.vocab}: ms per step (best / median of {args.repeats})")
+    print(
+        f"SamplingBatch.sample, n={args.rows}, vocab={args.vocab}: ms per step (best / median of {args.repeats})"
+    )
     for kind in ("peaked", "flat"):
         logits = logits_like(kind, args.rows, args.vocab, rng)
         for name, params in CASES.items():
