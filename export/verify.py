@@ -216,3 +216,56 @@ def verify_bundle(bundle: Bundle, model: Decoder | None = None) -> dict[str, Any
     report["files"] = {name: bundle.path(name).stat().st_size for name in m.files()}
     report["opset"] = m.graphs.standard.opset
     return report
+
+
+def _graph_line(label: str, r: dict[str, Any]) -> str:
+    agreement = r["greedy_token_agreement"]
+    marks = [
+        f"max |logits diff| {r['max_abs_logits_diff']:.1e}",
+        "greedy identical" if r["greedy_identical"] else f"greedy agreement {agreement:.0%}",
+        "finite" if r["finite"] else "NaN/Inf!",
+    ]
+    if "batch_invariant" in r:
+        marks.append("batch invariant" if r["batch_invariant"] else "NOT batch invariant")
+    if "providers" in r:
+        marks.append("/".join(r["providers"]))
+    return f"  {label:<15}" + ", ".join(marks)
+
+
+def _int8_lines(r: dict[str, Any]) -> list[str]:
+    counts = ", ".join(
+        f"{role} {c['quantized']}/{c['quantized'] + c['float']}" for role, c in r["weight_matmuls"].items()
+    )
+    lines = [f"  int8           weight MatMuls quantized: {counts}"]
+    if "perplexity_ratio" not in r:
+        return [*lines, f"  int8 accuracy  {r['accuracy']}"]
+    return [
+        *lines,
+        f"  int8 accuracy  perplexity fp32 {r['fp32_perplexity']:.3f} int8 {r['int8_perplexity']:.3f} "
+        f"(x{r['perplexity_ratio']:.4f}, limit x{r['max_perplexity_ratio']}) on {r['heldout_tokens']} "
+        f"held-out tokens; top-1 agreement {r['top1_agreement']:.1%}; greedy: "
+        f"{r['greedy_identical_prompts']}/{r['greedy_prompts']} prompts identical over {r['greedy_steps']} "
+        f"tokens, prefix agreement {r['greedy_prefix_agreement']:.1%}",
+    ]
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a few readable lines (the full figures are in the manifest)."""
+    verdict = "PASSED" if report["passed"] else "FAILED: " + "; ".join(report["failed"])
+    lines = [
+        f"verification against {report['reference']} ({report['prompts']} left-padded prompts, prefill + "
+        f"{report['decode_steps']} decode steps, tolerance {report['tolerance']}): {verdict}",
+        _graph_line("standard graph", report["standard"]),
+    ]
+    if "inplace" in report:
+        lines.append(_graph_line("serving graph", report["inplace"]))
+    if "int8" in report:
+        lines += _int8_lines(report["int8"])
+    files = ", ".join(f"{name} {size / 1e6:.2f} MB" for name, size in report["files"].items())
+    v = report["versions"]
+    lines += [
+        f"  files          {files}",
+        f"  versions       opset {report['opset']}, torch {v['torch']}, onnx {v['onnx']}, "
+        f"onnxruntime {v['onnxruntime']}, python {v['python']}",
+    ]
+    return "\n".join(lines)

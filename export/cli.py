@@ -1,0 +1,188 @@
+"""`textgen-export`: checkpoint -> verified, servable bundle, and the tools around it.
+
+    textgen-export onnx --checkpoint CKPT --out DIR [--int8 | --fp16] [--opset N] [--name NAME]
+    textgen-export demo [--out DIR]                  train the demo model if missing, then export it
+    textgen-export verify DIR [--checkpoint CKPT]    rerun the checks on a bundle, print the report
+    textgen-export random --preset bench-a --out DIR random weights, for speed benchmarks
+    textgen-export inspect ...                       attention heatmaps etc. (export.inspection)
+
+A user error (missing file, wrong checkpoint, bad option, failed verification) prints one line saying what
+was wrong and what to do, and exits 1; argparse usage errors exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+from export.checkpoint import CheckpointError, load_checkpoint
+from export.demo import _exclusive, demo_bundle_path, ensure_demo_checkpoint
+from export.model import Decoder, DecoderConfig
+from export.onnx_standard import DEFAULT_OPSET, MIN_OPSET
+from export.pipeline import ExportOptions, export_bundle
+from export.tokenizer import train_tokenizer
+from export.train import load_corpus
+from export.verify import VerificationFailed, format_report, verify_bundle
+from serve.bundle import Bundle, BundleError, load_bundle, sha256_file
+
+PRESETS = {
+    # The engine benchmark's shape (GPT-2 small-ish, ~30M parameters).
+    "bench-a": DecoderConfig(
+        vocab_size=8192, context_length=1024, d_model=512, n_layers=8, n_heads=8, d_ff=2048
+    ),
+    # For tests of the command itself.
+    "tiny": DecoderConfig(vocab_size=320, context_length=64, d_model=32, n_layers=2, n_heads=2, d_ff=64),
+}
+PRESET_TOKENIZER_TEXT_BYTES = 1_000_000
+USER_ERRORS = (CheckpointError, BundleError, FileExistsError, FileNotFoundError, ValueError)
+
+
+def _source(checkpoint: Path) -> dict[str, str]:
+    return {"checkpoint": str(checkpoint), "sha256": sha256_file(checkpoint)}
+
+
+def _print_result(bundle: Bundle) -> None:
+    print(format_report(bundle.manifest.verification))
+    print(f"bundle written to {bundle.root} (serve it with: textgen-serve --bundle {bundle.root})")
+
+
+def _export_checkpoint(checkpoint: Path, out: Path, options: ExportOptions) -> int:
+    ckpt = load_checkpoint(checkpoint)
+    _print_result(export_bundle(ckpt.model, ckpt.tokenizer, out, options))
+    return 0
+
+
+def cmd_onnx(args: argparse.Namespace) -> int:
+    options = ExportOptions(
+        model_name=args.name or args.checkpoint.stem,
+        opset=args.opset,
+        int8=args.int8,
+        fp16=args.fp16,
+        source=_source(args.checkpoint) if args.checkpoint.is_file() else None,
+    )
+    return _export_checkpoint(args.checkpoint, args.out, options)
+
+
+def _up_to_date(out: Path, source: dict[str, str]) -> bool:
+    try:
+        bundle = load_bundle(out)
+    except BundleError:
+        return False
+    report = bundle.manifest.verification
+    return bool(report.get("passed")) and report.get("export", {}).get("source") == source
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    checkpoint = ensure_demo_checkpoint(progress=True)
+    source = _source(checkpoint)
+    # The server's tests and a user may ask for the demo bundle at once: one exports, the others reuse it.
+    with _exclusive(args.out.parent / f".{args.out.name}.lock"):
+        if _up_to_date(args.out, source):
+            print(f"demo bundle at {args.out} is up to date with {checkpoint}; nothing to do")
+            return 0
+        options = ExportOptions(model_name="textgen-demo", source=source)
+        return _export_checkpoint(checkpoint, args.out, options)
+
+
+def _checkpoint_model(checkpoint: Path, bundle: Bundle) -> Decoder:
+    ckpt = load_checkpoint(checkpoint)
+    arch = bundle.manifest.architecture.model_dump()
+    mismatched = {k: (v, arch[k]) for k, v in ckpt.config.to_dict().items() if k in arch and arch[k] != v}
+    if mismatched:
+        detail = ", ".join(f"{k} {c} vs {b}" for k, (c, b) in mismatched.items())
+        raise CheckpointError(checkpoint, f"does not match the bundle at {bundle.root} ({detail})")
+    return ckpt.model
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    bundle = load_bundle(args.bundle)
+    model = _checkpoint_model(args.checkpoint, bundle) if args.checkpoint else None
+    report = verify_bundle(bundle, model)
+    print(format_report(report))
+    if not report["passed"]:
+        print(f"textgen-export verify: {args.bundle} FAILED verification", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_random(args: argparse.Namespace) -> int:
+    cfg = PRESETS[args.preset]
+    torch.manual_seed(args.seed)
+    model = Decoder(cfg)
+    texts = load_corpus(PRESET_TOKENIZER_TEXT_BYTES, heldout_percent=5).train
+    tokenizer = train_tokenizer(texts, cfg.vocab_size)
+    options = ExportOptions(
+        model_name=f"{args.preset}-random",
+        int8=args.int8,
+        source={"preset": args.preset, "seed": str(args.seed)},
+    )
+    _print_result(export_bundle(model, tokenizer, args.out, options))
+    return 0
+
+
+def _add_inspect(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    # The inspection package is optional (its own extra, matplotlib); register it only when present.
+    if importlib.util.find_spec("export.inspection.cli") is None:
+        return
+    inspection = importlib.import_module("export.inspection.cli")
+    parser = sub.add_parser("inspect", help="attention heatmaps, head diversity and layer statistics")
+    inspection.add_arguments(parser)
+    parser.set_defaults(handler=inspection.run)
+
+
+def _opset(text: str) -> int:
+    value = int(text)
+    if value < MIN_OPSET:
+        raise argparse.ArgumentTypeError(f"opset must be >= {MIN_OPSET} (the dynamo exporter's minimum)")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="textgen-export", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    onnx = sub.add_parser("onnx", help="export a checkpoint to a verified bundle")
+    onnx.add_argument("--checkpoint", type=Path, required=True, help="checkpoint file (textgen-checkpoint)")
+    onnx.add_argument("--out", type=Path, required=True, help="bundle directory to write")
+    precision = onnx.add_mutually_exclusive_group()
+    precision.add_argument("--int8", action="store_true", help="dynamic INT8 weights (CPU serving)")
+    precision.add_argument("--fp16", action="store_true", help="float16 graphs (CUDA/TensorRT)")
+    onnx.add_argument("--opset", type=_opset, default=DEFAULT_OPSET, help=f"default {DEFAULT_OPSET}")
+    onnx.add_argument("--name", help="model name in the manifest (default: the checkpoint's file name)")
+    onnx.set_defaults(handler=cmd_onnx)
+
+    demo = sub.add_parser("demo", help="build the demo checkpoint if missing, then export it")
+    demo.add_argument("--out", type=Path, default=demo_bundle_path(), help="default: %(default)s")
+    demo.set_defaults(handler=cmd_demo)
+
+    verify = sub.add_parser("verify", help="rerun parity, batch-invariance and NaN checks on a bundle")
+    verify.add_argument("bundle", type=Path)
+    verify.add_argument("--checkpoint", type=Path, help="compare against this checkpoint's PyTorch model")
+    verify.set_defaults(handler=cmd_verify)
+
+    rand = sub.add_parser("random", help="a bundle with random weights, for speed benchmarks")
+    rand.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    rand.add_argument("--out", type=Path, required=True)
+    rand.add_argument("--int8", action="store_true")
+    rand.add_argument("--seed", type=int, default=0)
+    rand.set_defaults(handler=cmd_random)
+
+    _add_inspect(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except VerificationFailed as exc:
+        print(format_report(exc.report))
+        print(f"textgen-export: {exc}; the bundle was not written", file=sys.stderr)
+    except USER_ERRORS as exc:
+        print(f"textgen-export {args.command}: {exc}", file=sys.stderr)
+    return 1
