@@ -38,6 +38,10 @@ def _panel_inches(tokens: int) -> float:
     return max(2.5, tokens * INCH_PER_TOKEN + 1.0)
 
 
+def _tick_fontsize(tokens: int) -> float:
+    return 7.0 if tokens <= 32 else 5.5
+
+
 def _draw_weights(
     ax: Axes, weights: np.ndarray, allowed: np.ndarray, labels: list[str], title: str
 ) -> AxesImage:
@@ -46,7 +50,7 @@ def _draw_weights(
     image = ax.imshow(np.ma.masked_where(~allowed, weights), cmap=cmap,
                       norm=PowerNorm(WEIGHT_NORM_GAMMA, vmin=0.0, vmax=1.0), interpolation="nearest")
     ticks = np.arange(len(labels))
-    fontsize = 7 if len(labels) <= 32 else 5.5
+    fontsize = _tick_fontsize(len(labels))
     ax.set_xticks(ticks, labels, rotation=90, fontsize=fontsize)
     ax.set_yticks(ticks, labels, fontsize=fontsize)
     ax.set_xlabel("key", fontsize=8)
@@ -59,24 +63,45 @@ def _draw_weights(
     return image
 
 
+def _label_outer(ax: Axes, index: int, ncols: int, panels: int) -> None:
+    """Every panel shows the same tokens: keep tick labels on the left column and on the lowest panel of
+    each column (which is not the last row when the grid is not full)."""
+    if index % ncols:
+        ax.tick_params(labelleft=False)
+        ax.set_ylabel("")
+    if index + ncols < panels:
+        ax.tick_params(labelbottom=False)
+        ax.set_xlabel("")
+
+
 def heatmap_grid(
     maps: list[tuple[str, Tensor]], allowed: Tensor, labels: list[str], ncols: int, title: str, path: Path
 ) -> Path:
-    """Panels of attention maps [S,S] of one text, sharing one colour bar."""
+    """Panels of attention maps [S,S] of one text, sharing one colour bar.
+
+    Margins are sized from the longest token label instead of by a layout engine: measuring every tick
+    label is what made these figures take seconds each.
+    """
     nrows = math.ceil(len(maps) / ncols)
     side = _panel_inches(len(labels))
-    fig = Figure(figsize=(ncols * side + 1.0, nrows * side + 0.8), layout="constrained")
+    margin = max(map(len, labels)) * _tick_fontsize(len(labels)) * 0.6 / 72 + 0.5  # tick labels + axis label
+    top, right, gap = 0.9, 1.2, 0.35  # suptitle; colour bar; panel titles
+    width, height = margin + ncols * side + right, margin + nrows * side + (nrows - 1) * gap + top
+    fig = Figure(figsize=(width, height))
+    fig.subplots_adjust(left=margin / width, right=1 - right / width, bottom=margin / height,
+                        top=1 - top / height, wspace=0.06, hspace=gap / side)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     mask = allowed.numpy()
     image = None
-    for ax, (name, weights) in zip(axes, maps, strict=False):
+    for index, (ax, (name, weights)) in enumerate(zip(axes, maps, strict=False)):
         image = _draw_weights(ax, weights.numpy(), mask, labels, name)
-        # Every panel shows the same tokens: labelling only the outer ones saves most of the layout time.
-        ax.label_outer()
+        _label_outer(ax, index, ncols, len(maps))
     for ax in axes[len(maps):]:
         ax.set_axis_off()
-    fig.colorbar(image, ax=axes.tolist(), shrink=0.6, label="attention weight (sqrt scale)")
-    fig.suptitle(f"{title}\ngrey: masked (future or padding); red dashed: end of padding", fontsize=11)
+    colour_bar = fig.add_axes((1 - 0.85 * right / width, 0.25, 0.15 / width, 0.5))
+    fig.colorbar(image, cax=colour_bar, label="attention weight (sqrt scale)")
+    fig.suptitle(f"{title}\ngrey: masked (future or padding); red dashed: end of padding", fontsize=11,
+                 y=1 - 0.1 / height, va="top")
     return save(fig, path)
 
 
