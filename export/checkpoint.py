@@ -72,11 +72,20 @@ def save_checkpoint(
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
+        _check_loadable(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _check_loadable(path: Path) -> None:
+    # Fail at save time, not at every later load, when meta holds a type weights_only refuses.
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"checkpoint meta must hold only plain Python types and tensors: {exc}") from exc
 
 
 def load_checkpoint(path: Path | str) -> Checkpoint:

@@ -242,6 +242,6 @@ def train(
         "unigram_baseline": baseline,
         "train_seconds": round(time.perf_counter() - started, 1),
         "train_config": train_cfg.to_dict(),
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # TorchVersion is not a weights_only-loadable type
     }
     return TrainResult(model=model, tokenizer=tok, meta=meta)

@@ -118,3 +118,15 @@ def test_invalid_tokenizer(saved: tuple[Path, Decoder]) -> None:
     path, _ = saved
     _rewrite(path, tokenizer="{not json")
     _expect_error(path, "invalid tokenizer")
+
+
+def test_save_refuses_meta_that_would_not_load(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    with pytest.raises(ValueError, match="plain Python types"):
+        save_checkpoint(tmp_path / "ckpt.pt", Decoder(CFG), tokenizer, {"path": tmp_path})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_refuses_a_tokenizer_larger_than_the_vocab(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    small = DecoderConfig(**{**CFG.to_dict(), "vocab_size": 100})
+    with pytest.raises(ValueError, match="vocab_size"):
+        save_checkpoint(tmp_path / "ckpt.pt", Decoder(small), tokenizer)
