@@ -18,43 +18,27 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import torch
-
 from export.checkpoint import CheckpointError, load_checkpoint
-from export.demo import _exclusive, demo_bundle_path, ensure_demo_checkpoint
-from export.model import Decoder, DecoderConfig
+from export.demo import demo_bundle_path
+from export.model import Decoder
 from export.onnx_standard import DEFAULT_OPSET, MIN_OPSET
-from export.pipeline import ExportOptions, export_bundle
-from export.tokenizer import train_tokenizer
-from export.train import load_corpus
+from export.pipeline import (
+    PRESETS,
+    ExportOptions,
+    checkpoint_source,
+    ensure_demo_bundle,
+    export_checkpoint,
+    random_bundle,
+)
 from export.verify import VerificationFailed, format_report, verify_bundle
-from serve.bundle import Bundle, BundleError, load_bundle, sha256_file
+from serve.bundle import Bundle, BundleError, load_bundle
 
-PRESETS = {
-    # The engine benchmark's shape (GPT-2 small-ish, ~30M parameters).
-    "bench-a": DecoderConfig(
-        vocab_size=8192, context_length=1024, d_model=512, n_layers=8, n_heads=8, d_ff=2048
-    ),
-    # For tests of the command itself.
-    "tiny": DecoderConfig(vocab_size=320, context_length=64, d_model=32, n_layers=2, n_heads=2, d_ff=64),
-}
-PRESET_TOKENIZER_TEXT_BYTES = 1_000_000
 USER_ERRORS = (CheckpointError, BundleError, FileExistsError, FileNotFoundError, ValueError)
-
-
-def _source(checkpoint: Path) -> dict[str, str]:
-    return {"checkpoint": str(checkpoint), "sha256": sha256_file(checkpoint)}
 
 
 def _print_result(bundle: Bundle) -> None:
     print(format_report(bundle.manifest.verification))
     print(f"bundle written to {bundle.root} (serve it with: textgen-serve --bundle {bundle.root})")
-
-
-def _export_checkpoint(checkpoint: Path, out: Path, options: ExportOptions) -> int:
-    ckpt = load_checkpoint(checkpoint)
-    _print_result(export_bundle(ckpt.model, ckpt.tokenizer, out, options))
-    return 0
 
 
 def cmd_onnx(args: argparse.Namespace) -> int:
@@ -63,30 +47,19 @@ def cmd_onnx(args: argparse.Namespace) -> int:
         opset=args.opset,
         int8=args.int8,
         fp16=args.fp16,
-        source=_source(args.checkpoint) if args.checkpoint.is_file() else None,
+        source=checkpoint_source(args.checkpoint) if args.checkpoint.is_file() else None,
     )
-    return _export_checkpoint(args.checkpoint, args.out, options)
-
-
-def _up_to_date(out: Path, source: dict[str, str]) -> bool:
-    try:
-        bundle = load_bundle(out)
-    except BundleError:
-        return False
-    report = bundle.manifest.verification
-    return bool(report.get("passed")) and report.get("export", {}).get("source") == source
+    _print_result(export_checkpoint(args.checkpoint, args.out, options))
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    checkpoint = ensure_demo_checkpoint(progress=True)
-    source = _source(checkpoint)
-    # The server's tests and a user may ask for the demo bundle at once: one exports, the others reuse it.
-    with _exclusive(args.out.parent / f".{args.out.name}.lock"):
-        if _up_to_date(args.out, source):
-            print(f"demo bundle at {args.out} is up to date with {checkpoint}; nothing to do")
-            return 0
-        options = ExportOptions(model_name="textgen-demo", source=source)
-        return _export_checkpoint(checkpoint, args.out, options)
+    bundle, exported = ensure_demo_bundle(args.out)
+    if exported:
+        _print_result(bundle)
+    else:
+        print(f"demo bundle at {bundle.root} is up to date with its checkpoint; nothing to do")
+    return 0
 
 
 def _checkpoint_model(checkpoint: Path, bundle: Bundle) -> Decoder:
@@ -111,17 +84,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_random(args: argparse.Namespace) -> int:
-    cfg = PRESETS[args.preset]
-    torch.manual_seed(args.seed)
-    model = Decoder(cfg)
-    texts = load_corpus(PRESET_TOKENIZER_TEXT_BYTES, heldout_percent=5).train
-    tokenizer = train_tokenizer(texts, cfg.vocab_size)
-    options = ExportOptions(
-        model_name=f"{args.preset}-random",
-        int8=args.int8,
-        source={"preset": args.preset, "seed": str(args.seed)},
-    )
-    _print_result(export_bundle(model, tokenizer, args.out, options))
+    _print_result(random_bundle(args.preset, args.out, seed=args.seed, int8=args.int8))
     return 0
 
 

@@ -15,24 +15,45 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from export.bundle_writer import BundleStage
+from export.checkpoint import load_checkpoint
+from export.demo import _exclusive, demo_bundle_path, ensure_demo_checkpoint
 from export.fp16 import convert_fp16
 from export.model import Decoder, DecoderConfig
 from export.onnx_inplace import OPSET as INPLACE_OPSET
 from export.onnx_inplace import build_inplace_graph
 from export.onnx_standard import DEFAULT_OPSET, export_standard_graph
 from export.quantize import quantize_int8
-from export.tokenizer import EOS_ID, PAD_ID, tokenizer_to_json
+from export.tokenizer import EOS_ID, PAD_ID, tokenizer_to_json, train_tokenizer
+from export.train import load_corpus
 from export.verify import VerificationFailed, verify_bundle
-from serve.bundle import Bundle, ShapeRange, TensorRTProfile, TensorRTSettings, load_bundle
+from serve.bundle import (
+    Bundle,
+    BundleError,
+    ShapeRange,
+    TensorRTProfile,
+    TensorRTSettings,
+    load_bundle,
+    sha256_file,
+)
 
 STANDARD_FILE = "model.onnx"
 INPLACE_FILE = "model_inplace.onnx"
 TRT_MAX_BATCH = 16  # the engine's default slot count
 TRT_OPT_BATCH = 8
+PRESETS = {
+    # The engine benchmark's shape (GPT-2 small-ish, ~30M parameters).
+    "bench-a": DecoderConfig(
+        vocab_size=8192, context_length=1024, d_model=512, n_layers=8, n_heads=8, d_ff=2048
+    ),
+    # For fast tests of the exporter and of everything that serves a bundle.
+    "tiny": DecoderConfig(vocab_size=320, context_length=64, d_model=32, n_layers=2, n_heads=2, d_ff=64),
+}
+PRESET_TOKENIZER_TEXT_BYTES = 300_000  # of stdlib source: a few seconds of BPE training
 
 
 @dataclass(frozen=True)
@@ -42,7 +63,7 @@ class ExportOptions:
     int8: bool = False
     fp16: bool = False
     progress: bool = True
-    source: str | None = None  # where the weights came from (checkpoint path, preset), for the report
+    source: dict[str, str] | None = None  # where the weights came from (checkpoint, preset), for the report
 
     def __post_init__(self) -> None:
         if self.int8 and self.fp16:
@@ -155,3 +176,57 @@ def export_bundle(model: Decoder, tokenizer: Tokenizer, out: Path, options: Expo
     finally:
         progress.close()
     return load_bundle(out)
+
+
+def checkpoint_source(checkpoint: Path) -> dict[str, str]:
+    return {"checkpoint": str(checkpoint), "sha256": sha256_file(checkpoint)}
+
+
+def export_checkpoint(checkpoint: Path, out: Path, options: ExportOptions) -> Bundle:
+    ckpt = load_checkpoint(checkpoint)
+    return export_bundle(ckpt.model, ckpt.tokenizer, out, options)
+
+
+def _up_to_date(out: Path, source: dict[str, str]) -> Bundle | None:
+    try:
+        bundle = load_bundle(out)
+    except BundleError:
+        return None
+    report = bundle.manifest.verification
+    current = report.get("passed") and report.get("export", {}).get("source") == source
+    return bundle if current else None
+
+
+def ensure_demo_bundle(out: Path | None = None, progress: bool = True) -> tuple[Bundle, bool]:
+    """The demo bundle (training the checkpoint first if missing); exported only if missing or stale.
+
+    Returns the bundle and whether it was exported now. Stale: exported from another checkpoint file.
+    """
+    out = out or demo_bundle_path()
+    checkpoint = ensure_demo_checkpoint(progress=progress)
+    source = checkpoint_source(checkpoint)
+    # Parallel test sessions and a user may ask at once: one exports, the others wait and reuse it.
+    with _exclusive(out.parent / f".{out.name}.lock"):
+        bundle = _up_to_date(out, source)
+        if bundle is not None:
+            return bundle, False
+        options = ExportOptions(model_name="textgen-demo", source=source, progress=progress)
+        return export_checkpoint(checkpoint, out, options), True
+
+
+def random_bundle(preset: str, out: Path, seed: int = 0, int8: bool = False, progress: bool = True) -> Bundle:
+    """A bundle of a preset shape with random weights and a tokenizer trained on a little stdlib text."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    cfg = PRESETS[preset]
+    torch.manual_seed(seed)
+    model = Decoder(cfg)
+    texts = load_corpus(PRESET_TOKENIZER_TEXT_BYTES, heldout_percent=5).train
+    tokenizer = train_tokenizer(texts, cfg.vocab_size)
+    options = ExportOptions(
+        model_name=f"{preset}-random",
+        int8=int8,
+        progress=progress,
+        source={"preset": preset, "seed": str(seed)},
+    )
+    return export_bundle(model, tokenizer, out, options)

@@ -31,3 +31,19 @@ def demo_checkpoint() -> Path:
     from export.demo import ensure_demo_checkpoint
 
     return ensure_demo_checkpoint(progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A verified bundle of the exporter's random "tiny" preset (seed 0); exported once per session."""
+    from export.pipeline import random_bundle
+
+    return random_bundle("tiny", tmp_path_factory.mktemp("bundles") / "tiny", seed=0, progress=False).root
+
+
+@pytest.fixture(scope="session")
+def demo_bundle(demo_checkpoint: Path) -> Path:
+    """The demo checkpoint's verified bundle: models/demo/bundle, exported only if missing or stale."""
+    from export.pipeline import ensure_demo_bundle
+
+    return ensure_demo_bundle(progress=False)[0].root
