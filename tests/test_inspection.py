@@ -3,9 +3,9 @@ neighbours, and the pictures and page of `textgen-export inspect`."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +14,9 @@ from PIL import Image
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from export import cli as export_cli
+from export import inspection
 from export.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from export.inspection import cli
 from export.inspection.attention import (
     InspectionError,
     TextBatch,
@@ -201,10 +202,10 @@ def test_nearest_neighbour_is_the_parallel_embedding(model: Decoder, tokenizer: 
     assert [s for _, s in found.neighbours] == sorted((s for _, s in found.neighbours), reverse=True)
 
 
-def _args(checkpoint: Path | str, text: str, out: Path, *extra: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    return parser.parse_args(["--checkpoint", str(checkpoint), "--text", text, "--out", str(out), *extra])
+def _inspect(checkpoint: Path | str, text: str, out: Path, *extra: str) -> int:
+    """`textgen-export inspect ...` through the exporter's command line, which registers the subcommand."""
+    argv = ["inspect", "--checkpoint", str(checkpoint), "--text", text, "--out", str(out), *extra]
+    return export_cli.main(argv)
 
 
 def _assert_png(path: Path) -> None:
@@ -221,7 +222,7 @@ def test_command_writes_pictures_and_page(
                         n_heads=4, d_ff=64)
     path = save_checkpoint(tmp_path / "ckpt.pt", _sharp_model(cfg), tokenizer)
     out = tmp_path / "report"
-    assert cli.run(_args(path, CODE, out)) == 0
+    assert _inspect(path, CODE, out) == 0
     pngs = ["attention_layer0.png", "attention_layer1.png", "attention_padded.png", "diversity.png",
             "layers.png"]
     for name in pngs:
@@ -251,9 +252,22 @@ def test_command_errors_are_one_line(
                         n_heads=2, d_ff=32)
     tiny = Decoder(cfg)
     ckpt = tmp_path / checkpoint if checkpoint else save_checkpoint(tmp_path / "c.pt", tiny, tokenizer)
-    assert cli.run(_args(ckpt, text, tmp_path / "out", *extra)) == 2
+    assert _inspect(ckpt, text, tmp_path / "out", *extra) == 1
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_missing_matplotlib_is_one_line(
+    tokenizer: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = DecoderConfig(vocab_size=tokenizer.get_vocab_size(), context_length=64, d_model=16, n_layers=1,
+                        n_heads=2, d_ff=32)
+    path = save_checkpoint(tmp_path / "c.pt", Decoder(cfg), tokenizer)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    monkeypatch.delitem(sys.modules, "export.inspection.plots")
+    monkeypatch.delattr(inspection, "plots")
+    assert _inspect(path, CODE, tmp_path / "out") == 1
+    assert "pip install -e '.[inspect]'" in capsys.readouterr().err
 
 
 def test_empty_text_is_refused(tokenizer: Tokenizer) -> None:

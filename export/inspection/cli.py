@@ -1,7 +1,7 @@
 """`textgen-export inspect --checkpoint CKPT --text "..." --out DIR`: pictures and tables of what a checkpoint
 does with a text, gathered in DIR/index.html. `--checkpoint demo` means the demo checkpoint (built first if
 missing). The exit status is 0 when the inspection ran, even if it flagged something (the page and the
-printed lines say what); user errors print one line and exit 2.
+printed lines say what); user errors print one line and exit 1, like the other subcommands.
 """
 
 from __future__ import annotations
@@ -22,10 +22,15 @@ from export.inspection.attention import (
     record_attention,
     weight_on_padding,
 )
-from export.inspection.diversity import DEFAULT_MIN_JSD, head_stats, layer_diversity
+from export.inspection.diversity import (
+    DEFAULT_MIN_JSD,
+    HeadStats,
+    LayerDiversity,
+    head_stats,
+    layer_diversity,
+)
 from export.inspection.embeddings import nearest_neighbours, probe_tokens
-from export.inspection.layers import DEFAULT_JUMP, residual_stats
-from export.inspection.plots import diversity_summary, layer_heatmaps, layer_stats_plot, padding_heatmaps
+from export.inspection.layers import DEFAULT_JUMP, LayerStats, residual_stats
 from export.inspection.report import Findings, Images, write_index
 
 # Beyond ~40 tokens the tick labels of a heatmap stop being readable.
@@ -66,9 +71,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         checkpoint, source = load(args.checkpoint)
         findings = inspect_checkpoint(checkpoint, source, args.text, args.padded_text, args.out, options)
+    except ModuleNotFoundError as exc:
+        if exc.name != "matplotlib":
+            raise
+        print("textgen-export inspect: matplotlib is missing; install the extra: pip install -e '.[inspect]'",
+              file=sys.stderr)
+        return 1
     except (CheckpointError, InspectionError, OSError) as exc:
         print(f"textgen-export inspect: {exc}", file=sys.stderr)
-        return 2
+        return 1
     print(f"wrote {args.out / 'index.html'}")
     for problem in findings.problems():
         print(f"flagged: {problem}")
@@ -108,17 +119,24 @@ def _texts(checkpoint: Checkpoint, text: str, padded_text: str | None) -> list[s
     return [text, padded_text]
 
 
-def _draw(weights: Tensor, batch: TextBatch, padding_weight: float, out: Path) -> tuple[list[Path], Path]:
-    """One heatmap grid per layer for the first text; every layer of the most padded text in one grid."""
+def _draw(
+    weights: Tensor, batch: TextBatch, padding_weight: float, diversity: list[LayerDiversity],
+    heads: list[HeadStats], layers: list[LayerStats], options: Options, out: Path,
+) -> Images:
+    """Heatmaps per layer of the first text, every layer of the most padded text, the two summaries."""
+    # Imported here: matplotlib is the `inspect` extra; without it `textgen-export` must still start.
+    from export.inspection import plots
+
     allowed = batch.allowed()
     attention = [
-        layer_heatmaps(w[0], allowed[0], batch.labels[0], layer, out / f"attention_layer{layer}.png")
+        plots.layer_heatmaps(w[0], allowed[0], batch.labels[0], layer, out / f"attention_layer{layer}.png")
         for layer, w in enumerate(weights)
     ]
     row = batch.lengths.index(min(batch.lengths))
-    padded = padding_heatmaps(weights[:, row], allowed[row], batch.labels[row],
-                              padding_weight, out / "attention_padded.png")
-    return attention, padded
+    padded = plots.padding_heatmaps(weights[:, row], allowed[row], batch.labels[row], padding_weight,
+                                    out / "attention_padded.png")
+    summary = plots.diversity_summary(diversity, heads, options.min_jsd, out / "diversity.png")
+    return Images(attention, padded, summary, plots.layer_stats_plot(layers, out / "layers.png"))
 
 
 def inspect_checkpoint(
@@ -135,9 +153,7 @@ def inspect_checkpoint(
     layers = residual_stats(model, batch, options.jump)
     padding_weight = weight_on_padding(weights, batch)
     out.mkdir(parents=True, exist_ok=True)
-    attention, padded = _draw(weights, batch, padding_weight, out)
-    summary = diversity_summary(diversity, heads, options.min_jsd, out / "diversity.png")
-    images = Images(attention, padded, summary, layer_stats_plot(layers, out / "layers.png"))
+    images = _draw(weights, batch, padding_weight, diversity, heads, layers, options, out)
     first_text = batch.input_ids[0, batch.attention_mask[0].bool()].tolist()
     findings = Findings(
         source=source,
