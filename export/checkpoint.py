@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer
+from torch.torch_version import TorchVersion
 
 from export.model import Decoder, DecoderConfig
 from export.tokenizer import TokenizerError, tokenizer_from_json, tokenizer_to_json
@@ -83,8 +84,8 @@ def save_checkpoint(
 def _check_loadable(path: Path) -> None:
     # Fail at save time, not at every later load, when meta holds a type weights_only refuses.
     try:
-        torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
+        _read_payload(path)
+    except CheckpointError as exc:
         raise ValueError(f"checkpoint meta must hold only plain Python types and tensors: {exc}") from exc
 
 
@@ -115,7 +116,9 @@ def _read_payload(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(path, "not a regular file")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        # TorchVersion (a str subclass) is allowed: torch.__version__ in meta is natural and harmless.
+        with torch.serialization.safe_globals([TorchVersion]):
+            payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises OSError, KeyError, RuntimeError, ... for damaged files
         problem = f"truncated or not a torch checkpoint ({type(exc).__name__}: {exc})"
         raise CheckpointError(path, problem) from exc
