@@ -1,0 +1,32 @@
+# textgen: one entry point. `make serve` builds the demo model on first use and serves it;
+# `make test` is what CI runs (.ci/run). Both create and fill .venv themselves.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Re-install only when the dependency list changes; the stamp lives inside the (ignored) venv.
+STAMP := $(VENV)/.installed
+BUNDLE := models/demo/bundle
+
+.PHONY: serve test lint venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e '.[cpu,export,dev]'
+	touch $(STAMP)
+
+## The main job: build the demo model (train + export, first run only) and serve it.
+serve: $(STAMP)
+	$(BIN)/textgen-export demo --out $(BUNDLE)
+	$(BIN)/textgen-serve --bundle $(BUNDLE)
+
+## What CI runs: system packages the tests need, lint, the fast test suite.
+test: $(STAMP)
+	if [ -f .ci/system-deps.sh ]; then bash .ci/system-deps.sh; fi
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
