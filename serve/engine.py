@@ -28,6 +28,14 @@ if TYPE_CHECKING:
     from serve.bundle import Bundle
 
 
+_NUMPY_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     n_layers: int
@@ -78,8 +86,12 @@ class Engine:
         self.session = create_session(graph_path, settings.session)
         self.providers: list[str] = self.session.get_providers()
         shape = (settings.max_batch_size, spec.n_heads, capacity, spec.head_dim)
+        # The graph decides the precision (an fp16 bundle has fp16 caches and logits).
+        types = {
+            t.name: _NUMPY_TYPES[t.type] for t in [*self.session.get_inputs(), *self.session.get_outputs()]
+        }
         self._kv = [
-            (f"{kind}.{layer}", np.zeros(shape, np.float32))
+            (f"{kind}.{layer}", np.zeros(shape, types[f"past_{kind}.{layer}"]))
             for layer in range(spec.n_layers)
             for kind in ("key", "value")
         ]
@@ -87,7 +99,7 @@ class Engine:
         self._pending = np.zeros(settings.max_batch_size, np.int64)  # sampled, not yet in the cache
         self._ids: list[str] = []
         self._sampling = SamplingBatch()
-        self._logits = np.zeros((settings.max_batch_size, spec.vocab_size), np.float32)
+        self._logits = np.zeros((settings.max_batch_size, spec.vocab_size), types["logits"])
         self.last_logits = self._logits[:0]
         self.last_step_seconds = 0.0
 
