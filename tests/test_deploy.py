@@ -1,0 +1,513 @@
+"""Deployment files, checked without Docker or a cluster: the Dockerfiles statically, the locked serving
+requirements in a fresh venv (slow), the Kubernetes manifests rendered by kustomize and validated against the
+Kubernetes schemas offline."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import tomllib
+import yaml
+from metric_refs import REPO, missing_metrics
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from serve.config import ServerSettings
+
+DOCKER = REPO / "deploy" / "docker"
+K8S = REPO / "deploy" / "k8s"
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+SERVING_IMAGES = {"Dockerfile.cpu": "requirements-serve.txt", "Dockerfile.gpu": "requirements-serve-gpu.txt"}
+GRPC_PORT = ServerSettings.model_fields["port"].default
+METRICS_PORT = ServerSettings.model_fields["metrics_port"].default
+# Oldest and newest Kubernetes versions the manifests are validated against (native gRPC probes: 1.27 GA).
+K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
+# Custom resources of the Prometheus Operator: no schema in kubernetes-validate; checked by hand below.
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule"}
+
+
+# Dockerfiles --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Instruction:
+    command: str  # upper case: FROM, COPY, RUN...
+    args: str
+
+
+def instructions(dockerfile: Path) -> list[Instruction]:
+    """The instructions of a Dockerfile, continuation lines joined, comments dropped."""
+    logical, current = [], ""
+    for line in dockerfile.read_text().splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        current += stripped.removesuffix("\\").strip() + " "
+        if not stripped.endswith("\\"):
+            logical.append(current.strip())
+            current = ""
+    return [Instruction(text.split(" ", 1)[0].upper(), text.split(" ", 1)[1]) for text in logical]
+
+
+def stages(dockerfile: Path) -> list[list[Instruction]]:
+    """Instructions grouped by build stage (each starts with FROM)."""
+    grouped: list[list[Instruction]] = []
+    for instruction in instructions(dockerfile):
+        if instruction.command == "FROM":
+            grouped.append([])
+        grouped[-1].append(instruction)
+    return grouped
+
+
+def exec_form(args: str) -> list[str]:
+    words = yaml.safe_load(args)  # a JSON array is YAML
+    assert isinstance(words, list), f"not exec form (a JSON array): {args}"
+    return words
+
+
+DOCKERFILES = sorted(DOCKER.glob("Dockerfile.*"))
+
+
+def test_the_three_images_exist() -> None:
+    assert {p.name for p in DOCKERFILES} == {"Dockerfile.cpu", "Dockerfile.gpu", "Dockerfile.export"}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_base_images_are_pinned_by_tag(dockerfile: Path) -> None:
+    names: set[str] = set()
+    for stage in stages(dockerfile):
+        words = stage[0].args.split()
+        image = words[0]
+        if image not in names:
+            # A version in the tag (not latest, not a bare major like 3): python:3.11.7-slim-bookworm.
+            assert re.fullmatch(r"[\w./-]+:\d+\.\d+[\w.+-]*|[\w./-]+@sha256:[0-9a-f]{64}", image), image
+        if len(words) == 3 and words[1].upper() == "AS":
+            names.add(words[2])
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_final_stage_runs_as_non_root(dockerfile: Path) -> None:
+    users = [i.args for i in stages(dockerfile)[-1] if i.command == "USER"]
+    assert users, "the final stage sets no USER: it would run as root"
+    user = users[-1].split(":")[0]
+    assert user not in {"root", "0"}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_copy_sources_exist(dockerfile: Path) -> None:
+    for instruction in instructions(dockerfile):
+        if instruction.command not in {"COPY", "ADD"}:
+            continue
+        words = shlex.split(instruction.args)
+        if any(w.startswith("--from") for w in words):
+            continue  # from another stage, not from the build context
+        sources = [w for w in words if not w.startswith("--")][:-1]
+        assert sources, instruction
+        for source in sources:
+            assert (REPO / source).exists(), (
+                f"{dockerfile.name}: COPY source {source} is not in the repository"
+            )
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_entrypoint_is_a_console_script(dockerfile: Path) -> None:
+    entrypoints = [i for i in instructions(dockerfile) if i.command == "ENTRYPOINT"]
+    assert len(entrypoints) == 1
+    script = exec_form(entrypoints[0].args)[0]
+    expected = "textgen-export" if dockerfile.name == "Dockerfile.export" else "textgen-serve"
+    assert script == expected
+    assert script in PYPROJECT["project"]["scripts"]
+
+
+@pytest.mark.parametrize("name", sorted(SERVING_IMAGES))
+def test_serving_image_contract(name: str) -> None:
+    dockerfile = DOCKER / name
+    final = stages(dockerfile)[-1]
+    by_command = {i.command: i.args for i in final}
+    assert set(by_command["EXPOSE"].split()) == {str(GRPC_PORT), str(METRICS_PORT)}
+    assert by_command["STOPSIGNAL"] == "SIGTERM"
+    health = exec_form(by_command["HEALTHCHECK"].split(" CMD ", 1)[1])
+    assert health[:2] == ["textgen-client", "health"]
+    assert health[health.index("--target") + 1] == f"127.0.0.1:{GRPC_PORT}"
+    assert "TEXTGEN_BUNDLE=/models/bundle" in by_command["ENV"]
+
+
+@pytest.mark.parametrize(("name", "lock"), sorted(SERVING_IMAGES.items()))
+def test_serving_images_install_the_lock_and_no_torch(name: str, lock: str) -> None:
+    text = (DOCKER / name).read_text()
+    assert f"deploy/docker/{lock}" in text
+    runs = " ".join(i.args for i in instructions(DOCKER / name) if i.command == "RUN")
+    assert "--require-hashes" in runs
+    copied = " ".join(i.args for i in instructions(DOCKER / name) if i.command == "COPY")
+    assert "export" not in copied.split(), "the exporter (torch) is not part of a serving image"
+    pinned = locked(DOCKER / lock)
+    assert "torch" not in pinned
+    assert not any(n.startswith("nvidia-") or n == "triton" for n in pinned)
+
+
+def locked(lock: Path) -> dict[str, str]:
+    """name -> version of every `name==version` line of a pip requirements lock."""
+    pins = re.findall(r"^([A-Za-z0-9_.-]+)==([^\s\\;]+)", lock.read_text(), flags=re.MULTILINE)
+    return {canonicalize_name(name): version for name, version in pins}
+
+
+@pytest.mark.parametrize(
+    ("lock", "extras", "python"),
+    [
+        ("requirements-serve.txt", ["cpu"], "3.11"),
+        ("requirements-serve-gpu.txt", ["gpu"], "3.12"),
+        ("requirements-export.txt", ["cpu", "export"], "3.11"),
+    ],
+)
+def test_locks_satisfy_pyproject(lock: str, extras: list[str], python: str) -> None:
+    """A dependency added to or tightened in pyproject.toml without re-running deploy/docker/lock.sh fails."""
+    pins = locked(DOCKER / lock)
+    wanted = list(PYPROJECT["project"]["dependencies"])
+    for extra in extras:
+        wanted += PYPROJECT["project"]["optional-dependencies"][extra]
+    for spec in map(Requirement, wanted):
+        if spec.marker is not None and not spec.marker.evaluate({"python_version": python}):
+            continue
+        name = canonicalize_name(spec.name)
+        assert name in pins, f"{lock} lacks {spec.name}: run deploy/docker/lock.sh"
+        assert spec.specifier.contains(pins[name], prereleases=True), (
+            f"{lock}: {name}=={pins[name]} vs {spec}"
+        )
+    assert "--hash=sha256:" in (DOCKER / lock).read_text()
+
+
+@pytest.mark.slow
+def test_serving_lock_installs_and_serves_in_a_fresh_venv(tmp_path: Path, tiny_bundle: Path) -> None:
+    """What Dockerfile.cpu installs, in a clean venv: imports without torch, serves, answers health."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-cache-dir"]
+    lock = DOCKER / "requirements-serve.txt"
+    subprocess.run([*pip, "--require-hashes", "--only-binary=:all:", "-r", str(lock)], check=True)
+    context = build_context(DOCKER / "Dockerfile.cpu", tmp_path / "src")
+    subprocess.run([*pip, "--no-deps", str(context)], check=True)
+    python = str(venv / "bin" / "python")
+    imports = "import serve.server, serve.cli, serve.client, serve.engine, serve.metrics"
+    subprocess.run([python, "-c", imports], check=True, cwd=tmp_path)
+    no_torch = subprocess.run([python, "-c", "import torch"], capture_output=True, cwd=tmp_path, check=False)
+    assert no_torch.returncode != 0 and b"No module named 'torch'" in no_torch.stderr
+    with serving(venv, tiny_bundle) as (grpc_port, metrics_port):
+        healthcheck = exec_form(dockerfile_healthcheck().split(" CMD ", 1)[1])
+        healthcheck[healthcheck.index("--target") + 1] = f"127.0.0.1:{grpc_port}"
+        result = subprocess.run(
+            [str(venv / "bin" / healthcheck[0]), *healthcheck[1:]],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert result.returncode == 0 and result.stdout.strip() == "SERVING", result.stdout + result.stderr
+        scrape = urlopen_text(f"http://127.0.0.1:{metrics_port}/metrics")
+    # The live scrape has every metric the dashboard, rules and HPA name, except series with labels that
+    # only appear after traffic (a request by code); the monitoring tests cover those with observations.
+    missing = {
+        k: {n for n in v if not n.startswith(LABELLED_AFTER_TRAFFIC)}
+        for k, v in missing_metrics(scrape).items()
+    }
+    assert not any(missing.values()), missing
+
+
+LABELLED_AFTER_TRAFFIC = ("textgen_requests_total", "textgen_request_duration_seconds")
+
+
+def dockerfile_healthcheck() -> str:
+    return next(i.args for i in stages(DOCKER / "Dockerfile.cpu")[-1] if i.command == "HEALTHCHECK")
+
+
+def build_context(dockerfile: Path, target: Path) -> Path:
+    """Copy what the build stage COPYs from the repository into `target`/src, the way Docker would."""
+    for instruction in stages(dockerfile)[0]:
+        if instruction.command != "COPY":
+            continue
+        *sources, destination = shlex.split(instruction.args)
+        if destination.startswith("/src"):
+            into = target / destination.removeprefix("/src").lstrip("/")
+            for source in sources:
+                path = REPO / source
+                if path.is_dir():
+                    shutil.copytree(path, into, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    into.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(path, into / path.name)
+    return target
+
+
+def urlopen_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+@contextmanager
+def serving(venv: Path, bundle: Path) -> Iterator[tuple[int, int]]:
+    """`textgen-serve` of the venv on free loopback ports until SERVING; stopped with SIGTERM, must exit 0."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    env = {
+        "PATH": f"{venv / 'bin'}:/usr/bin:/bin",
+        "TEXTGEN_BUNDLE": str(bundle),
+        "TEXTGEN_HOST": "127.0.0.1",
+        "TEXTGEN_PORT": str(ports[0]),
+        "TEXTGEN_METRICS_PORT": str(ports[1]),
+    }
+    process = subprocess.Popen([str(venv / "bin" / "textgen-serve")], env=env)
+    try:
+        wait_serving(venv, ports[0], process)
+        yield ports[0], ports[1]
+    finally:
+        process.terminate()
+        assert process.wait(timeout=60) == 0
+
+
+def wait_serving(venv: Path, port: int, process: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    client = [str(venv / "bin" / "textgen-client"), "health", "--target", f"127.0.0.1:{port}"]
+    deadline = time.monotonic() + timeout
+    while subprocess.run(client, capture_output=True, check=False).returncode != 0:
+        assert process.poll() is None, "textgen-serve exited during start-up"
+        assert time.monotonic() < deadline, f"textgen-serve did not report SERVING within {timeout} s"
+        time.sleep(0.5)
+
+
+# Kubernetes --------------------------------------------------------------------------------
+
+
+@cache
+def render(kustomization: str) -> tuple[dict[str, Any], ...]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl absent")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(K8S / kustomization)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
+
+
+KUSTOMIZATIONS = ("overlays/cpu", "overlays/gpu", "export")
+
+
+def one(objects: tuple[dict[str, Any], ...], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+    assert len(found) == 1, f"{kind} {name or ''}: {len(found)} found"
+    return found[0]
+
+
+def container(objects: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    return one(objects, "Deployment", "textgen")["spec"]["template"]["spec"]["containers"][0]
+
+
+def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_manifests_validate_against_kubernetes_schemas(kustomization: str) -> None:
+    objects = render(kustomization)
+    assert objects
+    for obj in objects:
+        if obj["kind"] in CUSTOM_KINDS:
+            continue
+        for version in K8S_VERSIONS:
+            # strict: unknown fields are errors, as `kubectl apply --validate=strict` would make them.
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+def identities(objects: tuple[dict[str, Any], ...]) -> list[tuple[str, str]]:
+    """Kind and name of each object; a generated ConfigMap's name without its content hash."""
+    return sorted(
+        (
+            o["kind"],
+            o["metadata"]["name"].rsplit("-", 1)[0] if o["kind"] == "ConfigMap" else o["metadata"]["name"],
+        )
+        for o in objects
+    )
+
+
+def test_overlays_render_the_same_objects() -> None:
+    kinds = {o["kind"] for o in render("overlays/cpu")}
+    expected = {"Namespace", "ServiceAccount", "ConfigMap", "PersistentVolumeClaim", "Deployment", "Service"}
+    expected |= {"HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy"} | CUSTOM_KINDS
+    assert kinds == expected
+    assert identities(render("overlays/gpu")) == identities(render("overlays/cpu"))
+    assert all(o["metadata"].get("namespace", "textgen") == "textgen" for o in render("overlays/cpu"))
+
+
+@pytest.mark.parametrize("overlay", ["overlays/cpu", "overlays/gpu"])
+def test_probes_and_ports_match_the_server_defaults(overlay: str) -> None:
+    objects = render(overlay)
+    c = container(objects)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == ports["grpc"], probe
+    pod = one(objects, "Deployment")["spec"]["template"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"])
+    config = one(objects, "ConfigMap")["data"]
+    assert (int(config["TEXTGEN_PORT"]), int(config["TEXTGEN_METRICS_PORT"])) == (GRPC_PORT, METRICS_PORT)
+    for service in (o for o in objects if o["kind"] == "Service"):
+        assert labels_match(service["spec"]["selector"], pod["metadata"]["labels"])
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in ports and port["port"] == ports[port["targetPort"]]
+
+
+@pytest.mark.parametrize("overlay", ["overlays/cpu", "overlays/gpu"])
+def test_configuration_is_what_the_server_reads(overlay: str) -> None:
+    objects = render(overlay)
+    fields = {f"TEXTGEN_{name.upper()}" for name in ServerSettings.model_fields}
+    config = one(objects, "ConfigMap")["data"]
+    assert set(config) <= fields
+    ServerSettings(**{k.removeprefix("TEXTGEN_").lower(): v for k, v in config.items()})  # values parse
+    c = container(objects)
+    assert c["envFrom"][0]["configMapRef"]["name"] == one(objects, "ConfigMap")["metadata"]["name"]
+    token = next(e for e in c["env"] if e["name"] == "TEXTGEN_AUTH_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"]["name"] == "textgen-auth"
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert mounts[config["TEXTGEN_BUNDLE"]]["readOnly"] is True
+
+
+@pytest.mark.parametrize("overlay", ["overlays/cpu", "overlays/gpu"])
+def test_pod_security(overlay: str) -> None:
+    objects = render(overlay)
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert pod["automountServiceAccountToken"] is False
+    sc = container(objects)["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    for key in ("cpu", "memory"):
+        assert (
+            key in container(objects)["resources"]["requests"]
+            and key in container(objects)["resources"]["limits"]
+        )
+
+
+def test_termination_leaves_time_to_drain() -> None:
+    objects = render("overlays/cpu")
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    pause = container(objects)["lifecycle"]["preStop"]["exec"]["command"]
+    assert pause[0] == "sleep"
+    grace = float(one(objects, "ConfigMap")["data"]["TEXTGEN_GRACE_SECONDS"])
+    assert pod["terminationGracePeriodSeconds"] > int(pause[1]) + grace
+
+
+def test_gpu_overlay_requests_a_gpu() -> None:
+    c = container(render("overlays/gpu"))
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert "gpu" in c["image"] and "cpu" in container(render("overlays/cpu"))["image"]
+    assert "nvidia.com/gpu" not in container(render("overlays/cpu"))["resources"]["limits"]
+    providers = one(render("overlays/gpu"), "ConfigMap")["data"]["TEXTGEN_PROVIDERS"]
+    assert providers.split(",")[0] == "CUDAExecutionProvider"
+
+
+def test_headless_service_for_client_side_balancing() -> None:
+    services = {s["metadata"]["name"]: s["spec"] for s in render("overlays/cpu") if s["kind"] == "Service"}
+    assert services["textgen"]["type"] == "ClusterIP" and services["textgen"].get("clusterIP") != "None"
+    assert services["textgen-headless"]["clusterIP"] == "None"
+
+
+def test_autoscaling_and_disruption_budget_target_the_deployment() -> None:
+    objects = render("overlays/cpu")
+    deployment = one(objects, "Deployment")
+    hpa = one(objects, "HorizontalPodAutoscaler")["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "textgen"}
+    assert hpa["metrics"][0]["pods"]["metric"]["name"] == "textgen_requests_waiting"
+    assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
+    pdb = one(objects, "PodDisruptionBudget")["spec"]
+    assert labels_match(pdb["selector"]["matchLabels"], deployment["spec"]["template"]["metadata"]["labels"])
+    assert pdb["maxUnavailable"] < hpa["minReplicas"]
+
+
+def test_service_monitor_selects_the_metrics_service() -> None:
+    """ServiceMonitor has no schema offline: check that it selects a Service with a `metrics` port."""
+    objects = render("overlays/cpu")
+    monitor = one(objects, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    selected = [
+        s
+        for s in objects
+        if s["kind"] == "Service"
+        and labels_match(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+    ]
+    assert [s["metadata"]["name"] for s in selected] == ["textgen"]
+    port_names = {p["name"] for p in selected[0]["spec"]["ports"]}
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} <= port_names
+    assert monitor["spec"]["namespaceSelector"]["matchNames"] == [selected[0]["metadata"]["namespace"]]
+
+
+def test_prometheus_rule_is_well_formed() -> None:
+    """PrometheusRule has no schema offline; its groups are the promtool-checked rules (test_monitoring)."""
+    rule = one(render("overlays/cpu"), "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(rule["spec"]) == {"groups"}
+    for group in rule["spec"]["groups"]:
+        assert set(group) == {"name", "rules"}
+        for r in group["rules"]:
+            assert ("record" in r) != ("alert" in r) and isinstance(r["expr"], str)
+
+
+def test_network_policies_select_the_pods() -> None:
+    for kustomization, component in (("overlays/cpu", "server"), ("export", "export")):
+        objects = render(kustomization)
+        policy = one(objects, "NetworkPolicy")["spec"]
+        workload = next(o for o in objects if o["kind"] in {"Deployment", "Job"})
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/component"] == component
+        assert labels_match(policy["podSelector"]["matchLabels"], labels)
+        assert policy["egress"] == []
+
+
+def test_export_job_writes_where_the_server_reads() -> None:
+    job = one(render("export"), "Job", "textgen-export")["spec"]["template"]["spec"]
+    args = job["containers"][0]["args"]
+    out = Path(args[args.index("--out") + 1])
+    volume_mount = job["containers"][0]["volumeMounts"][0]
+    claim = next(v for v in job["volumes"] if v["name"] == volume_mount["name"])["persistentVolumeClaim"]
+    server = render("overlays/cpu")
+    served_mount = next(m for m in container(server)["volumeMounts"] if m["name"] == "bundle")
+    server_volume = next(
+        v for v in one(server, "Deployment")["spec"]["template"]["spec"]["volumes"] if v["name"] == "bundle"
+    )
+    assert claim["claimName"] == server_volume["persistentVolumeClaim"]["claimName"]
+    assert out.relative_to(volume_mount["mountPath"]) == Path(served_mount["subPath"])
+
+
+def iter_files(kind: str) -> Iterator[Path]:
+    yield from sorted(K8S.rglob(f"*{kind}"))
+
+
+def test_every_manifest_file_is_used() -> None:
+    """A manifest that no kustomization lists would silently never be deployed."""
+    listed: set[Path] = set()
+    for kustomization in iter_files("kustomization.yaml"):
+        spec = yaml.safe_load(kustomization.read_text())
+        names = spec.get("resources", []) + [p["path"] for p in spec.get("patches", [])]
+        listed |= {(kustomization.parent / n).resolve() for n in names}
+    manifests = {p.resolve() for p in iter_files(".yaml") if p.name != "kustomization.yaml"}
+    manifests -= {(K8S / "prometheus-adapter" / "values.yaml").resolve()}  # Helm values, not a manifest
+    assert manifests - listed == set()
