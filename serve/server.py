@@ -181,7 +181,10 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
 
     @contextlib.asynccontextmanager
     async def _call(self, rpc: str, context: grpc.aio.ServicerContext) -> AsyncIterator[CallRecord]:
-        """Maps whatever ends the RPC to its one status, log line and metric."""
+        """Maps whatever ends the RPC to its one status, log line and metric.
+
+        The record is written before the status goes out, so whoever sees the status can find its log line.
+        """
         record = CallRecord(rpc=rpc)
         try:
             yield record
@@ -189,13 +192,15 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             remaining = context.time_remaining()
             expired = remaining is not None and remaining <= 0
             record.code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            self._account(record)
             raise
         except Exception as exc:
             record.code, record.error = grpc_status(exc, record.request_id or None)
             if record.code is grpc.StatusCode.INTERNAL:
                 log.exception("request %s failed", record.request_id)
+            self._account(record)
             await context.abort(record.code, record.error)
-        finally:
+        else:
             self._account(record)
 
     def _account(self, record: CallRecord) -> None:
@@ -337,7 +342,7 @@ class TextgenServer:
         self.port = 0
         self.metrics_port = 0
         self._metrics_server: WSGIServer | None = None
-        self._server = self._build_server()
+        self._server: grpc.aio.Server | None = None  # made in start(): grpc.aio binds it to the running loop
 
     def _build_server(self) -> grpc.aio.Server:
         interceptors = []
@@ -364,14 +369,14 @@ class TextgenServer:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, status)
 
-    def _bind(self) -> int:
+    def _bind(self, server: grpc.aio.Server) -> int:
         address = _address(self.settings.host, self.settings.port)
         credentials = server_credentials(self.settings)
         try:
             if credentials is None:
-                port = self._server.add_insecure_port(address)
+                port = server.add_insecure_port(address)
             else:
-                port = self._server.add_secure_port(address, credentials)
+                port = server.add_secure_port(address, credentials)
         except RuntimeError as exc:
             raise ConfigError(f"cannot listen on {address}: {exc}") from None
         if port == 0:
@@ -382,7 +387,8 @@ class TextgenServer:
         """Listen (health NOT_SERVING), load and warm up the model, then report SERVING."""
         self.metrics_port = self._start_metrics()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self._bind()
+        self._server = self._build_server()
+        self.port = self._bind(self._server)
         await self._server.start()
         log.info(
             "listening on %s (tls=%s)", _address(self.settings.host, self.port), self.settings.tls_enabled
@@ -420,8 +426,7 @@ class TextgenServer:
         await self.health.enter_graceful_shutdown()
         if self.service.model is not None:
             await self.service.model.scheduler.drain(self.settings.grace_seconds)
-        await self._server.stop(STOP_GRACE_SECONDS)
-        await self._stop_metrics()
+        await self._stop_server(STOP_GRACE_SECONDS)
         log.info("stopped")
 
     async def stop(self) -> None:
@@ -429,7 +434,11 @@ class TextgenServer:
         self.service.draining = True
         if self.service.model is not None:
             await self.service.model.scheduler.drain(0.0)
-        await self._server.stop(None)
+        await self._stop_server(None)
+
+    async def _stop_server(self, grace: float | None) -> None:
+        if self._server is not None:
+            await self._server.stop(grace)
         await self._stop_metrics()
 
     async def _stop_metrics(self) -> None:
