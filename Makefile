@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BUNDLE := models/demo/bundle
 
-.PHONY: serve test lint venv
+.PHONY: serve test lint venv proto
 
 venv: $(STAMP)
 
@@ -30,3 +30,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+## Regenerate the committed gRPC stubs (serve/_proto) from proto/; a test fails when they are stale.
+proto: $(STAMP)
+	$(BIN)/python scripts/gen_proto.py
