@@ -8,6 +8,7 @@ give the same model.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sysconfig
@@ -84,11 +85,12 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def stdlib_sources(root: Path | None = None) -> list[Path]:
+@functools.cache
+def stdlib_sources(root: Path | None = None) -> tuple[Path, ...]:
     """The stdlib's .py files in a machine-independent pseudo-random order (CRC32 of the relative path).
 
     Sorting by a hash, not by name, mixes packages, so a byte budget takes a bit of everything rather than
-    the alphabetical prefix (all of asyncio, none of xml).
+    the alphabetical prefix (all of asyncio, none of xml). Cached: walking the stdlib takes a second.
     """
     root = root or stdlib_root()
     files = [
@@ -96,7 +98,7 @@ def stdlib_sources(root: Path | None = None) -> list[Path]:
     ]
     if not files:
         raise FileNotFoundError(f"no Python source files under the standard library directory {root}")
-    return sorted(files, key=lambda p: (_path_crc(p, root), p.relative_to(root).as_posix()))
+    return tuple(sorted(files, key=lambda p: (_path_crc(p, root), p.relative_to(root).as_posix())))
 
 
 def _path_crc(path: Path, root: Path) -> int:
