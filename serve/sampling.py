@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -80,28 +80,38 @@ def _penalizes(penalty: np.ndarray) -> np.ndarray:
     return (penalty > 0.0) & (penalty != 1.0)
 
 
-def apply_repetition_penalty(logits: np.ndarray, penalty: np.ndarray, seen: np.ndarray) -> None:
+def apply_repetition_penalty(logits: np.ndarray, penalty: np.ndarray, seen: Sequence[np.ndarray]) -> None:
     """In place: over tokens already seen, positive logits are divided by the penalty, the rest multiplied.
 
-    `penalty` [n] (0 and 1 are off), `seen` bool [n, vocab] (prompt and generated tokens). Only the seen
-    entries are touched: they are few, and a full-width select costs a mispredicted branch per logit.
+    `penalty` [n] (0 and 1 are off); `seen[i]` holds the token ids row i has seen (prompt and generated;
+    repeats are harmless). Only the seen entries are gathered and scattered: a full-width pass would cost
+    a mispredicted branch per logit.
     """
-    active = _penalizes(penalty)
-    if not active.any():
+    active = np.flatnonzero(_penalizes(penalty))
+    if active.size == 0:
         return
-    rows, cols = np.nonzero(seen & active[:, None])
-    values = logits[rows, cols]
+    ids = [seen[i] for i in active]
+    rows = np.repeat(active, [len(row_ids) for row_ids in ids])
+    cols = np.concatenate(ids)
+    values = logits[rows, cols]  # a repeated id reads and writes the same original value
     factor = penalty[rows].astype(np.float32)
     logits[rows, cols] = np.where(values > 0.0, values / factor, values * factor)
 
 
 def apply_temperature(logits: np.ndarray, temperature: np.ndarray) -> None:
-    """In place: divide each row by its temperature (0 = greedy and 1 are left alone)."""
+    """In place: divide each row by its temperature (0 = greedy and 1 are left alone).
+
+    Each row is first shifted so that its largest logit is 0, which changes no probability: a tiny
+    temperature then sends the others to -inf (the argmax, as in the limit T -> 0) instead of sending the
+    top ones to +inf, where the softmax's inf - inf is NaN.
+    """
     active = (temperature > 0.0) & (temperature != 1.0)
     if not active.any():
         return
     block, rows = _active_rows(logits, active)
-    block /= temperature[active, None].astype(np.float32)
+    block -= block.max(axis=1, keepdims=True)
+    with np.errstate(over="ignore"):
+        block /= temperature[active, None].astype(np.float32)
     _store(logits, block, rows)
 
 
@@ -179,13 +189,36 @@ def _draw(logits: np.ndarray, uniform: np.ndarray) -> np.ndarray:
     return block * _DRAW_BLOCK + np.minimum(offset, last_weighted)
 
 
+class _History:
+    """The token ids a row has seen, prompt then each sampled token, in a buffer that doubles when full."""
+
+    __slots__ = ("_count", "_ids", "largest")
+
+    def __init__(self, prompt_ids: Sequence[int]) -> None:
+        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        if ids.size and ids.min() < 0:
+            raise ValueError(f"prompt token ids must be >= 0, got {int(ids.min())}")
+        self._ids = np.empty(max(64, 2 * ids.size), dtype=np.int64)
+        self._ids[: ids.size] = ids
+        self._count = ids.size
+        self.largest = int(ids.max()) if ids.size else -1
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self._ids[: self._count]
+
+    def add(self, token: int) -> None:
+        if self._count == self._ids.size:
+            self._ids = np.concatenate([self._ids, np.empty_like(self._ids)])
+        self._ids[self._count] = token
+        self._count += 1
+
+
 @dataclass(slots=True)
 class _Row:
     params: SamplingParams
     rng: np.random.Generator | None  # None for greedy rows: they never draw
-    # Tokens seen so far (prompt + generated) as a bool mask, kept only for rows with a repetition penalty;
-    # sized by the largest prompt id until the first step tells the vocabulary size.
-    seen: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    history: _History  # empty unless the row has a repetition penalty
 
 
 @dataclass(slots=True)
@@ -232,14 +265,9 @@ class SamplingBatch:
     def append(self, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
         """Add a row at the end (the engine's next row). Unseeded sampling rows get a seed from OS entropy."""
         rng = None if params.greedy else np.random.default_rng(params.seed)
-        row = _Row(params=params, rng=rng)
-        if _penalizes(np.float32(params.repetition_penalty)):
-            ids = np.asarray(prompt_ids, dtype=np.int64)
-            if ids.size and ids.min() < 0:
-                raise ValueError(f"prompt token ids must be >= 0, got {int(ids.min())}")
-            row.seen = np.zeros(int(ids.max()) + 1 if ids.size else 0, dtype=bool)
-            row.seen[ids] = True
-        self._rows.append(row)
+        penalized = bool(_penalizes(np.float32(params.repetition_penalty)))
+        history = _History(prompt_ids if penalized else ())
+        self._rows.append(_Row(params=params, rng=rng, history=history))
         self._layout = None
 
     def extend(self, other: SamplingBatch) -> None:
@@ -278,7 +306,7 @@ class SamplingBatch:
         work = logits
         if layout.penalized.size:
             work = logits.copy()
-            apply_repetition_penalty(work, layout.penalty, self._seen_mask(layout.penalized, logits.shape[1]))
+            apply_repetition_penalty(work, layout.penalty, self._histories(layout.penalized, logits.shape[1]))
         tokens = np.empty(logits.shape[0], dtype=np.int64)
         tokens[layout.greedy] = work[layout.greedy].argmax(axis=1)
         if layout.sampled.size:
@@ -290,22 +318,16 @@ class SamplingBatch:
             uniform = np.array([rng.random() for rng in layout.generators])
             tokens[rows] = _draw(warped, uniform)
         for i in layout.penalized:
-            self._rows[i].seen[tokens[i]] = True
+            self._rows[i].history.add(int(tokens[i]))
         return tokens
 
-    def _seen_mask(self, penalized: np.ndarray, vocab: int) -> np.ndarray:
-        """bool [n, vocab]: each penalized row's seen tokens (other rows all False, never read)."""
-        mask = np.zeros((len(self._rows), vocab), dtype=bool)
+    def _histories(self, penalized: np.ndarray, vocab: int) -> list[np.ndarray]:
+        """Each row's seen token ids (empty for rows without a penalty, which the processor skips)."""
         for i in penalized:
-            row = self._rows[i]
-            if row.seen.size > vocab:
-                raise ValueError(
-                    f"row {i} has prompt token id {row.seen.size - 1} outside the vocabulary of {vocab}"
-                )
-            if row.seen.size < vocab:
-                row.seen = np.concatenate([row.seen, np.zeros(vocab - row.seen.size, dtype=bool)])
-            mask[i] = row.seen
-        return mask
+            largest = self._rows[i].history.largest
+            if largest >= vocab:
+                raise ValueError(f"row {i} has prompt token id {largest} outside the vocabulary of {vocab}")
+        return [row.history.ids for row in self._rows]
 
     def _logprobs(self, logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """log_softmax(logits)[row, token], in a reused buffer (a fresh [n, vocab] one costs page faults)."""

@@ -3,6 +3,8 @@ whatever the batch around a row, logprobs of the raw distribution, and validatio
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -79,8 +81,8 @@ def test_temperature_divides_rows_and_leaves_off_rows(logits: np.ndarray, data: 
     out = logits.copy()
     apply_temperature(out, temps)
     for row, t, got in zip(logits, temps, out, strict=True):
-        expected = row if t in (0.0, 1.0) else row / t
-        np.testing.assert_allclose(got, expected, rtol=1e-6)
+        expected = row if t in (0.0, 1.0) else (row - row.max()) / t
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
 @settings(max_examples=50, deadline=None)
@@ -133,9 +135,8 @@ def test_repetition_penalty_matches_reference(logits: np.ndarray, data: st.DataO
     n, vocab = logits.shape
     penalties = data.draw(st.lists(st.sampled_from([0.0, 1.0, 0.5, 1.3, 2.0]), min_size=n, max_size=n))
     seen_sets = [data.draw(st.sets(st.integers(0, vocab - 1), max_size=vocab)) for _ in range(n)]
-    seen = np.zeros((n, vocab), dtype=bool)
-    for i, tokens in enumerate(seen_sets):
-        seen[i, list(tokens)] = True
+    # Repeats, as a row's history holds them, must not apply the penalty twice.
+    seen = [np.array(sorted(tokens) * 2, dtype=np.int64) for tokens in seen_sets]
     out = logits.copy()
     apply_repetition_penalty(out, np.array(penalties, dtype=np.float32), seen)
     for row, penalty, tokens, got in zip(logits, penalties, seen_sets, out, strict=True):
@@ -144,7 +145,7 @@ def test_repetition_penalty_matches_reference(logits: np.ndarray, data: st.DataO
 
 def test_repetition_penalty_lowers_both_signs() -> None:
     logits = np.array([[2.0, -2.0, 1.0]], dtype=np.float32)
-    apply_repetition_penalty(logits, np.array([2.0], dtype=np.float32), np.array([[True, True, False]]))
+    apply_repetition_penalty(logits, np.array([2.0], dtype=np.float32), [np.array([0, 1])])
     np.testing.assert_array_equal(logits, [[1.0, -4.0, 1.0]])
 
 
@@ -296,6 +297,19 @@ def test_greedy_repetition_penalty_uses_prompt_and_generated_tokens() -> None:
     assert [int(first[0]), int(second[0]), int(third[0])] == [1, 2, 0]
 
 
+def test_penalty_history_grows_past_its_first_buffer() -> None:
+    vocab, prompt = 300, list(range(0, 300, 7))
+    batch = SamplingBatch()
+    batch.append(SamplingParams(repetition_penalty=1.3), prompt)
+    rng = np.random.default_rng(4)
+    seen = set(prompt)
+    for _ in range(150):
+        logits = rng.normal(0, 1, (1, vocab)).astype(np.float32)
+        expected = int(ref_penalty(logits[0], 1.3, seen).argmax())
+        assert int(batch.sample(logits)[0][0]) == expected
+        seen.add(expected)
+
+
 def test_remove_swaps_the_last_row_in() -> None:
     batch = batch_of(SamplingParams(repetition_penalty=100.0), SamplingParams(), prompt=(0,))
     batch.append(SamplingParams(repetition_penalty=100.0), (1,))
@@ -306,6 +320,16 @@ def test_remove_swaps_the_last_row_in() -> None:
     assert tokens.tolist() == [0, 0]
     logits = np.tile(np.array([1.9, 2.0, 0.5], dtype=np.float32), (2, 1))
     assert batch.sample(logits)[0].tolist() == [2, 1]
+
+
+def test_a_tiny_temperature_samples_the_argmax_without_nan() -> None:
+    logits = np.random.default_rng(2).normal(0, 3, (4, 100)).astype(np.float32)
+    batch = batch_of(*[SamplingParams(temperature=1e-38, seed=i) for i in range(4)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tokens, logprobs = batch.sample(logits)
+    np.testing.assert_array_equal(tokens, logits.argmax(axis=1))
+    assert np.isfinite(logprobs).all()
 
 
 def test_empty_batch_samples_nothing() -> None:
