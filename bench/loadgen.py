@@ -322,11 +322,12 @@ async def run_load(config: LoadConfig, stub: pb_grpc.TextGenerationStub, prompts
 def distribution(values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
     """mean, median and the given percentiles of `values_s` (seconds), in milliseconds; NaN when empty."""
     values = np.asarray(values_s, dtype=np.float64) * 1e3
-    out = {"mean": math.nan, "median": math.nan} | {_pname(p): math.nan for p in percentiles}
+    extra = [p for p in percentiles if p != 50.0]  # the 50th is the median, reported anyway
+    out = {"mean": math.nan, "median": math.nan} | {_pname(p): math.nan for p in extra}
     if values.size:
         out["mean"] = float(values.mean())
         out["median"] = float(np.median(values))
-        for p in percentiles:
+        for p in extra:
             out[_pname(p)] = float(np.percentile(values, p))
     return out
 

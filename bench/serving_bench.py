@@ -1,0 +1,414 @@
+"""Regenerate the serving part of docs/benchmarks.md: the gRPC server against its baselines, with plots.
+
+    .venv/bin/python -m bench.serving_bench            # the full run (`make bench`), ~10 minutes on 2 cores
+    .venv/bin/python -m bench.serving_bench --quick    # 1, 4 and 16 clients, one pass: ~2 minutes
+
+In one run, on one machine, with one workload (prompt of `--input-len` random token ids, exactly
+`--new-tokens` new tokens, greedy):
+1. the engine offline (`serve.offline.generate`, no server) at batch = clients: the ceiling;
+2. `textgen-serve` under closed-loop `textgen-bench` clients at each concurrency level, its Prometheus figures
+   checked against the client's;
+3. the naive server (`bench/naive_server.py`: one request at a time) under the same load;
+4. HF transformers + PyTorch `generate` offline at the same batch sizes, in its own venv (bench/.venv-hf,
+   created on first use with `pip install torch==2.13.0 transformers`), on a random GPT2LMHeadModel of the
+   bundle's shape.
+Steps 1 and 4 run while no server is up, so each measurement has the machine to itself (the load generator
+shares it with the server it drives, as a co-located client would). Raw records go to bench/results/serving/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from bench.loadgen import BenchmarkOutput, LoadConfig, benchmark, synthetic_ids, write_json
+from bench.serving_report import plot_all, update_doc
+from serve._proto.textgen.v1 import textgen_pb2 as pb
+from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.bundle import Bundle, load_bundle
+from serve.engine import Engine, EngineSettings
+from serve.offline import OFFLINE_LIMITS, generate
+from serve.runtime import SessionConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+PERCENTILES = (50.0, 90.0, 99.0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    levels: tuple[int, ...]
+    requests_per_client: int  # the server's closed-loop requests at each level: clients x this
+    naive_requests: int  # the naive server's at least (its throughput does not change with clients)
+    repeats: int  # timed passes of the offline measurements (median)
+    input_len: int
+    new_tokens: int
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    levels = (1, 4, 16) if args.quick else (1, 2, 4, 8, 16, 32)
+    if args.levels:
+        levels = tuple(int(c) for c in args.levels.split(","))
+    return Plan(
+        levels=levels,
+        requests_per_client=2 if args.quick else 4,
+        naive_requests=4 if args.quick else 8,
+        repeats=1 if args.quick else 3,
+        input_len=args.input_len,
+        new_tokens=args.new_tokens,
+    )
+
+
+# --- the machine -------------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, str]:
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    memory = "unknown"
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory = f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    import grpc as grpc_module
+    import onnxruntime
+
+    return {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "memory": memory,
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "onnxruntime": onnxruntime.__version__,
+        "grpcio": grpc_module.__version__,
+    }
+
+
+# --- the model ---------------------------------------------------------------------------------------------
+
+
+def ensure_bundle(bundle: Path | None, results: Path) -> Path:
+    """The given bundle, or the bench-a bundle (random weights), exported once under `results`."""
+    if bundle is not None:
+        return bundle
+    out = results.parent / "bundles" / "bench-a"
+    if not (out / "manifest.json").exists():
+        run_logged([str(BIN / "textgen-export"), "random", "--preset", "bench-a", "--out", str(out)])
+    return out
+
+
+def run_logged(command: list[str]) -> None:
+    print(f"$ {shlex.join(command)}", flush=True)
+    subprocess.run(command, check=True)
+
+
+# --- offline measurements ----------------------------------------------------------------------------------
+
+
+def prompts(count: int, input_len: int, bundle: Bundle, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    arch = bundle.manifest.architecture
+    return [
+        list(synthetic_ids(input_len, arch.vocab_size, bundle.manifest.eos_token_id, rng))
+        for _ in range(count)
+    ]
+
+
+def offline_engine(bundle: Bundle, plan: Plan, threads: int, max_batch: int) -> dict[int, float]:
+    """Output tokens/s of `serve.offline.generate` at batch = each level (prefill included), median."""
+    settings = EngineSettings(max_batch_size=max_batch, session=SessionConfig(threads=threads))
+    engine = Engine.from_bundle(bundle, settings)
+    rates = {}
+    for batch in plan.levels:
+        work = prompts(batch, plan.input_len, bundle)
+        limits = OFFLINE_LIMITS.model_copy(update={"max_batch_size": min(batch, max_batch)})
+
+        def once(work: list[list[int]] = work, limits: object = limits) -> float:
+            start = time.perf_counter()
+            generate(engine, work, max_new_tokens=plan.new_tokens, ignore_eos=True, limits=limits)
+            return time.perf_counter() - start
+
+        once()  # warm-up
+        seconds = statistics.median(once() for _ in range(plan.repeats))
+        rates[batch] = batch * plan.new_tokens / seconds
+        print(f"offline engine b={batch}: {rates[batch]:.0f} tok/s", flush=True)
+    return rates
+
+
+def ensure_hf_venv(venv: Path) -> Path:
+    python = venv / "bin" / "python"
+    if not python.exists():
+        # The interpreter the project's venv was made from, so the local torch CPU wheel fits.
+        run_logged([getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(venv)])
+        run_logged([str(venv / "bin" / "pip"), "install", "torch==2.13.0", "transformers"])
+    return python
+
+
+def hf_generate(bundle: Bundle, plan: Plan, threads: int, venv: Path) -> dict[str, object]:
+    arch = bundle.manifest.architecture
+    command = [
+        str(ensure_hf_venv(venv)),
+        str(ROOT / "bench" / "hf_generate.py"),
+        *("--vocab", str(arch.vocab_size), "--context", str(arch.context_length)),
+        *("--d-model", str(arch.d_model), "--layers", str(arch.n_layers), "--heads", str(arch.n_heads)),
+        *(
+            "--d-ff",
+            str(arch.d_ff),
+            "--activation",
+            arch.activation,
+            "--eos",
+            str(bundle.manifest.eos_token_id),
+        ),
+        *("--prompt-len", str(plan.input_len), "--new-tokens", str(plan.new_tokens)),
+        *("--batches", ",".join(map(str, plan.levels)), "--repeats", str(plan.repeats)),
+        *("--threads", str(threads)),
+    ]
+    print(f"$ {shlex.join(command)}", flush=True)
+    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    result["command"] = shlex.join(command)
+    return result
+
+
+# --- servers under load ------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def server_process(command: list[str], log_path: Path, target: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A server subprocess, yielded once it answers GetModelInfo; SIGTERM (then SIGKILL) afterwards."""
+    print(f"$ {shlex.join(command)}", flush=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            wait_ready(process, target, log_path)
+            yield process
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def wait_ready(process: subprocess.Popen[bytes], target: str, log_path: Path, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with code {process.returncode}; see {log_path}")
+            try:
+                stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)
+                return
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the server was not ready after {timeout:.0f} s; see {log_path}"
+                    ) from None
+                time.sleep(0.5)
+
+
+def load_levels(
+    name: str,
+    target: str,
+    plan: Plan,
+    requests: dict[int, int],
+    results: Path,
+    metrics_url: str | None = None,
+) -> dict[int, BenchmarkOutput]:
+    outputs = {}
+    for clients in plan.levels:
+        config = LoadConfig(
+            target=target,
+            concurrency=clients,
+            num_requests=requests[clients],
+            input_len=plan.input_len,
+            max_new_tokens=plan.new_tokens,
+            ignore_eos=True,
+            percentiles=PERCENTILES,
+            progress=False,
+        )
+        output = asyncio.run(benchmark(config, metrics_url))
+        write_json(output, results / f"{name}-c{clients}.json")
+        s = output.summary
+        print(
+            f"{name} c={clients}: {s['output_throughput']:.0f} tok/s, {s['successful_requests']} ok, "
+            f"{s['failed_requests']} failed, TTFT p50 {s['ttft_ms']['median']:.0f} ms",  # type: ignore[index]
+            flush=True,
+        )
+        outputs[clients] = output
+    return outputs
+
+
+def shown(command: list[str]) -> str:
+    """`command` as a user would type it in the repository root."""
+    return shlex.join(command).replace(f"{ROOT}/", "")
+
+
+def bench_command(target: str, clients: int, requests: int, plan: Plan, metrics: bool) -> str:
+    command = (
+        f"textgen-bench --target {target} --concurrency {clients} --num-requests {requests} "
+        f"--input-len {plan.input_len} --max-new-tokens {plan.new_tokens} --ignore-eos --percentiles 50,90,99"
+    )
+    return command + (" --metrics-url http://127.0.0.1:M/metrics" if metrics else "")
+
+
+# --- the run -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Results:
+    plan: Plan
+    machine: dict[str, str]
+    bundle: Path
+    results_dir: Path
+    model: dict[str, object]
+    threads: int
+    max_batch: int
+    offline: dict[int, float]
+    server: dict[int, BenchmarkOutput]
+    naive: dict[int, BenchmarkOutput]
+    hf: dict[str, object] | None
+    commands: list[str]
+    seconds: float
+
+
+def run(args: argparse.Namespace) -> Results:
+    started = time.monotonic()
+    plan = plan_from_args(args)
+    results_dir: Path = args.results
+    results_dir.mkdir(parents=True, exist_ok=True)
+    bundle_dir = ensure_bundle(args.bundle, results_dir)
+    bundle = load_bundle(bundle_dir)
+    threads = args.threads or os.cpu_count() or 1
+    max_batch = max(plan.levels)
+
+    offline = offline_engine(bundle, plan, threads, max_batch)
+    hf = None if args.skip_hf else hf_generate(bundle, plan, threads, args.hf_venv)
+
+    server_requests = {c: c * plan.requests_per_client for c in plan.levels}
+    port, metrics_port = free_port(), free_port()
+    target = f"127.0.0.1:{port}"
+    serve_cmd = [
+        str(BIN / "textgen-serve"),
+        *("--bundle", str(bundle_dir), "--host", "127.0.0.1", "--port", str(port)),
+        *("--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port)),
+        *("--max-batch-size", str(max_batch), "--threads", str(threads), "--log-level", "WARNING"),
+    ]
+    with server_process(serve_cmd, results_dir / "server.log", target):
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        server = load_levels("server", target, plan, server_requests, results_dir, metrics_url)
+
+    naive_requests = {c: max(c, plan.naive_requests) for c in plan.levels}
+    naive_port = free_port()
+    naive_target = f"127.0.0.1:{naive_port}"
+    naive_cmd = [
+        sys.executable,
+        *("-m", "bench.naive_server", "--bundle", str(bundle_dir), "--host", "127.0.0.1"),
+        *("--port", str(naive_port), "--threads", str(threads)),
+    ]
+    with server_process(naive_cmd, results_dir / "naive.log", naive_target):
+        naive = load_levels("naive", naive_target, plan, naive_requests, results_dir)
+
+    commands = [
+        shown(serve_cmd).replace(str(port), "P").replace(str(metrics_port), "M"),
+        *(bench_command("127.0.0.1:P", c, server_requests[c], plan, True) for c in plan.levels),
+        shown(naive_cmd).replace(str(naive_port), "N"),
+        *(bench_command("127.0.0.1:N", c, naive_requests[c], plan, False) for c in plan.levels),
+    ]
+    model = {
+        "name": bundle.manifest.model_name,
+        "dtype": bundle.manifest.dtype,
+        "quantization": bundle.manifest.quantization,
+        **bundle.manifest.architecture.model_dump(),
+    }
+    return Results(
+        plan,
+        machine(),
+        bundle_dir,
+        results_dir,
+        model,
+        threads,
+        max_batch,
+        offline,
+        server,
+        naive,
+        hf,
+        commands,
+        time.monotonic() - started,
+    )
+
+
+# --- the record --------------------------------------------------------------------------------------------
+
+
+def save_summary(results: Results, path: Path) -> None:
+    data = {
+        "machine": results.machine,
+        "model": results.model,
+        "plan": results.plan.__dict__,
+        "offline_tok_s": results.offline,
+        "hf": results.hf,
+        "server": {c: o.summary for c, o in results.server.items()},
+        "server_checks": {c: [check.__dict__ for check in o.checks] for c, o in results.server.items()},
+        "naive": {c: o.summary for c, o in results.naive.items()},
+        "seconds": results.seconds,
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="serving_bench", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="1, 4 and 16 clients, one pass: a couple of minutes")
+    p.add_argument("--levels", default=None, help="comma-separated client counts (default 1,2,4,8,16,32)")
+    p.add_argument("--bundle", type=Path, default=None, help="model bundle (default: bench-a, exported once)")
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
+    p.add_argument(
+        "--threads", type=int, default=None, help="ONNX Runtime / torch threads (default: all cores)"
+    )
+    p.add_argument("--skip-hf", action="store_true", help="leave out HF transformers")
+    p.add_argument(
+        "--hf-venv", type=Path, default=ROOT / "bench" / ".venv-hf", help="venv for HF transformers"
+    )
+    p.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "serving", help="raw records")
+    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md", help="markdown to update")
+    p.add_argument("--images", type=Path, default=ROOT / "docs" / "images", help="where the plots go")
+    args = p.parse_args(argv)
+    results = run(args)
+    save_summary(results, args.results / "summary.json")
+    images = plot_all(results, args.images)
+    update_doc(results, images, args.doc, argv_used=sys.argv[1:] if argv is None else argv)
+    print(f"wrote {args.doc} and {len(images)} plots in {results.seconds / 60:.1f} min", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
