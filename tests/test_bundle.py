@@ -1,0 +1,141 @@
+"""The bundle format: round trip, and every way a bundle can be refused with a clear BundleError."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from serve.bundle import (
+    MANIFEST_FILE,
+    Bundle,
+    BundleError,
+    Manifest,
+    ShapeRange,
+    load_bundle,
+    sha256_file,
+)
+
+
+@pytest.fixture
+def bundle_copy(tiny_bundle: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny bundle that a test may damage."""
+    return Path(shutil.copytree(tiny_bundle, tmp_path / "bundle"))
+
+
+def edit_manifest(root: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    path = root / MANIFEST_FILE
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def refused(root: Path) -> str:
+    with pytest.raises(BundleError) as info:
+        load_bundle(root)
+    return str(info.value)
+
+
+def test_round_trip(tiny_bundle: Path) -> None:
+    bundle = load_bundle(tiny_bundle)
+    m = bundle.manifest
+    assert isinstance(bundle, Bundle)
+    assert m.format_version == 1 and m.dtype == "float32" and m.quantization == "none"
+    assert (m.architecture.n_layers, m.architecture.n_heads, m.architecture.head_dim) == (2, 2, 16)
+    assert bundle.standard_graph == tiny_bundle / "model.onnx" and bundle.standard_graph.is_file()
+    assert bundle.inplace_graph is not None and bundle.inplace_graph.is_file()
+    assert m.graphs.standard.inputs[:3] == ["input_ids", "attention_mask", "position_ids"]
+    assert m.graphs.standard.outputs[0] == "logits"
+    assert set(m.checksums) == {"model.onnx", "model_inplace.onnx", "tokenizer.json"}
+    assert all(sha256_file(tiny_bundle / f) == digest for f, digest in m.checksums.items())
+    assert bundle.tokenizer.token_to_id("<|endoftext|>") == m.eos_token_id
+    assert bundle.tokenizer.token_to_id("<|pad|>") == m.pad_token_id
+    assert m.verification["passed"] is True
+    # What is written reads back identically.
+    assert Manifest.model_validate_json(m.model_dump_json()) == m
+
+
+def test_tensorrt_options_cover_every_input(tiny_bundle: Path, tmp_path: Path) -> None:
+    bundle = load_bundle(tiny_bundle)
+    options = bundle.tensorrt_options(tmp_path)
+    assert options["trt_engine_cache_path"] == str(tmp_path / bundle.manifest.tensorrt.engine_cache_dir)
+    ctx = bundle.manifest.architecture.context_length
+    for which in ("min", "opt", "max"):
+        shapes = dict(item.split(":") for item in options[f"trt_profile_{which}_shapes"].split(","))
+        assert set(shapes) == set(bundle.manifest.graphs.standard.inputs)
+    maxes = dict(item.split(":") for item in options["trt_profile_max_shapes"].split(","))
+    assert maxes["input_ids"] == f"16x{ctx}"
+    assert maxes["past_key_values.1.value"] == f"16x2x{ctx - 1}x16"
+    mins = dict(item.split(":") for item in options["trt_profile_min_shapes"].split(","))
+    assert mins["past_key_values.0.key"] == "1x2x0x16"  # prefill: empty past
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    message = refused(tmp_path / "nowhere")
+    assert "nowhere" in message and "does not exist" in message
+
+
+def test_missing_manifest(bundle_copy: Path) -> None:
+    (bundle_copy / MANIFEST_FILE).unlink()
+    assert "manifest missing" in refused(bundle_copy)
+
+
+def test_manifest_not_json(bundle_copy: Path) -> None:
+    (bundle_copy / MANIFEST_FILE).write_text("{ not json")
+    message = refused(bundle_copy)
+    assert MANIFEST_FILE in message and "not readable JSON" in message
+
+
+def test_unsupported_format_version(bundle_copy: Path) -> None:
+    edit_manifest(bundle_copy, lambda d: d.update(format_version=2))
+    message = refused(bundle_copy)
+    assert "unsupported bundle format version 2" in message and "reads 1" in message
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda d: d["architecture"].update(n_heads=3), "must equal d_model"),
+        (lambda d: d.update(dtype="int4"), "dtype"),
+        (lambda d: d.update(surprise=1), "Extra inputs are not permitted"),
+        (lambda d: d.update(eos_token_id=10_000), "must be below vocab_size"),
+        (lambda d: d["graphs"]["standard"].update(file="../model.onnx"), "plain file name"),
+        (lambda d: d["checksums"].pop("tokenizer.json"), "files without a checksum"),
+        (lambda d: d["checksums"].update({"model.onnx": "abc"}), "not a lowercase sha256"),
+        (lambda d: d["tensorrt"]["profile"]["batch"].update(min=32), "min <= opt <= max"),
+    ],
+)
+def test_invalid_manifest(bundle_copy: Path, change: Callable[[dict[str, Any]], None], expected: str) -> None:
+    edit_manifest(bundle_copy, change)
+    message = refused(bundle_copy)
+    assert "invalid manifest" in message and expected in message
+
+
+def test_checksum_mismatch(bundle_copy: Path) -> None:
+    with (bundle_copy / "model.onnx").open("ab") as f:
+        f.write(b"\0")
+    message = refused(bundle_copy)
+    assert "model.onnx" in message and "checksum mismatch" in message
+
+
+def test_missing_file(bundle_copy: Path) -> None:
+    (bundle_copy / "tokenizer.json").unlink()
+    message = refused(bundle_copy)
+    assert "tokenizer.json" in message and "missing" in message
+
+
+def test_corrupt_tokenizer_with_matching_checksum(bundle_copy: Path) -> None:
+    tok = bundle_copy / "tokenizer.json"
+    tok.write_text('{"version": "1.0"}')
+    edit_manifest(bundle_copy, lambda d: d["checksums"].update({"tokenizer.json": sha256_file(tok)}))
+    message = refused(bundle_copy)
+    assert "tokenizer.json" in message and "not a valid tokenizers file" in message
+
+
+def test_shape_range_rejects_disorder() -> None:
+    with pytest.raises(ValueError, match="min <= opt <= max"):
+        ShapeRange(min=4, opt=2, max=8)
