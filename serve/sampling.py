@@ -136,7 +136,7 @@ def _nucleus_threshold(descending: np.ndarray, target: np.ndarray) -> tuple[np.n
     `descending` holds (a prefix of) each row's logits sorted high to low; `target` is the probability
     mass to reach, in the unnormalized units of exp(logit - row max).
     """
-    cumulative = np.cumsum(np.exp(descending - descending[:, :1]), axis=1)
+    cumulative = np.cumsum(np.exp(descending - descending[:, :1]), axis=1, dtype=np.float64)
     inside = (cumulative < target[:, None]).sum(axis=1)
     reached = inside < descending.shape[1]
     last = np.minimum(inside, descending.shape[1] - 1)
@@ -264,6 +264,7 @@ class SamplingBatch:
 
     def append(self, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
         """Add a row at the end (the engine's next row). Unseeded sampling rows get a seed from OS entropy."""
+        params.validate()
         rng = None if params.greedy else np.random.default_rng(params.seed)
         penalized = bool(_penalizes(np.float32(params.repetition_penalty)))
         history = _History(prompt_ids if penalized else ())

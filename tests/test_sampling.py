@@ -345,6 +345,9 @@ def test_bad_calls_are_refused() -> None:
         batch.remove(3)
     with pytest.raises(ValueError, match=">= 0"):
         batch.append(SamplingParams(repetition_penalty=1.2), (-1,))
+    with pytest.raises(InvalidRequest, match="temperature"):
+        batch.append(SamplingParams(temperature=-1.0), (1,))
+    assert len(batch) == 1
     penalized = batch_of(SamplingParams(repetition_penalty=1.2), prompt=(50,))
     with pytest.raises(ValueError, match="outside the vocabulary of 10"):
         penalized.sample(np.zeros((1, 10), dtype=np.float32))
