@@ -35,18 +35,16 @@ def _weights_bytes(model: onnx.ModelProto) -> int:
     return sum(len(t.raw_data) for t in model.graph.initializer)
 
 
-def _replaceable(path: Path) -> bool:
+def check_replaceable(out: Path) -> None:
     """Only an old bundle or an empty directory may be replaced: never a directory the user cares about."""
-    return path.is_dir() and ((path / MANIFEST_FILE).is_file() or not any(path.iterdir()))
+    if out.exists() and not (out.is_dir() and ((out / MANIFEST_FILE).is_file() or not any(out.iterdir()))):
+        raise FileExistsError(f"{out}: exists and is not a bundle; refusing to replace it (choose another)")
 
 
 class BundleStage:
     def __init__(self, out: Path) -> None:
         self.out = Path(out)
-        if self.out.exists() and not _replaceable(self.out):
-            raise FileExistsError(
-                f"{self.out}: exists and is not a bundle; refusing to replace it (choose another --out)"
-            )
+        check_replaceable(self.out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.dir = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
         self._committed = False

@@ -19,7 +19,7 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from export.bundle_writer import BundleStage
+from export.bundle_writer import BundleStage, check_replaceable
 from export.checkpoint import load_checkpoint
 from export.demo import _exclusive, demo_bundle_path, ensure_demo_checkpoint
 from export.fp16 import convert_fp16
@@ -133,9 +133,14 @@ class _Progress:
         self._bar.close()
 
 
-def _build_graphs(
-    model: Decoder, options: ExportOptions, progress: _Progress
-) -> tuple[onnx.ModelProto, onnx.ModelProto, dict[str, Any]]:
+@dataclass(frozen=True)
+class ExportedGraphs:
+    standard: onnx.ModelProto
+    inplace: onnx.ModelProto
+    stats: dict[str, Any]  # trace time, INT8 MatMul counts: into the report
+
+
+def _build_graphs(model: Decoder, options: ExportOptions, progress: _Progress) -> ExportedGraphs:
     stats: dict[str, Any] = {}
     with progress.step("tracing the standard graph (torch.onnx dynamo)"):
         started = time.perf_counter()
@@ -150,32 +155,46 @@ def _build_graphs(
     if options.fp16:
         with progress.step("FP16 conversion"):
             standard, inplace = convert_fp16(standard), convert_fp16(inplace)
-    return standard, inplace, stats
+    return ExportedGraphs(standard, inplace, stats)
+
+
+def write_verified_bundle(
+    model: Decoder,
+    tokenizer: Tokenizer,
+    graphs: ExportedGraphs,
+    out: Path,
+    options: ExportOptions,
+    progress: _Progress | None = None,
+) -> Bundle:
+    """Stage `graphs` as a bundle, verify it against `model`, and only then move it to `out`."""
+    progress = progress or _Progress(enabled=False, total=2)
+    with BundleStage(out) as stage, progress.step("verifying against PyTorch"):
+        specs = {
+            "standard": stage.add_graph(STANDARD_FILE, graphs.standard, options.opset),
+            "inplace": stage.add_graph(INPLACE_FILE, graphs.inplace, INPLACE_OPSET),
+        }
+        stage.add_tokenizer(tokenizer_to_json(tokenizer))
+        fields = _manifest_fields(model.cfg, options, specs)
+        report = verify_bundle(stage.write_manifest(fields), model)
+        report["export"] = {**graphs.stats, "source": options.source}
+        if not report["passed"]:
+            raise VerificationFailed(report)
+        stage.write_manifest({**fields, "verification": report})
+        with progress.step("moving the bundle into place"):
+            stage.commit()
+    return load_bundle(out)
 
 
 def export_bundle(model: Decoder, tokenizer: Tokenizer, out: Path, options: ExportOptions) -> Bundle:
     """Export, verify and write the bundle at `out`, replacing any there. Raises VerificationFailed."""
+    check_replaceable(out)  # fail before minutes of work, not after
     model = model.eval()
     progress = _Progress(options.progress, total=4 + (options.int8 or options.fp16))
     try:
-        standard, inplace, stats = _build_graphs(model, options, progress)
-        with BundleStage(out) as stage, progress.step("verifying against PyTorch"):
-            graphs = {
-                "standard": stage.add_graph(STANDARD_FILE, standard, options.opset),
-                "inplace": stage.add_graph(INPLACE_FILE, inplace, INPLACE_OPSET),
-            }
-            stage.add_tokenizer(tokenizer_to_json(tokenizer))
-            fields = _manifest_fields(model.cfg, options, graphs)
-            report = verify_bundle(stage.write_manifest(fields), model)
-            report["export"] = {**stats, "source": options.source}
-            if not report["passed"]:
-                raise VerificationFailed(report)
-            stage.write_manifest({**fields, "verification": report})
-            with progress.step("moving the bundle into place"):
-                stage.commit()
+        graphs = _build_graphs(model, options, progress)
+        return write_verified_bundle(model, tokenizer, graphs, out, options, progress)
     finally:
         progress.close()
-    return load_bundle(out)
 
 
 def checkpoint_source(checkpoint: Path) -> dict[str, str]:

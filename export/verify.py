@@ -64,9 +64,11 @@ def max_logit_diff(ref: Generation, cand: Generation) -> float:
     return max([prefill] + [float(np.abs(r - c).max()) for r, c in steps])
 
 
-def batch_invariant(step: StepFn, prompts: Sequence[Sequence[int]], pad_id: int, shape: Shape) -> bool:
-    together = greedy(step, prompts, pad_id, shape).tokens
-    alone = [greedy(step, [p], pad_id, shape).tokens[0] for p in prompts]
+def batch_invariant(
+    step: StepFn, prompts: Sequence[Sequence[int]], pad_id: int, shape: Shape, dtype: type = np.float32
+) -> bool:
+    together = greedy(step, prompts, pad_id, shape, dtype=dtype).tokens
+    alone = [greedy(step, [p], pad_id, shape, dtype=dtype).tokens[0] for p in prompts]
     return bool(np.array_equal(together, np.stack(alone)))
 
 
@@ -85,7 +87,7 @@ def check_standard(
         "greedy_identical": bool(np.array_equal(cand.own, reference.tokens)),
         "greedy_token_agreement": float((cand.own == reference.tokens).mean()),
         "finite": cand.finite,
-        "batch_invariant": batch_invariant(step, prompts, pad_id, shape),
+        "batch_invariant": batch_invariant(step, prompts, pad_id, shape, dtype),
     }
 
 
