@@ -196,11 +196,9 @@ class BatchRunner:
         with self._cv:
             rejected = list(self._waiting)
             self._waiting.clear()
-        now = time.monotonic()
-        for tracker in rejected:
-            tracker.end(RequestState.FAILED, now)
-            self.count("failed")
-        return [(tracker, error(tracker)) for tracker in rejected]
+        deliveries: list[Delivery] = []
+        self._fail_all(rejected, error, deliveries)
+        return deliveries
 
     def wake(self) -> None:
         with self._cv:
@@ -249,11 +247,9 @@ class BatchRunner:
         now = time.monotonic()
         self._leave(self._sweep(list(self._running.values()), now, deliveries))
         with self._cv:
-            swept = self._sweep(list(self._waiting), now, deliveries)
+            self._drop_waiting(self._sweep(list(self._waiting), now, deliveries))
             group = self._select(now)
-            if swept or group:
-                taken = {id(t) for t in (*swept, *group)}
-                self._waiting = deque(t for t in self._waiting if id(t) not in taken)
+            self._drop_waiting(group)
         if group:
             self._prefill(group, deliveries)
         elif self._running:
@@ -265,11 +261,7 @@ class BatchRunner:
         """Fail everything queued or running (draining past its grace, or a scheduler bug)."""
         deliveries = self.reject_waiting(error)
         running = list(self._running.values())
-        now = time.monotonic()
-        for tracker in running:
-            tracker.end(RequestState.FAILED, now)
-            self.count("failed")
-            deliveries.append((tracker, error(tracker)))
+        self._fail_all(running, error, deliveries)
         self._leave(running)
         self._publish_load()
         return deliveries
@@ -288,6 +280,11 @@ class BatchRunner:
             self.count(tracker.state.value)
             gone.append(tracker)
         return gone
+
+    def _drop_waiting(self, trackers: list[RequestTracker]) -> None:
+        if trackers:
+            taken = {id(t) for t in trackers}
+            self._waiting = deque(t for t in self._waiting if id(t) not in taken)
 
     def _select(self, now: float) -> list[RequestTracker]:
         """The next prefill group (empty: decode instead). Caller holds the lock."""
@@ -392,20 +389,27 @@ class BatchRunner:
             self._metrics.on_finished(finish.finish_reason, finish.prompt_tokens, finish.completion_tokens)
 
     def _fail(self, trackers: list[RequestTracker], phase: str, exc: Exception, out: list[Delivery]) -> None:
+        def error(tracker: RequestTracker) -> TextgenError:
+            return EngineFailure(
+                f"request {tracker.request_id}: the engine failed during {phase}: {type(exc).__name__}: {exc}"
+            )
+
+        self._fail_all(trackers, error, out)
+        self._leave(trackers)
+
+    def _fail_all(
+        self,
+        trackers: list[RequestTracker],
+        error: Callable[[RequestTracker], TextgenError],
+        out: list[Delivery],
+    ) -> None:
         now = time.monotonic()
         for tracker in trackers:
+            if tracker.done:  # it ended earlier in this step; its outcome was already delivered
+                continue
             tracker.end(RequestState.FAILED, now)
             self.count("failed")
-            out.append(
-                (
-                    tracker,
-                    EngineFailure(
-                        f"request {tracker.request_id}: the engine failed during {phase}: "
-                        f"{type(exc).__name__}: {exc}"
-                    ),
-                )
-            )
-        self._leave(trackers)
+            out.append((tracker, error(tracker)))
 
     def _leave(self, trackers: list[RequestTracker]) -> None:
         joined = [t.request_id for t in trackers if self._running.pop(t.request_id, None) is not None]

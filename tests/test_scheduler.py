@@ -1,0 +1,400 @@
+"""Scheduler: scheduling logic on a deterministic fake engine, then the real engine on a tiny bundle."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import pytest
+from scheduler_fakes import FakeEngine, letter_tokenizer
+from tokenizers import Tokenizer
+
+from serve.errors import Cancelled, DeadlineExceeded, Draining, EngineFailure, InvalidRequest, QueueFull
+from serve.metrics import Metrics, new_registry
+from serve.request import Completion, GenerationRequest, RequestState
+from serve.sampling import SamplingParams
+from serve.scheduler import RequestHandle, Scheduler, SchedulerLimits
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return letter_tokenizer()
+
+
+def request(rid: str, prompt: list[int], max_new: int = 8, **kw: Any) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, SamplingParams(), max_new, **kw)
+
+
+def prompt_of(length: int, start: int = 40) -> list[int]:
+    return [start + (i % 50) for i in range(length)]
+
+
+def run(main: Callable[[], Coroutine[Any, Any, T]], timeout: float = 20.0) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(main(), timeout)
+
+    return asyncio.run(bounded())
+
+
+async def collect(handle: RequestHandle) -> Completion:
+    completion = Completion(handle.request_id)
+    async for event in handle:
+        completion.add(event)
+    return completion
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.001)
+
+
+async def started(engine: FakeEngine, limits: SchedulerLimits | None = None, **kw: Any) -> Scheduler:
+    scheduler = Scheduler(engine, limits or SchedulerLimits(max_wait_seconds=0.0), **kw)
+    await scheduler.start()
+    return scheduler
+
+
+def test_tokens_match_the_engine_alone_and_events_are_well_formed(tokenizer: Tokenizer) -> None:
+    engine = FakeEngine(tokenizer, max_batch_size=3)
+    prompts = [prompt_of(n, start) for n, start in ((3, 40), (9, 41), (5, 42), (12, 43), (7, 44))]
+
+    async def main() -> list[Completion]:
+        scheduler = await started(engine)
+        handles = [scheduler.submit(request(f"r{i}", p, max_new=6 + i)) for i, p in enumerate(prompts)]
+        done = await asyncio.gather(*(collect(h) for h in handles))
+        await scheduler.drain(1.0)
+        return done
+
+    completions = run(main)
+    for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        assert completion.token_ids == engine.expected(prompt, 6 + i)
+        assert completion.text == tokenizer.decode(completion.token_ids)
+        assert completion.finish is not None and completion.finish.finish_reason == "length"
+        assert completion.finish.completion_tokens == 6 + i
+        assert completion.finish.prompt_tokens == len(prompt)
+        assert 0 <= completion.finish.queue_seconds <= completion.finish.ttft_seconds
+        assert completion.finish.ttft_seconds <= completion.finish.total_seconds
+        assert completion.logprobs == []
+    assert max(len(rows) for _, rows in engine.calls) <= 3
+    assert engine.batch_size == 0
+
+
+def test_continuous_batching_joins_between_decode_steps_and_leaves_at_once(tokenizer: Tokenizer) -> None:
+    engine = FakeEngine(tokenizer, max_batch_size=4, step_seconds=0.002)
+
+    async def main() -> Scheduler:
+        scheduler = await started(engine)
+        long = scheduler.submit(request("long", prompt_of(4), max_new=40))
+        first = await long.__anext__()
+        assert first.token_ids
+        short = scheduler.submit(request("short", prompt_of(6), max_new=3))
+        await collect(short)
+        rest = await collect(long)
+        assert len(rest.token_ids) == 39
+        await scheduler.drain(1.0)
+        return scheduler
+
+    scheduler = run(main)
+    rows = [rows for phase, rows in engine.calls if phase == "decode"]
+    joined = next(i for i, r in enumerate(rows) if "short" in r)
+    left = max(i for i, r in enumerate(rows) if "short" in r)
+    assert joined > 0, "the short request joined a batch that was already decoding"
+    assert rows[left + 1] == ["long"], "the batch shrank as soon as the short request finished"
+    # Padding per decode step is reported: two rows of different contexts carry padding.
+    steps = scheduler.steps()
+    assert {s.phase for s in steps} == {"prefill", "decode"}
+    assert any(s.rows == 2 and s.padding_ratio > 0 for s in steps if s.phase == "decode")
+    assert all(s.padded_tokens >= s.real_tokens for s in steps)
+
+
+def test_stop_eos_and_logprobs(tokenizer: Tokenizer) -> None:
+    plain = FakeEngine(tokenizer).expected(prompt_of(5), 10)
+    text = tokenizer.decode(plain)
+    stop = text[4:7]  # spans several one-letter tokens
+    eos_engine = FakeEngine(tokenizer, eos_after=4)
+
+    async def main() -> tuple[Completion, Completion]:
+        scheduler = await started(FakeEngine(tokenizer))
+        stopped = await collect(scheduler.submit(request("s", prompt_of(5), 10, stop=(stop,))))
+        await scheduler.drain(1.0)
+        scheduler = await started(eos_engine)
+        eos = await collect(scheduler.submit(request("e", prompt_of(5), 10, include_logprobs=True)))
+        await scheduler.drain(1.0)
+        return stopped, eos
+
+    stopped, eos = run(main)
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[: text.index(stop)]
+    assert eos.finish_reason == "eos"
+    assert eos.token_ids == plain[:3] and eos.finish is not None and eos.finish.completion_tokens == 3
+    assert eos.logprobs == [-0.5] * 3
+
+
+def test_invalid_requests_are_refused_before_queueing(tokenizer: Tokenizer) -> None:
+    engine = FakeEngine(tokenizer, capacity=32)
+
+    async def main() -> None:
+        scheduler = await started(engine)
+        with pytest.raises(InvalidRequest, match="exceeds the limit of 32"):
+            scheduler.submit(request("big", prompt_of(30), max_new=3))
+        with pytest.raises(InvalidRequest, match="empty"):
+            scheduler.submit(request("empty", [], max_new=3))
+        with pytest.raises(InvalidRequest, match=r"\[0, "):
+            scheduler.submit(request("oov", [engine.vocab_size], max_new=3))
+        handle = scheduler.submit(request("dup", prompt_of(3), max_new=20))
+        with pytest.raises(InvalidRequest, match="already in use"):
+            scheduler.submit(request("dup", prompt_of(3), max_new=3))
+        await collect(handle)
+        assert scheduler.snapshot().waiting == 0
+        await scheduler.drain(1.0)
+
+    run(main)
+    with pytest.raises(ValueError, match="exceeds the engine's 4 KV slots"):
+        Scheduler(engine, SchedulerLimits(max_batch_size=5))
+
+
+def test_queue_full_is_refused_immediately(tokenizer: Tokenizer) -> None:
+    engine = FakeEngine(tokenizer, max_batch_size=1)
+    engine.gate.clear()
+
+    async def main() -> None:
+        scheduler = await started(engine, SchedulerLimits(max_queue=2))
+        running = scheduler.submit(request("a", prompt_of(3)))
+        await until(lambda: len(engine.calls) == 1)  # "a" is in the engine, held on the gate
+        queued = [scheduler.submit(request(r, prompt_of(3))) for r in ("b", "c")]
+        start = time.monotonic()
+        with pytest.raises(QueueFull, match="queue is full"):
+            scheduler.submit(request("d", prompt_of(3)))
+        assert time.monotonic() - start < 0.05
+        snapshot = scheduler.snapshot()
+        assert (snapshot.waiting, snapshot.outcomes["rejected"]) == (2, 1)
+        engine.gate.set()
+        for handle in (running, *queued):
+            assert (await collect(handle)).finish_reason == "length"
+        await scheduler.drain(1.0)
+
+    run(main)
+
+
+def test_max_batch_tokens_holds_in_every_step_and_a_long_prompt_is_served(tokenizer: Tokenizer) -> None:
+    engine = FakeEngine(tokenizer, max_batch_size=4, capacity=64, step_seconds=0.001)
+    limits = SchedulerLimits(max_batch_tokens=96, max_wait_seconds=0.0)
+
+    async def main() -> tuple[Scheduler, list[str]]:
+        scheduler = await started(engine, limits)
+        admitted: list[str] = []
+
+        async def client(rid: str, prompt: list[int], max_new: int, delay: float) -> None:
+            await asyncio.sleep(delay)
+            handle = scheduler.submit(request(rid, prompt, max_new))
+            admitted.append(rid)
+            assert (await collect(handle)).finish_reason == "length"
+
+        shorts = [client(f"s{i}", prompt_of(4 + i % 5), 6, 0.002 * i) for i in range(24)]
+        await asyncio.gather(*shorts, client("long", prompt_of(40), 20, 0.01))
+        await scheduler.drain(1.0)
+        return scheduler, admitted
+
+    scheduler, submitted = run(main)
+    steps = scheduler.steps()
+    assert steps and all(s.padded_tokens <= 96 for s in steps)
+    # FCFS: every prefill before the long one's was headed by an older request (younger requests of similar
+    # length may share an older head's prefill, but none heads a group while the long one waits).
+    groups = [rows for phase, rows in engine.calls if phase == "prefill"]
+    before = groups[: next(i for i, g in enumerate(groups) if "long" in g)]
+    older = set(submitted[: submitted.index("long")])
+    assert all(group[0] in older for group in before)
+    assert scheduler.snapshot().outcomes["finished"] == 25
+
+
+def test_prefill_groups_bucket_similar_lengths_and_respect_the_prefill_budget(tokenizer: Tokenizer) -> None:
+    engine = FakeEngine(tokenizer, max_batch_size=8)
+    engine.gate.clear()
+    limits = SchedulerLimits(max_prefill_tokens=48, max_padding_ratio=0.2, max_wait_seconds=0.0)
+    lengths = {"w": 3, "a": 10, "b": 20, "c": 11, "d": 18, "e": 12, "f": 9, "g": 10}
+
+    async def main() -> Scheduler:
+        scheduler = await started(engine, limits)
+        handles = [scheduler.submit(request("w", prompt_of(3), max_new=2))]
+        await until(lambda: len(engine.calls) == 1)  # hold the engine so the rest queue up together
+        handles += [
+            scheduler.submit(request(r, prompt_of(n), max_new=2)) for r, n in lengths.items() if r != "w"
+        ]
+        engine.gate.set()
+        await asyncio.gather(*(collect(h) for h in handles))
+        await scheduler.drain(1.0)
+        return scheduler
+
+    scheduler = run(main)
+    groups = [rows for phase, rows in engine.calls if phase == "prefill"]
+    assert groups[0] == ["w"]
+    assert groups[1] == ["a", "c", "e", "f"]  # FCFS head "a" plus similar lengths within 48 padded tokens
+    assert groups[2] == ["b", "d"]  # "g" would exceed the 48-token budget
+    assert groups[3] == ["g"]
+    prefills = [s for s in scheduler.steps() if s.phase == "prefill"]
+    assert all(s.padded_tokens <= 48 and s.padding_ratio <= 0.2 for s in prefills)
+
+
+def test_cancel_frees_the_slot_within_one_step(tokenizer: Tokenizer) -> None:
+    engine = FakeEngine(tokenizer, max_batch_size=2, step_seconds=0.002)
+
+    async def main() -> tuple[Scheduler, int]:
+        scheduler = await started(engine)
+        victim = scheduler.submit(request("victim", prompt_of(4), max_new=50))
+        other = scheduler.submit(request("other", prompt_of(5), max_new=30))
+        for _ in range(3):
+            await victim.__anext__()
+        calls_at_cancel = len(engine.calls)
+        victim.cancel()
+        victim.cancel()  # idempotent
+        with pytest.raises(Cancelled):
+            await victim.__anext__()
+        assert (await collect(other)).finish_reason == "length"
+        queued = scheduler.submit(request("queued", prompt_of(4), max_new=5))
+        queued.cancel()
+        with pytest.raises(Cancelled):
+            await collect(queued)
+        await until(lambda: scheduler.snapshot().outcomes.get("cancelled") == 2)
+        await scheduler.drain(1.0)
+        return scheduler, calls_at_cancel
+
+    scheduler, calls_at_cancel = run(main)
+    with_victim = [i for i, (_, rows) in enumerate(engine.calls) if "victim" in rows]
+    assert max(with_victim) <= calls_at_cancel  # at most the step already in flight
+    assert not any("queued" in rows for _, rows in engine.calls)
+    assert scheduler.snapshot().outcomes["cancelled"] == 2
+
+
+def test_deadlines_expire_queued_and_running_requests(tokenizer: Tokenizer) -> None:
+    engine = FakeEngine(tokenizer, max_batch_size=1, step_seconds=0.005)
+
+    async def main() -> Scheduler:
+        scheduler = await started(engine)
+        soon = time.monotonic() + 0.1
+        running = scheduler.submit(request("running", prompt_of(4), max_new=60, deadline=soon))
+        queued = scheduler.submit(request("queued", prompt_of(4), max_new=5, deadline=soon))
+        with pytest.raises(DeadlineExceeded, match="while generating"):
+            await collect(running)
+        expired_at = len(engine.calls)
+        with pytest.raises(DeadlineExceeded, match="while queued"):
+            await collect(queued)
+        later = await collect(scheduler.submit(request("later", prompt_of(4), max_new=3)))
+        assert later.finish_reason == "length"
+        assert not any("running" in rows for _, rows in engine.calls[expired_at:])
+        await scheduler.drain(1.0)
+        return scheduler
+
+    scheduler = run(main)
+    assert scheduler.snapshot().outcomes["expired"] == 2
+    assert not any("queued" in rows for _, rows in engine.calls)
+
+
+def test_a_failed_prefill_fails_only_its_group(tokenizer: Tokenizer) -> None:
+    engine = FakeEngine(tokenizer, max_batch_size=4, step_seconds=0.002)
+
+    async def main() -> None:
+        scheduler = await started(engine)
+        bystander = scheduler.submit(request("bystander", prompt_of(3), max_new=30))
+        await bystander.__anext__()
+        engine.fail_next.add("prefill")
+        victim = scheduler.submit(request("victim", prompt_of(6), max_new=5))
+        with pytest.raises(EngineFailure, match="request victim: the engine failed during prefill"):
+            await collect(victim)
+        assert len((await collect(bystander)).token_ids) == 29
+        await expect_later_requests_succeed(scheduler, engine)
+
+    run(main)
+
+
+def test_a_failed_decode_fails_its_rows_and_serving_goes_on(tokenizer: Tokenizer) -> None:
+    engine = FakeEngine(tokenizer, max_batch_size=4, step_seconds=0.002)
+
+    async def main() -> None:
+        scheduler = await started(engine)
+        handles = [scheduler.submit(request(r, prompt_of(3 + i), max_new=30)) for i, r in enumerate("ab")]
+        for handle in handles:
+            await handle.__anext__()
+        engine.fail_next.add("decode")
+        for handle in handles:
+            with pytest.raises(EngineFailure, match=f"request {handle.request_id}: .* during decode"):
+                await collect(handle)
+        assert scheduler.snapshot().outcomes["failed"] == 2
+        await expect_later_requests_succeed(scheduler, engine)
+
+    run(main)
+
+
+async def expect_later_requests_succeed(scheduler: Scheduler, engine: FakeEngine) -> None:
+    after = await collect(scheduler.submit(request("after", prompt_of(4), max_new=4)))
+    assert after.token_ids == engine.expected(prompt_of(4), 4)
+    await until(lambda: engine.batch_size == 0)
+    await scheduler.drain(1.0)
+
+
+def test_drain_finishes_running_fails_queued_and_refuses_new(tokenizer: Tokenizer) -> None:
+    engine = FakeEngine(tokenizer, max_batch_size=1, step_seconds=0.002)
+
+    async def main() -> None:
+        scheduler = await started(engine)
+        running = scheduler.submit(request("running", prompt_of(4), max_new=10))
+        await running.__anext__()
+        queued = scheduler.submit(request("queued", prompt_of(4), max_new=10))
+        results = asyncio.gather(collect(running), collect(queued), return_exceptions=True)
+        await scheduler.drain(5.0)
+        done, refused = await results
+        assert isinstance(done, Completion) and len(done.token_ids) == 9
+        assert isinstance(refused, Draining)
+        with pytest.raises(Draining):
+            scheduler.submit(request("late", prompt_of(4)))
+
+        scheduler = await started(FakeEngine(tokenizer, step_seconds=0.002))
+        endless = scheduler.submit(request("endless", prompt_of(4), max_new=50))
+        await endless.__anext__()
+        await scheduler.drain(0.0)
+        with pytest.raises(Draining):
+            await collect(endless)
+
+    run(main)
+
+
+def test_metrics_hooks_and_load_snapshot(tokenizer: Tokenizer) -> None:
+    engine = FakeEngine(tokenizer, max_batch_size=4)
+    metrics = Metrics(new_registry())
+
+    async def main() -> Scheduler:
+        scheduler = await started(engine, metrics=metrics)
+        handles = [scheduler.submit(request(f"r{i}", prompt_of(3 + i), max_new=5)) for i in range(3)]
+        await asyncio.gather(*(collect(h) for h in handles))
+        await until(lambda: scheduler.snapshot().running == 0)
+        await scheduler.drain(1.0)
+        return scheduler
+
+    scheduler = run(main)
+    sample = metrics.registry.get_sample_value
+    assert sample("textgen_time_to_first_token_seconds_count") == 3
+    assert sample("textgen_inter_token_latency_seconds_count") == 3 * 4
+    assert sample("textgen_requests_finished_total", {"reason": "length"}) == 3
+    assert sample("textgen_generation_tokens_total") == 15
+    assert sample("textgen_requests_running") == 0
+    snapshot = scheduler.snapshot()
+    assert (snapshot.running, snapshot.waiting) == (0, 0)
+    assert (snapshot.kv_slots_used, snapshot.kv_slots_capacity) == (0, 4)
+    assert snapshot.kv_shape == (0, 2, 64, 4)
+
+
+def test_illegal_state_transitions_are_refused(tokenizer: Tokenizer) -> None:
+    from serve.request import RequestTracker
+
+    tracker = RequestTracker(request("x", prompt_of(3)), tokenizer, 0, 64, arrival=0.0)
+    with pytest.raises(RuntimeError, match="illegal transition queued -> finished"):
+        tracker.end(RequestState.FINISHED, 1.0)
+    tracker.end(RequestState.CANCELLED, 1.0)
+    with pytest.raises(RuntimeError, match="cancelled -> prefilling"):
+        tracker.admit(2.0)
