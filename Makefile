@@ -26,6 +26,9 @@ serve: $(STAMP)
 test: $(STAMP)
 	if [ -f .ci/system-deps.sh ]; then bash .ci/system-deps.sh; fi
 	$(BIN)/ruff check .
+	# Build the shared demo checkpoint first (first run only, with a progress bar), so no single test's
+	# timeout has to absorb its training.
+	$(BIN)/python -m export.demo
 	$(BIN)/pytest -q
 
 lint: $(STAMP)

@@ -95,3 +95,8 @@ def ensure_demo_checkpoint(progress: bool = True) -> Path:
         result = train(DEMO_CONFIG, DEMO_TRAIN, progress=progress)
         save_checkpoint(path, result.model, result.tokenizer, result.meta)
     return path
+
+
+if __name__ == "__main__":
+    # `python -m export.demo`: build the demo checkpoint ahead of the tests that share it.
+    print(ensure_demo_checkpoint())
