@@ -90,7 +90,7 @@ def apply_repetition_penalty(logits: np.ndarray, penalty: np.ndarray, seen: Sequ
     active = np.flatnonzero(_penalizes(penalty))
     if active.size == 0:
         return
-    ids = [seen[i] for i in active]
+    ids = [seen[i] for i in active.tolist()]
     rows = np.repeat(active, [len(row_ids) for row_ids in ids])
     cols = np.concatenate(ids)
     values = logits[rows, cols]  # a repeated id reads and writes the same original value
@@ -266,7 +266,7 @@ class SamplingBatch:
         """Add a row at the end (the engine's next row). Unseeded sampling rows get a seed from OS entropy."""
         params.validate()
         rng = None if params.greedy else np.random.default_rng(params.seed)
-        penalized = bool(_penalizes(np.float32(params.repetition_penalty)))
+        penalized = bool(_penalizes(np.asarray(params.repetition_penalty, dtype=np.float32)))
         history = _History(prompt_ids if penalized else ())
         self._rows.append(_Row(params=params, rng=rng, history=history))
         self._layout = None

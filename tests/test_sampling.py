@@ -3,6 +3,7 @@ whatever the batch around a row, logprobs of the raw distribution, and validatio
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -184,17 +185,13 @@ def test_logprobs_are_of_the_raw_distribution_not_the_processed_one() -> None:
 def draw_frequencies(params: SamplingParams, logits_row: np.ndarray, rows: int, steps: int) -> np.ndarray:
     batch = SamplingBatch()
     for seed in range(rows):
-        batch.append(SamplingParams(**{**_fields(params), "seed": seed}), ())
+        batch.append(dataclasses.replace(params, seed=seed), ())
     logits = np.tile(logits_row, (rows, 1))
     counts = np.zeros(logits_row.size)
     for _ in range(steps):
         tokens, _ = batch.sample(logits)
         counts += np.bincount(tokens, minlength=logits_row.size)
     return counts / (rows * steps)
-
-
-def _fields(params: SamplingParams) -> dict[str, object]:
-    return {name: getattr(params, name) for name in SamplingParams.__dataclass_fields__}
 
 
 @pytest.mark.parametrize(
