@@ -57,7 +57,7 @@ def token_label(tokenizer: Tokenizer, token_id: int) -> str:
     """
     text = tokenizer.decode([token_id], skip_special_tokens=False)
     if "\ufffd" in text:
-        return tokenizer.id_to_token(token_id)
+        return tokenizer.id_to_token(token_id) or text
     return text.translate(_VISIBLE)
 
 
@@ -84,7 +84,7 @@ def encode_texts(tokenizer: Tokenizer, texts: list[str], max_tokens: int) -> Tex
 
 
 def attention_layers(model: Decoder) -> list[Attention]:
-    return [block.attn for block in model.blocks]  # type: ignore[union-attr]
+    return [module for module in model.modules() if isinstance(module, Attention)]
 
 
 @contextmanager

@@ -92,14 +92,16 @@ def heatmap_grid(
                         top=1 - top / height, wspace=0.06, hspace=gap / side)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     mask = allowed.numpy()
-    image = None
-    for index, (ax, (name, weights)) in enumerate(zip(axes, maps, strict=False)):
-        image = _draw_weights(ax, weights.numpy(), mask, labels, name)
-        _label_outer(ax, index, ncols, len(maps))
-    for ax in axes[len(maps):]:
-        ax.set_axis_off()
+    images = [
+        _draw_weights(ax, w.numpy(), mask, labels, name) for ax, (name, w) in zip(axes, maps, strict=False)
+    ]
+    for index, ax in enumerate(axes):
+        if index < len(maps):
+            _label_outer(ax, index, ncols, len(maps))
+        else:
+            ax.set_axis_off()
     colour_bar = fig.add_axes((1 - 0.85 * right / width, 0.25, 0.15 / width, 0.5))
-    fig.colorbar(image, cax=colour_bar, label="attention weight (sqrt scale)")
+    fig.colorbar(images[0], cax=colour_bar, label="attention weight (sqrt scale)")
     fig.suptitle(f"{title}\ngrey: masked (future or padding); red dashed: end of padding", fontsize=11,
                  y=1 - 0.1 / height, va="top")
     return save(fig, path)
@@ -129,24 +131,30 @@ def diversity_summary(
     against distance."""
     layers = len(diversity)
     fig = Figure(figsize=(max(10.0, 2.6 * layers), 8.0), layout="constrained")
-    top, bottom = fig.subfigures(2, 1, height_ratios=[1, 1.3])
+    # Each layer's matrix spans two columns of the top row; the two summaries share the bottom row.
+    top: list[str] = [f"layer {d.layer}" for d in diversity for _ in range(2)]
+    bottom: list[str] = ["bars"] * layers + ["scatter"] * layers
+    panels = fig.subplot_mosaic([top, bottom], height_ratios=[1, 1.3])  # type: ignore[list-item]
     vmax = max(2 * min_jsd, *(d.max_jsd for d in diversity))
-    axes = top.subplots(1, layers, squeeze=False).ravel()
-    image = None
-    for ax, d in zip(axes, diversity, strict=True):
-        image = ax.imshow(d.pairwise_jsd, vmin=0.0, vmax=vmax, cmap="magma")
-        ticks = np.arange(d.pairwise_jsd.shape[0])
-        ax.set_xticks(ticks, [f"h{h}" for h in ticks], fontsize=7)
-        ax.set_yticks(ticks, [f"h{h}" for h in ticks], fontsize=7)
-        if len(ticks) <= ANNOTATE_MAX_HEADS:
-            _annotate_cells(ax, d.pairwise_jsd, vmax)
-        flag = " - ALL HEADS ALIKE" if d.flagged else ""
-        ax.set_title(f"layer {d.layer}{flag}", fontsize=9, color=PAD_LINE if d.flagged else "black")
-    top.colorbar(image, ax=axes.tolist(), shrink=0.8, label="JSD (bits)")
-    top.suptitle("pairwise Jensen–Shannon divergence between heads' attention", fontsize=11)
-    _jsd_bars(bottom.add_subplot(1, 2, 1), diversity, min_jsd)
-    _entropy_distance(bottom.add_subplot(1, 2, 2), heads)
+    matrices = [panels[f"layer {d.layer}"] for d in diversity]
+    images = [_draw_jsd(ax, d, vmax) for ax, d in zip(matrices, diversity, strict=True)]
+    fig.colorbar(images[0], ax=matrices, shrink=0.8, label="JSD (bits)")
+    fig.suptitle("pairwise Jensen–Shannon divergence between heads' attention", fontsize=11)
+    _jsd_bars(panels["bars"], diversity, min_jsd)
+    _entropy_distance(panels["scatter"], heads)
     return save(fig, path)
+
+
+def _draw_jsd(ax: Axes, d: LayerDiversity, vmax: float) -> AxesImage:
+    image = ax.imshow(d.pairwise_jsd, vmin=0.0, vmax=vmax, cmap="magma")
+    ticks = np.arange(d.pairwise_jsd.shape[0])
+    ax.set_xticks(ticks, [f"h{h}" for h in ticks], fontsize=7)
+    ax.set_yticks(ticks, [f"h{h}" for h in ticks], fontsize=7)
+    if len(ticks) <= ANNOTATE_MAX_HEADS:
+        _annotate_cells(ax, d.pairwise_jsd, vmax)
+    flag = " - ALL HEADS ALIKE" if d.flagged else ""
+    ax.set_title(f"layer {d.layer}{flag}", fontsize=9, color=PAD_LINE if d.flagged else "black")
+    return image
 
 
 def _jsd_bars(ax: Axes, diversity: list[LayerDiversity], min_jsd: float) -> None:
