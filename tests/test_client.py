@@ -31,6 +31,7 @@ def server(tiny_bundle: Path, pki_files: dict[str, Path]) -> Iterator[RunningSer
         tls_key=pki_files["server_key"],
         auth_token=TOKEN,
         max_new_tokens=16,
+        default_max_new_tokens=8,
     )
     running = RunningServer(loop, settings)
     yield running
