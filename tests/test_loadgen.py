@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ import pytest
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread
 
+from bench import naive_server
 from bench.loadgen import (
     LoadConfig,
     RequestRecord,
@@ -24,6 +26,7 @@ from bench.loadgen import (
     summarize,
     synthetic_ids,
 )
+from serve.config import ServerSettings
 
 # --- statistics on hand-made records ---------------------------------------------------------------------
 
@@ -215,3 +218,26 @@ def test_open_loop_corpus_run_sends_text(server: RunningServer, tmp_path: Path) 
     assert saved["summary"]["successful_requests"] == 3
     for rec in saved["records"]:
         assert 1 <= rec["prompt_tokens"] <= 8 and 2 <= rec["output_tokens"] <= 4
+
+
+@pytest.fixture(scope="module")
+def naive_target(tiny_bundle: Path) -> Iterator[str]:
+    settings = ServerSettings(bundle=tiny_bundle, host="127.0.0.1", port=0)
+    server, port = naive_server.start(settings, max_workers=8)
+    yield f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def test_naive_server_serves_one_request_at_a_time(naive_target: str, tmp_path: Path) -> None:
+    out = tmp_path / "naive.json"
+    argv = ["--target", naive_target, "--concurrency", "3", "--num-requests", "3", "--max-new-tokens", "4",
+            "--ignore-eos", "--no-progress", "--output", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    saved = json.loads(out.read_text())
+    assert saved["model"]["max_batch_size"] == 1
+    records = saved["records"]
+    assert [r["output_tokens"] for r in records] == [4, 4, 4]
+    # Token windows (first to last token received) never overlap: each request waited for the one before.
+    windows = sorted((r["start"] + r["ttft"], r["start"] + r["ttft"] + sum(r["itl"])) for r in records)
+    for (_, previous_last), (next_first, _) in itertools.pairwise(windows):
+        assert next_first >= previous_last
