@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BUNDLE := models/demo/bundle
 
-.PHONY: serve test lint venv proto
+.PHONY: serve test lint venv proto bench bench-quick
 
 venv: $(STAMP)
 
@@ -37,3 +37,11 @@ lint: $(STAMP)
 ## Regenerate the committed gRPC stubs (serve/_proto) from proto/; a test fails when they are stale.
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
+
+## The serving benchmark (~10 min on 2 cores; bench-quick ~2 min): server vs naive server vs offline engine
+## vs HF transformers; rewrites the serving section of docs/benchmarks.md and docs/images/serving_*.png.
+bench: $(STAMP)
+	$(BIN)/python -m bench.serving_bench
+
+bench-quick: $(STAMP)
+	$(BIN)/python -m bench.serving_bench --quick
