@@ -53,9 +53,22 @@ def _sharp_model(cfg: DecoderConfig, seed: int = 0) -> Decoder:
     return model
 
 
+def _tiny(tokenizer: Tokenizer, **changes: int) -> DecoderConfig:
+    cfg = DecoderConfig(vocab_size=tokenizer.get_vocab_size(), context_length=64, d_model=32, n_layers=2,
+                        n_heads=4, d_ff=64)
+    return dataclasses.replace(cfg, **changes)
+
+
 @pytest.fixture
 def model(tiny_config: DecoderConfig, tokenizer: Tokenizer) -> Decoder:
+    """Once per position variant: where the recorded weights could go wrong."""
     return _sharp_model(dataclasses.replace(tiny_config, vocab_size=tokenizer.get_vocab_size()))
+
+
+@pytest.fixture
+def learned(tokenizer: Tokenizer) -> Decoder:
+    """One model for what does not depend on the position variant."""
+    return _sharp_model(_tiny(tokenizer))
 
 
 @pytest.fixture
@@ -88,10 +101,10 @@ def test_recorded_rows_sum_to_one_over_allowed_keys(model: Decoder, batch: TextB
     assert weight_on_padding(weights, batch) == 0
 
 
-def test_recording_restores_the_flag(model: Decoder, batch: TextBatch) -> None:
-    layers = attention_layers(model)
+def test_recording_restores_the_flag(learned: Decoder, batch: TextBatch) -> None:
+    layers = attention_layers(learned)
     layers[0].record = True  # a caller's own setting survives
-    record_attention(model, batch)
+    record_attention(learned, batch)
     assert [layer.record for layer in layers] == [True] + [False] * (len(layers) - 1)
     assert all(layer.recorded is None for layer in layers)
 
@@ -102,14 +115,14 @@ def test_recomputed_output_matches_the_fast_path(model: Decoder, batch: TextBatc
     assert max(errors) <= TOL
 
 
-def test_recompute_check_catches_wrong_weights(model: Decoder, batch: TextBatch) -> None:
+def test_recompute_check_catches_wrong_weights(learned: Decoder, batch: TextBatch) -> None:
     def scramble(module: torch.nn.Module, _args: object, _out: object) -> None:
         if isinstance(module, Attention) and module.recorded is not None:
             module.recorded = module.recorded.flip(-2)  # rows of other queries
 
-    hook = attention_layers(model)[1].register_forward_hook(scramble)
+    hook = attention_layers(learned)[1].register_forward_hook(scramble)
     try:
-        errors = recompute_errors(model, batch)
+        errors = recompute_errors(learned, batch)
     finally:
         hook.remove()
     assert errors[0] <= TOL < errors[1]
@@ -139,9 +152,9 @@ def _identical_heads(model: Decoder) -> Decoder:
     return model
 
 
-def test_identical_heads_are_flagged(model: Decoder, batch: TextBatch) -> None:
-    assert not any(d.flagged for d in layer_diversity(record_attention(model, batch), batch))
-    same = layer_diversity(record_attention(_identical_heads(model), batch), batch)
+def test_identical_heads_are_flagged(learned: Decoder, batch: TextBatch) -> None:
+    assert not any(d.flagged for d in layer_diversity(record_attention(learned, batch), batch))
+    same = layer_diversity(record_attention(_identical_heads(learned), batch), batch)
     assert all(d.flagged for d in same)
     assert max(d.max_jsd for d in same) < 1e-6
 
@@ -172,31 +185,31 @@ def test_head_stats_of_known_patterns(batch: TextBatch) -> None:
     assert uniform.distance == pytest.approx(sum(i / 2 for i in rows) / len(rows), abs=1e-4)
 
 
-def test_layer_stats_catch_an_injected_nan(model: Decoder, batch: TextBatch) -> None:
-    healthy = residual_stats(model, batch)
-    assert [s.name for s in healthy] == ["embeddings"] + [f"block {i}" for i in range(model.cfg.n_layers)]
+def test_layer_stats_catch_an_injected_nan(learned: Decoder, batch: TextBatch) -> None:
+    healthy = residual_stats(learned, batch)
+    assert [s.name for s in healthy] == ["embeddings"] + [f"block {i}" for i in range(learned.cfg.n_layers)]
     assert not any(s.flags for s in healthy)
     with torch.no_grad():
-        model.blocks[1].ffn.down.weight[0, 0] = float("nan")
-    broken = residual_stats(model, batch)
+        learned.blocks[1].ffn.down.weight[0, 0] = float("nan")
+    broken = residual_stats(learned, batch)
     assert not any(s.flags for s in broken[:2])
     assert broken[2].nan > 0 and any("NaN" in f for f in broken[2].flags)
 
 
-def test_layer_stats_flag_a_scale_jump(model: Decoder, batch: TextBatch) -> None:
+def test_layer_stats_flag_a_scale_jump(learned: Decoder, batch: TextBatch) -> None:
     with torch.no_grad():
-        model.blocks[0].ffn.down.weight.mul_(1000)
-    stats = residual_stats(model, batch, jump=8.0)
+        learned.blocks[0].ffn.down.weight.mul_(1000)
+    stats = residual_stats(learned, batch, jump=8.0)
     assert stats[1].ratio is not None and stats[1].ratio > 8
     assert any("std changed" in f for f in stats[1].flags)
 
 
-def test_nearest_neighbour_is_the_parallel_embedding(model: Decoder, tokenizer: Tokenizer) -> None:
+def test_nearest_neighbour_is_the_parallel_embedding(learned: Decoder, tokenizer: Tokenizer) -> None:
     a, b = tokenizer.encode("self").ids[0], tokenizer.encode("items").ids[0]
     with torch.no_grad():
-        model.tok_emb.weight[b] = 3 * model.tok_emb.weight[a]
-        model.tok_emb.weight[EOS_ID] = model.tok_emb.weight[a]  # special tokens never count as neighbours
-    (found,) = nearest_neighbours(model, tokenizer, [a], k=3)
+        learned.tok_emb.weight[b] = 3 * learned.tok_emb.weight[a]
+        learned.tok_emb.weight[EOS_ID] = learned.tok_emb.weight[a]  # special tokens never count as neighbours
+    (found,) = nearest_neighbours(learned, tokenizer, [a], k=3)
     assert found.token_id == a and len(found.neighbours) == 3
     assert found.neighbours[0] == ("items", pytest.approx(1.0, abs=TOL))
     assert [s for _, s in found.neighbours] == sorted((s for _, s in found.neighbours), reverse=True)
@@ -218,9 +231,7 @@ def _assert_png(path: Path) -> None:
 def test_command_writes_pictures_and_page(
     tokenizer: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg = DecoderConfig(vocab_size=tokenizer.get_vocab_size(), context_length=64, d_model=32, n_layers=2,
-                        n_heads=4, d_ff=64)
-    path = save_checkpoint(tmp_path / "ckpt.pt", _sharp_model(cfg), tokenizer)
+    path = save_checkpoint(tmp_path / "ckpt.pt", _sharp_model(_tiny(tokenizer)), tokenizer)
     out = tmp_path / "report"
     assert _inspect(path, CODE, out) == 0
     pngs = ["attention_layer0.png", "attention_layer1.png", "attention_padded.png", "diversity.png",
@@ -248,9 +259,7 @@ def test_command_errors_are_one_line(
     tokenizer: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str],
     checkpoint: str | None, text: str, extra: list[str], message: str,
 ) -> None:
-    cfg = DecoderConfig(vocab_size=tokenizer.get_vocab_size(), context_length=64, d_model=16, n_layers=1,
-                        n_heads=2, d_ff=32)
-    tiny = Decoder(cfg)
+    tiny = Decoder(_tiny(tokenizer, n_layers=1))
     ckpt = tmp_path / checkpoint if checkpoint else save_checkpoint(tmp_path / "c.pt", tiny, tokenizer)
     assert _inspect(ckpt, text, tmp_path / "out", *extra) == 1
     err = capsys.readouterr().err
@@ -260,9 +269,7 @@ def test_command_errors_are_one_line(
 def test_missing_matplotlib_is_one_line(
     tokenizer: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cfg = DecoderConfig(vocab_size=tokenizer.get_vocab_size(), context_length=64, d_model=16, n_layers=1,
-                        n_heads=2, d_ff=32)
-    path = save_checkpoint(tmp_path / "c.pt", Decoder(cfg), tokenizer)
+    path = save_checkpoint(tmp_path / "c.pt", Decoder(_tiny(tokenizer, n_layers=1)), tokenizer)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     monkeypatch.delitem(sys.modules, "export.inspection.plots")
     monkeypatch.delattr(inspection, "plots")
