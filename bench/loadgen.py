@@ -124,7 +124,7 @@ def sample_length(mean: int, spread: float, rng: random.Random) -> int:
 
 def synthetic_ids(length: int, vocab_size: int, eos_token_id: int, rng: random.Random) -> tuple[int, ...]:
     """Uniform random ids, EOS excluded (a prompt made of EOS tokens is not a realistic input)."""
-    ids = []
+    ids: list[int] = []
     while len(ids) < length:
         token = rng.randrange(vocab_size)
         if token != eos_token_id:

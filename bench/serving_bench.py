@@ -45,6 +45,7 @@ from serve.bundle import Bundle, load_bundle
 from serve.engine import Engine, EngineSettings
 from serve.offline import OFFLINE_LIMITS, generate
 from serve.runtime import SessionConfig
+from serve.scheduler import SchedulerLimits
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -62,7 +63,7 @@ class Plan:
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
-    levels = (1, 4, 16) if args.quick else (1, 2, 4, 8, 16, 32)
+    levels: tuple[int, ...] = (1, 4, 16) if args.quick else (1, 2, 4, 8, 16, 32)
     if args.levels:
         levels = tuple(int(c) for c in args.levels.split(","))
     return Plan(
@@ -143,7 +144,7 @@ def offline_engine(bundle: Bundle, plan: Plan, threads: int, max_batch: int) -> 
         work = prompts(batch, plan.input_len, bundle)
         limits = OFFLINE_LIMITS.model_copy(update={"max_batch_size": min(batch, max_batch)})
 
-        def once(work: list[list[int]] = work, limits: object = limits) -> float:
+        def once(work: list[list[int]] = work, limits: SchedulerLimits = limits) -> float:
             start = time.perf_counter()
             generate(engine, work, max_new_tokens=plan.new_tokens, ignore_eos=True, limits=limits)
             return time.perf_counter() - start

@@ -263,7 +263,7 @@ def section(results: Results, images: Sequence[Path], doc: Path, argv_used: Sequ
         else "not run (--skip-hf)"
     )
     invoked = " ".join(["python -m bench.serving_bench", *argv_used])
-    lines = [
+    lines: list[str] = [
         DOC_BEGIN,
         "## Serving: the gRPC server against its baselines",
         "",
@@ -301,7 +301,7 @@ def section(results: Results, images: Sequence[Path], doc: Path, argv_used: Sequ
         "### Commands",
         "```bash",
         *results.commands,
-        hf["command"] if hf else "# HF baseline skipped",
+        str(hf["command"]) if hf else "# HF baseline skipped",
         "```",
         "",
         "### Targets",
