@@ -240,15 +240,19 @@ class Metrics:
     # Scheduler side (may be called from the engine thread).
 
     def on_admitted(self, queue_seconds: float) -> None:
+        """Once per request, when it joins a batch: time since its arrival."""
         self.queue_time.observe(queue_seconds)
 
     def on_first_token(self, ttft_seconds: float) -> None:
+        """Once per request, at its first generated token: time since its arrival."""
         self.ttft.observe(ttft_seconds)
 
     def on_token(self, inter_token_seconds: float) -> None:
+        """For every generated token after a request's first: time since its previous token."""
         self.inter_token.observe(inter_token_seconds)
 
     def on_finished(self, reason: str, prompt_tokens: int, generation_tokens: int) -> None:
+        """Once per generation that ended normally (length, eos, stop, context); failures count by code."""
         _check_label("finish reason", reason, FINISH_REASONS)
         self.finished.labels(reason=reason).inc()
         self.prompt_tokens.observe(prompt_tokens)
@@ -257,12 +261,14 @@ class Metrics:
         self.generation_tokens_total.inc(generation_tokens)
 
     def on_step(self, phase: str, batch_size: int, padding_ratio: float, seconds: float) -> None:
+        """Once per engine step (prefill or decode) with its rows, padded fraction and duration."""
         _check_label("step phase", phase, STEP_PHASES)
         self.step_duration.labels(phase=phase).observe(seconds)
         self.batch_size.observe(batch_size)
         self.padding_ratio.observe(padding_ratio)
 
     def set_load(self, running: int, waiting: int, kv_used: int, kv_capacity: int) -> None:
+        """After every change of the queue or the batch, so the gauges return to 0 when idle."""
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_used.set(kv_used)
