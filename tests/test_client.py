@@ -106,6 +106,8 @@ def test_wrong_token_is_refused(server: RunningServer, pki_files: dict[str, Path
     code, out, err = run(server, pki_files, "generate", "hi", token="wrong")
     assert code == 1 and out == ""
     assert err.startswith("error: UNAUTHENTICATED: invalid bearer token")
+    scrape = server.server.metrics.exposition()
+    assert 'textgen_requests_total{code="UNAUTHENTICATED",rpc="Generate"}' in scrape
 
 
 def test_server_errors_are_printed_with_their_status(

@@ -21,6 +21,7 @@ from server_tools import LoopThread, rpc_error
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.errors import EngineFailure
+from serve.server import CallRecord
 
 PROMPT = "the quick brown fox"
 
@@ -265,6 +266,15 @@ def test_request_log_lines(
     assert '"code": "OK"' in ok and '"completion_tokens": 3' in ok and '"ttft_s"' in ok
     assert PROMPT not in ok  # no prompt text unless log_prompts
     assert any('"code": "INVALID_ARGUMENT"' in line for line in lines)
+    scrape = server.server.metrics.exposition()
+    assert 'textgen_requests_total{code="INVALID_ARGUMENT",rpc="Generate"}' in scrape
+
+
+def test_log_prompts_adds_the_texts() -> None:
+    record = CallRecord(rpc="Generate", request_id="r", prompt=PROMPT, text=" jumps")
+    assert "prompt" not in record.fields(log_prompts=False)
+    fields = record.fields(log_prompts=True)
+    assert (fields["prompt"], fields["text"]) == (PROMPT, " jumps")
 
 
 # --- limits -------------------------------------------------------------------------------------------------
@@ -286,7 +296,7 @@ def test_queue_full_is_resource_exhausted(
     monkeypatch.setattr(engine, "decode", slow_decode(engine, 0.02))
     with grpc.insecure_channel(small_server.target) as chan:
         stub = pb_grpc.TextGenerationStub(chan)
-        running = stub.GenerateStream(greedy(20))
+        running = stub.GenerateStream(greedy(40))
         next(running)  # the only row is busy
         queued = stub.GenerateStream(greedy(2))
         waiting = threading.Thread(target=lambda: list(queued))
