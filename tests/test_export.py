@@ -1,0 +1,271 @@
+"""The exporter: graph contract, verification (and that it catches broken graphs), INT8, FP16, the writer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from export.bundle_writer import BundleStage
+from export.checkpoint import load_checkpoint
+from export.fp16 import CONSTANT_LIMIT, check_graph, convert_fp16
+from export.generation import Shape, greedy, torch_step
+from export.model import Decoder
+from export.onnx_standard import export_standard_graph
+from export.pipeline import PRESETS, ExportedGraphs, ExportOptions, write_verified_bundle
+from export.quantize import count_weight_matmuls, fold_weight_transposes, quantize_int8
+from export.verify import FP32_TOLERANCE, VerificationFailed, batch_invariant, verify_bundle
+from serve.bundle import MANIFEST_FILE, load_bundle, sha256_file
+
+
+def tiny_model() -> Decoder:
+    """The weights of the `tiny_bundle` fixture (random preset "tiny", seed 0)."""
+    torch.manual_seed(0)
+    return Decoder(PRESETS["tiny"]).eval()
+
+
+def session(model: onnx.ModelProto | Path) -> ort.InferenceSession:
+    data = str(model) if isinstance(model, Path) else model.SerializeToString()
+    return ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+
+
+def dims(value: onnx.ValueInfoProto) -> list[str | int]:
+    return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+
+
+def test_standard_graph_contract(tiny_bundle: Path) -> None:
+    model = onnx.load(str(tiny_bundle / "model.onnx"))
+    onnx.checker.check_model(model)
+    inputs = {v.name: dims(v) for v in model.graph.input}
+    outputs = {v.name: dims(v) for v in model.graph.output}
+    assert list(inputs)[:3] == ["input_ids", "attention_mask", "position_ids"]
+    assert inputs["input_ids"] == ["batch", "seq"] == inputs["position_ids"]
+    assert inputs["attention_mask"] == ["batch", "total"]
+    assert inputs["past_key_values.1.value"] == ["batch", 2, "past", 16]
+    assert outputs["logits"] == ["batch", "seq", 320]
+    assert outputs["present.0.key"] == ["batch", 2, "past + seq", 16]
+    assert {o.domain for o in model.opset_import} >= {""}
+    assert any(n.op_type == "Attention" for n in model.graph.node)  # opset 23: SDPA -> Attention
+
+
+def test_zero_length_past_then_decode_matches_torch(tiny_bundle: Path) -> None:
+    model = tiny_model()
+    sess = session(tiny_bundle / "model.onnx")
+    ids = np.array([[5, 9, 77, 3]], np.int64)
+    empty = np.zeros((1, 2, 0, 16), np.float32)
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None]}
+    feed |= {f"past_key_values.{i}.{k}": empty for i in range(2) for k in ("key", "value")}
+    logits, *present = sess.run(None, feed)
+    assert logits.shape == (1, 4, 320) and present[0].shape == (1, 2, 4, 16)
+    step = {"input_ids": np.array([[11]]), "attention_mask": np.ones((1, 5), np.int64)}
+    step |= {"position_ids": np.array([[4]])} | dict(zip(list(feed)[3:], present, strict=True))
+    decode_logits, *grown = sess.run(None, step)
+    assert grown[0].shape == (1, 2, 5, 16)
+    with torch.no_grad():
+        expected, _ = model(torch.tensor([[5, 9, 77, 3, 11]]), torch.ones(1, 5), torch.arange(5)[None])
+    np.testing.assert_allclose(decode_logits[0, -1], expected[0, -1].numpy(), atol=FP32_TOLERANCE)
+
+
+def test_export_report_of_tiny_bundle(tiny_bundle: Path) -> None:
+    report = load_bundle(tiny_bundle).manifest.verification
+    assert report["passed"] and report["failed"] == [] and report["reference"] == "pytorch"
+    for graph in ("standard", "inplace"):
+        assert report[graph]["max_abs_logits_diff"] <= FP32_TOLERANCE
+        assert report[graph]["greedy_identical"] and report[graph]["finite"]
+    assert report["standard"]["batch_invariant"]
+    assert report["opset"] == 23 and report["decode_steps"] == 20
+    assert set(report["files"]) == {"model.onnx", "model_inplace.onnx", "tokenizer.json"}
+    assert {"torch", "onnx", "onnxruntime"} <= set(report["versions"])
+
+
+def _damage_first(model: onnx.ModelProto, dims_: list[int], change: float) -> None:
+    init = next(t for t in model.graph.initializer if list(t.dims) == dims_)
+    array = numpy_helper.to_array(init).copy()
+    array.flat[0] = np.nan if np.isnan(change) else array.flat[0] + change
+    init.CopyFrom(numpy_helper.from_array(array, init.name))
+
+
+@pytest.mark.parametrize(
+    ("target", "change", "expected"),
+    [
+        ([32, 64], 0.5, "standard: max |logits diff|"),  # one FFN weight nudged
+        ([32], float("nan"), "standard: NaN/Inf in outputs"),  # a LayerNorm/bias entry is NaN
+    ],
+)
+def test_verification_catches_a_broken_graph(
+    tiny_bundle: Path, tmp_path: Path, target: list[int], change: float, expected: str
+) -> None:
+    root = Path(shutil.copytree(tiny_bundle, tmp_path / "broken"))
+    graph = onnx.load(str(root / "model.onnx"))
+    _damage_first(graph, target, change)
+    onnx.save(graph, str(root / "model.onnx"))
+    manifest = json.loads((root / MANIFEST_FILE).read_text())
+    manifest["checksums"]["model.onnx"] = sha256_file(root / "model.onnx")
+    (root / MANIFEST_FILE).write_text(json.dumps(manifest))
+    report = verify_bundle(load_bundle(root), tiny_model())
+    assert not report["passed"]
+    assert any(expected in f for f in report["failed"]), report["failed"]
+    assert "inplace" not in " ".join(report["failed"])  # the untouched serving graph still passes
+
+
+def test_batch_invariance_check_detects_batch_dependence() -> None:
+    model = tiny_model()
+    real = torch_step(model)
+
+    def batch_dependent(feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        out = real(feed)
+        if feed["input_ids"].shape[0] == 1:  # a single row gets a different favourite token
+            out[0][..., 42] += 100.0
+        return out
+
+    prompts = [[5, 6, 7], [8, 9]]
+    shape = Shape(2, 2, 16)
+    assert batch_invariant(real, prompts, 1, shape)
+    assert not batch_invariant(batch_dependent, prompts, 1, shape)
+
+
+def test_greedy_left_pads_and_positions() -> None:
+    gen = greedy(torch_step(tiny_model()), [[5, 6, 7], [8]], 1, Shape(2, 2, 16), steps=3)
+    assert gen.prompt_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert gen.tokens.shape == (2, 4) and gen.logits[0].shape == (2, 3, 320)
+    assert gen.finite
+
+
+def test_opset_below_dynamo_minimum_is_refused() -> None:
+    with pytest.raises(ValueError, match="opset 17 is not supported"):
+        export_standard_graph(tiny_model(), opset=17)
+
+
+def _transposed_head_graph() -> onnx.ModelProto:
+    """x @ Transpose(E): the tied-head pattern quantize_dynamic cannot see through."""
+    emb = numpy_helper.from_array(np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32), "emb")
+    nodes = [
+        helper.make_node("Transpose", ["emb"], ["emb_t"], perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "emb_t"], ["logits"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "head",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 10])],
+        [emb],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_fold_weight_transposes_keeps_results_and_enables_quantization() -> None:
+    model = _transposed_head_graph()
+    x = {"x": np.random.default_rng(1).normal(size=(3, 4)).astype(np.float32)}
+    before = session(model).run(None, x)[0]
+    assert count_weight_matmuls(model) == {"float": 0, "quantized": 0}  # the head is invisible
+    folded = onnx.ModelProto.FromString(model.SerializeToString())
+    assert fold_weight_transposes(folded) == 1
+    assert [n.op_type for n in folded.graph.node] == ["MatMul"]
+    np.testing.assert_allclose(session(folded).run(None, x)[0], before, rtol=1e-6)
+    quantized, counts = quantize_int8(model)
+    assert counts == {"float": 0, "quantized": 1, "transposes_folded": 1}
+    after = session(quantized).run(None, x)[0]
+    assert np.corrcoef(after.ravel(), before.ravel())[0, 1] > 0.95  # int8 of a 4-wide dot: approximate
+
+
+def test_int8_bundle_of_the_demo_model(demo_bundle: Path, demo_checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = load_checkpoint(demo_checkpoint)
+    fp32 = load_bundle(demo_bundle)
+    standard, s_counts = quantize_int8(onnx.load(str(fp32.standard_graph)))
+    inplace, i_counts = quantize_int8(onnx.load(str(fp32.inplace_graph)))
+    layers = ckpt.config.n_layers
+    assert i_counts["float"] == s_counts["float"] == 0
+    assert i_counts["quantized"] == s_counts["quantized"] == 4 * layers + 1  # qkv, out, up, down + head
+    graphs = ExportedGraphs(standard, inplace, {"int8_standard": s_counts})
+    options = ExportOptions(model_name="demo-int8", int8=True, progress=False)
+    bundle = write_verified_bundle(ckpt.model, ckpt.tokenizer, graphs, tmp_path / "int8", options)
+    m = bundle.manifest
+    assert m.quantization == "int8" and m.execution_providers == ["CPUExecutionProvider"]
+    report = m.verification
+    int8 = report["int8"]
+    assert report["passed"], report["failed"]
+    assert int8["float_weight_matmuls"] == 0
+    assert int8["perplexity_ratio"] <= 1.02
+    assert int8["fp32_perplexity"] < 0.5 * ckpt.config.vocab_size  # a trained model, not a uniform guess
+    assert int8["top1_agreement"] >= 0.9
+    assert int8["greedy_prefix_agreement"] >= 0.5
+    assert report["standard"]["finite"] and report["inplace"]["finite"]
+    assert report["standard"]["batch_invariant"]
+
+
+def test_fp16_graphs_are_valid_and_safe(tiny_bundle: Path) -> None:
+    for file in ("model.onnx", "model_inplace.onnx"):
+        model = convert_fp16(onnx.load(str(tiny_bundle / file)))
+        check_graph(model)
+        types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output]}
+        assert types["logits"] == TensorProto.FLOAT16
+        assert types["input_ids"] == TensorProto.INT64
+        kv = [name for name in types if "key" in name or "value" in name]
+        assert kv and all(types[name] == TensorProto.FLOAT16 for name in kv)
+        producers = {out: n for n in model.graph.node for out in n.output}
+        for node in (n for n in model.graph.node if n.op_type == "LayerNormalization"):
+            assert producers[node.input[0]].op_type == "Cast"  # normalized in fp32
+        for init in model.graph.initializer:
+            if init.data_type == TensorProto.FLOAT16:
+                assert np.abs(numpy_helper.to_array(init).astype(np.float32)).max() <= CONSTANT_LIMIT
+
+
+def test_fp16_standard_graph_runs_finite_on_cpu_with_padding(tiny_bundle: Path) -> None:
+    sess = session(convert_fp16(onnx.load(str(tiny_bundle / "model.onnx"))))
+    prompts, shape = [[5, 6, 7, 8], [9]], Shape(2, 2, 16)
+    gen = greedy(lambda f: sess.run(None, f), prompts, 1, shape, steps=4, dtype=np.float16)
+    assert gen.finite  # the padded row's fully masked attention included
+    reference = greedy(torch_step(tiny_model()), prompts, 1, shape, steps=4)
+    real = gen.prompt_mask.astype(bool)
+    assert np.abs(gen.logits[0][real] - reference.logits[0][real]).max() < 5e-2
+
+
+def test_writer_uses_external_data_only_when_needed(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import export.bundle_writer as writer
+
+    fields = load_bundle(tiny_bundle).manifest.model_dump(exclude={"checksums", "graphs"})
+    graph = onnx.load(str(tiny_bundle / "model.onnx"))
+    monkeypatch.setattr(writer, "EXTERNAL_DATA_THRESHOLD", 0)
+    with BundleStage(tmp_path / "ext") as stage:
+        spec = stage.add_graph("model.onnx", graph, 23)
+        stage.add_tokenizer((tiny_bundle / "tokenizer.json").read_text())
+        stage.write_manifest(fields | {"graphs": {"standard": spec}})
+        stage.commit()
+    bundle = load_bundle(tmp_path / "ext")
+    assert spec.external_data == "model.onnx.data"
+    assert "model.onnx.data" in bundle.manifest.checksums
+    sizes = {p.name: p.stat().st_size for p in (tmp_path / "ext").iterdir()}
+    assert sizes["model.onnx"] < sizes["model.onnx.data"]
+    assert len(session(bundle.standard_graph).get_outputs()) == 5
+
+
+def test_stage_refuses_a_non_bundle_directory(tmp_path: Path) -> None:
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not a bundle"):
+        BundleStage(tmp_path / "precious")
+    assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"
+
+
+def test_failed_stage_leaves_the_old_bundle_and_no_temp_dir(tiny_bundle: Path, tmp_path: Path) -> None:
+    out = Path(shutil.copytree(tiny_bundle, tmp_path / "b"))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(VerificationFailed), BundleStage(out) as stage:
+        stage.add_tokenizer("{}")
+        raise VerificationFailed({"failed": ["simulated"]})
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    load_bundle(out)  # still intact
+
+
+def test_int8_and_fp16_are_exclusive() -> None:
+    with pytest.raises(ValueError, match="choose one"):
+        ExportOptions(model_name="x", int8=True, fp16=True)
