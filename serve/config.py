@@ -28,6 +28,7 @@ class ServerSettings(BaseSettings):
         cli_prog_name="textgen-serve",
         cli_kebab_case=True,
         cli_implicit_flags=True,
+        cli_show_env_vars=True,
     )
 
     bundle: Path = Field(description="model bundle directory (written by textgen-export)")

@@ -7,6 +7,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -196,27 +197,31 @@ def test_sigterm_completes_streams_in_flight_and_exits_0(tiny_bundle: Path) -> N
             server.proc.kill()
 
 
+def run_serve(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m serve` on loopback (any metrics port) until it exits."""
+    command = [sys.executable, "-m", "serve", "--host", "127.0.0.1", "--metrics-port", "0", *args]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
 def test_broken_bundle_exits_1_with_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text("{not json")
-    result = subprocess.run(
-        [sys.executable, "-m", "serve", "--bundle", str(tmp_path), "--port", "0", "--metrics-port", "0"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_serve("--bundle", str(tmp_path), "--port", "0")
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if "start-up failed" in line]
     assert len(errors) == 1 and "manifest.json" in errors[0], result.stderr
 
 
 def test_bad_configuration_exits_2(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "serve", "--bundle", str(tmp_path), "--port", "99999"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_serve("--bundle", str(tmp_path), "--port", "99999")
     assert result.returncode == 2
     assert "port: Input should be less than or equal to 65535" in result.stderr
+
+
+def test_port_in_use_exits_1_naming_the_address(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_serve("--bundle", str(tmp_path), "--port", str(port))
+    assert result.returncode == 1
+    assert f"start-up failed: cannot listen on 127.0.0.1:{port}" in result.stderr
