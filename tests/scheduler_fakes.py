@@ -1,8 +1,9 @@
-"""A small deterministic engine that honours serve.engine.Engine's interface, for scheduling tests.
+"""Engines for scheduling tests: a small deterministic fake, and test controls around any engine.
 
-Each sequence's next token is a pure function of its own context (so any batching gives the same tokens),
-drawn from the ids of single ASCII letters so that text is easy to reason about. Tests can slow steps down,
-hold them on a gate, or make the next prefill/decode raise.
+`FakeEngine` honours serve.engine.Engine's interface; each sequence's next token is a pure function of its
+own context (so any batching gives the same tokens), drawn from the ids of single ASCII letters so that
+text is easy to reason about. `Instrumented` wraps a fake or a real engine: it can slow steps down, hold
+them on a gate, make the next prefill/decode raise, and logs every call with the rows it ran on.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ from __future__ import annotations
 import string
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tokenizers import Tokenizer
 
 from export.tokenizer import EOS_ID, train_tokenizer
-from serve.engine import NewSequence, TokenOut
+from serve.engine import Engine, NewSequence, TokenOut
 
 LETTERS = string.ascii_lowercase[:12]
 
@@ -31,7 +32,6 @@ class FakeEngine:
         max_batch_size: int = 4,
         capacity: int = 64,
         eos_after: int | None = None,
-        step_seconds: float = 0.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -40,11 +40,6 @@ class FakeEngine:
         self.vocab_size = tokenizer.get_vocab_size()
         self.eos_token_id = EOS_ID
         self.eos_after = eos_after  # emit EOS as this many-th generated token
-        self.step_seconds = step_seconds
-        self.gate = threading.Event()
-        self.gate.set()
-        self.fail_next: set[str] = set()
-        self.calls: list[tuple[str, list[str]]] = []  # (phase, the rows it ran on), in call order
         self._alphabet = [tokenizer.token_to_id(c) for c in LETTERS]
         self._ids: list[str] = []
         self._context: dict[str, list[int]] = {}
@@ -67,7 +62,6 @@ class FakeEngine:
         return self._alphabet[(sum(context) * 31 + len(context)) % len(self._alphabet)]
 
     def prefill(self, new: Sequence[NewSequence]) -> list[TokenOut]:
-        self._enter("prefill", [s.seq_id for s in new])
         if len(self._ids) + len(new) > self.max_batch_size:
             raise ValueError("more rows than KV slots")
         for seq in new:
@@ -79,7 +73,6 @@ class FakeEngine:
         return [self._sample(s.seq_id) for s in new]
 
     def decode(self) -> list[TokenOut]:
-        self._enter("decode", list(self._ids))
         if not self._ids:
             raise RuntimeError("decode() with no running sequence")
         for seq_id in self._ids:
@@ -104,6 +97,67 @@ class FakeEngine:
             context.append(token)
         return out
 
+    def _sample(self, seq_id: str) -> TokenOut:
+        # Feeding the previous token into the "cache" happens lazily: the context holds all sampled tokens.
+        token = self.next_token(self._context[seq_id], self._generated[seq_id])
+        self._context[seq_id].append(token)
+        self._generated[seq_id] += 1
+        return TokenOut(seq_id, token, -0.5)
+
+
+class Instrumented:
+    """Test controls around an engine (fake or real); the scheduler sees the engine interface."""
+
+    def __init__(
+        self,
+        engine: FakeEngine | Engine,
+        reference: Callable[[Sequence[int], int], list[int]],
+        step_seconds: float = 0.0,
+    ) -> None:
+        self.inner = engine
+        self.tokenizer = engine.tokenizer
+        self.max_batch_size = engine.max_batch_size
+        self.capacity = engine.capacity
+        self.vocab_size = engine.vocab_size
+        self.eos_token_id = engine.eos_token_id
+        self.step_seconds = step_seconds
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_next: set[str] = set()
+        self.calls: list[tuple[str, list[str]]] = []  # (phase, the rows it ran on), in call order
+        self.shapes: list[tuple[int, ...]] = []  # the engine's KV view after each successful call
+        self._reference = reference
+
+    @property
+    def batch_size(self) -> int:
+        return self.inner.batch_size
+
+    @property
+    def running_ids(self) -> list[str]:
+        return self.inner.running_ids
+
+    def kv_shape(self) -> tuple[int, ...]:
+        return self.inner.kv_shape()
+
+    def expected(self, prompt: Sequence[int], n: int) -> list[int]:
+        """The tokens a greedy sequence gets when it runs alone."""
+        return self._reference(prompt, n)
+
+    def prefill(self, new: Sequence[NewSequence]) -> list[TokenOut]:
+        self._enter("prefill", [s.seq_id for s in new])
+        out = self.inner.prefill(new)
+        self.shapes.append(self.inner.kv_shape())
+        return out
+
+    def decode(self) -> list[TokenOut]:
+        self._enter("decode", self.inner.running_ids)
+        out = self.inner.decode()
+        self.shapes.append(self.inner.kv_shape())
+        return out
+
+    def release(self, seq_ids: Iterable[str]) -> None:
+        self.inner.release(seq_ids)
+
     def _enter(self, phase: str, rows: list[str]) -> None:
         self.calls.append((phase, rows))
         if not self.gate.wait(10):
@@ -113,9 +167,7 @@ class FakeEngine:
             self.fail_next.discard(phase)
             raise RuntimeError(f"injected {phase} failure")
 
-    def _sample(self, seq_id: str) -> TokenOut:
-        # Feeding the previous token into the "cache" happens lazily: the context holds all sampled tokens.
-        token = self.next_token(self._context[seq_id], self._generated[seq_id])
-        self._context[seq_id].append(token)
-        self._generated[seq_id] += 1
-        return TokenOut(seq_id, token, -0.5)
+
+def fake(tokenizer: Tokenizer, step_seconds: float = 0.0, **kw: int | None) -> Instrumented:
+    engine = FakeEngine(tokenizer, **kw)
+    return Instrumented(engine, engine.expected, step_seconds)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from scheduler_fakes import FakeEngine, letter_tokenizer
+from scheduler_fakes import fake, letter_tokenizer
 from tokenizers import Tokenizer
 
 from serve.errors import EngineFailure, InvalidRequest
@@ -18,7 +18,7 @@ def tokenizer() -> Tokenizer:
 
 
 def test_more_prompts_than_rows_all_complete_in_order(tokenizer: Tokenizer) -> None:
-    engine = FakeEngine(tokenizer, max_batch_size=3)
+    engine = fake(tokenizer, max_batch_size=3)
     prompts = [[40 + i] * (2 + 3 * i) for i in range(7)]
     completions = generate(engine, prompts, max_new_tokens=5, include_logprobs=True)
     assert [c.request_id for c in completions] == [f"offline-{i}" for i in range(7)]
@@ -32,7 +32,7 @@ def test_more_prompts_than_rows_all_complete_in_order(tokenizer: Tokenizer) -> N
 
 
 def test_text_prompts_and_per_prompt_sampling(tokenizer: Tokenizer) -> None:
-    engine = FakeEngine(tokenizer)
+    engine = fake(tokenizer)
     prompts = ["the quick", "brown fox jumps"]
     completions = generate(engine, prompts, [SamplingParams(), SamplingParams(seed=3)], max_new_tokens=4)
     for prompt, completion in zip(prompts, completions, strict=True):
@@ -42,7 +42,7 @@ def test_text_prompts_and_per_prompt_sampling(tokenizer: Tokenizer) -> None:
 
 
 def test_generation_stops_at_the_context_limit(tokenizer: Tokenizer) -> None:
-    engine = FakeEngine(tokenizer, capacity=16)
+    engine = fake(tokenizer, capacity=16)
     (completion,) = generate(engine, [[40] * 10], max_new_tokens=50)
     assert completion.finish_reason == "context"
     assert len(completion.token_ids) == 16 - 10
@@ -56,7 +56,7 @@ def test_generation_stops_at_the_context_limit(tokenizer: Tokenizer) -> None:
 
 
 def test_an_engine_failure_raises_and_frees_every_row(tokenizer: Tokenizer) -> None:
-    engine = FakeEngine(tokenizer, max_batch_size=2)
+    engine = fake(tokenizer, max_batch_size=2)
     engine.fail_next.add("decode")
     with pytest.raises(EngineFailure, match="during decode"):
         generate(engine, [[40, 41], [42, 43], [44]], max_new_tokens=4)

@@ -4,20 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import pytest
-from scheduler_fakes import FakeEngine, letter_tokenizer
+from scheduler_fakes import FakeEngine, Instrumented, fake, letter_tokenizer
 from tokenizers import Tokenizer
 
+from serve.bundle import Bundle, load_bundle
+from serve.engine import Engine, EngineSettings
 from serve.errors import Cancelled, DeadlineExceeded, Draining, EngineFailure, InvalidRequest, QueueFull
 from serve.metrics import Metrics, new_registry
+from serve.offline import generate
 from serve.request import Completion, GenerationRequest, RequestState
+from serve.runtime import SessionConfig
 from serve.sampling import SamplingParams
 from serve.scheduler import RequestHandle, Scheduler, SchedulerLimits
 
 T = TypeVar("T")
+# One intra-op thread: the test's event loop needs the other core.
+SESSION = SessionConfig(threads=1, spinning=False)
+
+
+class EngineFactory(Protocol):
+    def __call__(self, max_batch_size: int = 4, step_seconds: float = 0.0) -> Instrumented: ...
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +36,43 @@ def tokenizer() -> Tokenizer:
     return letter_tokenizer()
 
 
+@pytest.fixture(scope="module")
+def real_bundle(tiny_bundle: Path) -> Bundle:
+    return load_bundle(tiny_bundle)
+
+
+def real_engine(bundle: Bundle, max_batch_size: int) -> Engine:
+    return Engine.from_bundle(bundle, EngineSettings(max_batch_size=max_batch_size, session=SESSION))
+
+
+@pytest.fixture(scope="module")
+def alone(real_bundle: Bundle) -> Callable[[Sequence[int], int], list[int]]:
+    """Greedy tokens of one prompt run alone, on an engine of its own."""
+    engine = real_engine(real_bundle, 1)
+
+    def reference(prompt: Sequence[int], n: int) -> list[int]:
+        return generate(engine, [list(prompt)], max_new_tokens=n, ignore_eos=True)[0].token_ids
+
+    return reference
+
+
+@pytest.fixture(params=["fake", "real"])
+def make_engine(request: pytest.FixtureRequest, tokenizer: Tokenizer) -> EngineFactory:
+    """Builds the fake engine, or the real one on the tiny bundle, with the same test controls."""
+    if request.param == "fake":
+        return lambda max_batch_size=4, step_seconds=0.0: fake(
+            tokenizer, step_seconds, max_batch_size=max_batch_size
+        )
+    bundle = request.getfixturevalue("real_bundle")
+    reference = request.getfixturevalue("alone")
+    return lambda max_batch_size=4, step_seconds=0.0: Instrumented(
+        real_engine(bundle, max_batch_size), reference, step_seconds
+    )
+
+
 def request(rid: str, prompt: list[int], max_new: int = 8, **kw: Any) -> GenerationRequest:
+    # EOS is ignored unless a test asks for it: a random model may sample it at any step.
+    kw.setdefault("ignore_eos", True)
     return GenerationRequest(rid, prompt, SamplingParams(), max_new, **kw)
 
 
@@ -55,14 +102,14 @@ async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.001)
 
 
-async def started(engine: FakeEngine, limits: SchedulerLimits | None = None, **kw: Any) -> Scheduler:
+async def started(engine: Instrumented, limits: SchedulerLimits | None = None, **kw: Any) -> Scheduler:
     scheduler = Scheduler(engine, limits or SchedulerLimits(max_wait_seconds=0.0), **kw)
     await scheduler.start()
     return scheduler
 
 
-def test_tokens_match_the_engine_alone_and_events_are_well_formed(tokenizer: Tokenizer) -> None:
-    engine = FakeEngine(tokenizer, max_batch_size=3)
+def test_tokens_match_the_engine_alone_and_events_are_well_formed(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=3)
     prompts = [prompt_of(n, start) for n, start in ((3, 40), (9, 41), (5, 42), (12, 43), (7, 44))]
 
     async def main() -> list[Completion]:
@@ -75,7 +122,8 @@ def test_tokens_match_the_engine_alone_and_events_are_well_formed(tokenizer: Tok
     completions = run(main)
     for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
         assert completion.token_ids == engine.expected(prompt, 6 + i)
-        assert completion.text == tokenizer.decode(completion.token_ids)
+        if isinstance(engine.inner, FakeEngine):  # letters only: the text is their plain decoding
+            assert completion.text == engine.tokenizer.decode(completion.token_ids)
         assert completion.finish is not None and completion.finish.finish_reason == "length"
         assert completion.finish.completion_tokens == 6 + i
         assert completion.finish.prompt_tokens == len(prompt)
@@ -86,8 +134,10 @@ def test_tokens_match_the_engine_alone_and_events_are_well_formed(tokenizer: Tok
     assert engine.batch_size == 0
 
 
-def test_continuous_batching_joins_between_decode_steps_and_leaves_at_once(tokenizer: Tokenizer) -> None:
-    engine = FakeEngine(tokenizer, max_batch_size=4, step_seconds=0.002)
+def test_continuous_batching_joins_between_decode_steps_and_leaves_at_once(
+    make_engine: EngineFactory,
+) -> None:
+    engine = make_engine(max_batch_size=4, step_seconds=0.002)
 
     async def main() -> Scheduler:
         scheduler = await started(engine)
@@ -118,14 +168,16 @@ def test_stop_eos_and_logprobs(tokenizer: Tokenizer) -> None:
     plain = FakeEngine(tokenizer).expected(prompt_of(5), 10)
     text = tokenizer.decode(plain)
     stop = text[4:7]  # spans several one-letter tokens
-    eos_engine = FakeEngine(tokenizer, eos_after=4)
+    eos_engine = fake(tokenizer, eos_after=4)
 
     async def main() -> tuple[Completion, Completion]:
-        scheduler = await started(FakeEngine(tokenizer))
+        scheduler = await started(fake(tokenizer))
         stopped = await collect(scheduler.submit(request("s", prompt_of(5), 10, stop=(stop,))))
         await scheduler.drain(1.0)
         scheduler = await started(eos_engine)
-        eos = await collect(scheduler.submit(request("e", prompt_of(5), 10, include_logprobs=True)))
+        eos = await collect(
+            scheduler.submit(request("e", prompt_of(5), 10, include_logprobs=True, ignore_eos=False))
+        )
         await scheduler.drain(1.0)
         return stopped, eos
 
@@ -138,7 +190,7 @@ def test_stop_eos_and_logprobs(tokenizer: Tokenizer) -> None:
 
 
 def test_invalid_requests_are_refused_before_queueing(tokenizer: Tokenizer) -> None:
-    engine = FakeEngine(tokenizer, capacity=32)
+    engine = fake(tokenizer, capacity=32)
 
     async def main() -> None:
         scheduler = await started(engine)
@@ -160,8 +212,8 @@ def test_invalid_requests_are_refused_before_queueing(tokenizer: Tokenizer) -> N
         Scheduler(engine, SchedulerLimits(max_batch_size=5))
 
 
-def test_queue_full_is_refused_immediately(tokenizer: Tokenizer) -> None:
-    engine = FakeEngine(tokenizer, max_batch_size=1)
+def test_queue_full_is_refused_immediately(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=1)
     engine.gate.clear()
 
     async def main() -> None:
@@ -183,8 +235,8 @@ def test_queue_full_is_refused_immediately(tokenizer: Tokenizer) -> None:
     run(main)
 
 
-def test_max_batch_tokens_holds_in_every_step_and_a_long_prompt_is_served(tokenizer: Tokenizer) -> None:
-    engine = FakeEngine(tokenizer, max_batch_size=4, capacity=64, step_seconds=0.001)
+def test_max_batch_tokens_holds_in_every_step_and_a_long_prompt_is_served(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=4, step_seconds=0.001)
     limits = SchedulerLimits(max_batch_tokens=96, max_wait_seconds=0.0)
 
     async def main() -> tuple[Scheduler, list[str]]:
@@ -214,8 +266,10 @@ def test_max_batch_tokens_holds_in_every_step_and_a_long_prompt_is_served(tokeni
     assert scheduler.snapshot().outcomes["finished"] == 25
 
 
-def test_prefill_groups_bucket_similar_lengths_and_respect_the_prefill_budget(tokenizer: Tokenizer) -> None:
-    engine = FakeEngine(tokenizer, max_batch_size=8)
+def test_prefill_groups_bucket_similar_lengths_and_respect_the_prefill_budget(
+    make_engine: EngineFactory,
+) -> None:
+    engine = make_engine(max_batch_size=8)
     engine.gate.clear()
     limits = SchedulerLimits(max_prefill_tokens=48, max_padding_ratio=0.2, max_wait_seconds=0.0)
     lengths = {"w": 3, "a": 10, "b": 20, "c": 11, "d": 18, "e": 12, "f": 9, "g": 10}
@@ -242,8 +296,8 @@ def test_prefill_groups_bucket_similar_lengths_and_respect_the_prefill_budget(to
     assert all(s.padded_tokens <= 48 and s.padding_ratio <= 0.2 for s in prefills)
 
 
-def test_cancel_frees_the_slot_within_one_step(tokenizer: Tokenizer) -> None:
-    engine = FakeEngine(tokenizer, max_batch_size=2, step_seconds=0.002)
+def test_cancel_frees_the_slot_within_one_step(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=2, step_seconds=0.002)
 
     async def main() -> tuple[Scheduler, int]:
         scheduler = await started(engine)
@@ -272,8 +326,8 @@ def test_cancel_frees_the_slot_within_one_step(tokenizer: Tokenizer) -> None:
     assert scheduler.snapshot().outcomes["cancelled"] == 2
 
 
-def test_deadlines_expire_queued_and_running_requests(tokenizer: Tokenizer) -> None:
-    engine = FakeEngine(tokenizer, max_batch_size=1, step_seconds=0.005)
+def test_deadlines_expire_queued_and_running_requests(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=1, step_seconds=0.005)
 
     async def main() -> Scheduler:
         scheduler = await started(engine)
@@ -296,8 +350,8 @@ def test_deadlines_expire_queued_and_running_requests(tokenizer: Tokenizer) -> N
     assert not any("queued" in rows for _, rows in engine.calls)
 
 
-def test_a_failed_prefill_fails_only_its_group(tokenizer: Tokenizer) -> None:
-    engine = FakeEngine(tokenizer, max_batch_size=4, step_seconds=0.002)
+def test_a_failed_prefill_fails_only_its_group(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=4, step_seconds=0.002)
 
     async def main() -> None:
         scheduler = await started(engine)
@@ -313,8 +367,8 @@ def test_a_failed_prefill_fails_only_its_group(tokenizer: Tokenizer) -> None:
     run(main)
 
 
-def test_a_failed_decode_fails_its_rows_and_serving_goes_on(tokenizer: Tokenizer) -> None:
-    engine = FakeEngine(tokenizer, max_batch_size=4, step_seconds=0.002)
+def test_a_failed_decode_fails_its_rows_and_serving_goes_on(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=4, step_seconds=0.002)
 
     async def main() -> None:
         scheduler = await started(engine)
@@ -331,15 +385,15 @@ def test_a_failed_decode_fails_its_rows_and_serving_goes_on(tokenizer: Tokenizer
     run(main)
 
 
-async def expect_later_requests_succeed(scheduler: Scheduler, engine: FakeEngine) -> None:
+async def expect_later_requests_succeed(scheduler: Scheduler, engine: Instrumented) -> None:
     after = await collect(scheduler.submit(request("after", prompt_of(4), max_new=4)))
     assert after.token_ids == engine.expected(prompt_of(4), 4)
     await until(lambda: engine.batch_size == 0)
     await scheduler.drain(1.0)
 
 
-def test_drain_finishes_running_fails_queued_and_refuses_new(tokenizer: Tokenizer) -> None:
-    engine = FakeEngine(tokenizer, max_batch_size=1, step_seconds=0.002)
+def test_drain_finishes_running_fails_queued_and_refuses_new(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=1, step_seconds=0.002)
 
     async def main() -> None:
         scheduler = await started(engine)
@@ -354,7 +408,7 @@ def test_drain_finishes_running_fails_queued_and_refuses_new(tokenizer: Tokenize
         with pytest.raises(Draining):
             scheduler.submit(request("late", prompt_of(4)))
 
-        scheduler = await started(FakeEngine(tokenizer, step_seconds=0.002))
+        scheduler = await started(make_engine(step_seconds=0.002))
         endless = scheduler.submit(request("endless", prompt_of(4), max_new=50))
         await endless.__anext__()
         await scheduler.drain(0.0)
@@ -364,8 +418,8 @@ def test_drain_finishes_running_fails_queued_and_refuses_new(tokenizer: Tokenize
     run(main)
 
 
-def test_metrics_hooks_and_load_snapshot(tokenizer: Tokenizer) -> None:
-    engine = FakeEngine(tokenizer, max_batch_size=4)
+def test_metrics_hooks_and_load_snapshot(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=4)
     metrics = Metrics(new_registry())
 
     async def main() -> Scheduler:
@@ -386,7 +440,7 @@ def test_metrics_hooks_and_load_snapshot(tokenizer: Tokenizer) -> None:
     snapshot = scheduler.snapshot()
     assert (snapshot.running, snapshot.waiting) == (0, 0)
     assert (snapshot.kv_slots_used, snapshot.kv_slots_capacity) == (0, 4)
-    assert snapshot.kv_shape == (0, 2, 64, 4)
+    assert snapshot.kv_shape == engine.kv_shape() and snapshot.kv_shape[0] == 0
 
 
 def test_illegal_state_transitions_are_refused(tokenizer: Tokenizer) -> None:
