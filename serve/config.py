@@ -6,6 +6,7 @@ Precedence: CLI flag > environment variable > default. Every field `x_y` is the 
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -99,7 +100,27 @@ class ServerSettings(BaseSettings):
             raise ValueError("providers must name at least one execution provider when given")
         if self.auth_token is not None and not self.auth_token.get_secret_value().strip():
             raise ValueError("auth_token must not be blank")
+        self._check_tls_files()
         return self
+
+    def _check_tls_files(self) -> None:
+        # gRPC only says "failed to bind" for unusable PEM files; the ssl module says what is wrong.
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        if self.tls_cert is not None and self.tls_key is not None:
+            try:
+                context.load_cert_chain(self.tls_cert, self.tls_key, password=lambda: b"")
+            except ssl.SSLError as exc:
+                raise ValueError(
+                    f"tls_cert {self.tls_cert} and tls_key {self.tls_key} are not a matching PEM certificate "
+                    f"chain and unencrypted private key: {exc}"
+                ) from None
+        if self.tls_client_ca is not None:
+            try:
+                context.load_verify_locations(cafile=self.tls_client_ca)
+            except ssl.SSLError as exc:
+                raise ValueError(
+                    f"tls_client_ca {self.tls_client_ca} is not a PEM CA certificate: {exc}"
+                ) from None
 
     @property
     def tls_enabled(self) -> bool:

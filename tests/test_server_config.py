@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from server_tools import make_pki
 
 from serve.config import ConfigError, load_settings
 
@@ -61,6 +62,7 @@ def test_auth_token_is_secret(tmp_path: Path) -> None:
         (["--max-new-tokens", "10"], "default_max_new_tokens (128) must be <= max_new_tokens (10)"),
         (["--tls-client-ca", "{cert}"], "tls_client_ca (mTLS) needs tls_cert and tls_key"),
         (["--tls-cert", "{cert}"], "tls_cert and tls_key must be given together"),
+        (["--tls-cert", "{cert}", "--tls-key", "{cert}"], "are not a matching PEM certificate chain"),
         (["--tls-key", "/nonexistent/key.pem"], "tls_key: Path does not point to a file"),
         (["--auth-token", "  "], "auth_token must not be blank"),
     ],
@@ -84,3 +86,23 @@ def test_unknown_flag_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> No
         load_settings(["--bundle", "x", "--no-such-flag", "1"])
     assert info.value.code == 2
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_tls_files_are_loaded_and_checked(tmp_path: Path) -> None:
+    files = make_pki().write(tmp_path)
+    tls = ["--tls-cert", str(files["server_cert"]), "--tls-key", str(files["server_key"])]
+    settings = load_settings(["--bundle", str(tmp_path), *tls, "--tls-client-ca", str(files["ca"])])
+    assert settings.tls_enabled and settings.tls_client_ca == files["ca"]
+    with pytest.raises(ConfigError, match="not a matching PEM certificate chain"):
+        load_settings(
+            [
+                "--bundle",
+                str(tmp_path),
+                "--tls-cert",
+                str(files["server_cert"]),
+                "--tls-key",
+                str(files["client_key"]),
+            ]
+        )
+    with pytest.raises(ConfigError, match="is not a PEM CA certificate"):
+        load_settings(["--bundle", str(tmp_path), *tls, "--tls-client-ca", str(files["server_key"])])
