@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from export.inspection.attention import TextBatch
+from export.inspection.attention import InspectionError, TextBatch
 
 # Heads that differ in any useful way are far apart: on the trained demo model the most different pair of
 # every layer is above 0.1 bit, while heads with identical Q/K weights give exactly 0 (see the tests).
@@ -45,10 +45,12 @@ def _xlogx(p: Tensor) -> Tensor:
 def pairwise_jsd(weights: Tensor, rows: Tensor) -> np.ndarray:
     """Mean JSD in bits between every pair of heads. weights [B,H,S,T], rows [B,S] bool -> [H,H]."""
     p = weights.transpose(0, 1)[:, rows]  # [H,N,T]
-    m = (p[:, None] + p[None, :]) / 2  # [H,H,N,T]
-    # JSD = H(m) - (H(p) + H(q)) / 2, with H the entropy; xlogy keeps 0·log 0 = 0.
-    neg_entropy_p = _xlogx(p).sum(-1)  # [H,N]
-    jsd = -_xlogx(m).sum(-1) + (neg_entropy_p[:, None] + neg_entropy_p[None, :]) / 2  # [H,H,N]
+    # JSD(p, q) = H(m) - (H(p) + H(q)) / 2 with m = (p + q) / 2 and H the entropy; xlogy keeps 0·log 0 = 0.
+    entropy = -_xlogx(p).sum(-1)  # [H,N]
+    # One head against all at a time: [H,N,T] at most, not [H,H,N,T].
+    jsd = torch.stack([
+        -_xlogx((p[h] + p) / 2).sum(-1) - (entropy[h] + entropy) / 2 for h in range(p.shape[0])
+    ])  # [H,H,N]
     return (jsd.mean(-1) / math.log(2)).clamp(min=0).numpy()
 
 
@@ -63,7 +65,7 @@ def layer_diversity(
     """weights [L,B,H,S,S] from record_attention."""
     rows = informative_rows(batch)
     if not rows.any():
-        raise ValueError("head diversity needs a text of at least two tokens")
+        raise InspectionError("head diversity needs a text of at least two tokens")
     result = []
     for layer, w in enumerate(weights):
         jsd = pairwise_jsd(w, rows)
