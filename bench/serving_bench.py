@@ -38,7 +38,7 @@ from pathlib import Path
 import grpc
 
 from bench.loadgen import BenchmarkOutput, LoadConfig, benchmark, synthetic_ids, write_json
-from bench.serving_report import plot_all, update_doc
+from bench.serving_report import cdf_level, plot_all, update_doc
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.bundle import Bundle, load_bundle
@@ -50,6 +50,10 @@ from serve.scheduler import SchedulerLimits
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 PERCENTILES = (50.0, 90.0, 99.0)
+# The steady-arrivals run: Poisson arrivals at this share of the closed-loop request rate measured at 16
+# clients, max_new_tokens spread uniformly by this fraction, so requests keep joining a running batch.
+ARRIVALS_LOAD = 0.8
+ARRIVALS_OUTPUT_SPREAD = 0.5
 
 
 @dataclass(frozen=True)
@@ -187,7 +191,7 @@ def hf_generate(bundle: Bundle, plan: Plan, threads: int, venv: Path) -> dict[st
     print(f"$ {shlex.join(command)}", flush=True)
     done = subprocess.run(command, check=True, capture_output=True, text=True)
     result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
-    result["command"] = shlex.join(command)
+    result["command"] = shown(command)
     return result
 
 
@@ -236,36 +240,46 @@ def wait_ready(process: subprocess.Popen[bytes], target: str, log_path: Path, ti
                 time.sleep(0.5)
 
 
-def load_levels(
-    name: str,
-    target: str,
-    plan: Plan,
-    requests: dict[int, int],
-    results: Path,
-    metrics_url: str | None = None,
-) -> dict[int, BenchmarkOutput]:
-    outputs = {}
-    for clients in plan.levels:
-        config = LoadConfig(
-            target=target,
-            concurrency=clients,
-            num_requests=requests[clients],
-            input_len=plan.input_len,
-            max_new_tokens=plan.new_tokens,
-            ignore_eos=True,
-            percentiles=PERCENTILES,
-            progress=False,
-        )
-        output = asyncio.run(benchmark(config, metrics_url))
-        write_json(output, results / f"{name}-c{clients}.json")
-        s = output.summary
-        print(
-            f"{name} c={clients}: {s['output_throughput']:.0f} tok/s, {s['successful_requests']} ok, "
-            f"{s['failed_requests']} failed, TTFT p50 {s['ttft_ms']['median']:.0f} ms",  # type: ignore[index]
-            flush=True,
-        )
-        outputs[clients] = output
-    return outputs
+def measure(name: str, config: LoadConfig, results: Path, metrics_url: str | None = None) -> BenchmarkOutput:
+    """One load-generator run; its records go to `results/name.json`."""
+    output = asyncio.run(benchmark(config, metrics_url))
+    write_json(output, results / f"{name}.json")
+    s = output.summary
+    print(
+        f"{name}: {s['output_throughput']:.0f} tok/s, {s['successful_requests']} ok, "
+        f"{s['failed_requests']} failed, TTFT p50 {s['ttft_ms']['median']:.0f} ms",  # type: ignore[index]
+        flush=True,
+    )
+    return output
+
+
+def closed_loop(target: str, clients: int, requests: int, plan: Plan) -> LoadConfig:
+    return LoadConfig(
+        target=target,
+        concurrency=clients,
+        num_requests=requests,
+        input_len=plan.input_len,
+        max_new_tokens=plan.new_tokens,
+        ignore_eos=True,
+        percentiles=PERCENTILES,
+        progress=False,
+    )
+
+
+def steady_arrivals(target: str, rate: float, plan: Plan, clients: int) -> LoadConfig:
+    """Poisson arrivals with spread output lengths: requests join and leave a running batch all the time."""
+    return LoadConfig(
+        target=target,
+        request_rate=rate,
+        num_requests=clients * plan.requests_per_client,
+        input_len=plan.input_len,
+        max_new_tokens=plan.new_tokens,
+        output_len_spread=ARRIVALS_OUTPUT_SPREAD,
+        ignore_eos=True,
+        percentiles=PERCENTILES,
+        progress=False,
+        seed=1,
+    )
 
 
 def shown(command: list[str]) -> str:
@@ -273,12 +287,22 @@ def shown(command: list[str]) -> str:
     return shlex.join(command).replace(f"{ROOT}/", "")
 
 
-def bench_command(target: str, clients: int, requests: int, plan: Plan, metrics: bool) -> str:
-    command = (
-        f"textgen-bench --target {target} --concurrency {clients} --num-requests {requests} "
-        f"--input-len {plan.input_len} --max-new-tokens {plan.new_tokens} --ignore-eos --percentiles 50,90,99"
-    )
-    return command + (" --metrics-url http://127.0.0.1:M/metrics" if metrics else "")
+def as_command(config: LoadConfig, target: str, metrics: bool) -> str:
+    """The textgen-bench command line that runs `config` against `target`."""
+    flags = [
+        ("--target", target),
+        ("--concurrency", config.concurrency),
+        ("--request-rate", None if config.request_rate is None else f"{config.request_rate:.2f}"),
+        ("--num-requests", config.num_requests),
+        ("--input-len", config.input_len),
+        ("--max-new-tokens", config.max_new_tokens),
+        ("--output-len-spread", config.output_len_spread or None),
+        ("--seed", config.seed or None),
+        ("--percentiles", ",".join(f"{p:g}" for p in config.percentiles)),
+        ("--metrics-url", "http://127.0.0.1:M/metrics" if metrics else None),
+    ]
+    words = ["textgen-bench"] + [f"{flag} {value}" for flag, value in flags if value is not None]
+    return " ".join([*words, "--ignore-eos"] if config.ignore_eos else words)
 
 
 # --- the run -----------------------------------------------------------------------------------------------
@@ -296,6 +320,7 @@ class Results:
     offline: dict[int, float]
     server: dict[int, BenchmarkOutput]
     naive: dict[int, BenchmarkOutput]
+    arrivals: BenchmarkOutput  # open loop at ARRIVALS_LOAD of the server's capacity at cdf_level clients
     hf: dict[str, object] | None
     commands: list[str]
     seconds: float
@@ -314,35 +339,44 @@ def run(args: argparse.Namespace) -> Results:
     offline = offline_engine(bundle, plan, threads, max_batch)
     hf = None if args.skip_hf else hf_generate(bundle, plan, threads, args.hf_venv)
 
-    server_requests = {c: c * plan.requests_per_client for c in plan.levels}
     port, metrics_port = free_port(), free_port()
-    target = f"127.0.0.1:{port}"
     serve_cmd = [
         str(BIN / "textgen-serve"),
         *("--bundle", str(bundle_dir), "--host", "127.0.0.1", "--port", str(port)),
         *("--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port)),
         *("--max-batch-size", str(max_batch), "--threads", str(threads), "--log-level", "WARNING"),
     ]
-    with server_process(serve_cmd, results_dir / "server.log", target):
-        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        server = load_levels("server", target, plan, server_requests, results_dir, metrics_url)
+    server_loads = {
+        c: closed_loop(f"127.0.0.1:{port}", c, c * plan.requests_per_client, plan) for c in plan.levels
+    }
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with server_process(serve_cmd, results_dir / "server.log", f"127.0.0.1:{port}"):
+        server = {
+            c: measure(f"server-c{c}", load, results_dir, metrics_url) for c, load in server_loads.items()
+        }
+        reference = cdf_level(plan.levels)
+        rate = ARRIVALS_LOAD * float(server[reference].summary["request_throughput"])  # type: ignore[arg-type]
+        arrivals_load = steady_arrivals(f"127.0.0.1:{port}", rate, plan, reference)
+        arrivals = measure("server-arrivals", arrivals_load, results_dir, metrics_url)
 
-    naive_requests = {c: max(c, plan.naive_requests) for c in plan.levels}
     naive_port = free_port()
-    naive_target = f"127.0.0.1:{naive_port}"
     naive_cmd = [
         sys.executable,
         *("-m", "bench.naive_server", "--bundle", str(bundle_dir), "--host", "127.0.0.1"),
         *("--port", str(naive_port), "--threads", str(threads)),
     ]
-    with server_process(naive_cmd, results_dir / "naive.log", naive_target):
-        naive = load_levels("naive", naive_target, plan, naive_requests, results_dir)
+    naive_loads = {
+        c: closed_loop(f"127.0.0.1:{naive_port}", c, max(c, plan.naive_requests), plan) for c in plan.levels
+    }
+    with server_process(naive_cmd, results_dir / "naive.log", f"127.0.0.1:{naive_port}"):
+        naive = {c: measure(f"naive-c{c}", load, results_dir) for c, load in naive_loads.items()}
 
     commands = [
         shown(serve_cmd).replace(str(port), "P").replace(str(metrics_port), "M"),
-        *(bench_command("127.0.0.1:P", c, server_requests[c], plan, True) for c in plan.levels),
+        *(as_command(load, "127.0.0.1:P", metrics=True) for load in server_loads.values()),
+        as_command(arrivals_load, "127.0.0.1:P", metrics=True),
         shown(naive_cmd).replace(str(naive_port), "N"),
-        *(bench_command("127.0.0.1:N", c, naive_requests[c], plan, False) for c in plan.levels),
+        *(as_command(load, "127.0.0.1:N", metrics=False) for load in naive_loads.values()),
     ]
     model = {
         "name": bundle.manifest.model_name,
@@ -351,19 +385,20 @@ def run(args: argparse.Namespace) -> Results:
         **bundle.manifest.architecture.model_dump(),
     }
     return Results(
-        plan,
-        machine(),
-        bundle_dir,
-        results_dir,
-        model,
-        threads,
-        max_batch,
-        offline,
-        server,
-        naive,
-        hf,
-        commands,
-        time.monotonic() - started,
+        plan=plan,
+        machine=machine(),
+        bundle=bundle_dir,
+        results_dir=results_dir,
+        model=model,
+        threads=threads,
+        max_batch=max_batch,
+        offline=offline,
+        server=server,
+        naive=naive,
+        arrivals=arrivals,
+        hf=hf,
+        commands=commands,
+        seconds=time.monotonic() - started,
     )
 
 
@@ -380,6 +415,7 @@ def save_summary(results: Results, path: Path) -> None:
         "server": {c: o.summary for c, o in results.server.items()},
         "server_checks": {c: [check.__dict__ for check in o.checks] for c, o in results.server.items()},
         "naive": {c: o.summary for c, o in results.naive.items()},
+        "arrivals": {"config": results.arrivals.config.__dict__, "summary": results.arrivals.summary},
         "seconds": results.seconds,
     }
     path.write_text(json.dumps(data, indent=1) + "\n")
