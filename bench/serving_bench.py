@@ -112,11 +112,11 @@ def machine() -> dict[str, str]:
 # --- the model ---------------------------------------------------------------------------------------------
 
 
-def ensure_bundle(bundle: Path | None, results: Path) -> Path:
-    """The given bundle, or the bench-a bundle (random weights), exported once under `results`."""
+def ensure_bundle(bundle: Path | None) -> Path:
+    """The given bundle, or bench-a fp32 with random weights: the bundle bench/engine_bench.py uses too."""
     if bundle is not None:
         return bundle
-    out = results.parent / "bundles" / "bench-a"
+    out = ROOT / "models" / "bench" / "bench-a-fp32"
     if not (out / "manifest.json").exists():
         run_logged([str(BIN / "textgen-export"), "random", "--preset", "bench-a", "--out", str(out)])
     return out
@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> Results:
     plan = plan_from_args(args)
     results_dir: Path = args.results
     results_dir.mkdir(parents=True, exist_ok=True)
-    bundle_dir = ensure_bundle(args.bundle, results_dir)
+    bundle_dir = ensure_bundle(args.bundle)
     bundle = load_bundle(bundle_dir)
     threads = args.threads or os.cpu_count() or 1
     max_batch = max(plan.levels)
@@ -425,7 +425,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="serving_bench", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="1, 4 and 16 clients, one pass: a couple of minutes")
     p.add_argument("--levels", default=None, help="comma-separated client counts (default 1,2,4,8,16,32)")
-    p.add_argument("--bundle", type=Path, default=None, help="model bundle (default: bench-a, exported once)")
+    p.add_argument(
+        "--bundle",
+        type=Path,
+        default=None,
+        help="model bundle (default: models/bench/bench-a-fp32, exported once)",
+    )
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
     p.add_argument(
