@@ -1,8 +1,8 @@
 """The gRPC server: the TextGeneration service, health, reflection, auth, TLS and the drain lifecycle.
 
-Start-up order: metrics endpoint, gRPC port (health answers NOT_SERVING while the model loads), bundle and
-engine, scheduler, warm-up, then SERVING. SIGTERM/SIGINT: NOT_SERVING, new requests UNAVAILABLE, running
-requests get `grace_seconds` to finish, then the process exits 0.
+Start-up order: metrics endpoint, gRPC port (health answers NOT_SERVING while the model loads), bundle,
+engine and its warm-up, scheduler, then SERVING. SIGTERM/SIGINT: NOT_SERVING, new requests UNAVAILABLE,
+running requests get `grace_seconds` to finish, then the process exits 0.
 
 Every failure a client sees goes through `serve.errors.grpc_status`; nothing else picks status codes.
 """
@@ -71,6 +71,10 @@ FINISH_REASONS = {
 
 def finish_reason(reason: str) -> pb.FinishReason:
     return FINISH_REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
+
+
+def usage(finish: FinishEvent) -> pb.Usage:
+    return pb.Usage(prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens)
 
 
 # --- the loaded model ---------------------------------------------------------------------------------------
@@ -234,9 +238,11 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         async with self._call("Generate", context) as record:
             handle = await self._submit(request, context, record)
             completion = Completion(record.request_id)
-            async with _cancel_unless_finished(handle):
+            try:
                 async for event in handle:
                     completion.add(event)
+            finally:
+                handle.cancel()  # frees the slot of a call that ends early; no effect once finished
             finish = completion.finish
             assert finish is not None  # the scheduler ends every handle with a FinishEvent or an exception
             record.finish, record.text = finish, completion.text
@@ -245,9 +251,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 text=completion.text,
                 token_ids=completion.token_ids,
                 finish_reason=finish_reason(finish.finish_reason),
-                usage=pb.Usage(
-                    prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens
-                ),
+                usage=usage(finish),
                 logprobs=completion.logprobs,
                 queue_seconds=finish.queue_seconds,
                 time_to_first_token_seconds=finish.ttft_seconds,
@@ -257,28 +261,29 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        """One message per TokenEvent, then a last one with the finish reason and usage (and no tokens)."""
         async with self._call("GenerateStream", context) as record:
             handle = await self._submit(request, context, record)
             texts: list[str] = []
-            async with _cancel_unless_finished(handle):
+            try:
                 async for event in handle:
                     if isinstance(event, FinishEvent):
                         record.finish = event
                         yield pb.GenerateStreamResponse(
                             request_id=record.request_id,
                             finish_reason=finish_reason(event.finish_reason),
-                            usage=pb.Usage(
-                                prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens
-                            ),
+                            usage=usage(event),
                         )
-                        continue
-                    texts.append(event.text)
-                    yield pb.GenerateStreamResponse(
-                        request_id=record.request_id,
-                        text=event.text,
-                        token_ids=event.token_ids,
-                        logprobs=event.logprobs,
-                    )
+                    else:
+                        texts.append(event.text)
+                        yield pb.GenerateStreamResponse(
+                            request_id=record.request_id,
+                            text=event.text,
+                            token_ids=event.token_ids,
+                            logprobs=event.logprobs,
+                        )
+            finally:
+                handle.cancel()  # frees the slot when the client goes away; no effect once finished
             record.text = "".join(texts)
 
     async def GetModelInfo(
@@ -308,18 +313,6 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             reject_unknown_fields(request)
             encoding = await asyncio.to_thread(model.engine.tokenizer.encode, request.text)
             return pb.TokenizeResponse(ids=encoding.ids, tokens=encoding.tokens)
-
-
-@contextlib.asynccontextmanager
-async def _cancel_unless_finished(handle: RequestHandle) -> AsyncIterator[None]:
-    """A handler that stops early (client gone, deadline, error) frees the request's slot at once."""
-    finished = False
-    try:
-        yield
-        finished = True
-    finally:
-        if not finished:
-            handle.cancel()
 
 
 # --- server lifecycle --------------------------------------------------------------------------------------
