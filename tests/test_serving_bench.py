@@ -1,0 +1,107 @@
+"""The serving benchmark's record on hand-made results: ratios, verdicts, the docs section and the plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.loadgen import BenchmarkOutput, LoadConfig, RequestRecord, RunResult, summarize
+from bench.serving_bench import Plan, Results
+from bench.serving_report import DOC_BEGIN, DOC_END, plot_all, targets, update_doc
+
+PLAN = Plan(levels=(1, 16), requests_per_client=2, naive_requests=4, repeats=1, input_len=4, new_tokens=10)
+
+
+def output(clients: int, tokens_per_second: float, gap: float, requests: int = 4) -> BenchmarkOutput:
+    """`requests` requests of 10 tokens, `gap` seconds apart, over a run that yields `tokens_per_second`."""
+    records = [
+        RequestRecord(
+            request_id=f"r{i}",
+            start=0.01 * i,
+            success=True,
+            prompt_tokens=4,
+            output_tokens=10,
+            ttft=0.05 + 0.01 * i,
+            itl=[gap] * 9,
+            latency=0.05 + 0.01 * i + 9 * gap,
+        )
+        for i in range(requests)
+    ]
+    config = LoadConfig(target="127.0.0.1:1", concurrency=clients, num_requests=requests)
+    summary = summarize(RunResult(records, duration=10 * requests / tokens_per_second), (90.0, 99.0))
+    return BenchmarkOutput(config, {"name": "m"}, summary, records)
+
+
+def results(tmp_path: Path, served_16: float) -> Results:
+    model = {
+        "name": "bench-a-random",
+        "dtype": "float32",
+        "quantization": "none",
+        "vocab_size": 8192,
+        "context_length": 1024,
+        "d_model": 512,
+        "n_layers": 8,
+        "n_heads": 8,
+        "d_ff": 2048,
+        "positions": "learned",
+    }
+    return Results(
+        plan=PLAN,
+        machine={
+            "cpu": "test cpu",
+            "cores": "2",
+            "memory": "1 GiB",
+            "os": "x",
+            "python": "3",
+            "onnxruntime": "1",
+            "grpcio": "1",
+        },
+        bundle=tmp_path / "bundle",
+        results_dir=tmp_path / "results",
+        model=model,
+        threads=2,
+        max_batch=16,
+        offline={1: 300.0, 16: 1000.0},
+        server={1: output(1, 290.0, 0.01), 16: output(16, served_16, 0.02)},
+        naive={1: output(1, 280.0, 0.01), 16: output(16, 100.0, 0.01)},
+        arrivals=output(16, 500.0, 0.02),
+        hf=None,
+        commands=["textgen-serve --bundle B"],
+        seconds=60.0,
+    )
+
+
+def test_targets_compare_with_offline_and_naive_at_16_clients(tmp_path: Path) -> None:
+    met = "\n".join(targets(results(tmp_path, served_16=950.0)))
+    assert "served ÷ offline engine at batch 16: **0.95**" in met and "served ÷ naive server: **9.5×**" in met
+    assert "**missed**" not in met  # ITL: constant gaps, p99 ÷ median = 1
+    missed = "\n".join(targets(results(tmp_path, served_16=450.0)))
+    assert "**0.45** (target ≥ 0.9): **missed**" in missed and "**4.5×** (target ≥ 5×): **missed**" in missed
+
+
+def test_doc_section_is_replaced_in_place_and_the_rest_kept(tmp_path: Path) -> None:
+    doc = tmp_path / "docs" / "benchmarks.md"
+    doc.parent.mkdir()
+    doc.write_text("# Benchmarks\n\n## Engine\nengine figures\n")
+    images = [tmp_path / "docs" / "images" / name for name in ("a.png", "b.png", "c.png")]
+    update_doc(results(tmp_path, served_16=950.0), images, doc, argv_used=["--quick"])
+    doc.write_text(doc.read_text() + "\n## After\nlater text\n")
+    update_doc(results(tmp_path, served_16=800.0), images, doc, argv_used=[])
+    text = doc.read_text()
+    assert text.count(DOC_BEGIN) == 1 and text.count(DOC_END) == 1
+    assert (
+        text.index("engine figures") < text.index(DOC_BEGIN) < text.index(DOC_END) < text.index("later text")
+    )
+    assert "**0.80**" in text and "**0.95**" not in text  # the second run's figures only
+    assert "![throughput vs concurrency](images/a.png)" in text
+    assert "| 16 | 800 | 100 | 1000 | — | 0.80 | 8.0 |" in text
+
+
+def test_plots_are_written(tmp_path: Path) -> None:
+    paths = plot_all(results(tmp_path, served_16=950.0), tmp_path / "images")
+    assert [p.name for p in paths] == [
+        "serving_throughput.png",
+        "serving_latency.png",
+        "serving_latency_cdf.png",
+    ]
+    for path in paths:
+        assert path.read_bytes().startswith(b"\x89PNG") and path.stat().st_size > 10_000
