@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # System packages the test suite needs beyond the Python venv: Debian's `prometheus` package provides
 # `promtool` (check metrics/rules, rule unit tests) and the `prometheus` server (the scrape integration test).
+# Debian 12 (bookworm) offers 2.42.0+ds-5+deb12u1, which has everything the tests use.
 # Idempotent: does nothing when both binaries are already on PATH. Runs as root in CI; elsewhere it uses sudo
 # when available and otherwise says what to install.
 set -euo pipefail

@@ -196,7 +196,7 @@ def test_serving_lock_installs_and_serves_in_a_fresh_venv(tmp_path: Path, tiny_b
     """What Dockerfile.cpu installs, in a clean venv: imports without torch, serves, answers health."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-cache-dir"]
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
     lock = DOCKER / "requirements-serve.txt"
     subprocess.run([*pip, "--require-hashes", "--only-binary=:all:", "-r", str(lock)], check=True)
     context = build_context(DOCKER / "Dockerfile.cpu", tmp_path / "src")
