@@ -147,5 +147,6 @@ def main(argv: list[str] | None = None) -> int:
         print(format_report(exc.report))
         print(f"textgen-export: {exc}; the bundle was not written", file=sys.stderr)
     except USER_ERRORS as exc:
-        print(f"textgen-export {args.command}: {exc}", file=sys.stderr)
+        # One line: some causes (torch.load's) append paragraphs of advice that bury the point.
+        print(f"textgen-export {args.command}: {str(exc).splitlines()[0]}", file=sys.stderr)
     return 1

@@ -202,6 +202,7 @@ def checkpoint_source(checkpoint: Path) -> dict[str, str]:
 
 
 def export_checkpoint(checkpoint: Path, out: Path, options: ExportOptions) -> Bundle:
+    check_replaceable(out)
     ckpt = load_checkpoint(checkpoint)
     return export_bundle(ckpt.model, ckpt.tokenizer, out, options)
 
