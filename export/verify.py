@@ -210,6 +210,9 @@ def verify_bundle(bundle: Bundle, model: Decoder | None = None) -> dict[str, Any
     }
     if bundle.inplace_graph is not None and m.dtype == "float32":
         report["inplace"] = check_engine(bundle, reference, prompts)
+    elif bundle.inplace_graph is not None:
+        # The engine keeps float32 KV buffers; a float16 serving graph is for CUDA.
+        report["notes"] = ["float16 serving graph not run on CPU: check it with bench/gpu_check.py on a GPU"]
     if m.quantization == "int8":
         report["int8"] = _int8_report(bundle, session, model, shape)
     report["failed"] = _failures(report)
@@ -263,6 +266,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(_graph_line("serving graph", report["inplace"]))
     if "int8" in report:
         lines += _int8_lines(report["int8"])
+    lines += [f"  note           {note}" for note in report.get("notes", [])]
     files = ", ".join(f"{name} {size / 1e6:.2f} MB" for name, size in report["files"].items())
     v = report["versions"]
     lines += [
