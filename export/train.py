@@ -194,6 +194,36 @@ def _optimizer(model: Decoder, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.betas)
 
 
+@dataclass(frozen=True)
+class TokenData:
+    tokenizer: Tokenizer
+    train_ids: torch.Tensor
+    heldout_ids: torch.Tensor
+    unigram_baseline: float
+
+
+def prepare_data(corpus: Corpus, vocab_size: int) -> TokenData:
+    """Train the tokenizer on the train split and encode both splits."""
+    tok = train_tokenizer(corpus.train, vocab_size)
+    train_ids = encode_stream(tok, corpus.train)
+    heldout_ids = encode_stream(tok, corpus.heldout)
+    baseline = unigram_cross_entropy(train_ids, heldout_ids, vocab_size)
+    return TokenData(tok, train_ids, heldout_ids, baseline)
+
+
+def _step(
+    model: Decoder, opt: torch.optim.Optimizer, batch: torch.Tensor, lr: float, cfg: TrainConfig
+) -> float:
+    for group in opt.param_groups:
+        group["lr"] = lr
+    loss = lm_loss(model, batch, cfg.label_smoothing)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    return loss.item()
+
+
 def train(
     model_cfg: DecoderConfig,
     train_cfg: TrainConfig,
@@ -205,14 +235,11 @@ def train(
     torch.manual_seed(train_cfg.seed)
     torch.set_num_threads(min(train_cfg.threads, len(os.sched_getaffinity(0))))
     corpus = corpus or load_corpus(train_cfg.corpus_bytes, train_cfg.heldout_percent)
-    tok = train_tokenizer(corpus.train, model_cfg.vocab_size)
-    train_ids = encode_stream(tok, corpus.train)
-    heldout_ids = encode_stream(tok, corpus.heldout)
-    baseline = unigram_cross_entropy(train_ids, heldout_ids, model_cfg.vocab_size)
-
+    data = prepare_data(corpus, model_cfg.vocab_size)
     gen = torch.Generator().manual_seed(train_cfg.seed)
     length = model_cfg.context_length
-    eval_windows = sample_windows(heldout_ids, length, train_cfg.eval_batches * train_cfg.batch_size, gen)
+    n_eval = train_cfg.eval_batches * train_cfg.batch_size
+    eval_windows = sample_windows(data.heldout_ids, length, n_eval, gen)
     model = Decoder(model_cfg)
     model.train()
     opt = _optimizer(model, train_cfg)
@@ -220,30 +247,25 @@ def train(
     heldout = float("nan")
     bar = tqdm(range(train_cfg.steps), desc="training", unit="step", disable=not progress)
     for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = learning_rate(step, train_cfg)
-        batch = sample_windows(train_ids, length, train_cfg.batch_size, gen)
-        loss = lm_loss(model, batch, train_cfg.label_smoothing)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip)
-        opt.step()
-        losses.append(loss.item())
+        batch = sample_windows(data.train_ids, length, train_cfg.batch_size, gen)
+        losses.append(_step(model, opt, batch, learning_rate(step, train_cfg), train_cfg))
         if (step + 1) % train_cfg.eval_every == 0 or step + 1 == train_cfg.steps:
             heldout = evaluate(model, eval_windows, train_cfg.batch_size)
-        bar.set_postfix(train=f"{losses[-1]:.3f}", heldout=f"{heldout:.3f}", unigram=f"{baseline:.3f}")
+        bar.set_postfix(
+            train=f"{losses[-1]:.3f}", heldout=f"{heldout:.3f}", unigram=f"{data.unigram_baseline:.3f}"
+        )
     model.eval()
     meta: dict[str, object] = {
         "corpus": f"Python {sysconfig.get_python_version()} standard library",
         "corpus_files": corpus.files,
-        "train_tokens": int(train_ids.numel()),
-        "heldout_tokens": int(heldout_ids.numel()),
+        "train_tokens": int(data.train_ids.numel()),
+        "heldout_tokens": int(data.heldout_ids.numel()),
         "first_train_loss": losses[0],
         "train_loss": losses[-1],
         "heldout_loss": heldout,
-        "unigram_baseline": baseline,
+        "unigram_baseline": data.unigram_baseline,
         "train_seconds": round(time.perf_counter() - started, 1),
         "train_config": train_cfg.to_dict(),
-        "torch": str(torch.__version__),  # TorchVersion is not a weights_only-loadable type
+        "torch": str(torch.__version__),
     }
-    return TrainResult(model=model, tokenizer=tok, meta=meta)
+    return TrainResult(model=model, tokenizer=data.tokenizer, meta=meta)
