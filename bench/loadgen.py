@@ -287,9 +287,12 @@ async def _open_loop(
             return await issue(message)
 
     tasks = []
-    while (message := plan.next()) is not None:
+    message = plan.next()
+    while message is not None:
         tasks.append(asyncio.ensure_future(bounded(message)))
-        await asyncio.sleep(rng.expovariate(rate))
+        message = plan.next()
+        if message is not None:  # no gap after the last arrival: it would only lengthen the run
+            await asyncio.sleep(rng.expovariate(rate))
     return list(await asyncio.gather(*tasks))
 
 
@@ -422,6 +425,23 @@ def scrape(url: str) -> dict[str, float]:
         return parse_server_figures(response.read().decode("utf-8"))
 
 
+def scrape_after(
+    url: str, before: dict[str, float], requests: int, patience: float = 2.0
+) -> dict[str, float]:
+    """The server's figures once it has counted `requests` more calls, or after `patience` seconds.
+
+    The server counts a call when its handler returns, which can be just after the client has read the
+    last message, so the scrape that follows a run may come a moment too early.
+    """
+    deadline = time.monotonic() + patience
+    while True:
+        after = scrape(url)
+        counted = after["stream_requests"] - before["stream_requests"]
+        if counted >= requests or time.monotonic() >= deadline:
+            return after
+        time.sleep(0.05)
+
+
 @dataclass(frozen=True)
 class Check:
     name: str
@@ -503,7 +523,8 @@ async def benchmark(config: LoadConfig, metrics_url: str | None = None) -> Bench
         result = await run_load(config, stub, prompts)
         checks = []
         if metrics_url and before is not None:
-            checks = compare_with_server(before, await asyncio.to_thread(scrape, metrics_url), result)
+            after = await asyncio.to_thread(scrape_after, metrics_url, before, len(result.records))
+            checks = compare_with_server(before, after, result)
     model = {"name": info.model_name, "vocab_size": info.vocab_size, "max_batch_size": info.max_batch_size}
     return BenchmarkOutput(config, model, summarize(result, config.percentiles), result.records, checks)
 
