@@ -28,7 +28,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import tokenizers
 from pydantic import BaseModel, ConfigDict, Field
@@ -163,7 +163,7 @@ class BatchRunner:
         self._steps: deque[StepRecord] = deque(maxlen=limits.step_history)
         self._outcomes: Counter[str] = Counter()
         self._last_phase = ""
-        self._shape = (engine.batch_size, engine.kv_shape())
+        self._load = _Load(0, engine.batch_size, engine.kv_shape(), 0)
 
     @property
     def max_total_tokens(self) -> int:
@@ -225,18 +225,17 @@ class BatchRunner:
             return list(self._steps)
 
     def snapshot(self) -> SchedulerSnapshot:
-        batch_size, kv_shape = self._shape
-        running = list(self._running.values())
+        load = self._load  # one object, replaced whole by the engine thread after every step
         with self._stats_lock:
             outcomes = dict(self._outcomes)
         return SchedulerSnapshot(
-            running=len(running),
+            running=load.running,
             waiting=len(self._waiting),
-            kv_slots_used=batch_size,
+            kv_slots_used=load.batch_size,
             kv_slots_capacity=self.engine.max_batch_size,
-            kv_tokens_reserved=sum(t.reserved_tokens for t in running),
-            batch_size=batch_size,
-            kv_shape=kv_shape,
+            kv_tokens_reserved=load.reserved,
+            batch_size=load.batch_size,
+            kv_shape=load.kv_shape,
             outcomes=outcomes,
         )
 
@@ -421,11 +420,24 @@ class BatchRunner:
             log.exception("engine release failed for %s", joined)
 
     def _publish_load(self) -> None:
-        self._shape = (self.engine.batch_size, self.engine.kv_shape())
+        running = self._running.values()
+        self._load = _Load(
+            len(running),
+            self.engine.batch_size,
+            self.engine.kv_shape(),
+            sum(t.reserved_tokens for t in running),
+        )
         if self._metrics is not None:
             self._metrics.set_load(
-                len(self._running), len(self._waiting), self._shape[0], self.engine.max_batch_size
+                self._load.running, len(self._waiting), self._load.batch_size, self.engine.max_batch_size
             )
+
+
+class _Load(NamedTuple):
+    running: int
+    batch_size: int
+    kv_shape: tuple[int, ...]
+    reserved: int
 
 
 def _deadline_message(tracker: RequestTracker) -> str:

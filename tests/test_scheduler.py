@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -17,12 +18,13 @@ from serve.engine import Engine, EngineSettings
 from serve.errors import Cancelled, DeadlineExceeded, Draining, EngineFailure, InvalidRequest, QueueFull
 from serve.metrics import Metrics, new_registry
 from serve.offline import generate
-from serve.request import Completion, GenerationRequest, RequestState
+from serve.request import Completion, GenerationRequest, RequestState, TokenEvent
 from serve.runtime import SessionConfig
 from serve.sampling import SamplingParams
 from serve.scheduler import RequestHandle, Scheduler, SchedulerLimits
 
 T = TypeVar("T")
+Reference = Callable[[Sequence[int], int], list[int]]
 # One intra-op thread: the test's event loop needs the other core.
 SESSION = SessionConfig(threads=1, spinning=False)
 
@@ -46,7 +48,7 @@ def real_engine(bundle: Bundle, max_batch_size: int) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def alone(real_bundle: Bundle) -> Callable[[Sequence[int], int], list[int]]:
+def alone(real_bundle: Bundle) -> Reference:
     """Greedy tokens of one prompt run alone, on an engine of its own."""
     engine = real_engine(real_bundle, 1)
 
@@ -310,6 +312,7 @@ def test_cancel_frees_the_slot_within_one_step(make_engine: EngineFactory) -> No
         victim.cancel()  # idempotent
         with pytest.raises(Cancelled):
             await victim.__anext__()
+        await until(lambda: victim.state is RequestState.CANCELLED)
         assert (await collect(other)).finish_reason == "length"
         queued = scheduler.submit(request("queued", prompt_of(4), max_new=5))
         queued.cancel()
@@ -452,3 +455,88 @@ def test_illegal_state_transitions_are_refused(tokenizer: Tokenizer) -> None:
     tracker.end(RequestState.CANCELLED, 1.0)
     with pytest.raises(RuntimeError, match="cancelled -> prefilling"):
         tracker.admit(2.0)
+
+
+# -- the real engine only ------------------------------------------------------------------------------------
+
+
+def test_batch_invariance_through_the_scheduler(real_bundle: Bundle, alone: Reference) -> None:
+    """16 concurrent greedy requests of different lengths and arrival times get the tokens each gets alone."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 320) for _ in range(rng.randint(2, 24))] for _ in range(16)]
+    budgets = [rng.randint(6, 30) for _ in range(16)]
+    delays = [rng.uniform(0.0, 0.05) for _ in range(16)]
+    expected = [alone(p, n) for p, n in zip(prompts, budgets, strict=True)]
+    engine = Instrumented(real_engine(real_bundle, 16), alone, step_seconds=0.001)
+
+    async def main() -> list[Completion]:
+        scheduler = await started(engine, SchedulerLimits(max_wait_seconds=0.005))
+
+        async def client(i: int) -> Completion:
+            await asyncio.sleep(delays[i])
+            return await collect(scheduler.submit(request(f"r{i}", prompts[i], budgets[i])))
+
+        done = await asyncio.gather(*(client(i) for i in range(16)))
+        await scheduler.drain(1.0)
+        return done
+
+    assert [c.token_ids for c in run(main)] == expected
+    # The batch was really shared, and requests joined while others were decoding.
+    assert max(len(rows) for phase, rows in engine.calls if phase == "decode") >= 4
+    joined_running = [
+        shape[0] > len(rows)
+        for (phase, rows), shape in zip(engine.calls, engine.shapes, strict=True)
+        if phase == "prefill"
+    ]
+    assert any(joined_running)
+
+
+def test_join_and_leave_change_the_engines_batch_and_kv_view(real_bundle: Bundle, alone: Reference) -> None:
+    engine = Instrumented(real_engine(real_bundle, 4), alone, step_seconds=0.002)
+
+    async def main() -> tuple[Completion, Completion]:
+        scheduler = await started(engine)
+        long = scheduler.submit(request("long", prompt_of(5), 30))
+        first = await long.__anext__()
+        short = await collect(scheduler.submit(request("short", prompt_of(9), 5)))
+        rest = await collect(long)
+        rest.token_ids[:0] = first.token_ids if isinstance(first, TokenEvent) else []
+        await scheduler.drain(1.0)
+        return rest, short
+
+    long, short = run(main)
+    assert long.token_ids == alone(prompt_of(5), 30)
+    assert short.token_ids == alone(prompt_of(9), 5)
+    rows = [shape[0] for shape in engine.shapes]
+    assert [n for i, n in enumerate(rows) if i == 0 or rows[i - 1] != n] == [1, 2, 1]
+    assert {shape[1:] for shape in engine.shapes} == {engine.kv_shape()[1:]}
+    assert engine.kv_shape()[0] == 0 and engine.batch_size == 0
+
+
+def test_a_failing_session_run_fails_that_step_and_the_engine_recovers(
+    real_bundle: Bundle, alone: Reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = real_engine(real_bundle, 4)
+    run_graph = engine.session.run_with_iobinding
+    runs = 0
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        nonlocal runs
+        runs += 1
+        if runs == 3:  # prefill, decode, then this decode fails
+            raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : injected")
+        return run_graph(*args, **kwargs)
+
+    monkeypatch.setattr(engine.session, "run_with_iobinding", flaky)
+    instrumented = Instrumented(engine, alone)
+
+    async def main() -> Completion:
+        scheduler = await started(instrumented)
+        with pytest.raises(EngineFailure, match=r"request a: the engine failed during decode: .*injected"):
+            await collect(scheduler.submit(request("a", prompt_of(4), 10)))
+        after = await collect(scheduler.submit(request("b", prompt_of(6), 10)))
+        await scheduler.drain(1.0)
+        return after
+
+    assert run(main).token_ids == alone(prompt_of(6), 10)
+    assert engine.batch_size == 0
