@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
@@ -17,6 +18,7 @@ from bench.loadgen import (
     LoadConfig,
     RequestRecord,
     RunResult,
+    benchmark,
     compare_with_server,
     cut_to_tokens,
     distribution,
@@ -218,6 +220,15 @@ def test_open_loop_corpus_run_sends_text(server: RunningServer, tmp_path: Path) 
     assert saved["summary"]["successful_requests"] == 3
     for rec in saved["records"]:
         assert 1 <= rec["prompt_tokens"] <= 8 and 2 <= rec["output_tokens"] <= 4
+
+
+def test_duration_bound_run_stops_sending_when_time_is_up(server: RunningServer) -> None:
+    config = LoadConfig(
+        target=server.target, concurrency=2, num_requests=None, duration=0.3, max_new_tokens=2, progress=False
+    )
+    output = asyncio.run(benchmark(config))
+    assert output.summary["successful_requests"] >= 2
+    assert all(r.start < 0.3 for r in output.records)
 
 
 @pytest.fixture(scope="module")
