@@ -17,12 +17,13 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from wsgiref.simple_server import WSGIServer
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -32,7 +33,7 @@ from serve.auth import TokenAuthInterceptor, server_credentials
 from serve.bundle import Bundle, load_bundle
 from serve.config import ConfigError, ServerSettings
 from serve.engine import Engine, EngineSettings, NewSequence
-from serve.errors import Draining, grpc_status
+from serve.errors import Draining, InvalidRequest, grpc_status
 from serve.metrics import Metrics
 from serve.request import Completion, FinishEvent
 from serve.runtime import SessionConfig
@@ -49,6 +50,7 @@ from serve.validation import (
 log = logging.getLogger("textgen.server")
 request_log = logging.getLogger("textgen.requests")
 
+M = TypeVar("M", bound=Message)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 # After the scheduler has drained, handlers only have their last messages to write.
 STOP_GRACE_SECONDS = 5.0
@@ -166,6 +168,57 @@ class CallRecord:
         return out
 
 
+# --- requests that are not valid protobuf ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """Stands in for request bytes that are not a valid message (e.g. bad UTF-8 in a string field)."""
+
+    message: str
+
+
+def _lenient(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as exc:
+            return Undecodable(f"the request is not a valid protobuf message: {exc}")
+
+    return parse
+
+
+class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
+    """gRPC answers an undecodable request with UNKNOWN before any handler runs; this hands the handler an
+    `Undecodable` instead, so the service refuses it with INVALID_ARGUMENT and logs and counts it."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                handler.unary_stream,
+                request_deserializer=_lenient(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            handler.unary_unary,
+            request_deserializer=_lenient(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+
+
+def decoded(request: M | Undecodable) -> M:
+    if isinstance(request, Undecodable):
+        raise InvalidRequest(request.message)
+    return request
+
+
 # --- the service -------------------------------------------------------------------------------------------
 
 
@@ -213,9 +266,10 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             self._metrics.on_request_done(record.rpc, record.code.name, time.perf_counter() - record.started)
 
     async def _submit(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, record: CallRecord
+        self, raw: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext, record: CallRecord
     ) -> RequestHandle:
         model = self._ready_model()
+        request = decoded(raw)
         reject_unknown_fields(request)
         record.request_id = check_request_id(request.request_id) or uuid.uuid4().hex
         record.prompt = request.text if request.WhichOneof("input") == "text" else None
@@ -233,7 +287,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         return model.scheduler.submit(generation)
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> pb.GenerateResponse:
         async with self._call("Generate", context) as record:
             handle = await self._submit(request, context, record)
@@ -259,7 +313,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             )
 
     async def GenerateStream(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         """One message per TokenEvent, then a last one with the finish reason and usage (and no tokens)."""
         async with self._call("GenerateStream", context) as record:
@@ -287,10 +341,11 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             record.text = "".join(texts)
 
     async def GetModelInfo(
-        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetModelInfoRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
         async with self._call("GetModelInfo", context):
             model = self._ready_model()
+            reject_unknown_fields(decoded(request))
             manifest = model.bundle.manifest
             return pb.ModelInfo(
                 model_name=manifest.model_name,
@@ -306,12 +361,13 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             )
 
     async def Tokenize(
-        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+        self, request: pb.TokenizeRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         async with self._call("Tokenize", context):
             model = self._ready_model()
-            reject_unknown_fields(request)
-            encoding = await asyncio.to_thread(model.engine.tokenizer.encode, request.text)
+            tokenize = decoded(request)
+            reject_unknown_fields(tokenize)
+            encoding = await asyncio.to_thread(model.engine.tokenizer.encode, tokenize.text)
             return pb.TokenizeResponse(ids=encoding.ids, tokens=encoding.tokens)
 
 
@@ -338,11 +394,10 @@ class TextgenServer:
         self._server: grpc.aio.Server | None = None  # made in start(): grpc.aio binds it to the running loop
 
     def _build_server(self) -> grpc.aio.Server:
-        interceptors = []
-        if self.settings.auth_token is not None:
-            interceptors.append(
-                TokenAuthInterceptor(self.settings.auth_token.get_secret_value(), self._count_unauthenticated)
-            )
+        interceptors: list[grpc.aio.ServerInterceptor] = [DecodeGuardInterceptor()]
+        if self.settings.auth_token is not None:  # outermost: nothing runs for an unauthenticated call
+            token = self.settings.auth_token.get_secret_value()
+            interceptors.insert(0, TokenAuthInterceptor(token, self._count_unauthenticated))
         limit = self.settings.max_message_bytes
         server = grpc.aio.server(
             interceptors=interceptors,

@@ -200,6 +200,22 @@ def test_unknown_field_is_refused(channel: grpc.Channel) -> None:
     assert "unknown field number(s) [7]" in error.details()
 
 
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream", "GetModelInfo", "Tokenize"])
+def test_undecodable_request_is_invalid_argument(channel: grpc.Channel, method: str) -> None:
+    path = f"/textgen.v1.TextGeneration/{method}"
+    call = channel.unary_stream(path) if method == "GenerateStream" else channel.unary_unary(path)
+    error = rpc_error(lambda: call(b"\x12\x05ab"))  # field 2 claims 5 bytes, 2 follow
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the request is not a valid protobuf message" in error.details()
+
+
+def test_bad_utf8_text_is_invalid_argument(channel: grpc.Channel) -> None:
+    call = channel.unary_unary("/textgen.v1.TextGeneration/Generate")
+    error = rpc_error(lambda: call(b"\x12\x02\xff\xfe"))  # GenerateRequest.text = 0xff 0xfe
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "bad UTF-8" in error.details()
+
+
 def test_bad_requests_leave_the_server_healthy(
     stub: pb_grpc.TextGenerationStub, server: RunningServer
 ) -> None:
