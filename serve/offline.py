@@ -20,7 +20,7 @@ GREEDY = SamplingParams()
 
 def generate(
     engine: BatchEngine,
-    prompts: Sequence[str] | Sequence[Sequence[int]],
+    prompts: Sequence[str | Sequence[int]],
     sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
     *,
     max_new_tokens: int = 64,

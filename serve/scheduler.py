@@ -61,12 +61,16 @@ log = logging.getLogger(__name__)
 class BatchEngine(Protocol):
     """What the scheduler needs from `serve.engine.Engine`."""
 
-    max_batch_size: int
-    capacity: int
-    vocab_size: int
-    eos_token_id: int
-    tokenizer: tokenizers.Tokenizer
-
+    @property
+    def max_batch_size(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_token_id(self) -> int: ...
+    @property
+    def tokenizer(self) -> tokenizers.Tokenizer: ...
     def prefill(self, new: Sequence[NewSequence]) -> list[TokenOut]: ...
     def decode(self) -> list[TokenOut]: ...
     def release(self, seq_ids: Iterable[str]) -> None: ...
@@ -80,19 +84,25 @@ class SchedulerLimits(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_batch_size: int | None = Field(None, ge=1, description="rows running at once (<= engine KV slots)")
-    max_batch_tokens: int | None = Field(
-        None, ge=1, description="KV token slots incl. padding: rows x largest prompt+max_new_tokens"
+    max_batch_size: int | None = Field(
+        default=None, ge=1, description="rows running at once (<= engine KV slots)"
     )
-    max_prefill_tokens: int = Field(4096, ge=1, description="padded prompt tokens prefilled in one step")
-    max_queue: int = Field(256, ge=0, description="waiting requests; more are refused at once")
+    max_batch_tokens: int | None = Field(
+        default=None, ge=1, description="KV token slots incl. padding: rows x largest prompt+max_new_tokens"
+    )
+    max_prefill_tokens: int = Field(
+        default=4096, ge=1, description="padded prompt tokens prefilled in one step"
+    )
+    max_queue: int = Field(default=256, ge=0, description="waiting requests; more are refused at once")
     max_wait_seconds: float = Field(
-        0.01, ge=0.0, description="how long a partial prefill group may wait for company while others decode"
+        default=0.01,
+        ge=0.0,
+        description="how long a partial prefill group may wait for company while others decode",
     )
     max_padding_ratio: float = Field(
-        0.25, ge=0.0, le=1.0, description="length bucketing: most padding a prefill group may carry"
+        default=0.25, ge=0.0, le=1.0, description="length bucketing: most padding a prefill group may carry"
     )
-    step_history: int = Field(1024, ge=1, description="engine steps kept for inspection")
+    step_history: int = Field(default=1024, ge=1, description="engine steps kept for inspection")
 
     def resolve(self, engine: BatchEngine) -> SchedulerLimits:
         """These limits with the engine's sizes filled in; ValueError when they exceed the engine."""

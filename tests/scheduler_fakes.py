@@ -12,6 +12,7 @@ import string
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -40,7 +41,7 @@ class FakeEngine:
         self.vocab_size = tokenizer.get_vocab_size()
         self.eos_token_id = EOS_ID
         self.eos_after = eos_after  # emit EOS as this many-th generated token
-        self._alphabet = [tokenizer.token_to_id(c) for c in LETTERS]
+        self._alphabet = [tokenizer.encode(c).ids[0] for c in LETTERS]
         self._ids: list[str] = []
         self._context: dict[str, list[int]] = {}
         self._generated: dict[str, int] = {}
@@ -168,6 +169,6 @@ class Instrumented:
             raise RuntimeError(f"injected {phase} failure")
 
 
-def fake(tokenizer: Tokenizer, step_seconds: float = 0.0, **kw: int | None) -> Instrumented:
+def fake(tokenizer: Tokenizer, step_seconds: float = 0.0, **kw: Any) -> Instrumented:
     engine = FakeEngine(tokenizer, **kw)
     return Instrumented(engine, engine.expected, step_seconds)

@@ -145,7 +145,7 @@ def test_continuous_batching_joins_between_decode_steps_and_leaves_at_once(
         scheduler = await started(engine)
         long = scheduler.submit(request("long", prompt_of(4), max_new=40))
         first = await long.__anext__()
-        assert first.token_ids
+        assert isinstance(first, TokenEvent) and first.token_ids
         short = scheduler.submit(request("short", prompt_of(6), max_new=3))
         await collect(short)
         rest = await collect(long)
@@ -500,7 +500,8 @@ def test_join_and_leave_change_the_engines_batch_and_kv_view(real_bundle: Bundle
         first = await long.__anext__()
         short = await collect(scheduler.submit(request("short", prompt_of(9), 5)))
         rest = await collect(long)
-        rest.token_ids[:0] = first.token_ids if isinstance(first, TokenEvent) else []
+        assert isinstance(first, TokenEvent)
+        rest.token_ids[:0] = first.token_ids
         await scheduler.drain(1.0)
         return rest, short
 
