@@ -269,7 +269,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         self, raw: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext, record: CallRecord
     ) -> RequestHandle:
         model = self._ready_model()
-        request = decoded(raw)
+        request: pb.GenerateRequest = decoded(raw)
         reject_unknown_fields(request)
         record.request_id = check_request_id(request.request_id) or uuid.uuid4().hex
         record.prompt = request.text if request.WhichOneof("input") == "text" else None
@@ -365,7 +365,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     ) -> pb.TokenizeResponse:
         async with self._call("Tokenize", context):
             model = self._ready_model()
-            tokenize = decoded(request)
+            tokenize: pb.TokenizeRequest = decoded(request)
             reject_unknown_fields(tokenize)
             encoding = await asyncio.to_thread(model.engine.tokenizer.encode, tokenize.text)
             return pb.TokenizeResponse(ids=encoding.ids, tokens=encoding.tokens)
