@@ -33,7 +33,7 @@ from serve.auth import TokenAuthInterceptor, server_credentials
 from serve.bundle import Bundle, load_bundle
 from serve.config import ConfigError, ServerSettings
 from serve.engine import Engine, EngineSettings, NewSequence
-from serve.errors import Draining, InvalidRequest, grpc_status
+from serve.errors import BundleError, Draining, InvalidRequest, grpc_status
 from serve.metrics import Metrics
 from serve.request import Completion, FinishEvent
 from serve.runtime import SessionConfig
@@ -118,7 +118,14 @@ async def load_model(settings: ServerSettings, metrics: Metrics | None) -> Loade
     session = SessionConfig(providers=tuple(settings.providers or ()), threads=settings.threads or 0)
     engine_settings = EngineSettings(max_batch_size=settings.max_batch_size, session=session)
     engine = await asyncio.to_thread(Engine.from_bundle, bundle, engine_settings)
-    await asyncio.to_thread(warm_up, engine)
+    try:
+        await asyncio.to_thread(warm_up, engine)
+    except Exception as exc:  # ONNX Runtime names a tensor, not the file; an operator needs both, on one line
+        detail = " ".join(str(exc).split())
+        raise BundleError(
+            f"{bundle.inplace_graph}: the graph does not match the manifest's architecture (or cannot run "
+            f"here): its first step failed: {type(exc).__name__}: {detail}"
+        ) from exc
     scheduler = Scheduler(engine, scheduler_limits(settings), metrics)
     await scheduler.start()
     return LoadedModel(bundle, engine, scheduler, request_limits(settings, engine, scheduler))
