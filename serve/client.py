@@ -152,7 +152,11 @@ def run_info(stub: pb_grpc.TextGenerationStub, args: argparse.Namespace, out: Te
     info = stub.GetModelInfo(
         pb.GetModelInfoRequest(), metadata=auth_metadata(args.token), timeout=args.timeout
     )
-    out.write(json.dumps(json_format.MessageToDict(info, preserving_proto_field_name=True), indent=2) + "\n")
+    # Every field, zeros included: an eos_token_id of 0 is information, not an unset field.
+    fields = json_format.MessageToDict(
+        info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    out.write(json.dumps(fields, indent=2) + "\n")
     return 0
 
 
