@@ -104,7 +104,7 @@ def greedy(
     ids, prompt_mask = left_pad(prompts, pad_id)
     mask = prompt_mask
     batch = len(prompts)
-    empty = np.zeros((batch, shape.n_heads, 0, shape.head_dim), dtype)
+    empty: np.ndarray = np.zeros((batch, shape.n_heads, 0, shape.head_dim), dtype)
     past = [empty] * (2 * shape.n_layers)
     positions = _positions(mask)
     fed: list[np.ndarray] = []

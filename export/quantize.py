@@ -105,7 +105,7 @@ def heldout_windows(tokenizer: Tokenizer, context_length: int) -> np.ndarray:
 def _full_logits(step: StepFn, windows: np.ndarray, shape: Shape) -> np.ndarray:
     n, length = windows.shape
     empty = np.zeros((n, shape.n_heads, 0, shape.head_dim), np.float32)
-    feed = {
+    feed: dict[str, np.ndarray] = {
         "input_ids": windows.astype(np.int64),
         "attention_mask": np.ones((n, length), np.int64),
         "position_ids": np.broadcast_to(np.arange(length, dtype=np.int64), (n, length)).copy(),
