@@ -269,6 +269,8 @@ def test_cancelling_a_stream_frees_its_slot(
     snapshot = server.wait_idle(2.0)
     assert snapshot.running == 0 and snapshot.kv_slots_used == 0
     assert snapshot.outcomes.get("cancelled", 0) == cancelled_before + 1
+    scrape = server.server.metrics.exposition()
+    assert 'textgen_requests_total{code="CANCELLED",rpc="GenerateStream"}' in scrape
 
 
 def test_request_log_lines(
@@ -323,6 +325,22 @@ def test_queue_full_is_resource_exhausted(
         assert "queue is full" in error.details()
         assert list(running)[-1].finish_reason == pb.FINISH_REASON_LENGTH
         waiting.join(10)
+
+
+def test_deadline_while_queued_leaves_the_queue(
+    small_server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = small_server.model.engine
+    monkeypatch.setattr(engine, "decode", slow_decode(engine, 0.02))
+    with grpc.insecure_channel(small_server.target) as chan:
+        stub = pb_grpc.TextGenerationStub(chan)
+        running = stub.GenerateStream(greedy(40))
+        next(running)  # the only row is busy for ~0.8 s
+        error = rpc_error(lambda: stub.Generate(greedy(2), timeout=0.2))
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        small_server.wait_for(lambda s: s.waiting == 0, timeout=1.0)
+        assert small_server.snapshot().running == 1  # the running stream is unaffected
+        assert list(running)[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
 def test_oversized_message_is_refused_by_the_transport(small_server: RunningServer) -> None:
