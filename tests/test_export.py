@@ -24,6 +24,9 @@ from export.quantize import count_weight_matmuls, fold_weight_transposes, quanti
 from export.verify import FP32_TOLERANCE, VerificationFailed, batch_invariant, verify_bundle
 from serve.bundle import MANIFEST_FILE, load_bundle, sha256_file
 
+# The first test to use the demo fixtures may train (~3 min) and export the demo model.
+DEMO_TIMEOUT = pytest.mark.timeout(1200)
+
 
 def tiny_model() -> Decoder:
     """The weights of the `tiny_bundle` fixture (random preset "tiny", seed 0)."""
@@ -175,6 +178,7 @@ def test_fold_weight_transposes_keeps_results_and_enables_quantization() -> None
     assert np.corrcoef(after.ravel(), before.ravel())[0, 1] > 0.95  # int8 of a 4-wide dot: approximate
 
 
+@DEMO_TIMEOUT
 def test_int8_bundle_of_the_demo_model(demo_bundle: Path, demo_checkpoint: Path, tmp_path: Path) -> None:
     ckpt = load_checkpoint(demo_checkpoint)
     fp32 = load_bundle(demo_bundle)

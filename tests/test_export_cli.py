@@ -16,6 +16,9 @@ from export.model import Decoder
 from export.pipeline import PRESETS
 from serve.bundle import load_bundle
 
+# The first test to use the demo fixtures may train (~3 min) and export the demo model.
+DEMO_TIMEOUT = pytest.mark.timeout(1200)
+
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     code = main(argv)
@@ -122,12 +125,14 @@ def test_onnx_refuses_to_overwrite_a_non_bundle(tmp_path: Path, capsys: pytest.C
     assert (tmp_path / "src" / "main.py").exists()
 
 
+@DEMO_TIMEOUT
 def test_demo_reuses_an_up_to_date_bundle(demo_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(["demo", "--out", str(demo_bundle)], capsys)
     assert code == 0, err
     assert "up to date" in out
 
 
+@DEMO_TIMEOUT
 def test_verify_demo_bundle_against_its_checkpoint(
     demo_bundle: Path, demo_checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
