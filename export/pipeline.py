@@ -51,7 +51,7 @@ PRESETS = {
         vocab_size=8192, context_length=1024, d_model=512, n_layers=8, n_heads=8, d_ff=2048
     ),
     # For fast tests of the exporter and of everything that serves a bundle.
-    "tiny": DecoderConfig(vocab_size=320, context_length=64, d_model=32, n_layers=2, n_heads=2, d_ff=64),
+    "tiny": DecoderConfig(vocab_size=320, context_length=128, d_model=32, n_layers=2, n_heads=2, d_ff=64),
 }
 PRESET_TOKENIZER_TEXT_BYTES = 300_000  # of stdlib source: a few seconds of BPE training
 
@@ -243,6 +243,10 @@ def random_bundle(preset: str, out: Path, seed: int = 0, int8: bool = False, pro
     model = Decoder(cfg)
     texts = load_corpus(PRESET_TOKENIZER_TEXT_BYTES, heldout_percent=5).train
     tokenizer = train_tokenizer(texts, cfg.vocab_size)
+    # Random weights emit any id of the model's vocabulary, and BPE on a little text can stop below it:
+    # reserve the missing ids so every id the model can emit decodes (as nothing, being special).
+    missing = cfg.vocab_size - tokenizer.get_vocab_size()
+    tokenizer.add_special_tokens([f"<|unused_{i}|>" for i in range(max(0, missing))])
     options = ExportOptions(
         model_name=f"{preset}-random",
         int8=int8,
