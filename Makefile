@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BUNDLE := models/demo/bundle
 
-.PHONY: serve test lint venv proto bench bench-quick
+.PHONY: serve test lint venv proto bench bench-quick soak
 
 venv: $(STAMP)
 
@@ -45,3 +45,8 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m bench.serving_bench --quick
+
+## Soak (~3 min, not part of `make test`): rounds of mixed load against a server subprocess; fails when RSS
+## grows from round to round or the load gauges do not return to idle. Figures: docs/reliability.md.
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak
