@@ -106,3 +106,9 @@ def test_tls_files_are_loaded_and_checked(tmp_path: Path) -> None:
         )
     with pytest.raises(ConfigError, match="is not a PEM CA certificate"):
         load_settings(["--bundle", str(tmp_path), *tls, "--tls-client-ca", str(files["server_key"])])
+
+
+def test_other_textgen_variables_are_not_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # TEXTGEN_HOME belongs to the exporter; a shared prefix must not break the server's start.
+    monkeypatch.setenv("TEXTGEN_HOME", str(tmp_path))
+    assert load_settings(["--bundle", str(tmp_path)]).bundle == tmp_path
