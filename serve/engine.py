@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -101,6 +101,7 @@ class Engine:
         self._sampling = SamplingBatch()
         self._logits = np.zeros((settings.max_batch_size, spec.vocab_size), types["logits"])
         self.last_logits = self._logits[:0]
+        self._bindings: dict[tuple[int, int], Any] = {}
         self.last_step_seconds = 0.0
 
     @classmethod
@@ -240,24 +241,36 @@ class Engine:
         total: int,
         last_index: np.ndarray,
     ) -> np.ndarray:
-        count = rows.stop - rows.start
-        binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, np.int64))
-        binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, np.int64))
-        binding.bind_cpu_input("seqlens_k", seqlens_k.astype(np.int32))
-        binding.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
-        binding.bind_cpu_input("last_index", np.ascontiguousarray(last_index, np.int64))
-        logits = self._logits[:count]
-        binding.bind_ortvalue_output("logits", ortvalue(logits))
-        for name, buf in self._kv:
-            view = ortvalue(buf[rows])  # rows of the leading axis: contiguous, so no copy
-            binding.bind_ortvalue_input(f"past_{name}", view)
-            binding.bind_ortvalue_output(f"present_{name}", view)
+        inputs = {
+            "input_ids": np.ascontiguousarray(input_ids, np.int64),
+            "position_ids": np.ascontiguousarray(position_ids, np.int64),
+            "seqlens_k": seqlens_k.astype(np.int32),
+            "total_sequence_length": np.array(total, np.int32),
+            "last_index": np.ascontiguousarray(last_index, np.int64),
+        }
+        binding = self._binding(rows)
+        for name, array in inputs.items():  # `inputs` keeps the arrays alive until the run is over
+            binding.bind_cpu_input(name, array)
+        logits = self._logits[: rows.stop - rows.start]
         start = time.perf_counter()
         self.session.run_with_iobinding(binding)
         self.last_step_seconds = time.perf_counter() - start
         self.last_logits = logits
         return logits
+
+    def _binding(self, rows: slice) -> Any:
+        """The IOBinding of a row range, with its KV views and logits output bound once and reused."""
+        key = (rows.start, rows.stop)
+        binding = self._bindings.get(key)
+        if binding is None:
+            binding = self.session.io_binding()
+            binding.bind_ortvalue_output("logits", ortvalue(self._logits[: rows.stop - rows.start]))
+            for name, buf in self._kv:
+                view = ortvalue(buf[rows])  # rows of the leading axis: contiguous, so no copy
+                binding.bind_ortvalue_input(f"past_{name}", view)
+                binding.bind_ortvalue_output(f"present_{name}", view)
+            self._bindings[key] = binding
+        return binding
 
     def _emit(self, first_row: int, tokens: np.ndarray, logprobs: np.ndarray) -> list[TokenOut]:
         self._pending[first_row : first_row + len(tokens)] = tokens

@@ -1,0 +1,195 @@
+"""The engine against the PyTorch reference, and its batch invariance under join and leave."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from export.checkpoint import load_checkpoint
+from export.model import Decoder
+from export.onnx_inplace import build_inplace_graph
+from serve.engine import Engine, EngineSettings, ModelSpec, NewSequence
+from serve.runtime import SessionConfig
+from serve.sampling import SamplingParams
+
+GREEDY = SamplingParams()
+PROMPTS = [
+    "def __init__(self",
+    "import os\n",
+    "class Config:\n    def",
+    "for i in range(",
+    "    return self._",
+    "# Licensed under the",
+]
+
+
+def make_engine(model: Decoder, tokenizer: object, tmp: Path, max_batch_size: int = 16) -> Engine:
+    cfg = model.cfg
+    path = tmp / "serving.onnx"
+    if not path.exists():
+        onnx.save(build_inplace_graph(model), str(path))
+    spec = ModelSpec(cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.vocab_size, cfg.context_length, 0, 1)
+    settings = EngineSettings(max_batch_size=max_batch_size, session=SessionConfig(threads=2, spinning=False))
+    return Engine(str(path), tokenizer, spec, settings)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def demo(demo_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Decoder, Engine]:
+    ckpt = load_checkpoint(demo_checkpoint)
+    return ckpt.model, make_engine(ckpt.model, ckpt.tokenizer, tmp_path_factory.mktemp("demo_engine"))
+
+
+def torch_greedy(model: Decoder, prompt: list[int], n: int) -> list[int]:
+    """Reference: greedy decoding with the PyTorch model's own KV cache."""
+    ids = torch.tensor([prompt])
+    out: list[int] = []
+    with torch.no_grad():
+        logits, past = model(ids, torch.ones_like(ids), torch.arange(len(prompt))[None])
+        for _ in range(n):
+            token = int(logits[0, -1].argmax())
+            out.append(token)
+            total = len(prompt) + len(out)
+            step = torch.tensor([[token]])
+            logits, past = model(
+                step, torch.ones(1, total, dtype=torch.long), torch.tensor([[total - 1]]), past
+            )
+    return out
+
+
+def run_alone(engine: Engine, prompt: list[int], n: int, params: SamplingParams = GREEDY) -> list[int]:
+    out = [engine.prefill([NewSequence("alone", prompt, params)])[0].token_id]
+    while len(out) < n:
+        out.append(engine.decode()[0].token_id)
+    engine.release(["alone"])
+    return out
+
+
+def encode(engine: Engine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text).ids
+
+
+def test_engine_equals_pytorch_greedy(demo: tuple[Decoder, Engine]) -> None:
+    model, engine = demo
+    for text in PROMPTS[:4]:
+        prompt = encode(engine, text)
+        assert run_alone(engine, prompt, 64) == torch_greedy(model, prompt, 64), text
+
+
+def test_prefill_logits_match_pytorch(demo: tuple[Decoder, Engine]) -> None:
+    model, engine = demo
+    prompts = [encode(engine, t) for t in PROMPTS]
+    engine.prefill([NewSequence(str(i), p, GREEDY) for i, p in enumerate(prompts)])
+    got = engine.last_logits.copy()
+    engine.release([str(i) for i in range(len(prompts))])
+    for row, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref, _ = model(ids, torch.ones_like(ids), torch.arange(len(prompt))[None])
+        np.testing.assert_allclose(got[row], ref[0, -1].numpy(), atol=1e-4)
+        assert np.isfinite(got[row]).all()
+
+
+def staggered(
+    engine: Engine, prompts: list[list[int]], n: int, joins: dict[int, list[int]]
+) -> dict[int, list[int]]:
+    """Run prompts with joins at given decode steps; each sequence leaves as soon as it has n tokens."""
+    outs: dict[int, list[int]] = {}
+
+    def take(tokens: list) -> None:
+        for t in tokens:
+            outs.setdefault(int(t.seq_id), []).append(t.token_id)
+        engine.release([str(i) for i, toks in outs.items() if len(toks) >= n])
+
+    step = 0
+    while len(outs) < len(prompts) or engine.batch_size:
+        if step in joins:
+            take(engine.prefill([NewSequence(str(i), prompts[i], GREEDY) for i in joins[step]]))
+        if engine.batch_size:
+            take(engine.decode())
+        step += 1
+    return outs
+
+
+def test_batch_invariance_alone_batched_and_joining(demo: tuple[Decoder, Engine]) -> None:
+    _, engine = demo
+    rng = np.random.default_rng(7)
+    texts = [PROMPTS[i % len(PROMPTS)] * (1 + i % 4) for i in range(16)]
+    prompts = [encode(engine, t)[: 3 + int(rng.integers(0, 40))] for t in texts]
+    n = 24
+    alone = {i: run_alone(engine, p, n) for i, p in enumerate(prompts)}
+    # All 16 in one padded prefill group.
+    assert staggered(engine, prompts, n, {0: list(range(16))}) == alone
+    # Arriving in waves, joining a running batch mid-way and outliving their neighbours.
+    waves = {0: [0, 1, 2], 3: [3, 4, 5, 6], 10: [7], 11: list(range(8, 14)), 30: [14, 15]}
+    assert staggered(engine, prompts, n, waves) == alone
+    assert engine.batch_size == 0
+
+
+def test_join_and_leave_change_the_live_batch(demo: tuple[Decoder, Engine]) -> None:
+    _, engine = demo
+    heads, capacity, head_dim = engine.kv_shape()[1:]
+    engine.prefill([NewSequence("a", [5, 6, 7], GREEDY), NewSequence("b", [8, 9], GREEDY)])
+    assert engine.kv_shape() == (2, heads, capacity, head_dim)
+    engine.decode()
+    assert engine.lengths() == {"a": 4, "b": 3}
+    engine.prefill([NewSequence("c", [10, 11, 12, 13], GREEDY)])
+    assert engine.batch_size == 3
+    engine.release(["a"])
+    assert engine.running_ids == ["c", "b"]  # the last row moved into the freed one
+    assert engine.lengths() == {"c": 4, "b": 3}
+    assert engine.kv_shape() == (2, heads, capacity, head_dim)
+    engine.release(["a", "b", "c"])  # releasing twice is harmless
+    assert engine.batch_size == 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(demo: tuple[Decoder, Engine]) -> None:
+    _, engine = demo
+    prompt = encode(engine, PROMPTS[0])
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
+    alone = run_alone(engine, prompt, 20, params)
+    others = [
+        NewSequence(f"o{i}", encode(engine, PROMPTS[i]), SamplingParams(temperature=1.2, seed=i))
+        for i in (1, 2)
+    ]
+    engine.prefill(others[:1])
+    engine.decode()
+    out = [
+        t.token_id for t in engine.prefill([NewSequence("s", prompt, params), others[1]]) if t.seq_id == "s"
+    ]
+    while len(out) < 20:
+        out += [t.token_id for t in engine.decode() if t.seq_id == "s"]
+        engine.release(["o0"])  # a neighbour leaves mid-way: rows move
+    engine.release(engine.running_ids)
+    assert out == alone
+    assert (
+        run_alone(engine, prompt, 20, SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=99)) != alone
+    )
+
+
+def test_prompt_filling_the_context(demo: tuple[Decoder, Engine]) -> None:
+    _, engine = demo
+    capacity = engine.capacity
+    with pytest.raises(ValueError, match="must be 1"):
+        engine.prefill([NewSequence("x", [5] * capacity, GREEDY)])
+    assert engine.batch_size == 0
+    engine.prefill([NewSequence("x", [5] * (capacity - 1), GREEDY)])
+    engine.decode()  # the last free position
+    with pytest.raises(ValueError, match="filled"):
+        engine.decode()
+    engine.release(["x"])
+
+
+def test_overfull_prefill_is_refused_without_side_effects(demo: tuple[Decoder, Engine]) -> None:
+    _, engine = demo
+    too_many = [NewSequence(str(i), [5, 6], GREEDY) for i in range(engine.max_batch_size + 1)]
+    with pytest.raises(ValueError, match="max_batch_size"):
+        engine.prefill(too_many)
+    with pytest.raises(ValueError, match="already running"):
+        engine.prefill([NewSequence("d", [5], GREEDY), NewSequence("d", [6], GREEDY)])
+    assert engine.batch_size == 0
+    with pytest.raises(RuntimeError, match="no running"):
+        engine.decode()
