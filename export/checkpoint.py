@@ -70,6 +70,7 @@ def save_checkpoint(
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp creates 0600; a model file is meant to be shared
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())

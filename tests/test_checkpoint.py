@@ -47,6 +47,7 @@ def test_round_trip(saved: tuple[Path, Decoder], tokenizer: Tokenizer) -> None:
 def test_save_leaves_no_temp_files(saved: tuple[Path, Decoder]) -> None:
     path, _ = saved
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    assert path.stat().st_mode & 0o777 == 0o644
 
 
 def _expect_error(path: Path, problem: str) -> None:
