@@ -60,7 +60,8 @@ def main() -> None:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print(
-        f"SamplingBatch.sample, n={args.rows}, vocab={args.vocab}: best of {args.repeats} x {args.steps} steps"
+        f"SamplingBatch.sample, n={args.rows}, vocab={args.vocab}: "
+        f"best of {args.repeats} x {args.steps} steps"
     )
     print(f"  {'logits':6} {'params':28} {'wall ms':>8} {'cpu ms':>8}")
     for kind in ("peaked", "flat"):

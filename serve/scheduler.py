@@ -90,12 +90,17 @@ class SchedulerLimits(BaseModel):
     max_batch_tokens: int | None = Field(
         default=None, ge=1, description="KV token slots incl. padding: rows x largest prompt+max_new_tokens"
     )
+    # A prefill stalls every running stream for its whole duration, and on CPU its cost grows with its
+    # tokens (bench-a: ~60 MFLOP a token at ~170 GFLOP/s, so 512 tokens ~0.2 s against ~10 ms a decode
+    # step). 512 still takes the usual burst of 16 x 32-token prompts in one step.
     max_prefill_tokens: int = Field(
-        default=4096, ge=1, description="padded prompt tokens prefilled in one step"
+        default=512, ge=1, description="padded prompt tokens prefilled in one step"
     )
     max_queue: int = Field(default=256, ge=0, description="waiting requests; more are refused at once")
+    # No wait by default: grouping arrivals saves little on CPU (prefill cost follows tokens) and turns
+    # several small stalls of the running streams into one large one, which is what inter-token p99 sees.
     max_wait_seconds: float = Field(
-        default=0.01,
+        default=0.0,
         ge=0.0,
         description="how long a partial prefill group may wait for company while others decode",
     )
@@ -361,7 +366,7 @@ class BatchRunner:
             outs = call()
         except Exception as exc:  # ONNX Runtime errors: fail exactly this step's requests, keep serving
             log.exception("engine %s step failed for %d requests", phase, len(trackers))
-            self._fail(trackers, phase, exc, deliveries)
+            self._fail(trackers, f"the engine failed during {phase}", exc, deliveries)
             return
         record = StepRecord(
             phase, len(trackers), len(lengths) * max(lengths), sum(lengths), time.perf_counter() - start
@@ -378,7 +383,12 @@ class BatchRunner:
         for out in outs:
             tracker = self._running[out.seq_id]
             previous = tracker.times.last_token
-            token, finish = tracker.accept(out.token_id, out.logprob, now)
+            try:
+                token, finish = tracker.accept(out.token_id, out.logprob, now)
+            except Exception as exc:  # e.g. a token the tokenizer cannot decode: only this request fails
+                log.exception("request %s: could not process token %d", tracker.request_id, out.token_id)
+                self._fail([tracker], "its output could not be processed", exc, deliveries)
+                continue
             if self._metrics is not None:
                 if previous is None:
                     self._metrics.on_first_token(now - tracker.times.arrival)
@@ -397,11 +407,9 @@ class BatchRunner:
         if self._metrics is not None:
             self._metrics.on_finished(finish.finish_reason, finish.prompt_tokens, finish.completion_tokens)
 
-    def _fail(self, trackers: list[RequestTracker], phase: str, exc: Exception, out: list[Delivery]) -> None:
+    def _fail(self, trackers: list[RequestTracker], reason: str, exc: Exception, out: list[Delivery]) -> None:
         def error(tracker: RequestTracker) -> TextgenError:
-            return EngineFailure(
-                f"request {tracker.request_id}: the engine failed during {phase}: {type(exc).__name__}: {exc}"
-            )
+            return EngineFailure(f"request {tracker.request_id}: {reason}: {type(exc).__name__}: {exc}")
 
         self._fail_all(trackers, error, out)
         self._leave(trackers)

@@ -125,6 +125,7 @@ class Instrumented:
         self.gate = threading.Event()
         self.gate.set()
         self.fail_next: set[str] = set()
+        self.poisoned: set[str] = set()  # sequences whose tokens are replaced by an id outside the vocabulary
         self.calls: list[tuple[str, list[str]]] = []  # (phase, the rows it ran on), in call order
         self.shapes: list[tuple[int, ...]] = []  # the engine's KV view after each successful call
         self._reference = reference
@@ -146,18 +147,19 @@ class Instrumented:
 
     def prefill(self, new: Sequence[NewSequence]) -> list[TokenOut]:
         self._enter("prefill", [s.seq_id for s in new])
-        out = self.inner.prefill(new)
-        self.shapes.append(self.inner.kv_shape())
-        return out
+        return self._leave(self.inner.prefill(new))
 
     def decode(self) -> list[TokenOut]:
         self._enter("decode", self.inner.running_ids)
-        out = self.inner.decode()
-        self.shapes.append(self.inner.kv_shape())
-        return out
+        return self._leave(self.inner.decode())
 
     def release(self, seq_ids: Iterable[str]) -> None:
         self.inner.release(seq_ids)
+
+    def _leave(self, outs: list[TokenOut]) -> list[TokenOut]:
+        self.shapes.append(self.inner.kv_shape())
+        bad = self.tokenizer.get_vocab_size() + 5
+        return [TokenOut(o.seq_id, bad, o.logprob) if o.seq_id in self.poisoned else o for o in outs]
 
     def _enter(self, phase: str, rows: list[str]) -> None:
         self.calls.append((phase, rows))

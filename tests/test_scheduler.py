@@ -298,6 +298,29 @@ def test_prefill_groups_bucket_similar_lengths_and_respect_the_prefill_budget(
     assert all(s.padded_tokens <= 48 and s.padding_ratio <= 0.2 for s in prefills)
 
 
+def test_a_partial_group_waits_up_to_max_wait_while_others_decode(tokenizer: Tokenizer) -> None:
+    engine = fake(tokenizer, max_batch_size=4, step_seconds=0.004)
+
+    async def main() -> Completion:
+        scheduler = await started(engine, SchedulerLimits(max_wait_seconds=0.1))
+        running = scheduler.submit(request("running", prompt_of(3), max_new=60))
+        await running.__anext__()
+        pair = [scheduler.submit(request("b", prompt_of(4), max_new=3))]
+        await asyncio.sleep(0.02)
+        pair += [scheduler.submit(request(r, prompt_of(4), max_new=3)) for r in ("c", "d")]  # fills the rows
+        await asyncio.gather(*(collect(h) for h in pair))
+        alone = await collect(scheduler.submit(request("e", prompt_of(4), max_new=3)))
+        await collect(running)
+        await scheduler.drain(1.0)
+        return alone
+
+    alone = run(main)
+    groups = [rows for phase, rows in engine.calls if phase == "prefill"]
+    assert groups[1] == ["b", "c", "d"]  # "b" waited for company instead of stalling the decoder alone
+    assert groups[2] == ["e"]
+    assert alone.finish is not None and alone.finish.queue_seconds >= 0.1
+
+
 def test_cancel_frees_the_slot_within_one_step(make_engine: EngineFactory) -> None:
     engine = make_engine(max_batch_size=2, step_seconds=0.002)
 
@@ -383,6 +406,22 @@ def test_a_failed_decode_fails_its_rows_and_serving_goes_on(make_engine: EngineF
             with pytest.raises(EngineFailure, match=f"request {handle.request_id}: .* during decode"):
                 await collect(handle)
         assert scheduler.snapshot().outcomes["failed"] == 2
+        await expect_later_requests_succeed(scheduler, engine)
+
+    run(main)
+
+
+def test_an_undecodable_token_fails_only_its_request(tokenizer: Tokenizer) -> None:
+    engine = fake(tokenizer, max_batch_size=4, step_seconds=0.002)
+    engine.poisoned.add("victim")
+
+    async def main() -> None:
+        scheduler = await started(engine)
+        bystander = scheduler.submit(request("bystander", prompt_of(3), max_new=10))
+        victim = scheduler.submit(request("victim", prompt_of(3), max_new=10))
+        with pytest.raises(EngineFailure, match="request victim: its output could not be processed"):
+            await collect(victim)
+        assert len((await collect(bystander)).token_ids) == 10
         await expect_later_requests_succeed(scheduler, engine)
 
     run(main)

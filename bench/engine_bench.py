@@ -1,0 +1,173 @@
+"""Engine speed on the bench-a workload, beside the peer stacks measured by ../shared/anchors in the same run.
+
+Workload (identical to the anchors'): bench-a shape (GPT-2: vocab 8192, context 1024, d_model 512, 8 layers,
+8 heads, d_ff 2048, tied head, random weights), 32 fixed random prompt tokens per row (the anchors' own ids),
+exactly 128 new tokens, greedy, batch 1/4/16, 2 threads; one untimed warm-up, 3 timed runs, median.
+tok/s = 128 x batch / wall time of the whole generation (prefill included). Each (variant, batch) cell runs in
+its own process so its peak RSS is its own.
+
+    python -m bench.engine_bench                       # textgen fp32 + int8, plus the machine roofline
+    python -m bench.engine_bench --anchors torch,optimum,ortgenai   # interleaved with the peer stacks
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+ANCHORS = REPO.parent / "shared" / "anchors"
+PROMPT_LEN, NEW_TOKENS, SEED, VOCAB = 32, 128, 1234, 8192
+BATCHES = (1, 4, 16)
+PARAMS_BENCH_A = 29.94e6
+
+
+def prompt_rows(batch: int) -> np.ndarray:
+    """The anchors' prompts (common.prompt_ids): row i is the same for every tool and batch size."""
+    rng = np.random.default_rng(SEED)
+    return rng.integers(3, VOCAB, size=(max(16, batch), PROMPT_LEN), dtype=np.int64)[:batch]
+
+
+def run_cell(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, object]:
+    from serve.bundle import load_bundle
+    from serve.engine import Engine, EngineSettings, NewSequence
+    from serve.runtime import SessionConfig
+    from serve.sampling import SamplingParams
+
+    settings = EngineSettings(
+        max_batch_size=batch, capacity=PROMPT_LEN + NEW_TOKENS, session=SessionConfig(threads=threads)
+    )
+    t_load = time.perf_counter()
+    engine = Engine.from_bundle(load_bundle(bundle), settings)
+    load_seconds = time.perf_counter() - t_load
+    rows = prompt_rows(batch)
+
+    def once() -> tuple[float, float, list[int]]:
+        seqs = [NewSequence(str(i), rows[i].tolist(), SamplingParams()) for i in range(batch)]
+        start = time.perf_counter()
+        first = engine.prefill(seqs)
+        ttft = time.perf_counter() - start
+        for _ in range(NEW_TOKENS - 1):
+            engine.decode()
+        wall = time.perf_counter() - start
+        engine.release(s.seq_id for s in seqs)
+        return wall, ttft, [first[0].token_id]
+
+    once()  # warm-up
+    runs = [once() for _ in range(repeats)]
+    walls = [r[0] for r in runs]
+    median = statistics.median(walls)
+    ttft = statistics.median(r[1] for r in runs)
+    return {
+        "batch": batch,
+        "walls": walls,
+        "tok_s": NEW_TOKENS * batch / median,
+        "decode_tok_s": (NEW_TOKENS - 1) * batch / (median - ttft),
+        "ttft_s": ttft,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "load_s": load_seconds,
+        "providers": engine.providers,
+    }
+
+
+def machine_roofline(threads: int) -> dict[str, float]:
+    """fp32 GEMM GFLOP/s (numpy's BLAS, 1024^3) and memory read GB/s (sum over 256 MB), best of 5."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    a = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
+    gemm = []
+    for _ in range(5):
+        t = time.perf_counter()
+        a @ a
+        gemm.append(2 * 1024**3 / (time.perf_counter() - t) / 1e9)
+    big = np.ones(64 * 2**20, np.float32)
+    read = []
+    for _ in range(5):
+        t = time.perf_counter()
+        big.sum()
+        read.append(big.nbytes / (time.perf_counter() - t) / 1e9)
+    return {"gemm_gflops": max(gemm), "read_gbps": max(read)}
+
+
+def ensure_bundle(out: Path, int8: bool) -> Path:
+    if not (out / "manifest.json").exists():
+        cmd = [sys.executable, "-m", "export", "random", "--preset", "bench-a", "--out", str(out)]
+        subprocess.run(cmd + (["--int8"] if int8 else []), check=True)
+    return out
+
+
+def cell_in_subprocess(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, object]:
+    cmd = [sys.executable, "-m", "bench.engine_bench", "--cell", str(bundle), "--batch", str(batch)]
+    cmd += ["--threads", str(threads), "--repeats", str(repeats)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_anchors(tools: str, pass_no: int) -> Path:
+    """One pass of the peer stacks (their own venv and models: ../shared/anchors/README.md)."""
+    work = Path(os.environ.get("ANCHOR_WORK", "/tmp/textgen-anchors"))
+    env = {**os.environ, "ANCHOR_WORK": str(work), "ANCHOR_SKIP_LLAMA": "1"}
+    cmd = ["bash", str(ANCHORS / "run.sh"), "--tools", tools, "--pass", str(pass_no)]
+    subprocess.run(cmd, check=True, env=env)
+    return work / "results" / f"pass{pass_no}"
+
+
+def anchor_rows(result_dir: Path) -> list[dict[str, object]]:
+    rows = []
+    for path in sorted(result_dir.glob("*.json")):
+        data = json.loads(path.read_text())
+        if "tok_s" in data or "tok_per_s" in data:
+            rows.append(data)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cell", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--bundles", type=Path, default=REPO / "models" / "bench")
+    p.add_argument("--anchors", default="", help="peer tools for the same pass, e.g. torch,optimum,ortgenai")
+    p.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "engine.json")
+    args = p.parse_args()
+    if args.cell:
+        print(json.dumps(run_cell(args.cell, args.batch, args.threads, args.repeats)))
+        return
+
+    variants = {
+        "textgen fp32": ensure_bundle(args.bundles / "bench-a-fp32", int8=False),
+        "textgen int8": ensure_bundle(args.bundles / "bench-a-int8", int8=True),
+    }
+    record: dict[str, object] = {"machine": machine_roofline(args.threads), "cells": {}}
+    cells: dict[str, dict[str, object]] = record["cells"]  # type: ignore[assignment]
+    for name, bundle in variants.items():
+        for batch in BATCHES:
+            cell = cell_in_subprocess(bundle, batch, args.threads, args.repeats)
+            cells[f"{name} b{batch}"] = cell
+            print(
+                f"{name:14s} b{batch:<3d} {cell['tok_s']:8.0f} tok/s  ttft {1000 * cell['ttft_s']:.1f} ms  "
+                f"peak {cell['peak_rss_mb']:.0f} MB",
+                flush=True,
+            )
+    if args.anchors:
+        record["anchors"] = anchor_rows(run_anchors(args.anchors, 1))
+    machine = record["machine"]
+    for cell in cells.values():
+        flops = cell["tok_s"] * 2 * PARAMS_BENCH_A / 1e9  # type: ignore[operator]
+        cell["gemm_fraction"] = flops / machine["gemm_gflops"]  # type: ignore[index]
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(record, indent=2))
+    print(f"machine: {machine}; wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
