@@ -198,10 +198,18 @@ def test_layer_stats_catch_an_injected_nan(learned: Decoder, batch: TextBatch) -
 
 def test_layer_stats_flag_a_scale_jump(learned: Decoder, batch: TextBatch) -> None:
     with torch.no_grad():
+        learned.blocks[1].ffn.down.weight.mul_(1000)
+    stats = residual_stats(learned, batch, jump=8.0)
+    assert stats[2].ratio is not None and stats[2].ratio > 8
+    assert any("std changed" in f for f in stats[2].flags)
+    assert not any(s.flags for s in stats[:2])
+
+
+def test_first_block_growth_is_not_a_jump(learned: Decoder, batch: TextBatch) -> None:
+    with torch.no_grad():
         learned.blocks[0].ffn.down.weight.mul_(1000)
     stats = residual_stats(learned, batch, jump=8.0)
-    assert stats[1].ratio is not None and stats[1].ratio > 8
-    assert any("std changed" in f for f in stats[1].flags)
+    assert stats[1].ratio is not None and stats[1].ratio > 8 and not stats[1].flags
 
 
 def test_nearest_neighbour_is_the_parallel_embedding(learned: Decoder, tokenizer: Tokenizer) -> None:

@@ -132,7 +132,8 @@ def record_attention(model: Decoder, batch: TextBatch) -> Tensor:
 
 @torch.no_grad()
 def recompute_errors(model: Decoder, batch: TextBatch) -> list[float]:
-    """Per layer, max |out_proj(recorded weights @ V) - the layer's output on the fast path|."""
+    """Per layer, max |out_proj(recorded weights @ V) - the layer's output on the fast path|, relative to
+    max |the layer's output| (trained layers write values of very different sizes)."""
     layers = attention_layers(model)
     fast: list[tuple[Tensor, KV]] = []
     hooks = [layer.register_forward_hook(lambda _m, _args, out: fast.append(out)) for layer in layers]
@@ -148,7 +149,8 @@ def recompute_errors(model: Decoder, batch: TextBatch) -> list[float]:
     for layer, w, (output, (_k, v)) in zip(layers, weights, fast, strict=True):
         b, _, s, _ = w.shape
         mixed = (w @ v).transpose(1, 2).reshape(b, s, -1)  # [B,S,D]
-        errors.append(float((layer.out(mixed) - output).abs().max()))
+        scale = output.abs().max().clamp(min=torch.finfo(output.dtype).tiny)
+        errors.append(float((layer.out(mixed) - output).abs().max() / scale))
     return errors
 
 
