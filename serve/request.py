@@ -126,9 +126,8 @@ class RequestTracker:
         self.request = request
         self.state = RequestState.QUEUED
         self.times = RequestTimes(arrival=arrival)
-        self.produced = (
-            0  # tokens the engine sampled for it (EOS included): its cache length is prompt + this
-        )
+        # Tokens the engine sampled for it, EOS included: its KV row holds prompt + produced after a decode.
+        self.produced = 0
         self.completion_tokens = 0  # tokens handed to the client (EOS excluded)
         self.cancel_requested = False
         self._eos = eos_token_id
