@@ -29,8 +29,9 @@ from serve.engine import Engine, EngineSettings, NewSequence
 from serve.errors import TextgenError, grpc_status
 from serve.request import Completion, Event, FinishEvent, GenerationRequest, RequestTracker
 from serve.runtime import SessionConfig
-from serve.server import finish_reason, warm_up
-from serve.validation import RequestLimits, check_request_id, generation_request, prompt_ids
+from serve.scheduler import Scheduler, SchedulerLimits
+from serve.server import finish_reason, request_limits, warm_up
+from serve.validation import check_request_id, generation_request, prompt_ids
 
 log = logging.getLogger("textgen.naive")
 
@@ -40,14 +41,8 @@ class NaiveService(pb_grpc.TextGenerationServicer):
         self._bundle = bundle
         self._engine = engine
         self._lock = threading.Lock()
-        self._limits = RequestLimits(
-            vocab_size=engine.vocab_size,
-            context_length=engine.capacity,
-            default_max_new_tokens=settings.default_max_new_tokens,
-            max_new_tokens=settings.max_new_tokens,
-            max_stop_strings=settings.max_stop_strings,
-            max_stop_length=settings.max_stop_length,
-        )
+        # The real server's request limits for a batch-1 engine; this scheduler is never started.
+        self._limits = request_limits(settings, engine, Scheduler(engine, SchedulerLimits(max_batch_size=1)))
 
     def generate_events(self, request: GenerationRequest) -> Iterator[Event]:
         """Run one request to its end under the lock: the whole of this server's scheduling."""
