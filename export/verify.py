@@ -257,9 +257,11 @@ def _int8_lines(r: dict[str, Any]) -> list[str]:
 def format_report(report: dict[str, Any]) -> str:
     """The report as a few readable lines (the full figures are in the manifest)."""
     verdict = "PASSED" if report["passed"] else "FAILED: " + "; ".join(report["failed"])
+    tolerance = report["tolerance"]
+    judged = f"max |logits diff| <= {tolerance:.0e}" if tolerance is not None else "int8: judged on accuracy"
     lines = [
         f"verification against {report['reference']} ({report['prompts']} left-padded prompts, prefill + "
-        f"{report['decode_steps']} decode steps, tolerance {report['tolerance']}): {verdict}",
+        f"{report['decode_steps']} decode steps, {judged}): {verdict}",
         _graph_line("standard graph", report["standard"]),
     ]
     if "inplace" in report:
