@@ -194,6 +194,7 @@ def test_layer_stats_catch_an_injected_nan(learned: Decoder, batch: TextBatch) -
     broken = residual_stats(learned, batch)
     assert not any(s.flags for s in broken[:2])
     assert broken[2].nan > 0 and any("NaN" in f for f in broken[2].flags)
+    assert math.isfinite(broken[2].std)  # one NaN column does not hide the scale of the others
 
 
 def test_layer_stats_flag_a_scale_jump(learned: Decoder, batch: TextBatch) -> None:

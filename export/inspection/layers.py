@@ -1,8 +1,9 @@
 """Statistics of the residual stream after the embeddings and after each block, taken with forward hooks.
 
-Only real (not padding) positions count. A layer is flagged when it holds NaN or Inf, or when its standard
-deviation jumps by more than a factor from the previous block's (a pre-LN residual stream grows gradually;
-a sudden jump is what precedes a loss spike or an overflow in fp16).
+Only real (not padding) positions count; mean, std and max |x| are of the finite values. A layer is
+flagged when it holds NaN or Inf, or when its standard deviation jumps by more than a factor from the
+previous block's (a pre-LN residual stream grows gradually; a sudden jump is what precedes a loss spike or
+an overflow in fp16).
 
 The step from the embeddings to block 0 is shown but never flagged: trained pre-LN models have the first
 block write far larger values than the embeddings (the trained demo model: std x142, then x1.07-1.09 per
@@ -79,13 +80,13 @@ def residual_stats(model: Decoder, batch: TextBatch, jump: float = DEFAULT_JUMP)
     previous_std: float | None = None
     for index, (name, x) in enumerate(_hooked_outputs(model, batch)):
         values = x[real].float()  # [N,D]
-        std = float(values.std())
+        nan, inf = int(values.isnan().sum()), int(values.isinf().sum())
+        # Statistics of the finite entries, so one NaN does not hide the scale of the rest.
+        finite = values[values.isfinite()]
+        mean, std, top = (float(finite.mean()), float(finite.std()), float(finite.abs().max())) \
+            if finite.numel() else (math.nan, math.nan, math.nan)
         ratio = std / previous_std if previous_std else None
         judged = ratio if index >= FIRST_JUDGED else None
-        nan, inf = int(values.isnan().sum()), int(values.isinf().sum())
-        result.append(
-            LayerStats(name, float(values.mean()), std, float(values.abs().max()), nan, inf, ratio,
-                       _flags(nan, inf, judged, jump))
-        )
+        result.append(LayerStats(name, mean, std, top, nan, inf, ratio, _flags(nan, inf, judged, jump)))
         previous_std = std
     return result
