@@ -327,7 +327,7 @@ class Results:
 
 
 def run(args: argparse.Namespace) -> Results:
-    started = time.monotonic()
+    started, load_at_start = time.monotonic(), os.getloadavg()[0]
     plan = plan_from_args(args)
     results_dir: Path = args.results
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -386,7 +386,8 @@ def run(args: argparse.Namespace) -> Results:
     }
     return Results(
         plan=plan,
-        machine=machine(),
+        machine=machine()
+        | {"load_1min": f"{load_at_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"},
         bundle=bundle_dir,
         results_dir=results_dir,
         model=model,

@@ -281,6 +281,8 @@ def section(results: Results, images: Sequence[Path], doc: Path, argv_used: Sequ
         "",
         "### Machine",
         f"- CPU: {m['cpu']}, {m['cores']} cores; memory {m['memory']}; {m['os']}",
+        f"- 1-minute load average: {m['load_1min']} (this benchmark alone accounts for about 2-3; more "
+        "means other work shared the cores and the figures are low)",
         f"- Python {m['python']}, ONNX Runtime {m['onnxruntime']}, grpcio {m['grpcio']}; "
         f"HF baseline: {hf_line}",
         f"- {results.threads} ONNX Runtime / torch threads everywhere; the load generator runs on the same "

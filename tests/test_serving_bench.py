@@ -54,6 +54,7 @@ def results(tmp_path: Path, served_16: float) -> Results:
             "python": "3",
             "onnxruntime": "1",
             "grpcio": "1",
+            "load_1min": "2.0 at the start, 2.5 at the end",
         },
         bundle=tmp_path / "bundle",
         results_dir=tmp_path / "results",
