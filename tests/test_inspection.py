@@ -17,6 +17,7 @@ from torch import Tensor
 from export import cli as export_cli
 from export import inspection
 from export.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from export.inspection import cli
 from export.inspection.attention import (
     InspectionError,
     TextBatch,
@@ -284,6 +285,13 @@ def test_missing_matplotlib_is_one_line(
     monkeypatch.delattr(inspection, "plots")
     assert _inspect(path, CODE, tmp_path / "out") == 1
     assert "pip install -e '.[inspect]'" in capsys.readouterr().err
+
+
+def test_a_long_text_still_gets_a_padded_companion(tokenizer: Tokenizer) -> None:
+    long_text = CODE * 4
+    texts = cli.texts_to_inspect(tokenizer, long_text, None, max_tokens=10)
+    batch = encode_texts(tokenizer, texts, max_tokens=10)
+    assert batch.truncated[0] and batch.lengths == [10, 5]
 
 
 def test_empty_text_is_refused(tokenizer: Tokenizer) -> None:

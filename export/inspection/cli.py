@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenizers import Tokenizer
 from torch import Tensor
 
 from export.checkpoint import Checkpoint, CheckpointError, load_checkpoint
@@ -110,12 +111,14 @@ def _check(options: Options, context_length: int) -> None:
         raise InspectionError(f"--probes must be >= 0, got {options.probes}")
 
 
-def _texts(checkpoint: Checkpoint, text: str, padded_text: str | None) -> list[str]:
-    ids = checkpoint.tokenizer.encode(text).ids
+def texts_to_inspect(tokenizer: Tokenizer, text: str, padded_text: str | None, max_tokens: int) -> list[str]:
+    """The text and the one to pad in the same batch: by default the first half of what is shown of the
+    text, so the second row is padded however long the text is."""
+    ids = tokenizer.encode(text).ids
     if len(ids) < 2:
         raise InspectionError(f"--text must hold at least 2 tokens, got {len(ids)}: {text!r}")
     if padded_text is None:
-        padded_text = checkpoint.tokenizer.decode(ids[: len(ids) // 2])
+        padded_text = tokenizer.decode(ids[: min(len(ids), max_tokens) // 2])
     return [text, padded_text]
 
 
@@ -145,7 +148,7 @@ def inspect_checkpoint(
     """Compute everything, draw the pictures and write out/index.html."""
     _check(options, checkpoint.config.context_length)
     model, tokenizer = checkpoint.model, checkpoint.tokenizer
-    texts = _texts(checkpoint, text, padded_text)
+    texts = texts_to_inspect(tokenizer, text, padded_text, options.max_tokens)
     batch = encode_texts(tokenizer, texts, options.max_tokens)
     weights = record_attention(model, batch)  # [L,B,H,S,S]
     diversity = layer_diversity(weights, batch, options.min_jsd)
