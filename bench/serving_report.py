@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import matplotlib
+import matplotlib.axis
+import matplotlib.ticker
 
 matplotlib.use("Agg")  # files only: no display on a server or in CI
 import matplotlib.pyplot as plt
@@ -64,6 +66,13 @@ def _clients_axis(ax: plt.Axes, levels: Sequence[int]) -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
+def _log_ms(axis: matplotlib.axis.Axis) -> None:
+    """A log scale labelled in plain numbers at 1, 2 and 5 of each decade (all minor labels overlap)."""
+    axis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _pos: f"{value:g}"))
+    axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
 def plot_throughput(results: Results, path: Path) -> None:
     levels = list(results.plan.levels)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -102,6 +111,7 @@ def plot_latency(results: Results, path: Path) -> None:
                 ax.plot(levels, values, marker + style, label=f"{name} {which}")
         _clients_axis(ax, levels)
         ax.set_yscale("log")
+        _log_ms(ax.yaxis)
         ax.set_ylabel("ms")
         ax.set_title(title)
         ax.legend(fontsize=8)
@@ -121,6 +131,7 @@ def plot_cdf(results: Results, path: Path) -> None:
             values = np.sort([getattr(r, field) * 1e3 for r in outputs[clients].records if r.success])
             ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=name)
         ax.set_xscale("log")
+        _log_ms(ax.xaxis)
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"{title}, {clients} clients")
