@@ -22,6 +22,7 @@ Admission policy, evaluated between every two engine steps:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -305,35 +306,35 @@ class BatchRunner:
         free_rows = self.limits.batch_size - len(self._running)
         if not self._waiting or free_rows <= 0 or (self._running and self._last_phase == "prefill"):
             return []
-        head = self._waiting[0]
-        group = [head]
-        if not self._fits_kv(group):
+        running = _Group.of(self._running.values())
+        group = _Group.of([self._waiting[0]])
+        if not self._fits_kv(running, group):
             return []  # FCFS: nobody overtakes the head; running requests leave until it fits
         left_out = False
-        for candidate in list(self._waiting)[1:]:
-            if len(group) == free_rows:
+        for candidate in itertools.islice(self._waiting, 1, None):
+            if len(group.members) == free_rows:
                 break
-            if self._acceptable([*group, candidate]):
-                group.append(candidate)
+            bigger = group.plus(candidate)
+            if self._acceptable(running, bigger):
+                group = bigger
             else:
                 left_out = True
-        partial = len(group) < free_rows and not left_out
-        if self._running and partial and now - head.times.arrival < self.limits.max_wait_seconds:
+        partial = len(group.members) < free_rows and not left_out
+        if self._running and partial and now - group.members[0].times.arrival < self.limits.max_wait_seconds:
             return []  # let more arrivals share this prefill instead of stalling the decoders again soon
-        return group
+        return group.members
 
-    def _acceptable(self, group: list[RequestTracker]) -> bool:
-        lengths = [t.prompt_len for t in group]
-        padded = len(group) * max(lengths)
+    def _acceptable(self, running: _Group, group: _Group) -> bool:
+        padded = len(group.members) * group.longest
         return (
             padded <= self.limits.max_prefill_tokens
-            and 1.0 - sum(lengths) / padded <= self.limits.max_padding_ratio
-            and self._fits_kv(group)
+            and 1.0 - group.tokens / padded <= self.limits.max_padding_ratio
+            and self._fits_kv(running, group)
         )
 
-    def _fits_kv(self, group: list[RequestTracker]) -> bool:
-        members = [*self._running.values(), *group]
-        return len(members) * max(t.reserved_tokens for t in members) <= self.limits.batch_tokens
+    def _fits_kv(self, running: _Group, group: _Group) -> bool:
+        rows = len(running.members) + len(group.members)
+        return rows * max(running.reserved, group.reserved) <= self.limits.batch_tokens
 
     def _prefill(self, group: list[RequestTracker], deliveries: list[Delivery]) -> None:
         from serve.engine import NewSequence  # the real engine module imports ONNX Runtime
@@ -449,6 +450,31 @@ class BatchRunner:
             self._metrics.set_load(
                 self._load.running, len(self._waiting), self._load.batch_size, self.engine.max_batch_size
             )
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Requests considered together, with the sizes admission checks (kept incrementally)."""
+
+    members: list[RequestTracker]
+    longest: int = 0  # prompt tokens
+    tokens: int = 0  # prompt tokens, summed
+    reserved: int = 0  # the largest prompt + max_new_tokens
+
+    @classmethod
+    def of(cls, trackers: Iterable[RequestTracker]) -> _Group:
+        group = cls([])
+        for tracker in trackers:
+            group = group.plus(tracker)
+        return group
+
+    def plus(self, tracker: RequestTracker) -> _Group:
+        return _Group(
+            [*self.members, tracker],
+            max(self.longest, tracker.prompt_len),
+            self.tokens + tracker.prompt_len,
+            max(self.reserved, tracker.reserved_tokens),
+        )
 
 
 class _Load(NamedTuple):
