@@ -10,13 +10,15 @@ and the reference the in-place serving graph (`export.onnx_inplace`) is checked 
 A zero-length past works (prefill): the trace uses past = 2 so the exporter does not specialize the axis to
 0 or 1, and ONNX Runtime accepts the empty tensors.
 
-Opset: 23 by default, where SDPA becomes the standard `Attention` op (one node per layer). Measured on this
-2-core machine (d_model 256, 4 layers, vocab 2048, prompt 32 + 64 greedy tokens, median of 3,
-ONNX Runtime 1.32): opset 18 (decomposed MatMul/Softmax) 187 tok/s at b1 and 693 at b8, opset 23 183 and 630
-— equal within this shared machine's noise, identical tokens; the issue measured opset 23 ~10% faster. 23 is
-kept for the smaller, recognizable graph; `--opset 18` gives the decomposed form for TensorRT older than
-10.14, whose ONNX parser has no `Attention` importer. Export takes ~10 s even for tiny models (torch.export
-plus the onnxscript optimizer), so tests export once per session.
+Opset: 23 by default, where SDPA becomes the standard `Attention` op (one node per layer instead of the
+MatMul/Softmax/... decomposition: 125 vs 197 nodes on the demo model). Measured on this shared 2-core machine
+(ONNX Runtime 1.32, 2 threads, demo model: d_model 192, 4 layers; 5 prompts, 64 greedy tokens with the
+concatenating cache; A/B runs interleaved, median of 5, load average ~9 from other jobs): opset 23 84 tok/s
+at b1 and 332 at b8, opset 18 62 and 278; identical tokens. An earlier non-interleaved run at d_model 256
+saw no difference, the issue measured ~10% for 23: 23 is never slower. `--opset 18` gives the decomposed
+form for TensorRT older than 10.14, whose ONNX parser has no `Attention` importer. Export takes 10-60 s even
+for tiny models (torch.export plus the onnxscript optimizer; slowest on a loaded machine), so tests export
+once per session.
 """
 
 from __future__ import annotations
