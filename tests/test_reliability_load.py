@@ -97,7 +97,9 @@ def consume(call: Iterator[pb.GenerateStreamResponse], seen: Streamed | None = N
     return seen
 
 
-def started(stub: pb_grpc.TextGenerationStub, request: pb.GenerateRequest, **kwargs: object) -> tuple:
+def started(
+    stub: pb_grpc.TextGenerationStub, request: pb.GenerateRequest, **kwargs: object
+) -> tuple[Iterator[pb.GenerateStreamResponse], Streamed]:
     """A stream whose first message has arrived (so it is running), and what it has said so far."""
     call = stub.GenerateStream(request, **kwargs)
     seen = Streamed()
