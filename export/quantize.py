@@ -13,9 +13,12 @@ over the fixed prompt set. Target: perplexity within 2% of fp32.
 
 from __future__ import annotations
 
+import logging
 import math
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +75,24 @@ def count_weight_matmuls(model: onnx.ModelProto) -> dict[str, int]:
     return {"float": float_weight, "quantized": sum(ops[o] for o in QUANTIZED_MATMUL_OPS)}
 
 
+@contextmanager
+def _quiet_root_logger() -> Iterator[None]:
+    # quantize_dynamic logs "consider pre-processing" on the root logger on every call; the pre-processing
+    # that matters here (exposing the head's weight) is fold_weight_transposes, already done.
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
 def quantize_int8(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int]]:
     """Dynamic INT8 quantization of every weight MatMul; returns the graph and the MatMul counts."""
     model = onnx.ModelProto.FromString(model.SerializeToString())  # the caller's graph stays fp32
     folded = fold_weight_transposes(model)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _quiet_root_logger():
         out = Path(tmp) / "int8.onnx"
         quantize_dynamic(
             model,
