@@ -19,8 +19,8 @@ from export.model import KV, Attention, Decoder, position_ids_from_mask
 from export.tokenizer import PAD_ID
 
 PAD_LABEL = "<pad>"
-# Make whitespace tokens visible as tick labels.
-_VISIBLE = str.maketrans({" ": "·", "\n": "↵", "\t": "→", "\r": "␍"})
+# Make whitespace visible in tick labels (glyphs that matplotlib's bundled DejaVu Sans has).
+_VISIBLE = str.maketrans({" ": "␣", "\n": "↵", "\t": "→", "\r": "\\r"})
 
 
 class InspectionError(ValueError):

@@ -145,7 +145,7 @@ def _neighbours(findings: Findings) -> str:
              _td("   ".join(f"{t} ({s:.2f})" for t, s in n.neighbours), "text")] for n in findings.neighbours]
     return (
         "<h2>Embedding neighbours</h2><p>Cosine similarity in the token-embedding table (the output head "
-        "when the embeddings are tied); whitespace shown as · ↵ →.</p>"
+        "when the embeddings are tied); whitespace shown as ␣ ↵ →.</p>"
         + _table(["token", "id", "nearest tokens (cosine)"], rows)
     )
 
