@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -27,9 +28,10 @@ from export.inspection.attention import (
     record_attention,
     weight_on_padding,
 )
-from export.inspection.diversity import head_stats, layer_diversity
-from export.inspection.embeddings import nearest_neighbours
-from export.inspection.layers import residual_stats
+from export.inspection.diversity import HeadStats, LayerDiversity, head_stats, layer_diversity
+from export.inspection.embeddings import Neighbours, nearest_neighbours
+from export.inspection.layers import LayerStats, residual_stats
+from export.inspection.report import Findings, Images, write_index
 from export.model import Attention, Decoder, DecoderConfig
 from export.tokenizer import EOS_ID, PAD_ID, train_tokenizer
 
@@ -274,6 +276,29 @@ def test_command_errors_are_one_line(
     assert _inspect(ckpt, text, tmp_path / "out", *extra) == 1
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_page_lists_problems_and_escapes_text(tmp_path: Path) -> None:
+    jsd = np.zeros((2, 2))
+    findings = Findings(
+        source="<b>ckpt</b>", texts=["<script>alert(1)</script>", "x"], truncated=[False, False],
+        recompute=[1e-7, 0.5], padding_weight=0.0,
+        diversity=[LayerDiversity(0, jsd, 0.0, 0.0, True)], min_jsd=0.01,
+        heads=[HeadStats(0, 0, 1.0, 2.0), HeadStats(0, 1, 1.0, 2.0)],
+        layers=[LayerStats("embeddings", 0.0, 1.0, 2.0, 0, 0, None, ()),
+                LayerStats("block 0", math.nan, math.nan, math.nan, 3, 0, math.nan, ("3 NaN",))],
+        jump=8.0, neighbours=[Neighbours("␣self", 5, [("␣cls", 0.9)])],
+        images=Images([tmp_path / "a.png"], tmp_path / "p.png", tmp_path / "d.png", tmp_path / "l.png"),
+    )
+    assert findings.problems() == [
+        "layer 1: recomputed attention output differs by 0.5 (relative)",
+        "layer 0: all heads attend alike (max pairwise JSD 0 bits)",
+        "block 0: 3 NaN",
+    ]
+    page = write_index(findings, tmp_path).read_text(encoding="utf-8")
+    assert "<script" not in page and "&lt;script&gt;" in page and "&lt;b&gt;ckpt" in page
+    assert page.count('class="flag"') >= 6  # three summary lines and three table cells
+    assert '<img src="a.png"' in page and "␣cls (0.90)" in page
 
 
 def test_missing_matplotlib_is_one_line(
