@@ -192,14 +192,10 @@ def table(rounds: list[Round]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     base = rounds[0].rss_mib
     for number, r in enumerate(rounds, 1):
-        cells = [number, sum(r.codes.values()), *(r.codes[c] for c in codes)]
-        cells += [
-            f"{r.rss_mib:.1f}",
-            f"{r.rss_mib - base:+.1f}",
-            *(f"{r.gauges.get(g, -1):g}" for g in GAUGES),
-        ]
-        cells.append(f"{r.idle_seconds:.2f}")
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        cells = [str(number), str(sum(r.codes.values())), *(str(r.codes[c]) for c in codes)]
+        cells += [f"{r.rss_mib:.1f}", f"{r.rss_mib - base:+.1f}"]
+        cells += [*(f"{r.gauges.get(g, -1):g}" for g in GAUGES), f"{r.idle_seconds:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
