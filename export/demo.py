@@ -18,13 +18,16 @@ from export.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from export.model import DecoderConfig
 from export.train import TrainConfig, train
 
+# Sized for about 3 minutes of training on 2 CPU cores. At that budget a small model that sees more tokens
+# beats a wider one that sees fewer: d_model 96 x 3 layers for 900 steps reached a lower held-out loss
+# in a third of its run than d_model 192 x 4 layers did in half of an equally long one.
 DEMO_CONFIG = DecoderConfig(
     vocab_size=2048,
     context_length=256,
-    d_model=192,
-    n_layers=4,
+    d_model=96,
+    n_layers=3,
     n_heads=4,
-    d_ff=768,
+    d_ff=384,
     positions="learned",
     activation="gelu",
     tie_embeddings=True,
@@ -32,13 +35,13 @@ DEMO_CONFIG = DecoderConfig(
 )
 
 DEMO_TRAIN = TrainConfig(
-    steps=400,
+    steps=900,
     batch_size=8,
-    learning_rate=3e-3,
-    min_learning_rate=3e-4,
+    learning_rate=6e-3,
+    min_learning_rate=6e-4,
     warmup_steps=30,
     label_smoothing=0.0,
-    corpus_bytes=3_000_000,
+    corpus_bytes=5_000_000,
     eval_every=100,
     eval_batches=8,
 )
