@@ -179,6 +179,7 @@ class BatchRunner:
         self._steps: deque[StepRecord] = deque(maxlen=limits.step_history)
         self._outcomes: Counter[str] = Counter()
         self._last_phase = ""
+        self._partial: list[Delivery] = []
         self._load = _Load(0, engine.batch_size, engine.kv_shape(), 0)
 
     @property
@@ -259,6 +260,7 @@ class BatchRunner:
     def step(self) -> list[Delivery]:
         """Drop cancelled/expired requests, then run one prefill (admission) or one decode step."""
         deliveries: list[Delivery] = []
+        self._partial = deliveries  # what `abort` still owes the callers should this step raise
         now = time.monotonic()
         self._leave(self._sweep(list(self._running.values()), now, deliveries))
         with self._cv:
@@ -270,11 +272,13 @@ class BatchRunner:
         elif self._running:
             self._decode(deliveries)
         self._publish_load()
+        self._partial = []
         return deliveries
 
     def abort(self, error: Callable[[RequestTracker], TextgenError]) -> list[Delivery]:
         """Fail everything queued or running (draining past its grace, or a scheduler bug)."""
-        deliveries = self.reject_waiting(error)
+        deliveries = [*self._partial, *self.reject_waiting(error)]
+        self._partial = []
         running = list(self._running.values())
         self._fail_all(running, error, deliveries)
         self._leave(running)

@@ -126,6 +126,7 @@ class Instrumented:
         self.gate.set()
         self.fail_next: set[str] = set()
         self.poisoned: set[str] = set()  # sequences whose tokens are replaced by an id outside the vocabulary
+        self.stray_decode = False  # the next decode also returns a token for a sequence nobody submitted
         self.calls: list[tuple[str, list[str]]] = []  # (phase, the rows it ran on), in call order
         self.shapes: list[tuple[int, ...]] = []  # the engine's KV view after each successful call
         self._reference = reference
@@ -151,7 +152,11 @@ class Instrumented:
 
     def decode(self) -> list[TokenOut]:
         self._enter("decode", self.inner.running_ids)
-        return self._leave(self.inner.decode())
+        outs = self._leave(self.inner.decode())
+        if self.stray_decode:
+            self.stray_decode = False
+            outs.append(TokenOut("stray", 5, 0.0))
+        return outs
 
     def release(self, seq_ids: Iterable[str]) -> None:
         self.inner.release(seq_ids)

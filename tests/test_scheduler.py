@@ -427,6 +427,23 @@ def test_an_undecodable_token_fails_only_its_request(tokenizer: Tokenizer) -> No
     run(main)
 
 
+def test_a_scheduler_error_fails_what_is_in_flight_and_serving_goes_on(tokenizer: Tokenizer) -> None:
+    engine = fake(tokenizer, max_batch_size=4, step_seconds=0.002)
+
+    async def main() -> None:
+        scheduler = await started(engine)
+        engine.stray_decode = True  # an output the scheduler cannot place: a bug, not an engine failure
+        running = scheduler.submit(request("running", prompt_of(3), max_new=20))
+        ending = scheduler.submit(request("ending", prompt_of(4), max_new=2))  # ends in that decode
+        with pytest.raises(EngineFailure, match="request running: internal scheduler error"):
+            await collect(running)
+        # Outcomes decided in the failed step before the error are still delivered.
+        assert (await collect(ending)).finish_reason == "length"
+        await expect_later_requests_succeed(scheduler, engine)
+
+    run(main)
+
+
 async def expect_later_requests_succeed(scheduler: Scheduler, engine: Instrumented) -> None:
     after = await collect(scheduler.submit(request("after", prompt_of(4), max_new=4)))
     assert after.token_ids == engine.expected(prompt_of(4), 4)
