@@ -18,7 +18,7 @@ from torch import Tensor
 from export import cli as export_cli
 from export import inspection
 from export.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from export.inspection import cli
+from export.inspection import cli, plots
 from export.inspection.attention import (
     InspectionError,
     TextBatch,
@@ -299,6 +299,16 @@ def test_page_lists_problems_and_escapes_text(tmp_path: Path) -> None:
     assert "<script" not in page and "&lt;script&gt;" in page and "&lt;b&gt;ckpt" in page
     assert page.count('class="flag"') >= 6  # three summary lines and three table cells
     assert '<img src="a.png"' in page and "␣cls (0.90)" in page
+
+
+def test_summary_pictures_survive_nan(tmp_path: Path) -> None:
+    """A model with NaN from its embeddings on has NaN head statistics in every layer."""
+    nan = math.nan
+    diversity = [LayerDiversity(0, np.full((2, 2), nan), nan, nan, False)]
+    heads = [HeadStats(0, 0, nan, nan), HeadStats(0, 1, nan, nan)]
+    layers = [LayerStats("embeddings", nan, nan, nan, 4, 0, None, ("4 NaN",))]
+    _assert_png(plots.diversity_summary(diversity, heads, 0.01, tmp_path / "d.png"))
+    _assert_png(plots.layer_stats_plot(layers, tmp_path / "l.png"))
 
 
 def test_missing_matplotlib_is_one_line(

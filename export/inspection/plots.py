@@ -135,7 +135,7 @@ def diversity_summary(
     top: list[str] = [f"layer {d.layer}" for d in diversity for _ in range(2)]
     bottom: list[str] = ["bars"] * layers + ["scatter"] * layers
     panels = fig.subplot_mosaic([top, bottom], height_ratios=[1, 1.3])  # type: ignore[list-item]
-    vmax = max(2 * min_jsd, *(d.max_jsd for d in diversity))
+    vmax = max([2 * min_jsd, *(d.max_jsd for d in diversity if math.isfinite(d.max_jsd))])
     matrices = [panels[f"layer {d.layer}"] for d in diversity]
     images = [_draw_jsd(ax, d, vmax) for ax, d in zip(matrices, diversity, strict=True)]
     fig.colorbar(images[0], ax=matrices, shrink=0.8, label="JSD (bits)")
@@ -152,8 +152,8 @@ def _draw_jsd(ax: Axes, d: LayerDiversity, vmax: float) -> AxesImage:
     ax.set_yticks(ticks, [f"h{h}" for h in ticks], fontsize=7)
     if len(ticks) <= ANNOTATE_MAX_HEADS:
         _annotate_cells(ax, d.pairwise_jsd, vmax)
-    flag = " - ALL HEADS ALIKE" if d.flagged else ""
-    ax.set_title(f"layer {d.layer}{flag}", fontsize=9, color=PAD_LINE if d.flagged else "black")
+    flag = " - ALL HEADS ALIKE" if d.flagged else " - NaN weights" if math.isnan(d.max_jsd) else ""
+    ax.set_title(f"layer {d.layer}{flag}", fontsize=9, color=PAD_LINE if flag else "black")
     return image
 
 
@@ -195,7 +195,10 @@ def _annotate_cells(ax: Axes, values: np.ndarray, vmax: float) -> None:
 
 
 def _min_span(set_limits: Callable[[float, float], object], values: list[float], span: float) -> None:
-    low, high = min(values), max(values)
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:  # a model with NaN everywhere: nothing to frame
+        return
+    low, high = min(finite), max(finite)
     margin = max(span - (high - low), 0.0) / 2 + 0.05 * (high - low)
     set_limits(low - margin, high + margin)
 
