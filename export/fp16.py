@@ -5,9 +5,11 @@ float16, except:
 - LayerNormalization and Softmax (when the graph has one: the decomposed opset-18 form) stay float32 behind
   Casts: their reductions lose too much in half precision;
 - constants are clipped to +-1e4 rather than fp16's 65504. The attention mask's "minus infinity" is
-  float32's finfo.min; clipped to -65504 it would still turn into -inf once a score is added, and a fully
-  masked (padding) row would softmax to NaN, which then spreads through the padded positions' keys and
-  values. -1e4 keeps every sum finite and still gives masked keys a weight of exp(-1e4) = 0.
+  float32's finfo.min; clipped to -65504, a score added to it in fp16 arithmetic overflows to -inf, and a
+  fully masked (padding) row then softmaxes to NaN, which would spread through the padded positions' keys
+  and values. -1e4 leaves headroom and still gives masked keys a weight of exp(-1e4) = 0. (On CPU both
+  limits stayed finite on the demo model: ONNX Runtime's CPU kernels widen fp16 internally; GPU kernels
+  need not, and this was not measurable here.)
 No GPU here: validity is checked on CPU with onnx.checker and strict shape inference; numerics are checked
 by bench/gpu_check.py on a GPU machine.
 """
