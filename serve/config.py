@@ -52,6 +52,9 @@ class ServerSettings(BaseSettings):
     max_wait_seconds: float = Field(
         0.01, ge=0, le=60, description="how long a partial prefill group may wait for company"
     )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="longest prompt in tokens; default and upper bound: the context length - 1"
+    )
     default_max_new_tokens: int = Field(128, ge=1, description="max_new_tokens when a request gives 0")
     max_new_tokens: int = Field(1024, ge=1, description="the largest max_new_tokens a request may ask for")
     max_stop_strings: int = Field(8, ge=0, le=1024, description="stop strings per request")

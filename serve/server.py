@@ -91,10 +91,12 @@ class LoadedModel:
 
 
 def request_limits(settings: ServerSettings, engine: Engine, scheduler: Scheduler) -> RequestLimits:
+    # A KV slot, or the whole batch budget when that is smaller, bounds prompt + new tokens.
+    context = scheduler.max_total_tokens
     return RequestLimits(
         vocab_size=engine.vocab_size,
-        # A KV slot, or the whole batch budget when that is smaller, bounds prompt + new tokens.
-        context_length=scheduler.max_total_tokens,
+        context_length=context,
+        max_prompt_tokens=min(settings.max_prompt_tokens or context - 1, context - 1),
         default_max_new_tokens=settings.default_max_new_tokens,
         max_new_tokens=settings.max_new_tokens,
         max_stop_strings=settings.max_stop_strings,

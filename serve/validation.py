@@ -26,6 +26,7 @@ class RequestLimits:
 
     vocab_size: int
     context_length: int
+    max_prompt_tokens: int  # at most context_length - 1: a prompt leaves room for one new token
     default_max_new_tokens: int
     max_new_tokens: int
     max_stop_strings: int
@@ -106,14 +107,18 @@ def stop_strings(stop: Sequence[str], limits: RequestLimits) -> tuple[str, ...]:
     return tuple(stop)
 
 
+def check_prompt_length(prompt_tokens: int, limits: RequestLimits) -> None:
+    if prompt_tokens > limits.max_prompt_tokens:
+        raise InvalidRequest(
+            f"prompt has {prompt_tokens} tokens; allowed 1..{limits.max_prompt_tokens} "
+            f"(the context holds {limits.context_length} tokens, at least one of them generated)"
+        )
+
+
 def max_new_tokens(requested: int, prompt_tokens: int, limits: RequestLimits) -> int:
     """0 asks for the server's default, shortened to what the context leaves; an explicit value must fit."""
+    check_prompt_length(prompt_tokens, limits)
     room = limits.context_length - prompt_tokens
-    if room < 1:
-        raise InvalidRequest(
-            f"prompt has {prompt_tokens} tokens; the context holds {limits.context_length}, "
-            f"so prompts may have at most {limits.context_length - 1} tokens"
-        )
     if requested == 0:
         return min(limits.default_max_new_tokens, room)
     if requested > limits.max_new_tokens:

@@ -157,7 +157,7 @@ INVALID = [
         "token_ids[1] = 1000000 is outside the vocabulary",
     ),
     (_stopping(max_new_tokens=33), "max_new_tokens = 33 is above the server's cap: allowed 1..32"),
-    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 5000)), "prompt has 5000 tokens; the context holds"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 5000)), "prompt has 5000 tokens; allowed 1.."),
     (_sampling(temperature=-1), "temperature must be a finite number >= 0 (0 = greedy), got -1"),
     (_sampling(temperature=math.nan), "temperature must be a finite number >= 0 (0 = greedy), got nan"),
     (_sampling(top_p=1.5), "top_p must be in [0, 1] (0 = off), got 1.5"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -20,6 +21,7 @@ from serve.validation import (
 LIMITS = RequestLimits(
     vocab_size=100,
     context_length=64,
+    max_prompt_tokens=63,
     default_max_new_tokens=16,
     max_new_tokens=32,
     max_stop_strings=2,
@@ -127,13 +129,20 @@ def test_max_new_tokens_default_cap_and_context() -> None:
         InvalidRequest, match=r"= 65 exceeds the context length 64: allowed max_new_tokens 1\.\.4"
     ):
         max_new_tokens(5, prompt_tokens=60, limits=LIMITS)
-    with pytest.raises(InvalidRequest, match="prompts may have at most 63 tokens"):
+    with pytest.raises(InvalidRequest, match=r"prompt has 64 tokens; allowed 1\.\.63 \(the context holds 64"):
         max_new_tokens(0, prompt_tokens=64, limits=LIMITS)
 
 
 def test_prompt_longer_than_context_is_refused() -> None:
-    with pytest.raises(InvalidRequest, match="prompt has 70 tokens; the context holds 64"):
+    with pytest.raises(InvalidRequest, match=r"prompt has 70 tokens; allowed 1\.\.63"):
         _build(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 70)))
+
+
+def test_max_prompt_tokens_below_the_context() -> None:
+    limits = dataclasses.replace(LIMITS, max_prompt_tokens=10)
+    assert max_new_tokens(0, prompt_tokens=10, limits=limits) == 16
+    with pytest.raises(InvalidRequest, match=r"prompt has 11 tokens; allowed 1\.\.10"):
+        max_new_tokens(0, prompt_tokens=11, limits=limits)
 
 
 def test_request_id_length() -> None:
