@@ -610,8 +610,6 @@ class Scheduler:
         await asyncio.sleep(0)
 
     def _run(self) -> None:
-        loop = self._loop
-        assert loop is not None
         while True:
             self._runner.wait_for_work(lambda: self._stopping)
             if self._stopping:
@@ -621,11 +619,21 @@ class Scheduler:
             except Exception:  # a scheduler bug must not leave callers waiting forever
                 log.exception("scheduler step failed; failing every request in flight")
                 deliveries = self._runner.abort(_internal_error)
-            if deliveries:
-                loop.call_soon_threadsafe(self._deliver, deliveries)
-        deliveries = self._runner.abort(_draining_error)
-        if deliveries:
-            loop.call_soon_threadsafe(self._deliver, deliveries)
+            if not self._post(deliveries):
+                return
+        self._post(self._runner.abort(_draining_error))
+
+    def _post(self, deliveries: list[Delivery]) -> bool:
+        """Hand deliveries to the event loop; False once the loop is closed (nobody is left to tell)."""
+        assert self._loop is not None
+        if not deliveries:
+            return True
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, deliveries)
+        except RuntimeError:  # the loop closed without draining us
+            log.warning("event loop closed; the engine thread stops")
+            return False
+        return True
 
     def _deliver(self, deliveries: list[Delivery]) -> None:
         for tracker, item in deliveries:
