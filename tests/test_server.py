@@ -182,6 +182,7 @@ def test_prompt_plus_max_new_tokens_beyond_the_context(
     stub: pb_grpc.TextGenerationStub, server: RunningServer
 ) -> None:
     limit = server.model.limits.context_length
+    assert server.model.limits.max_prompt_tokens == limit - 1  # the default: any prompt that leaves room
     request = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=[1] * (limit - 4)), stopping=pb.StoppingCriteria(max_new_tokens=5)
     )
