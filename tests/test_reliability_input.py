@@ -153,7 +153,9 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
 def check_unary(stub: pb_grpc.TextGenerationStub, request: pb.GenerateRequest) -> None:
     response = stub.Generate(request, timeout=CALL_BOUND.total_seconds())
     assert response.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-    assert response.usage.completion_tokens == len(response.token_ids) >= 1
+    assert response.usage.completion_tokens == len(response.token_ids)
+    # Only an end-of-sequence first token ends a generation with nothing (EOS itself is not returned).
+    assert response.token_ids or response.finish_reason == pb.FINISH_REASON_EOS
     if request.stopping.max_new_tokens:
         assert len(response.token_ids) <= request.stopping.max_new_tokens
 
