@@ -47,10 +47,9 @@ class TrainConfig:
     heldout_percent: int = 5
     eval_every: int = 100
     eval_batches: int = 8
-    threads: int = 2
 
     def __post_init__(self) -> None:
-        positive = ("steps", "batch_size", "corpus_bytes", "eval_every", "eval_batches", "threads")
+        positive = ("steps", "batch_size", "corpus_bytes", "eval_every", "eval_batches")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -229,11 +228,16 @@ def train(
     train_cfg: TrainConfig,
     corpus: Corpus | None = None,
     progress: bool = True,
+    threads: int = 2,
 ) -> TrainResult:
-    """Train a tokenizer and a decoder on `corpus` (default: the stdlib under train_cfg.corpus_bytes)."""
+    """Train a tokenizer and a decoder on `corpus` (default: the stdlib under train_cfg.corpus_bytes).
+
+    `threads` (capped at the CPUs this process may use) is a resource setting, not part of the recipe:
+    it changes only float summation order, so it is kept out of TrainConfig and the checkpoint's identity.
+    """
     started = time.perf_counter()
     torch.manual_seed(train_cfg.seed)
-    torch.set_num_threads(min(train_cfg.threads, len(os.sched_getaffinity(0))))
+    torch.set_num_threads(max(1, min(threads, len(os.sched_getaffinity(0)))))
     corpus = corpus or load_corpus(train_cfg.corpus_bytes, train_cfg.heldout_percent)
     data = prepare_data(corpus, model_cfg.vocab_size)
     gen = torch.Generator().manual_seed(train_cfg.seed)
