@@ -210,6 +210,15 @@ class Decoder(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
 
+    def buffer(self, name: str) -> Tensor:
+        """A registered (non-persistent) table, typed: the position and rotary tables."""
+        table = getattr(self, name)
+        assert isinstance(table, Tensor)
+        return table
+
+    def block_list(self) -> list[Block]:
+        return [b for b in self.blocks if isinstance(b, Block)]
+
     def empty_past(self, batch: int) -> list[KV]:
         cfg = self.cfg
         shape = (batch, cfg.n_heads, 0, cfg.head_dim)
@@ -233,16 +242,16 @@ class Decoder(nn.Module):
         if self.cfg.positions == "learned":
             x = x + self.pos_emb(position_ids)
         elif self.cfg.positions == "sinusoidal":
-            x = x + self.pos_table[position_ids]
+            x = x + self.buffer("pos_table")[position_ids]
         else:
             rotary = (
-                self.rope_cos[position_ids][:, None],
-                self.rope_sin[position_ids][:, None],
+                self.buffer("rope_cos")[position_ids][:, None],
+                self.buffer("rope_sin")[position_ids][:, None],
             )  # [B,1,S,Dh/2]
         x = self.emb_dropout(x)
         bias = attention_bias(attention_mask, input_ids.shape[1], x.dtype)  # [B,1,S,T]
         presents: list[KV] = []
-        for block, past in zip(self.blocks, past_key_values, strict=True):
+        for block, past in zip(self.block_list(), past_key_values, strict=True):
             x, present = block(x, bias, past, rotary)
             presents.append(present)
         return self.lm_head(self.ln_f(x)), presents  # [B,S,V]

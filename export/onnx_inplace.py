@@ -16,6 +16,8 @@ Semantics the engine relies on (GroupQueryAttention has no key-padding mask):
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx
 import torch
@@ -54,7 +56,7 @@ class _GraphBuilder:
         name: str,
         outputs: list[str] | None = None,
         domain: str = "",
-        **attrs: object,
+        **attrs: Any,
     ) -> list[str]:
         outputs = outputs or [name]
         self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
@@ -103,7 +105,7 @@ def build_inplace_graph(model: Decoder) -> onnx.ModelProto:
         (pos,) = g.node("Gather", [g.weight("pos_table", table), "position_ids"], "pos_emb")
         (x,) = g.node("Add", [x, pos], "emb_add")
 
-    for i, block in enumerate(model.blocks):
+    for i, block in enumerate(model.block_list()):
         p = f"blocks.{i}"
         h = g.layer_norm(x, block.ln_attn, f"{p}.ln_attn")
         qkv = g.linear(h, block.attn.qkv.weight, block.attn.qkv.bias, f"{p}.attn.qkv")
@@ -148,7 +150,7 @@ def build_inplace_graph(model: Decoder) -> onnx.ModelProto:
 
 
 def _make_model(g: _GraphBuilder, n_layers: int, heads: int, head_dim: int, vocab: int) -> onnx.ModelProto:
-    kv_shape = ["batch", heads, "capacity", head_dim]
+    kv_shape: list[str | int] = ["batch", heads, "capacity", head_dim]
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
         helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),

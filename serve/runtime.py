@@ -53,7 +53,7 @@ def resolve_providers(requested: tuple[str, ...]) -> list[str]:
     return chosen
 
 
-def create_session(model_path: Path, config: SessionConfig) -> ort.InferenceSession:
+def create_session(model_path: Path | str, config: SessionConfig) -> ort.InferenceSession:
     providers = resolve_providers(config.providers)
     options = ort.SessionOptions()
     options.intra_op_num_threads = config.threads
