@@ -43,14 +43,19 @@ class ServerSettings(BaseSettings):
         None, description="ONNX Runtime execution providers, comma-separated, in order of preference"
     )
     threads: int | None = Field(None, ge=1, le=1024, description="ONNX Runtime intra-op threads")
+    spinning: bool = Field(
+        False,
+        description="ONNX Runtime threads busy-wait between ops: faster steps on idle cores, but they "
+        "take the CPU the gRPC event loop needs (see docs/benchmarks.md)",
+    )
     max_batch_size: int = Field(16, ge=1, le=1024, description="rows in one engine step")
     max_queue: int = Field(256, ge=1, le=1_000_000, description="waiting requests before RESOURCE_EXHAUSTED")
     max_batch_tokens: int | None = Field(
         None, ge=1, description="KV slots (including padding) for the running batch; default: all the cache"
     )
-    max_prefill_tokens: int = Field(4096, ge=1, description="padded prompt tokens prefilled per engine step")
+    max_prefill_tokens: int = Field(512, ge=1, description="padded prompt tokens prefilled per engine step")
     max_wait_seconds: float = Field(
-        0.01, ge=0, le=60, description="how long a partial prefill group may wait for company"
+        0.0, ge=0, le=60, description="how long a partial prefill group may wait for company"
     )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="longest prompt in tokens; default and upper bound: the context length - 1"

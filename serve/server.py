@@ -117,7 +117,9 @@ def scheduler_limits(settings: ServerSettings) -> SchedulerLimits:
 async def load_model(settings: ServerSettings, metrics: Metrics | None) -> LoadedModel:
     """Bundle, warmed-up engine, started scheduler; raises BundleError for a bundle that cannot be served."""
     bundle = await asyncio.to_thread(load_bundle, settings.bundle)
-    session = SessionConfig(providers=tuple(settings.providers or ()), threads=settings.threads or 0)
+    session = SessionConfig(
+        providers=tuple(settings.providers or ()), threads=settings.threads or 0, spinning=settings.spinning
+    )
     engine_settings = EngineSettings(max_batch_size=settings.max_batch_size, session=session)
     engine = await asyncio.to_thread(Engine.from_bundle, bundle, engine_settings)
     try:
