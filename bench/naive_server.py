@@ -140,7 +140,9 @@ def _stream_message(request_id: str, event: Event) -> pb.GenerateStreamResponse:
 
 def build(settings: ServerSettings) -> NaiveService:
     bundle = load_bundle(settings.bundle)
-    session = SessionConfig(providers=tuple(settings.providers or ()), threads=settings.threads or 0)
+    session = SessionConfig(
+        providers=tuple(settings.providers or ()), threads=settings.threads or 0, spinning=settings.spinning
+    )
     engine = Engine.from_bundle(bundle, EngineSettings(max_batch_size=1, session=session))
     service = NaiveService(bundle, engine, settings)
     warm_up(engine)  # as the real server does, so the first client does not pay for the set-up

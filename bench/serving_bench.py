@@ -42,6 +42,7 @@ from bench.serving_report import cdf_level, plot_all, update_doc
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.bundle import Bundle, load_bundle
+from serve.config import ServerSettings
 from serve.engine import Engine, EngineSettings
 from serve.offline import OFFLINE_LIMITS, generate
 from serve.runtime import SessionConfig
@@ -139,9 +140,9 @@ def prompts(count: int, input_len: int, bundle: Bundle, seed: int = 0) -> list[l
     ]
 
 
-def offline_engine(bundle: Bundle, plan: Plan, threads: int, max_batch: int) -> dict[int, float]:
+def offline_engine(bundle: Bundle, plan: Plan, session: SessionConfig, max_batch: int) -> dict[int, float]:
     """Output tokens/s of `serve.offline.generate` at batch = each level (prefill included), median."""
-    settings = EngineSettings(max_batch_size=max_batch, session=SessionConfig(threads=threads))
+    settings = EngineSettings(max_batch_size=max_batch, session=session)
     engine = Engine.from_bundle(bundle, settings)
     rates = {}
     for batch in plan.levels:
@@ -316,6 +317,7 @@ class Results:
     results_dir: Path
     model: dict[str, object]
     threads: int
+    spinning: bool
     max_batch: int
     offline: dict[int, float]
     server: dict[int, BenchmarkOutput]
@@ -336,15 +338,18 @@ def run(args: argparse.Namespace) -> Results:
     threads = args.threads or os.cpu_count() or 1
     max_batch = max(plan.levels)
 
-    offline = offline_engine(bundle, plan, threads, max_batch)
+    # The servers' session settings, so the ceiling differs from them only in what serving adds.
+    offline = offline_engine(bundle, plan, SessionConfig(threads=threads, spinning=args.spinning), max_batch)
     hf = None if args.skip_hf else hf_generate(bundle, plan, threads, args.hf_venv)
 
+    spin_flag = "--spinning" if args.spinning else "--no-spinning"
     port, metrics_port = free_port(), free_port()
     serve_cmd = [
         str(BIN / "textgen-serve"),
         *("--bundle", str(bundle_dir), "--host", "127.0.0.1", "--port", str(port)),
         *("--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port)),
         *("--max-batch-size", str(max_batch), "--threads", str(threads), "--log-level", "WARNING"),
+        spin_flag,
     ]
     server_loads = {
         c: closed_loop(f"127.0.0.1:{port}", c, c * plan.requests_per_client, plan) for c in plan.levels
@@ -363,7 +368,7 @@ def run(args: argparse.Namespace) -> Results:
     naive_cmd = [
         sys.executable,
         *("-m", "bench.naive_server", "--bundle", str(bundle_dir), "--host", "127.0.0.1"),
-        *("--port", str(naive_port), "--threads", str(threads)),
+        *("--port", str(naive_port), "--threads", str(threads), spin_flag),
     ]
     naive_loads = {
         c: closed_loop(f"127.0.0.1:{naive_port}", c, max(c, plan.naive_requests), plan) for c in plan.levels
@@ -392,6 +397,7 @@ def run(args: argparse.Namespace) -> Results:
         results_dir=results_dir,
         model=model,
         threads=threads,
+        spinning=args.spinning,
         max_batch=max_batch,
         offline=offline,
         server=server,
@@ -436,6 +442,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
     p.add_argument(
         "--threads", type=int, default=None, help="ONNX Runtime / torch threads (default: all cores)"
+    )
+    p.add_argument(
+        "--spinning",
+        action=argparse.BooleanOptionalAction,
+        default=ServerSettings.model_fields["spinning"].default,
+        help="ONNX Runtime threads busy-wait, in the servers and the offline engine (default: the server's)",
     )
     p.add_argument("--skip-hf", action="store_true", help="leave out HF transformers")
     p.add_argument(

@@ -296,8 +296,9 @@ def section(results: Results, images: Sequence[Path], doc: Path, argv_used: Sequ
         "means other work shared the cores and the figures are low)",
         f"- Python {m['python']}, ONNX Runtime {m['onnxruntime']}, grpcio {m['grpcio']}; "
         f"HF baseline: {hf_line}",
-        f"- {results.threads} ONNX Runtime / torch threads everywhere; the load generator runs on the same "
-        "machine as the server it drives and takes part of its CPU.",
+        f"- {results.threads} ONNX Runtime / torch threads everywhere, ONNX Runtime spinning "
+        f"{'on' if results.spinning else 'off'} in both servers and the offline engine; the load generator "
+        "runs on the same machine as the server it drives and takes part of its CPU.",
         "",
         "### Workload",
         f"- Model `{model['name']}` ({model['dtype']}, quantization {model['quantization']}): "

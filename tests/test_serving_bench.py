@@ -60,6 +60,7 @@ def results(tmp_path: Path, served_16: float) -> Results:
         results_dir=tmp_path / "results",
         model=model,
         threads=2,
+        spinning=False,
         max_batch=16,
         offline={1: 300.0, 16: 1000.0},
         server={1: output(1, 290.0, 0.01), 16: output(16, served_16, 0.02)},
