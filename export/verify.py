@@ -149,8 +149,11 @@ def _failures(report: dict[str, Any]) -> list[str]:
         if r is None:
             continue
         failed += [f"{graph}: NaN/Inf in outputs"] * (not r["finite"])
-        failed += [f"{graph}: batch invariance"] * (not r.get("batch_invariant", True))
         if tolerance is not None:  # INT8 is judged on accuracy instead
+            # Dynamic INT8 quantizes each MatMul's activations with one scale for the whole batch
+            # (DynamicQuantizeLinear is per tensor), so a row's rounding depends on its neighbours: batch
+            # invariance is a guarantee of float bundles only, and is reported, not required, for INT8.
+            failed += [f"{graph}: batch invariance"] * (not r.get("batch_invariant", True))
             if r["max_abs_logits_diff"] > tolerance:
                 failed.append(f"{graph}: max |logits diff| {r['max_abs_logits_diff']:.2e} > {tolerance:.0e}")
             failed += [f"{graph}: greedy tokens differ from the reference"] * (not r["greedy_identical"])
