@@ -6,7 +6,7 @@ previous block's (a pre-LN residual stream grows gradually; a sudden jump is wha
 an overflow in fp16).
 
 The step from the embeddings to block 0 is shown but never flagged: trained pre-LN models have the first
-block write far larger values than the embeddings (the trained demo model: std x142, then x1.07-1.09 per
+block write far larger values than the embeddings (the trained demo model: std x49, then x1.08-1.18 per
 block).
 """
 
