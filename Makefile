@@ -22,12 +22,11 @@ serve: $(STAMP)
 	$(BIN)/textgen-export demo --out $(BUNDLE)
 	$(BIN)/textgen-serve --bundle $(BUNDLE)
 
-## What CI runs: system packages the tests need, lint, the fast test suite.
+## What CI runs: system packages the tests need, lint, the fast test suite. The shared demo checkpoint
+## is built before pytest (first run only, with a progress bar), so no single test's timeout absorbs it.
 test: $(STAMP)
 	if [ -f .ci/system-deps.sh ]; then bash .ci/system-deps.sh; fi
 	$(BIN)/ruff check .
-	# Build the shared demo checkpoint first (first run only, with a progress bar), so no single test's
-	# timeout has to absorb its training.
 	$(BIN)/python -m export.demo
 	$(BIN)/pytest -q
 
