@@ -29,6 +29,13 @@ ANCHORS = REPO.parent / "shared" / "anchors"
 PROMPT_LEN, NEW_TOKENS, SEED, VOCAB = 32, 128, 1234, 8192
 BATCHES = (1, 4, 16)
 PARAMS_BENCH_A = 29.94e6
+DEFAULT_ANCHOR_CELLS = (
+    "torch A-gpt2",
+    "optimum A-gpt2 fp32",
+    "optimum A-gpt2 int8-dyn",
+    "ortgenai B-llama fp32",
+    "ortgenai B-llama int8",
+)
 
 
 def prompt_rows(batch: int) -> np.ndarray:
@@ -111,11 +118,25 @@ def cell_in_subprocess(bundle: Path, batch: int, threads: int, repeats: int) -> 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_anchors(tools: str, pass_no: int) -> Path:
-    """One pass of the peer stacks (their own venv and models: ../shared/anchors/README.md)."""
+def run_anchors(cells: list[str], pass_no: int) -> Path:
+    """One pass of the peer stacks' cells (their own venv and models: ../shared/anchors/README.md).
+
+    `cells` are the anchors' cell labels without the batch, e.g. "optimum A-gpt2 int8-dyn".
+    """
     work = Path(os.environ.get("ANCHOR_WORK", "/tmp/textgen-anchors"))
     env = {**os.environ, "ANCHOR_WORK": str(work), "ANCHOR_SKIP_LLAMA": "1"}
-    cmd = ["bash", str(ANCHORS / "run.sh"), "--tools", tools, "--pass", str(pass_no)]
+    tools = sorted({cell.split()[0] for cell in cells})
+    cmd = [
+        "bash",
+        str(ANCHORS / "run.sh"),
+        "--tools",
+        ",".join(tools),
+        "--pass",
+        str(pass_no),
+        "--skip-prepare",
+    ]
+    for cell in cells:
+        cmd += ["--only", cell + " "]
     subprocess.run(cmd, check=True, env=env)
     return work / "results" / f"pass{pass_no}"
 
@@ -124,7 +145,7 @@ def anchor_rows(result_dir: Path) -> list[dict[str, object]]:
     rows = []
     for path in sorted(result_dir.glob("*.json")):
         data = json.loads(path.read_text())
-        if "tok_s" in data or "tok_per_s" in data:
+        if data.get("status") == "ok":
             rows.append(data)
     return rows
 
@@ -136,7 +157,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bundles", type=Path, default=REPO / "models" / "bench")
-    p.add_argument("--anchors", default="", help="peer tools for the same pass, e.g. torch,optimum,ortgenai")
+    p.add_argument(
+        "--anchors",
+        default=",".join(DEFAULT_ANCHOR_CELLS),
+        help="the anchors' cells to run in the same pass (comma-separated; empty: none)",
+    )
     p.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "engine.json")
     args = p.parse_args()
     if args.cell:
@@ -159,7 +184,14 @@ def main() -> None:
                 flush=True,
             )
     if args.anchors:
-        record["anchors"] = anchor_rows(run_anchors(args.anchors, 1))
+        record["anchors"] = anchor_rows(run_anchors(args.anchors.split(","), 1))
+        for row in record["anchors"]:  # type: ignore[union-attr]
+            ttft = 1000 * (row.get("ttft_s_median") or float("nan"))
+            print(
+                f"{row['tool']} {row['variant']} {row['model']} b{row['batch']}: "
+                f"{row['tok_per_s']:.0f} tok/s  "
+                f"ttft {ttft:.1f} ms  peak {row['peak_rss_mb']:.0f} MB"
+            )
     machine = record["machine"]
     for cell in cells.values():
         flops = cell["tok_s"] * 2 * PARAMS_BENCH_A / 1e9  # type: ignore[operator]
