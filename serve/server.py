@@ -262,6 +262,10 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             record.code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             self._account(record)
             raise
+        except GeneratorExit:  # a stream whose client vanished mid-write: gRPC closes it without cancelling
+            record.code = grpc.StatusCode.CANCELLED
+            self._account(record)
+            raise
         except Exception as exc:
             record.code, record.error = grpc_status(exc, record.request_id or None)
             if record.code is grpc.StatusCode.INTERNAL:
