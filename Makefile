@@ -37,7 +37,7 @@ lint: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
 
-## The serving benchmark (~10 min on 2 cores; bench-quick ~2 min): server vs naive server vs offline engine
+## The serving benchmark (~12 min on 2 cores; bench-quick ~2 min): server vs naive server vs offline engine
 ## vs HF transformers; rewrites the serving section of docs/benchmarks.md and docs/images/serving_*.png.
 bench: $(STAMP)
 	$(BIN)/python -m bench.serving_bench

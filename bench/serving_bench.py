@@ -1,6 +1,6 @@
 """Regenerate the serving part of docs/benchmarks.md: the gRPC server against its baselines, with plots.
 
-    .venv/bin/python -m bench.serving_bench            # the full run (`make bench`), ~10 minutes on 2 cores
+    .venv/bin/python -m bench.serving_bench            # the full run (`make bench`), ~12 minutes on 2 cores
     .venv/bin/python -m bench.serving_bench --quick    # 1, 4 and 16 clients, one pass: ~2 minutes
 
 In one run, on one machine, with one workload (prompt of `--input-len` random token ids, exactly
