@@ -214,7 +214,7 @@ def verify_bundle(bundle: Bundle, model: Decoder | None = None) -> dict[str, Any
     if bundle.inplace_graph is not None and m.dtype == "float32":
         report["inplace"] = check_engine(bundle, reference, prompts)
     elif bundle.inplace_graph is not None:
-        # The engine keeps float32 KV buffers; a float16 serving graph is for CUDA.
+        # A float16 serving graph targets CUDA; ONNX Runtime's CPU kernels are not what it is checked for.
         report["notes"] = ["float16 serving graph not run on CPU: check it with bench/gpu_check.py on a GPU"]
     if m.quantization == "int8":
         report["int8"] = _int8_report(bundle, session, model, shape)

@@ -12,7 +12,6 @@ Not thread-safe: the scheduler calls it from its one engine thread.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -102,7 +101,6 @@ class Engine:
         self._logits = np.zeros((settings.max_batch_size, spec.vocab_size), types["logits"])
         self.last_logits = self._logits[:0]
         self._bindings: dict[tuple[int, int], Any] = {}
-        self.last_step_seconds = 0.0
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, settings: EngineSettings) -> Engine:
@@ -252,9 +250,7 @@ class Engine:
         for name, array in inputs.items():  # `inputs` keeps the arrays alive until the run is over
             binding.bind_cpu_input(name, array)
         logits = self._logits[: rows.stop - rows.start]
-        start = time.perf_counter()
         self.session.run_with_iobinding(binding)
-        self.last_step_seconds = time.perf_counter() - start
         self.last_logits = logits
         return logits
 

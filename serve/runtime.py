@@ -74,7 +74,3 @@ def create_session(model_path: Path | str, config: SessionConfig) -> ort.Inferen
 def ortvalue(array: Any) -> ort.OrtValue:
     """Wrap a numpy array without copying (CPU), so a bound KV buffer is written in place."""
     return ort.OrtValue.ortvalue_from_numpy(array)
-
-
-def version() -> str:
-    return str(ort.__version__)

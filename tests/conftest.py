@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from server_tools import LoopThread
 
 from export.model import DecoderConfig
 
@@ -47,3 +49,11 @@ def demo_bundle(demo_checkpoint: Path) -> Path:
     from export.pipeline import ensure_demo_bundle
 
     return ensure_demo_bundle(progress=False)[0].root
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[LoopThread]:
+    """An asyncio event loop on its own thread, for the real servers the tests start (one per module)."""
+    thread = LoopThread()
+    yield thread
+    thread.close()

@@ -181,13 +181,6 @@ def settled_scrape(running: RunningServer, requests: int, timeout: float = 10.0)
         time.sleep(0.02)
 
 
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    thread = LoopThread()
-    yield thread
-    thread.close()
-
-
 @contextlib.contextmanager
 def serving(loop: LoopThread, bundle: Path) -> Iterator[RunningServer]:
     running = RunningServer(loop, loopback_settings(bundle, max_batch_size=4))

@@ -38,13 +38,6 @@ FLOAT32 = st.floats(width=32)  # NaN, +-inf, +-0, subnormals and the extremes in
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    thread = LoopThread()
-    yield thread
-    thread.close()
-
-
-@pytest.fixture(scope="module")
 def server(loop: LoopThread, tiny_bundle: Path) -> Iterator[RunningServer]:
     running = RunningServer(
         loop,

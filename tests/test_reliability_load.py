@@ -40,13 +40,6 @@ NEW_TOKENS = 8
 CALL_TIMEOUT = 60.0  # no call may hang: a stuck one fails with the client's DEADLINE_EXCEEDED, then the test
 
 
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    thread = LoopThread()
-    yield thread
-    thread.close()
-
-
 @pytest.fixture
 def serving(loop: LoopThread, tiny_bundle: Path) -> Iterator[Callable[..., RunningServer]]:
     """Starts tiny-bundle servers with the given settings; stops them after the test."""

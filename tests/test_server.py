@@ -27,13 +27,6 @@ PROMPT = "the quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    thread = LoopThread()
-    yield thread
-    thread.close()
-
-
-@pytest.fixture(scope="module")
 def server(loop: LoopThread, tiny_bundle: Path) -> Iterator[RunningServer]:
     running = RunningServer(
         loop, loopback_settings(tiny_bundle, max_new_tokens=32, default_max_new_tokens=8, max_stop_strings=2)

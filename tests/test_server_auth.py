@@ -25,13 +25,6 @@ TLS_NAME = [("grpc.ssl_target_name_override", "localhost")]
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    thread = LoopThread()
-    yield thread
-    thread.close()
-
-
-@pytest.fixture(scope="module")
 def pki() -> Pki:
     return make_pki()
 

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -41,13 +40,6 @@ def long_request(max_new_tokens: int = 30) -> pb.GenerateRequest:
 def health_status(target: str) -> int:
     with grpc.insecure_channel(target) as channel:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    thread = LoopThread()
-    yield thread
-    thread.close()
 
 
 def test_health_is_not_serving_until_the_model_is_loaded(
