@@ -57,6 +57,13 @@ class ServerSettings(BaseSettings):
     max_wait_seconds: float = Field(
         0.0, ge=0, le=60, description="how long a partial prefill group may wait for company"
     )
+    stream_interval_ms: float = Field(
+        0.0,
+        ge=0,
+        le=10_000,
+        description="a stream's tokens go out at most once per this many ms (0: every engine step); "
+        "fewer, fuller messages for fast models",
+    )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="longest prompt in tokens; default and upper bound: the context length - 1"
     )

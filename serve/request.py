@@ -37,6 +37,17 @@ class TokenEvent:
     text: str
     logprobs: list[float]  # empty unless the request asked for them
 
+    @staticmethod
+    def join(events: list[TokenEvent]) -> TokenEvent:
+        """Consecutive events as one (tokens, text and logprobs in order)."""
+        if len(events) == 1:
+            return events[0]
+        return TokenEvent(
+            token_ids=[t for e in events for t in e.token_ids],
+            text="".join(e.text for e in events),
+            logprobs=[lp for e in events for lp in e.logprobs],
+        )
+
 
 @dataclass(frozen=True)
 class FinishEvent:
@@ -133,6 +144,8 @@ class RequestTracker:
         self._eos = eos_token_id
         self._limit = token_limit  # prompt + generated tokens may not exceed it
         self._text = TextStream(tokenizer, request.stop)
+        self._held: list[TokenEvent] = []  # produced, not yet handed over (see `pace`)
+        self._handed_at: float | None = None
 
     @property
     def request_id(self) -> str:
@@ -193,6 +206,21 @@ class RequestTracker:
         if reason is None:
             return self._event([token_id], logprobs, delta.text), None
         return self._event([token_id], logprobs, delta.text + self._text.flush()), self._finish(reason, now)
+
+    def pace(self, event: TokenEvent | None, now: float, interval: float, flush: bool) -> TokenEvent | None:
+        """What to hand to the client now: the first tokens at once, then at most one event per `interval`
+        seconds, carrying every token held since the previous one; `flush` (the request ends) hands over the
+        rest. A client that reads each message costs the server the same whether it carries one token or ten,
+        so a fast model need not pay that cost per token."""
+        if event is not None:
+            self._held.append(event)
+        if not self._held:
+            return None
+        if not flush and self._handed_at is not None and now - self._handed_at < interval:
+            return None
+        self._handed_at = now
+        held, self._held = self._held, []
+        return TokenEvent.join(held)
 
     def _limit_reached(self) -> str | None:
         if self.completion_tokens >= self.request.max_new_tokens:

@@ -49,6 +49,7 @@ from serve.request import (
     GenerationRequest,
     RequestState,
     RequestTracker,
+    TokenEvent,
     validate_request,
 )
 
@@ -107,6 +108,9 @@ class SchedulerLimits(BaseModel):
     )
     max_padding_ratio: float = Field(
         default=0.25, ge=0.0, le=1.0, description="length bucketing: most padding a prefill group may carry"
+    )
+    stream_interval_seconds: float = Field(
+        default=0.0, ge=0.0, le=10.0, description="a stream's tokens go out at most once per this interval"
     )
     step_history: int = Field(default=1024, ge=1, description="engine steps kept for inspection")
 
@@ -399,6 +403,7 @@ class BatchRunner:
                     self._metrics.on_first_token(now - tracker.times.arrival)
                 else:
                     self._metrics.on_token(now - previous)
+            token = tracker.pace(token, now, self.limits.stream_interval_seconds, flush=finish is not None)
             if token is not None:
                 deliveries.append((tracker, token))
             if finish is not None:
@@ -505,7 +510,8 @@ class RequestHandle:
         self._tracker = tracker
         self._loop = loop
         self._wake = wake
-        self._queue: asyncio.Queue[Event | TextgenError | None] = asyncio.Queue()
+        self._items: deque[Event | TextgenError] = deque()
+        self._arrived = asyncio.Event()  # set while _items is not empty, or once cancelled
         self._ended = False  # the scheduler delivered the last item
         self._exhausted = False  # the iterator returned or raised the last item
         self._cancelled = False
@@ -521,7 +527,7 @@ class RequestHandle:
         self._cancelled = True
         self._tracker.request_cancel()
         self._wake()
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, None)  # wakes a pending __anext__
+        self._loop.call_soon_threadsafe(self._arrived.set)  # wakes a pending __anext__
 
     def __aiter__(self) -> RequestHandle:
         return self
@@ -529,22 +535,32 @@ class RequestHandle:
     async def __anext__(self) -> Event:
         if self._exhausted:
             raise StopAsyncIteration
-        item = None if self._cancelled else await self._queue.get()
+        while not self._items and not self._cancelled:
+            self._arrived.clear()
+            await self._arrived.wait()
         if self._cancelled:
             self._exhausted = True
             raise Cancelled(f"request {self.request_id} was cancelled")
+        item = self._items.popleft()
         if isinstance(item, TextgenError):
             self._exhausted = True
             raise item
         if isinstance(item, FinishEvent):
             self._exhausted = True
-        if item is None:
-            raise RuntimeError(f"request {self.request_id}: empty event")  # only cancel() puts None
         return item
+
+    def ready_tokens(self) -> list[TokenEvent]:
+        """The TokenEvents already delivered, without waiting: a stream that fell behind the engine sends
+        them in one message instead of one message per step."""
+        ready: list[TokenEvent] = []
+        while not self._cancelled and self._items and isinstance(self._items[0], TokenEvent):
+            ready.append(self._items.popleft())  # type: ignore[arg-type]  # checked just above
+        return ready
 
     def _push(self, item: Event | TextgenError) -> None:
         self._ended = isinstance(item, FinishEvent | TextgenError)
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._arrived.set()
 
 
 class Scheduler:

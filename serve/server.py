@@ -35,7 +35,7 @@ from serve.config import ConfigError, ServerSettings
 from serve.engine import Engine, EngineSettings, NewSequence
 from serve.errors import BundleError, Draining, InvalidRequest, grpc_status
 from serve.metrics import Metrics
-from serve.request import Completion, FinishEvent
+from serve.request import Completion, FinishEvent, TokenEvent
 from serve.runtime import SessionConfig
 from serve.sampling import SamplingParams
 from serve.scheduler import RequestHandle, Scheduler, SchedulerLimits
@@ -111,6 +111,7 @@ def scheduler_limits(settings: ServerSettings) -> SchedulerLimits:
         max_batch_tokens=settings.max_batch_tokens,
         max_prefill_tokens=settings.max_prefill_tokens,
         max_wait_seconds=settings.max_wait_seconds,
+        stream_interval_seconds=settings.stream_interval_ms / 1000,
     )
 
 
@@ -330,7 +331,12 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     async def GenerateStream(
         self, request: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        """One message per TokenEvent, then a last one with the finish reason and usage (and no tokens)."""
+        """Tokens as they come, then a last message with the finish reason and usage (and no tokens).
+
+        A stream that keeps up gets one message per engine step; one that falls behind (slow client, busy
+        event loop) gets everything produced meanwhile in its next message, so the per-message cost is paid
+        once per write instead of once per token.
+        """
         async with self._call("GenerateStream", context) as record:
             handle = await self._submit(request, context, record)
             texts: list[str] = []
@@ -344,6 +350,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                             usage=usage(event),
                         )
                     else:
+                        event = TokenEvent.join([event, *handle.ready_tokens()])
                         texts.append(event.text)
                         yield pb.GenerateStreamResponse(
                             request_id=record.request_id,

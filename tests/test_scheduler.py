@@ -18,7 +18,7 @@ from serve.engine import Engine, EngineSettings
 from serve.errors import Cancelled, DeadlineExceeded, Draining, EngineFailure, InvalidRequest, QueueFull
 from serve.metrics import Metrics, new_registry
 from serve.offline import generate
-from serve.request import Completion, GenerationRequest, RequestState, TokenEvent
+from serve.request import Completion, FinishEvent, GenerationRequest, RequestState, RequestTracker, TokenEvent
 from serve.runtime import SessionConfig
 from serve.sampling import SamplingParams
 from serve.scheduler import RequestHandle, Scheduler, SchedulerLimits
@@ -597,3 +597,64 @@ def test_a_failing_session_run_fails_that_step_and_the_engine_recovers(
 
     assert run(main).token_ids == alone(prompt_of(6), 10)
     assert engine.batch_size == 0
+
+
+LETTERS_TEXT = "abcd"
+
+
+def tracker_of(tokenizer: Tokenizer, max_new: int = 8) -> RequestTracker:
+    return RequestTracker(request("p", prompt_of(3), max_new=max_new), tokenizer, 0, 64, arrival=0.0)
+
+
+def test_pace_hands_over_the_first_token_at_once_then_at_most_once_per_interval(tokenizer: Tokenizer) -> None:
+    tracker = tracker_of(tokenizer)
+    a, b, c, d = (TokenEvent([i], LETTERS_TEXT[i], [float(-i)]) for i in range(4))
+    assert tracker.pace(a, now=1.0, interval=0.5, flush=False) == a
+    assert tracker.pace(b, now=1.2, interval=0.5, flush=False) is None
+    assert tracker.pace(None, now=1.3, interval=0.5, flush=False) is None  # a step that produced no text
+    assert tracker.pace(c, now=1.5, interval=0.5, flush=False) == TokenEvent([1, 2], "bc", [-1.0, -2.0])
+    assert tracker.pace(d, now=1.6, interval=0.5, flush=True) == d  # the request ends: nothing is held back
+    assert tracker.pace(None, now=9.0, interval=0.5, flush=True) is None
+    unpaced = tracker_of(tokenizer)
+    assert [unpaced.pace(e, now=1.0, interval=0.0, flush=False) for e in (a, b)] == [a, b]
+
+
+def test_a_stream_that_falls_behind_takes_what_is_ready_in_one_go(tokenizer: Tokenizer) -> None:
+    async def main() -> None:
+        tracker = tracker_of(tokenizer)
+        handle = RequestHandle(tracker, asyncio.get_running_loop(), lambda: None)
+        events = [TokenEvent([i], "x", []) for i in range(3)]
+        finish = FinishEvent("length", 3, 3, 0.0, 0.0, 0.0)
+        for item in (*events, finish):
+            handle._push(item)
+        assert await handle.__anext__() == events[0]
+        assert handle.ready_tokens() == events[1:]  # the finish stays for the next read
+        assert handle.ready_tokens() == []
+        assert await handle.__anext__() == finish
+        with pytest.raises(StopAsyncIteration):
+            await handle.__anext__()
+
+    run(main)
+
+
+def test_stream_interval_through_the_scheduler_keeps_every_token(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=2)
+
+    async def main() -> list[list[TokenEvent | FinishEvent]]:
+        scheduler = await started(engine, SchedulerLimits(stream_interval_seconds=10.0))
+        handles = [scheduler.submit(request(f"r{i}", prompt_of(4 + i), max_new=10)) for i in range(2)]
+
+        async def events(handle: RequestHandle) -> list[TokenEvent | FinishEvent]:
+            return [event async for event in handle]
+
+        done = await asyncio.gather(*(events(h) for h in handles))
+        await scheduler.drain(1.0)
+        return done
+
+    for i, events in enumerate(run(main)):
+        *tokens, finish = events
+        assert isinstance(finish, FinishEvent) and finish.completion_tokens == 10
+        assert [len(e.token_ids) for e in tokens if isinstance(e, TokenEvent)] == [1, 9]
+        assert [t for e in tokens if isinstance(e, TokenEvent) for t in e.token_ids] == engine.expected(
+            prompt_of(4 + i), 10
+        )

@@ -343,3 +343,22 @@ def test_oversized_message_is_refused_by_the_transport(small_server: RunningServ
         error = rpc_error(lambda: stub.Generate(pb.GenerateRequest(text="x" * 4096)))
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert stub.Generate(greedy(2)).usage.completion_tokens == 2
+
+
+def test_stream_interval_sends_the_first_token_at_once_then_fuller_messages(
+    loop: LoopThread, tiny_bundle: Path
+) -> None:
+    # An interval longer than the whole generation: the first token goes out alone (time to first token is
+    # not delayed), the other 11 travel together in the message that ends the generation.
+    running = RunningServer(loop, loopback_settings(tiny_bundle, stream_interval_ms=10_000))
+    try:
+        with grpc.insecure_channel(running.target) as chan:
+            stub = pb_grpc.TextGenerationStub(chan)
+            whole = stub.Generate(greedy())
+            parts = list(stub.GenerateStream(greedy()))
+    finally:
+        running.stop()
+    assert [len(p.token_ids) for p in parts] == [1, 11, 0]
+    assert [t for p in parts for t in p.token_ids] == list(whole.token_ids)
+    assert "".join(p.text for p in parts) == whole.text
+    assert parts[-1].finish_reason == pb.FINISH_REASON_LENGTH and parts[-1].usage.completion_tokens == 12
