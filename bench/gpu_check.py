@@ -9,8 +9,10 @@ Needs a machine with a GPU and onnxruntime-gpu (the `gpu` extra, not `cpu`):
 For each bundle and each GPU provider (TensorRT with the bundle's profile, engine cache and precision flags;
 CUDA) it runs the standard graph on the fixed prompt set (export.generation, left-padded, prefill + decode)
 and compares logits and greedy tokens with the fp32 CPU run of the first bundle; then times greedy decode at
-each batch size. The fp32 bundle's in-place serving graph also runs through the engine on CUDA. Not run in
-CI (no GPU there).
+each batch size. The fp32 bundle's in-place serving graph also runs through the engine on CUDA, which must
+keep its KV cache in CUDA memory (every KV OrtValue reports device "cuda") and move a released row's cache
+on the device (the last row's K/V land bit for bit in the freed row); the exit status is 1 when that check
+fails. Not run in CI (no GPU there).
 """
 
 from __future__ import annotations
@@ -80,7 +82,20 @@ def _engine_check(bundle: Bundle, reference: Generation, prompts: list[list[int]
     for _ in range(len(reference.logits) - 1):
         tokens.append([o.token_id for o in engine.decode()])
     own = np.array(tokens).T
-    return {"providers": engine.providers, "greedy_token_agreement": float((own == reference.own).mean())}
+    devices = sorted(set(engine.kv_buffer_devices()))
+    assert devices == ["cuda"], f"the engine's KV cache is not in CUDA memory: {devices}"
+    n_layers = bundle.manifest.architecture.n_layers
+    layers = [(layer, kind) for layer in range(n_layers) for kind in ("key", "value")]
+    last = {lk: engine.kv_host(*lk)[-1] for lk in layers}
+    engine.release(["g0"])  # swap-remove: the last row's cache is copied into row 0 on the device
+    moved = len(prompts) > 1 and all(np.array_equal(engine.kv_host(*lk)[0], last[lk]) for lk in layers)
+    assert moved or len(prompts) == 1, "release() did not move the last row's KV cache into the freed row"
+    return {
+        "providers": engine.providers,
+        "kv_devices": devices,
+        "release_moved_kv": moved,
+        "greedy_token_agreement": float((own == reference.own).mean()),
+    }
 
 
 def check(bundles: list[Bundle], steps: int, batches: list[int], cache_root: Path) -> dict[str, Any]:
@@ -129,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = check(bundles, args.steps, args.batches, args.engine_cache or Path(tmp))
     json.dump(summary, sys.stdout, indent=2)
     print()
-    return 0
+    engine_failed = any("error" in r.get("engine_cuda", {}) for r in summary.values() if isinstance(r, dict))
+    return 1 if engine_failed else 0
 
 
 if __name__ == "__main__":

@@ -2,10 +2,18 @@
 
 Rows [0, n) of preallocated `[max_batch_size, heads, capacity, head_dim]` buffers (one K and one V per layer)
 hold the running sequences, right-padded: row r's valid cache entries are [0, lengths[r]). A prefill group
-is written straight into rows [n, n + k), a contiguous view, so joining copies nothing; a sequence that
-leaves is replaced by the last row (swap-remove), which copies only that row's valid prefix. The buffers are
-bound as both the past input and the present output of the serving graph, so GroupQueryAttention appends
-each step's keys and values in place (see export/onnx_inplace.py for the graph's semantics).
+is written straight into rows [n, n + k), a contiguous range, so joining copies nothing; a sequence that
+leaves is replaced by the last row (swap-remove), which copies that whole row. The buffers are bound as both
+the past input and the present output of the serving graph, so GroupQueryAttention appends each step's keys
+and values in place (see export/onnx_inplace.py for the graph's semantics).
+
+The buffers are OrtValues that ONNX Runtime allocates on the device the session runs on (runtime.kv_device:
+CUDA memory under the CUDA/TensorRT providers, host memory on CPU), so on a GPU the cache never leaves the
+device between steps. One code path for every device, which differs only in the device name: row ranges are
+bound by pointer (buffer start + first row * row bytes; rows are contiguous along the leading axis), and the
+swap-remove copy runs a tiny Identity graph on the same device (runtime.copy_graph) instead of numpy. Small
+inputs are bound from host arrays and logits are written into a host array (ONNX Runtime copies them from
+the device): sampling is numpy.
 
 Not thread-safe: the scheduler calls it from its one engine thread.
 """
@@ -20,7 +28,17 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from serve.errors import BundleError
-from serve.runtime import SessionConfig, create_session, ortvalue
+from serve.runtime import (
+    Device,
+    SessionConfig,
+    allocate,
+    copy_graph,
+    create_copy_session,
+    create_session,
+    kv_device,
+    ortvalue,
+    session_device_id,
+)
 from serve.sampling import SamplingBatch, SamplingParams
 
 if TYPE_CHECKING:
@@ -67,6 +85,17 @@ class TokenOut:
     logprob: float
 
 
+@dataclass(frozen=True)
+class _KvBuffer:
+    name: str  # "key.{layer}" / "value.{layer}": the graph's past_{name} input and present_{name} output
+    value: Any  # ort.OrtValue of [max_batch_size, heads, capacity, head_dim] on the engine's device
+    dtype: Any  # numpy type of the elements
+    row_bytes: int  # bytes of one row [heads, capacity, head_dim]
+
+    def row_ptr(self, row: int) -> int:
+        return int(self.value.data_ptr()) + row * self.row_bytes
+
+
 class Engine:
     def __init__(
         self, graph_path: str, tokenizer: Tokenizer, spec: ModelSpec, settings: EngineSettings
@@ -84,23 +113,31 @@ class Engine:
         self.capacity = capacity
         self.session = create_session(graph_path, settings.session)
         self.providers: list[str] = self.session.get_providers()
+        self.kv_device: Device = kv_device(self.providers, session_device_id(self.session))
         shape = (settings.max_batch_size, spec.n_heads, capacity, spec.head_dim)
+        self._row_shape = shape[1:]
         # The graph decides the precision (an fp16 bundle has fp16 caches and logits).
         types = {
             t.name: _NUMPY_TYPES[t.type] for t in [*self.session.get_inputs(), *self.session.get_outputs()]
         }
-        self._kv = [
-            (f"{kind}.{layer}", np.zeros(shape, types[f"past_{kind}.{layer}"]))
-            for layer in range(spec.n_layers)
-            for kind in ("key", "value")
-        ]
+        self._kv: list[_KvBuffer] = []
+        for layer in range(spec.n_layers):
+            for kind in ("key", "value"):
+                dtype = types[f"past_{kind}.{layer}"]
+                row_bytes = int(np.prod(self._row_shape)) * np.dtype(dtype).itemsize
+                value = allocate(shape, dtype, self.kv_device)
+                self._kv.append(_KvBuffer(f"{kind}.{layer}", value, dtype, row_bytes))
+        self._copy_session = create_copy_session(
+            copy_graph([b.dtype for b in self._kv], self._row_shape), self.kv_device
+        )
         self._lengths = np.zeros(settings.max_batch_size, np.int64)  # tokens in each row's cache
         self._pending = np.zeros(settings.max_batch_size, np.int64)  # sampled, not yet in the cache
         self._ids: list[str] = []
         self._sampling = SamplingBatch()
         self._logits = np.zeros((settings.max_batch_size, spec.vocab_size), types["logits"])
         self.last_logits = self._logits[:0]
-        self._bindings: dict[tuple[int, int], Any] = {}
+        self._bindings: dict[tuple[int, int], Any] = {}  # (first row, end row) -> serving-graph binding
+        self._copy_bindings: dict[tuple[int, int], Any] = {}  # (source row, target row) -> copy binding
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, settings: EngineSettings) -> Engine:
@@ -149,7 +186,18 @@ class Engine:
 
     def kv_shape(self) -> tuple[int, ...]:
         """Shape of the live KV view the graph runs on: (rows, heads, capacity, head_dim)."""
-        return self._kv[0][1][: self.batch_size].shape
+        return (self.batch_size, *self._row_shape)
+
+    def kv_buffer_devices(self) -> list[str]:
+        """The device ONNX Runtime reports for each KV buffer ("cpu", "cuda"), K and V per layer."""
+        return [b.value.device_name() for b in self._kv]
+
+    def kv_host(self, layer: int, kind: str) -> np.ndarray:
+        """A host copy of the live rows [0, n) of one layer's "key" or "value" buffer, for tests and checks.
+        Copies on every call (on a GPU the whole buffer, device to host); the engine never calls it."""
+        index = 2 * layer + ("key", "value").index(kind)
+        # OrtValue.numpy() is a view of a CPU tensor's memory (a copy from a GPU): copy the rows out.
+        return self._kv[index].value.numpy()[: self.batch_size].copy()
 
     def lengths(self) -> dict[str, int]:
         """Tokens in each running sequence's cache."""
@@ -220,9 +268,7 @@ class Engine:
                 continue  # already gone: release is idempotent
             last = len(self._ids) - 1
             if row != last:
-                valid = int(self._lengths[last])
-                for _, buf in self._kv:
-                    buf[row, :, :valid] = buf[last, :, :valid]
+                self._copy_row(last, row)
                 self._lengths[row] = self._lengths[last]
                 self._pending[row] = self._pending[last]
                 self._ids[row] = self._ids[last]
@@ -255,18 +301,35 @@ class Engine:
         return logits
 
     def _binding(self, rows: slice) -> Any:
-        """The IOBinding of a row range, with its KV views and logits output bound once and reused."""
+        """The IOBinding of a row range, with its KV rows and logits output bound once and reused."""
         key = (rows.start, rows.stop)
         binding = self._bindings.get(key)
         if binding is None:
             binding = self.session.io_binding()
             binding.bind_ortvalue_output("logits", ortvalue(self._logits[: rows.stop - rows.start]))
-            for name, buf in self._kv:
-                view = ortvalue(buf[rows])  # rows of the leading axis: contiguous, so no copy
-                binding.bind_ortvalue_input(f"past_{name}", view)
-                binding.bind_ortvalue_output(f"present_{name}", view)
+            device = self.kv_device
+            shape = (rows.stop - rows.start, *self._row_shape)
+            for buf in self._kv:
+                ptr = buf.row_ptr(rows.start)  # rows of the leading axis are contiguous: a sub-buffer
+                binding.bind_input(f"past_{buf.name}", device.type, device.id, buf.dtype, shape, ptr)
+                binding.bind_output(f"present_{buf.name}", device.type, device.id, buf.dtype, shape, ptr)
             self._bindings[key] = binding
         return binding
+
+    def _copy_row(self, src: int, dst: int) -> None:
+        """Copy row `src` of every KV buffer over row `dst`, on the buffers' device (whole rows: contiguous).
+        A run finishes before it returns (ONNX Runtime synchronizes the device at the end of a run), so the
+        serving session's next step sees the copy. Bindings are kept per row pair (binding costs ~10 µs a
+        buffer in Python; the source is always the last row, so there are at most max_batch_size² / 2)."""
+        binding = self._copy_bindings.get((src, dst))
+        if binding is None:
+            binding = self._copy_session.io_binding()
+            device, shape = self.kv_device, self._row_shape
+            for i, buf in enumerate(self._kv):
+                binding.bind_input(f"src.{i}", device.type, device.id, buf.dtype, shape, buf.row_ptr(src))
+                binding.bind_output(f"dst.{i}", device.type, device.id, buf.dtype, shape, buf.row_ptr(dst))
+            self._copy_bindings[(src, dst)] = binding
+        self._copy_session.run_with_iobinding(binding)
 
     def _emit(self, first_row: int, tokens: np.ndarray, logprobs: np.ndarray) -> list[TokenOut]:
         self._pending[first_row : first_row + len(tokens)] = tokens

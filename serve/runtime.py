@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+from onnx import helper
 
 from serve.errors import BundleError
 
@@ -72,5 +76,77 @@ def create_session(model_path: Path | str, config: SessionConfig) -> ort.Inferen
 
 
 def ortvalue(array: Any) -> ort.OrtValue:
-    """Wrap a numpy array without copying (CPU), so a bound KV buffer is written in place."""
+    """Wrap a host numpy array without copying, so an output bound to it is written in place."""
     return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+# -- device memory -------------------------------------------------------------------------------------------
+# Providers whose kernels read and write CUDA device memory (TensorRT engines run on CUDA memory too).
+_CUDA_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+
+
+@dataclass(frozen=True)
+class Device:
+    """An ONNX Runtime memory location, as OrtValue and IOBinding name it ("cpu" or "cuda", and an id)."""
+
+    type: str = "cpu"
+    id: int = 0
+
+
+def kv_device(providers: Sequence[str], device_id: int = 0) -> Device:
+    """Where a session's KV cache lives: on the GPU when the session's first (preferred) provider is a CUDA
+    one, so the cache stays on the device between steps; otherwise in host memory."""
+    if providers and providers[0] in _CUDA_PROVIDERS:
+        return Device("cuda", device_id)
+    return Device("cpu", 0)
+
+
+def session_device_id(session: ort.InferenceSession) -> int:
+    """The device id the session's first provider runs on (its `device_id` option; 0 when it has none)."""
+    first = session.get_providers()[0]
+    return int(session.get_provider_options().get(first, {}).get("device_id", 0))
+
+
+def allocate(shape: Sequence[int], dtype: Any, device: Device) -> ort.OrtValue:
+    """A zero-filled tensor allocated by ONNX Runtime on `device`. The zeros are not needed for correctness
+    (attention reads only each row's valid prefix) but keep never-written memory free of NaN bit patterns."""
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, device.type, device.id)
+    value.update_inplace(np.zeros(shape, dtype))  # one host->device copy at start-up on a GPU
+    return value
+
+
+# -- the row-copy graph --------------------------------------------------------------------------------------
+_COPY_OPSET = 13  # old enough for every onnxruntime >= 1.20
+
+
+def copy_graph(dtypes: Sequence[Any], shape: Sequence[int]) -> bytes:
+    """A serialized ONNX model with one Identity per tensor: inputs `src.{i}` -> outputs `dst.{i}`, each of
+    `shape` and `dtypes[i]`. Run with both sides bound to device memory, it copies on the device."""
+    nodes, inputs, outputs = [], [], []
+    for i, dtype in enumerate(dtypes):
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        inputs.append(helper.make_tensor_value_info(f"src.{i}", elem, list(shape)))
+        outputs.append(helper.make_tensor_value_info(f"dst.{i}", elem, list(shape)))
+        nodes.append(helper.make_node("Identity", [f"src.{i}"], [f"dst.{i}"], name=f"copy.{i}"))
+    graph = helper.make_graph(nodes, "textgen_copy", inputs, outputs)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", _COPY_OPSET)], producer_name="textgen"
+    )
+    model.ir_version = 7  # what onnxruntime >= 1.20 reads
+    return model.SerializeToString()
+
+
+def create_copy_session(model: bytes, device: Device) -> ort.InferenceSession:
+    """A session for `copy_graph` on the provider that owns `device`'s memory: CUDA for "cuda" (also under
+    a TensorRT serving session: an engine build for a memcpy gains nothing, and TensorRT runs on the same
+    CUDA memory), else CPU. One thread, no spinning, and no graph optimization, so the Identity nodes stay
+    and write into the bound outputs."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    providers: list[str | tuple[str, dict[str, Any]]] = ["CPUExecutionProvider"]
+    if device.type == "cuda":
+        providers.insert(0, ("CUDAExecutionProvider", {"device_id": device.id}))
+    return ort.InferenceSession(model, options, providers=providers)

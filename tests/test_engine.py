@@ -13,7 +13,7 @@ from export.checkpoint import load_checkpoint
 from export.model import Decoder
 from export.onnx_inplace import build_inplace_graph
 from serve.engine import Engine, EngineSettings, ModelSpec, NewSequence
-from serve.runtime import SessionConfig
+from serve.runtime import Device, SessionConfig, allocate, copy_graph, create_copy_session, kv_device
 from serve.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -193,3 +193,76 @@ def test_overfull_prefill_is_refused_without_side_effects(demo: tuple[Decoder, E
     assert engine.batch_size == 0
     with pytest.raises(RuntimeError, match="no running"):
         engine.decode()
+
+
+def test_kv_device_follows_the_first_provider() -> None:
+    cpu, cuda = "CPUExecutionProvider", "CUDAExecutionProvider"
+    assert kv_device([cuda, cpu]) == Device("cuda", 0)
+    assert kv_device(["TensorrtExecutionProvider", cuda, cpu]) == Device("cuda", 0)
+    assert kv_device([cuda, cpu], device_id=1) == Device("cuda", 1)
+    assert kv_device([cpu]) == Device("cpu", 0)
+    assert kv_device([cpu, cuda], device_id=1) == Device("cpu", 0)  # CPU first: the cache stays on the host
+    assert kv_device([]) == Device("cpu", 0)
+
+
+def test_kv_buffers_are_ort_values_on_the_sessions_device(demo: tuple[Decoder, Engine]) -> None:
+    model, engine = demo
+    assert engine.kv_device == kv_device(engine.providers) == Device("cpu", 0)
+    assert engine.kv_buffer_devices() == ["cpu"] * (2 * model.cfg.n_layers)
+    engine.prefill([NewSequence("a", [5, 6, 7], GREEDY)])
+    assert engine.kv_host(0, "key").shape == engine.kv_shape()
+    engine.release(["a"])
+
+
+def test_release_of_a_middle_row_moves_the_last_rows_cache(demo: tuple[Decoder, Engine]) -> None:
+    model, engine = demo
+    prompts = [encode(engine, t) for t in PROMPTS[:3]]
+    n = 12
+    alone = [run_alone(engine, p, n) for p in prompts]
+    out: dict[str, list[int]] = {}
+
+    def take(tokens: list) -> None:
+        for t in tokens:
+            out.setdefault(t.seq_id, []).append(t.token_id)
+
+    take(engine.prefill([NewSequence(str(i), p, GREEDY) for i, p in enumerate(prompts)]))
+    for _ in range(4):
+        take(engine.decode())
+    layers = [(layer, kind) for layer in range(model.cfg.n_layers) for kind in ("key", "value")]
+    before = {lk: engine.kv_host(*lk) for lk in layers}
+    assert engine.running_ids == ["0", "1", "2"]
+    engine.release(["1"])  # the middle row: row 2 moves into row 1
+    assert engine.running_ids == ["0", "2"]
+    for lk in layers:
+        after = engine.kv_host(*lk)
+        np.testing.assert_array_equal(after[0], before[lk][0], err_msg=str(lk))  # untouched
+        np.testing.assert_array_equal(after[1], before[lk][2], err_msg=str(lk))  # the whole last row
+    assert np.any(before[(0, "key")][1] != before[(0, "key")][2])  # so the comparison above means something
+    while engine.batch_size:
+        take(engine.decode())
+        engine.release([s for s, toks in out.items() if len(toks) >= n])
+    assert out["0"] == alone[0] and out["2"] == alone[2]
+    assert out["1"] == alone[1][:5]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_copy_graph_copies_into_the_bound_buffers(dtype: type) -> None:
+    shape = (3, 4, 5)
+    model = copy_graph([dtype, dtype], shape)
+    onnx.checker.check_model(onnx.load_from_string(model), full_check=True)
+    device = Device("cpu", 0)
+    session = create_copy_session(model, device)
+    rng = np.random.default_rng(0)
+    values = [allocate((2, *shape), dtype, device) for _ in range(2)]
+    assert all(not v.numpy().any() for v in values)  # allocate() zero-fills
+    sources = [rng.standard_normal((2, *shape)).astype(dtype) for _ in values]
+    for v, src in zip(values, sources, strict=True):
+        v.update_inplace(src)
+    row_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    binding = session.io_binding()
+    for i, v in enumerate(values):  # row 1 -> row 0, by pointer
+        binding.bind_input(f"src.{i}", "cpu", 0, dtype, shape, v.data_ptr() + row_bytes)
+        binding.bind_output(f"dst.{i}", "cpu", 0, dtype, shape, v.data_ptr())
+    session.run_with_iobinding(binding)
+    for v, src in zip(values, sources, strict=True):
+        np.testing.assert_array_equal(v.numpy(), np.stack([src[1], src[1]]))
