@@ -349,6 +349,7 @@ def run(args: argparse.Namespace) -> Results:
         *("--bundle", str(bundle_dir), "--host", "127.0.0.1", "--port", str(port)),
         *("--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port)),
         *("--max-batch-size", str(max_batch), "--threads", str(threads), "--log-level", "WARNING"),
+        *("--stream-interval-ms", f"{args.stream_interval_ms:g}"),
         spin_flag,
     ]
     server_loads = {
@@ -448,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=ServerSettings.model_fields["spinning"].default,
         help="ONNX Runtime threads busy-wait, in the servers and the offline engine (default: the server's)",
+    )
+    p.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=ServerSettings.model_fields["stream_interval_ms"].default,
+        help="textgen-serve --stream-interval-ms (default: the server's)",
     )
     p.add_argument("--skip-hf", action="store_true", help="leave out HF transformers")
     p.add_argument(
