@@ -350,6 +350,7 @@ def run(args: argparse.Namespace) -> Results:
         *("--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port)),
         *("--max-batch-size", str(max_batch), "--threads", str(threads), "--log-level", "WARNING"),
         *("--stream-interval-ms", f"{args.stream_interval_ms:g}"),
+        *("--prefill-chunk-tokens", str(args.prefill_chunk_tokens)),
         spin_flag,
     ]
     server_loads = {
@@ -455,6 +456,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=ServerSettings.model_fields["stream_interval_ms"].default,
         help="textgen-serve --stream-interval-ms (default: the server's)",
+    )
+    p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=ServerSettings.model_fields["prefill_chunk_tokens"].default,
+        help="textgen-serve --prefill-chunk-tokens (default: the server's)",
     )
     p.add_argument("--skip-hf", action="store_true", help="leave out HF transformers")
     p.add_argument(

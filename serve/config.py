@@ -54,6 +54,13 @@ class ServerSettings(BaseSettings):
         None, ge=1, description="KV slots (including padding) for the running batch; default: all the cache"
     )
     max_prefill_tokens: int = Field(512, ge=1, description="padded prompt tokens prefilled per engine step")
+    prefill_chunk_tokens: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="a lone prompt longer than this is prefilled this many tokens per step, with decode "
+        "steps of the running streams in between (0: in one step)",
+    )
     max_wait_seconds: float = Field(
         0.0, ge=0, le=60, description="how long a partial prefill group may wait for company"
     )

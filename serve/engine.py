@@ -96,6 +96,15 @@ class _KvBuffer:
         return int(self.value.data_ptr()) + row * self.row_bytes
 
 
+@dataclass
+class _Staged:
+    """A sequence whose prompt is being prefilled in chunks: it sits in the row after the running ones."""
+
+    seq: NewSequence
+    chunk: int  # prompt tokens per step
+    done: int = 0  # prompt tokens already in its cache
+
+
 class Engine:
     def __init__(
         self, graph_path: str, tokenizer: Tokenizer, spec: ModelSpec, settings: EngineSettings
@@ -133,6 +142,7 @@ class Engine:
         self._lengths = np.zeros(settings.max_batch_size, np.int64)  # tokens in each row's cache
         self._pending = np.zeros(settings.max_batch_size, np.int64)  # sampled, not yet in the cache
         self._ids: list[str] = []
+        self._staged: _Staged | None = None
         self._sampling = SamplingBatch()
         self._logits = np.zeros((settings.max_batch_size, spec.vocab_size), types["logits"])
         self.last_logits = self._logits[:0]
@@ -204,11 +214,23 @@ class Engine:
         return {seq_id: int(self._lengths[r]) for r, seq_id in enumerate(self._ids)}
 
     # -- steps -------------------------------------------------------------------------------------------
-    def prefill(self, new: Sequence[NewSequence]) -> list[TokenOut]:
-        """Run the prompts of `new` as one right-padded group; they join the batch. Returns first tokens."""
+    @property
+    def staged_id(self) -> str | None:
+        """The sequence being prefilled in chunks (it has a row, but decode steps leave it alone)."""
+        return None if self._staged is None else self._staged.seq.seq_id
+
+    def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]:
+        """Run the prompts of `new` as one right-padded group; they join the batch. Returns first tokens.
+
+        With `chunk` > 0, one sequence whose prompt is longer than `chunk` is prefilled `chunk` tokens at a
+        time instead: this call runs the first piece and returns nothing; `continue_prefill` runs the others
+        (decode steps of the running batch may come in between) and the last one returns its first token.
+        """
         n, k = self.batch_size, len(new)
         if not new:
             return []
+        if self._staged is not None:
+            raise RuntimeError(f"sequence {self._staged.seq.seq_id} is still being prefilled in chunks")
         if n + k > self.max_batch_size:
             raise ValueError(f"{n} running + {k} new sequences exceed max_batch_size {self.max_batch_size}")
         known = set(self._ids)
@@ -221,6 +243,14 @@ class Engine:
             if seq.seq_id in known:
                 raise ValueError(f"sequence {seq.seq_id} is already running")
             known.add(seq.seq_id)
+        if chunk > 0 and k == 1 and len(new[0].prompt_ids) > chunk:
+            self._staged = _Staged(new[0], chunk)
+            try:
+                self._prefill_piece()
+            except Exception:
+                self._staged = None
+                raise
+            return []
         lens = np.array([len(s.prompt_ids) for s in new], np.int64)
         width = int(lens.max())
         ids = np.full((k, width), self.spec.pad_token_id, np.int64)
@@ -228,14 +258,18 @@ class Engine:
             ids[row, : lens[row]] = seq.prompt_ids
         positions = np.broadcast_to(np.arange(width, dtype=np.int64), (k, width))
         logits = self._run(slice(n, n + k), ids, positions, lens - 1, width, lens - 1)
-        group = SamplingBatch()
-        for seq in new:
-            group.append(seq.sampling, seq.prompt_ids)
-        tokens, logprobs = group.sample(logits)
-        self._sampling.extend(group)
-        self._ids.extend(s.seq_id for s in new)
-        self._lengths[n : n + k] = lens
-        return self._emit(n, tokens, logprobs)
+        return self._join(new, logits, lens)
+
+    def continue_prefill(self) -> list[TokenOut]:
+        """The next piece of the chunked prefill; the last piece joins the sequence and returns its token."""
+        staged = self._staged
+        if staged is None:
+            raise RuntimeError("continue_prefill() with no chunked prefill in progress")
+        logits = self._prefill_piece()
+        if staged.done < len(staged.seq.prompt_ids):
+            return []
+        self._staged = None
+        return self._join([staged.seq], logits, np.array([staged.done], np.int64))
 
     def decode(self) -> list[TokenOut]:
         """One step for every running sequence: feed each its pending token, sample the next."""
@@ -262,6 +296,9 @@ class Engine:
     def release(self, seq_ids: Iterable[str]) -> None:
         """The sequences leave the batch; each is replaced by the current last row."""
         for seq_id in seq_ids:
+            if seq_id == self.staged_id:
+                self._staged = None  # its row is simply free again
+                continue
             try:
                 row = self._ids.index(seq_id)
             except ValueError:
@@ -274,8 +311,35 @@ class Engine:
                 self._ids[row] = self._ids[last]
             self._ids.pop()
             self._sampling.remove(row)
+            if self._staged is not None:  # keep the staged row right after the running ones
+                self._copy_row(last + 1, last)
 
     # -- internals ---------------------------------------------------------------------------------------
+    def _prefill_piece(self) -> np.ndarray:
+        """Append the staged sequence's next `chunk` prompt tokens to its row's cache; returns its logits."""
+        assert self._staged is not None
+        staged, row = self._staged, self.batch_size
+        start = staged.done
+        piece = np.asarray(staged.seq.prompt_ids[start : start + staged.chunk], np.int64)[None]
+        end = start + piece.shape[1]
+        positions = np.arange(start, end, dtype=np.int64)[None]
+        seqlens = np.array([end - 1], np.int64)
+        logits = self._run(slice(row, row + 1), piece, positions, seqlens, end, np.array([end - start - 1]))
+        staged.done = end
+        return logits
+
+    def _join(self, new: Sequence[NewSequence], logits: np.ndarray, lens: np.ndarray) -> list[TokenOut]:
+        """The prefilled rows after the running ones join the batch with their first sampled tokens."""
+        n = self.batch_size
+        group = SamplingBatch()
+        for seq in new:
+            group.append(seq.sampling, seq.prompt_ids)
+        tokens, logprobs = group.sample(logits)
+        self._sampling.extend(group)
+        self._ids.extend(s.seq_id for s in new)
+        self._lengths[n : n + len(new)] = lens
+        return self._emit(n, tokens, logprobs)
+
     def _run(
         self,
         rows: slice,

@@ -73,7 +73,8 @@ class BatchEngine(Protocol):
     def eos_token_id(self) -> int: ...
     @property
     def tokenizer(self) -> tokenizers.Tokenizer: ...
-    def prefill(self, new: Sequence[NewSequence]) -> list[TokenOut]: ...
+    def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]: ...
+    def continue_prefill(self) -> list[TokenOut]: ...
     def decode(self) -> list[TokenOut]: ...
     def release(self, seq_ids: Iterable[str]) -> None: ...
     @property
@@ -97,6 +98,14 @@ class SchedulerLimits(BaseModel):
     # step). 512 still takes the usual burst of 16 x 32-token prompts in one step.
     max_prefill_tokens: int = Field(
         default=512, ge=1, description="padded prompt tokens prefilled in one step"
+    )
+    # A lone prompt arriving while others decode stalls them for its whole prefill; in pieces, each stall is
+    # one piece long and decode steps run in between (the arrival's first token comes later instead).
+    prefill_chunk_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="a lone prompt longer than this is prefilled this many tokens a step while others "
+        "decode (0: in one step)",
     )
     max_queue: int = Field(default=256, ge=0, description="waiting requests; more are refused at once")
     # No wait by default: grouping arrivals saves little on CPU (prefill cost follows tokens) and turns
@@ -183,6 +192,7 @@ class BatchRunner:
         self._steps: deque[StepRecord] = deque(maxlen=limits.step_history)
         self._outcomes: Counter[str] = Counter()
         self._last_phase = ""
+        self._staged: RequestTracker | None = None  # prefilled in chunks: has a row, not yet decoding
         self._partial: list[Delivery] = []
         self._load = _Load(0, engine.batch_size, engine.kv_shape(), 0)
 
@@ -269,11 +279,13 @@ class BatchRunner:
         self._leave(self._sweep(list(self._running.values()), now, deliveries))
         with self._cv:
             self._drop_waiting(self._sweep(list(self._waiting), now, deliveries))
-            group = self._select(now)
+            group = [] if self._staged is not None else self._select(now)
             self._drop_waiting(group)
-        if group:
+        if self._staged is not None and not (self._decoding and self._last_phase == "prefill"):
+            self._continue_prefill(self._staged, deliveries)
+        elif group:
             self._prefill(group, deliveries)
-        elif self._running:
+        elif self._decoding:
             self._decode(deliveries)
         self._publish_load()
         self._partial = []
@@ -355,10 +367,25 @@ class BatchRunner:
                 self._metrics.on_admitted(queued)
         lengths = [t.prompt_len for t in group]
         new = [NewSequence(t.request_id, t.request.prompt_ids, t.request.sampling) for t in group]
-        self._run_step("prefill", group, lengths, lambda: self.engine.prefill(new), deliveries)
+        chunk = self.limits.prefill_chunk_tokens
+        if chunk and len(group) == 1 and group[0].prompt_len > chunk and len(self._running) > 1:
+            self._staged = group[0]  # nobody is stalled when nothing else runs: then prefill it whole
+            lengths = [chunk]
+        else:
+            chunk = 0
+        self._run_step("prefill", group, lengths, lambda: self.engine.prefill(new, chunk), deliveries)
+
+    def _continue_prefill(self, staged: RequestTracker, deliveries: list[Delivery]) -> None:
+        piece = [min(self.limits.prefill_chunk_tokens, staged.prompt_len)]
+        self._run_step("prefill", [staged], piece, self.engine.continue_prefill, deliveries)
+
+    @property
+    def _decoding(self) -> bool:
+        """Some running request is past its prefill."""
+        return len(self._running) > (self._staged is not None)
 
     def _decode(self, deliveries: list[Delivery]) -> None:
-        rows = list(self._running.values())
+        rows = [t for t in self._running.values() if t is not self._staged]
         self._run_step("decode", rows, [t.context for t in rows], self.engine.decode, deliveries)
 
     def _run_step(
@@ -391,6 +418,8 @@ class BatchRunner:
         finished: list[RequestTracker] = []
         for out in outs:
             tracker = self._running[out.seq_id]
+            if tracker is self._staged:
+                self._staged = None  # its last piece: it decodes from now on
             previous = tracker.times.last_token
             try:
                 token, finish = tracker.accept(out.token_id, out.logprob, now)
@@ -439,6 +468,8 @@ class BatchRunner:
             out.append((tracker, error(tracker)))
 
     def _leave(self, trackers: list[RequestTracker]) -> None:
+        if self._staged in trackers:
+            self._staged = None
         joined = [t.request_id for t in trackers if self._running.pop(t.request_id, None) is not None]
         if not joined:
             return

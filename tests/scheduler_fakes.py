@@ -45,6 +45,7 @@ class FakeEngine:
         self._ids: list[str] = []
         self._context: dict[str, list[int]] = {}
         self._generated: dict[str, int] = {}
+        self._staged: tuple[NewSequence, int] | None = None  # (sequence, prefill pieces still to run)
 
     @property
     def batch_size(self) -> int:
@@ -62,16 +63,32 @@ class FakeEngine:
             return self.eos_token_id
         return self._alphabet[(sum(context) * 31 + len(context)) % len(self._alphabet)]
 
-    def prefill(self, new: Sequence[NewSequence]) -> list[TokenOut]:
+    def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]:
+        if self._staged is not None:
+            raise RuntimeError("a chunked prefill is in progress")
         if len(self._ids) + len(new) > self.max_batch_size:
             raise ValueError("more rows than KV slots")
         for seq in new:
             if not 1 <= len(seq.prompt_ids) < self.capacity or seq.seq_id in self._context:
                 raise ValueError(f"bad sequence {seq.seq_id}")
+        if chunk and len(new) == 1 and len(new[0].prompt_ids) > chunk:
+            self._staged = (new[0], -(-len(new[0].prompt_ids) // chunk) - 1)  # pieces still to run
+            return []
+        for seq in new:
             self._ids.append(seq.seq_id)
             self._context[seq.seq_id] = list(seq.prompt_ids)
             self._generated[seq.seq_id] = 0
         return [self._sample(s.seq_id) for s in new]
+
+    def continue_prefill(self) -> list[TokenOut]:
+        if self._staged is None:
+            raise RuntimeError("no chunked prefill in progress")
+        seq, left = self._staged
+        if left > 1:
+            self._staged = (seq, left - 1)
+            return []
+        self._staged = None
+        return self.prefill([seq])
 
     def decode(self) -> list[TokenOut]:
         if not self._ids:
@@ -83,6 +100,8 @@ class FakeEngine:
 
     def release(self, seq_ids: Iterable[str]) -> None:
         for seq_id in seq_ids:
+            if self._staged is not None and self._staged[0].seq_id == seq_id:
+                self._staged = None
             if seq_id in self._context:
                 row = self._ids.index(seq_id)
                 self._ids[row] = self._ids[-1]
@@ -146,9 +165,13 @@ class Instrumented:
         """The tokens a greedy sequence gets when it runs alone."""
         return self._reference(prompt, n)
 
-    def prefill(self, new: Sequence[NewSequence]) -> list[TokenOut]:
+    def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]:
         self._enter("prefill", [s.seq_id for s in new])
-        return self._leave(self.inner.prefill(new))
+        return self._leave(self.inner.prefill(new, chunk))
+
+    def continue_prefill(self) -> list[TokenOut]:
+        self._enter("prefill", [])
+        return self._leave(self.inner.continue_prefill())
 
     def decode(self) -> list[TokenOut]:
         self._enter("decode", self.inner.running_ids)

@@ -12,7 +12,7 @@ import torch
 from export.checkpoint import load_checkpoint
 from export.model import Decoder
 from export.onnx_inplace import build_inplace_graph
-from serve.engine import Engine, EngineSettings, ModelSpec, NewSequence
+from serve.engine import Engine, EngineSettings, ModelSpec, NewSequence, TokenOut
 from serve.runtime import Device, SessionConfig, allocate, copy_graph, create_copy_session, kv_device
 from serve.sampling import SamplingParams
 
@@ -266,3 +266,42 @@ def test_copy_graph_copies_into_the_bound_buffers(dtype: type) -> None:
     session.run_with_iobinding(binding)
     for v, src in zip(values, sources, strict=True):
         np.testing.assert_array_equal(v.numpy(), np.stack([src[1], src[1]]))
+
+
+def test_chunked_prefill_equals_whole_and_lets_the_batch_decode_in_between(
+    demo: tuple[Decoder, Engine],
+) -> None:
+    _, engine = demo
+    prompts = [encode(engine, text) for text in PROMPTS[:3]]
+    long = encode(engine, PROMPTS[3] * 4)  # 4 pieces of 5 tokens or fewer
+    assert len(long) > 15
+    alone = {i: run_alone(engine, p, 24) for i, p in enumerate([*prompts, long])}
+    out: dict[str, list[int]] = {str(i): [] for i in range(4)}
+
+    def take(tokens: list[TokenOut]) -> None:
+        for t in tokens:
+            out[t.seq_id].append(t.token_id)
+
+    take(engine.prefill([NewSequence(str(i), p, GREEDY) for i, p in enumerate(prompts)]))
+    assert engine.prefill([NewSequence("3", long, GREEDY)], chunk=5) == []
+    assert engine.staged_id == "3" and engine.batch_size == 3
+    pieces = 1
+    while engine.staged_id is not None:
+        decoded = engine.decode()
+        assert sorted(t.seq_id for t in decoded) == sorted(engine.running_ids)  # the staged row is left alone
+        take(decoded)
+        if pieces == 2:
+            engine.release(["0"])  # a running row leaves mid-prefill: the staged row moves down with it
+            assert engine.kv_shape()[0] == 2
+        take(engine.continue_prefill())
+        pieces += 1
+    assert pieces == -(-len(long) // 5) and engine.running_ids[-1] == "3"
+    while len(out["3"]) < 12:
+        take(engine.decode())
+    engine.release(engine.running_ids)
+    assert out["3"] == alone[3][:12]
+    for i in (1, 2):
+        assert out[str(i)] == alone[i][: len(out[str(i)])]
+    assert out["0"] == alone[0][: len(out["0"])]
+    with pytest.raises(RuntimeError):
+        engine.continue_prefill()

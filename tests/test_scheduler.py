@@ -658,3 +658,48 @@ def test_stream_interval_through_the_scheduler_keeps_every_token(make_engine: En
         assert [t for e in tokens if isinstance(e, TokenEvent) for t in e.token_ids] == engine.expected(
             prompt_of(4 + i), 10
         )
+
+
+def test_a_long_lone_prompt_is_prefilled_in_pieces_between_decode_steps(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=3)
+    limits = SchedulerLimits(prefill_chunk_tokens=4)
+
+    async def main() -> list[Completion]:
+        scheduler = await started(engine, limits)
+        first = [scheduler.submit(request(f"r{i}", prompt_of(3 + i), max_new=30)) for i in range(2)]
+        for handle in first:
+            await handle.__anext__()  # both decoding
+        late = scheduler.submit(request("late", prompt_of(14, 45), max_new=5))
+        done = await asyncio.gather(*(collect(h) for h in [*first, late]))
+        await scheduler.drain(1.0)
+        return done
+
+    *_, late = run(main)
+    assert late.token_ids == engine.expected(prompt_of(14, 45), 5)
+    phases = [phase for phase, _ in engine.calls]
+    start = next(i for i, (phase, rows) in enumerate(engine.calls) if rows == ["late"])
+    # 14 tokens in pieces of 4: the first piece, then three more, each after a decode step of the others.
+    assert phases[start : start + 8] == ["prefill", "decode"] * 4
+    assert all("late" not in rows for phase, rows in engine.calls[start : start + 6] if phase == "decode")
+    assert any(sorted(rows) == ["late", "r0", "r1"] for _, rows in engine.calls)  # then it decodes
+
+
+def test_a_chunked_prefill_that_is_cancelled_frees_its_row(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=2, step_seconds=0.01)
+
+    async def main() -> None:
+        scheduler = await started(engine, SchedulerLimits(prefill_chunk_tokens=2))
+        running = scheduler.submit(request("r", prompt_of(3), max_new=40))
+        await running.__anext__()
+        late = scheduler.submit(request("late", prompt_of(30), max_new=5))
+        await until(lambda: any(rows == ["late"] for _, rows in engine.calls))
+        late.cancel()
+        with pytest.raises(Cancelled):
+            await collect(late)
+        after = scheduler.submit(request("after", prompt_of(5), max_new=3))
+        assert len((await collect(after)).token_ids) == 3
+        await collect(running)
+        await scheduler.drain(1.0)
+
+    run(main)
+    assert engine.batch_size == 0

@@ -21,7 +21,7 @@ from server_tools import LoopThread, rpc_error
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.errors import EngineFailure
-from serve.server import CallRecord
+from serve.server import CallRecord, scheduler_limits
 
 PROMPT = "the quick brown fox"
 
@@ -362,3 +362,12 @@ def test_stream_interval_sends_the_first_token_at_once_then_fuller_messages(
     assert [t for p in parts for t in p.token_ids] == list(whole.token_ids)
     assert "".join(p.text for p in parts) == whole.text
     assert parts[-1].finish_reason == pb.FINISH_REASON_LENGTH and parts[-1].usage.completion_tokens == 12
+
+
+def test_scheduling_settings_reach_the_scheduler(tiny_bundle: Path) -> None:
+    settings = loopback_settings(
+        tiny_bundle, prefill_chunk_tokens=16, stream_interval_ms=25, max_wait_seconds=0.5
+    )
+    limits = scheduler_limits(settings)
+    assert limits.prefill_chunk_tokens == 16 and limits.max_wait_seconds == 0.5
+    assert limits.stream_interval_seconds == pytest.approx(0.025)
