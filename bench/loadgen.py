@@ -205,9 +205,9 @@ class RequestRecord:
 
 
 async def send(
-    stub: pb_grpc.TextGenerationStub, message: pb.GenerateRequest, origin: float, timeout: float
+    stub: pb_grpc.TextGenerationStub, message: pb.GenerateRequest, origin: float, sent: float, timeout: float
 ) -> RequestRecord:
-    sent = time.perf_counter()
+    """`sent` is when the load shape issued the request (its arrival), not when this task got to run."""
     record = RequestRecord(request_id=message.request_id, start=sent - origin)
     last: float | None = None
     try:
@@ -303,7 +303,7 @@ async def run_load(config: LoadConfig, stub: pb_grpc.TextGenerationStub, prompts
     plan = _Plan(config, prompts, origin)
 
     def issue(message: pb.GenerateRequest) -> asyncio.Future[RequestRecord]:
-        future = asyncio.ensure_future(send(stub, message, origin, config.timeout))
+        future = asyncio.ensure_future(send(stub, message, origin, time.perf_counter(), config.timeout))
         future.add_done_callback(lambda _f: bar.update(1))
         return future
 

@@ -189,7 +189,9 @@ def test_closed_loop_smoke_run_matches_the_server(server: RunningServer, tmp_pat
     for rec in saved["records"]:
         assert rec["success"] and rec["output_tokens"] == 5 and rec["prompt_tokens"] == 6
         assert rec["finish_reason"] == "FINISH_REASON_LENGTH"
-        assert 0 < rec["ttft"] <= rec["latency"] and len(rec["itl"]) >= 1
+        assert 0 < rec["ttft"] <= rec["latency"]
+        # A stream that lags the engine gets several tokens in one message (one gap per message, not token).
+        assert len(rec["itl"]) <= 4 and all(gap > 0 for gap in rec["itl"])
     assert [c["ok"] for c in saved["server_checks"]] == [True] * 4
 
 
