@@ -661,12 +661,12 @@ def test_stream_interval_through_the_scheduler_keeps_every_token(make_engine: En
 
 
 def test_a_long_lone_prompt_is_prefilled_in_pieces_between_decode_steps(make_engine: EngineFactory) -> None:
-    engine = make_engine(max_batch_size=3)
+    engine = make_engine(max_batch_size=3, step_seconds=0.005)  # the first two outlive the late one's pieces
     limits = SchedulerLimits(prefill_chunk_tokens=4)
 
     async def main() -> list[Completion]:
         scheduler = await started(engine, limits)
-        first = [scheduler.submit(request(f"r{i}", prompt_of(3 + i), max_new=30)) for i in range(2)]
+        first = [scheduler.submit(request(f"r{i}", prompt_of(3 + i), max_new=50)) for i in range(2)]
         for handle in first:
             await handle.__anext__()  # both decoding
         late = scheduler.submit(request("late", prompt_of(14, 45), max_new=5))

@@ -346,11 +346,14 @@ def test_oversized_message_is_refused_by_the_transport(small_server: RunningServ
 
 
 def test_stream_interval_sends_the_first_token_at_once_then_fuller_messages(
-    loop: LoopThread, tiny_bundle: Path
+    loop: LoopThread, tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # An interval longer than the whole generation: the first token goes out alone (time to first token is
-    # not delayed), the other 11 travel together in the message that ends the generation.
+    # not delayed), the other 11 travel together in the message that ends the generation. Slow decode steps
+    # keep the first message from being merged with the rest by a stream that lags (the tiny model is fast).
     running = RunningServer(loop, loopback_settings(tiny_bundle, stream_interval_ms=10_000))
+    engine = running.model.engine
+    monkeypatch.setattr(engine, "decode", slow_decode(engine, 0.02))
     try:
         with grpc.insecure_channel(running.target) as chan:
             stub = pb_grpc.TextGenerationStub(chan)
