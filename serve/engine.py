@@ -243,6 +243,8 @@ class Engine:
             if seq.seq_id in known:
                 raise ValueError(f"sequence {seq.seq_id} is already running")
             known.add(seq.seq_id)
+        # One sequence only: GroupQueryAttention (ONNX Runtime 1.32) refuses a piece over a cached prefix for
+        # more than one row ("batch_size must be 1 when sequence_length > 1 and past context is given").
         if chunk > 0 and k == 1 and len(new[0].prompt_ids) > chunk:
             self._staged = _Staged(new[0], chunk)
             try:
