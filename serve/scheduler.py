@@ -75,6 +75,8 @@ class BatchEngine(Protocol):
     def tokenizer(self) -> tokenizers.Tokenizer: ...
     def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]: ...
     def continue_prefill(self) -> list[TokenOut]: ...
+    @property
+    def staged_id(self) -> str | None: ...
     def decode(self) -> list[TokenOut]: ...
     def release(self, seq_ids: Iterable[str]) -> None: ...
     @property
@@ -192,7 +194,6 @@ class BatchRunner:
         self._steps: deque[StepRecord] = deque(maxlen=limits.step_history)
         self._outcomes: Counter[str] = Counter()
         self._last_phase = ""
-        self._staged: RequestTracker | None = None  # prefilled in chunks: has a row, not yet decoding
         self._partial: list[Delivery] = []
         self._load = _Load(0, engine.batch_size, engine.kv_shape(), 0)
 
@@ -279,10 +280,11 @@ class BatchRunner:
         self._leave(self._sweep(list(self._running.values()), now, deliveries))
         with self._cv:
             self._drop_waiting(self._sweep(list(self._waiting), now, deliveries))
-            group = [] if self._staged is not None else self._select(now)
+            staged = self._staged
+            group = [] if staged is not None else self._select(now)
             self._drop_waiting(group)
-        if self._staged is not None and not (self._decoding and self._last_phase == "prefill"):
-            self._continue_prefill(self._staged, deliveries)
+        if staged is not None and not (self._decoding and self._last_phase == "prefill"):
+            self._continue_prefill(staged, deliveries)
         elif group:
             self._prefill(group, deliveries)
         elif self._decoding:
@@ -367,12 +369,10 @@ class BatchRunner:
                 self._metrics.on_admitted(queued)
         lengths = [t.prompt_len for t in group]
         new = [NewSequence(t.request_id, t.request.prompt_ids, t.request.sampling) for t in group]
-        chunk = self.limits.prefill_chunk_tokens
-        if chunk and len(group) == 1 and group[0].prompt_len > chunk and len(self._running) > 1:
-            self._staged = group[0]  # nobody is stalled when nothing else runs: then prefill it whole
-            lengths = [chunk]
-        else:
-            chunk = 0
+        # In pieces only while others decode: nobody is stalled when nothing else runs.
+        chunk = self.limits.prefill_chunk_tokens if len(self._running) > len(group) else 0
+        if chunk and len(group) == 1:  # the engine chunks a lone prompt only; the record shows one piece
+            lengths = [min(chunk, lengths[0])]
         self._run_step("prefill", group, lengths, lambda: self.engine.prefill(new, chunk), deliveries)
 
     def _continue_prefill(self, staged: RequestTracker, deliveries: list[Delivery]) -> None:
@@ -380,12 +380,19 @@ class BatchRunner:
         self._run_step("prefill", [staged], piece, self.engine.continue_prefill, deliveries)
 
     @property
+    def _staged(self) -> RequestTracker | None:
+        """The request the engine is prefilling in chunks: it holds a row but does not decode yet."""
+        staged = self.engine.staged_id
+        return None if staged is None else self._running.get(staged)
+
+    @property
     def _decoding(self) -> bool:
         """Some running request is past its prefill."""
         return len(self._running) > (self._staged is not None)
 
     def _decode(self, deliveries: list[Delivery]) -> None:
-        rows = [t for t in self._running.values() if t is not self._staged]
+        staged = self._staged
+        rows = [t for t in self._running.values() if t is not staged]
         self._run_step("decode", rows, [t.context for t in rows], self.engine.decode, deliveries)
 
     def _run_step(
@@ -418,8 +425,6 @@ class BatchRunner:
         finished: list[RequestTracker] = []
         for out in outs:
             tracker = self._running[out.seq_id]
-            if tracker is self._staged:
-                self._staged = None  # its last piece: it decodes from now on
             previous = tracker.times.last_token
             try:
                 token, finish = tracker.accept(out.token_id, out.logprob, now)
@@ -468,8 +473,6 @@ class BatchRunner:
             out.append((tracker, error(tracker)))
 
     def _leave(self, trackers: list[RequestTracker]) -> None:
-        if self._staged in trackers:
-            self._staged = None
         joined = [t.request_id for t in trackers if self._running.pop(t.request_id, None) is not None]
         if not joined:
             return

@@ -80,6 +80,10 @@ class FakeEngine:
             self._generated[seq.seq_id] = 0
         return [self._sample(s.seq_id) for s in new]
 
+    @property
+    def staged_id(self) -> str | None:
+        return None if self._staged is None else self._staged[0].seq_id
+
     def continue_prefill(self) -> list[TokenOut]:
         if self._staged is None:
             raise RuntimeError("no chunked prefill in progress")
@@ -168,6 +172,10 @@ class Instrumented:
     def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]:
         self._enter("prefill", [s.seq_id for s in new])
         return self._leave(self.inner.prefill(new, chunk))
+
+    @property
+    def staged_id(self) -> str | None:
+        return self.inner.staged_id
 
     def continue_prefill(self) -> list[TokenOut]:
         self._enter("prefill", [])

@@ -24,6 +24,8 @@ from serve.errors import EngineFailure
 from serve.server import CallRecord, scheduler_limits
 
 PROMPT = "the quick brown fox"
+# A stub, and the stream holding the small server's only row.
+BusyRow = tuple[pb_grpc.TextGenerationStub, Iterator[pb.GenerateStreamResponse]]
 
 
 @pytest.fixture(scope="module")
@@ -301,40 +303,46 @@ def small_server(loop: LoopThread, tiny_bundle: Path) -> Iterator[RunningServer]
     running.stop()
 
 
-def test_queue_full_is_resource_exhausted(
+@pytest.fixture
+def busy_row(
     small_server: RunningServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+) -> Iterator[BusyRow]:
+    """A stub, and a 40-token stream that holds the small server's only row for ~0.8 s (slowed decode)."""
     engine = small_server.model.engine
     monkeypatch.setattr(engine, "decode", slow_decode(engine, 0.02))
     with grpc.insecure_channel(small_server.target) as chan:
         stub = pb_grpc.TextGenerationStub(chan)
         running = stub.GenerateStream(greedy(40))
-        next(running)  # the only row is busy
-        queued = stub.GenerateStream(greedy(2))
-        waiting = threading.Thread(target=lambda: list(queued))
-        waiting.start()
-        small_server.wait_for(lambda s: s.waiting == 1)
-        error = rpc_error(lambda: stub.Generate(greedy(2)))
-        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "queue is full" in error.details()
-        assert list(running)[-1].finish_reason == pb.FINISH_REASON_LENGTH
-        waiting.join(10)
+        next(running)  # the row is taken
+        yield stub, running
+
+
+def test_queue_full_is_resource_exhausted(
+    small_server: RunningServer,
+    busy_row: BusyRow,
+) -> None:
+    stub, running = busy_row
+    queued = stub.GenerateStream(greedy(2))
+    waiting = threading.Thread(target=lambda: list(queued))
+    waiting.start()
+    small_server.wait_for(lambda s: s.waiting == 1)
+    error = rpc_error(lambda: stub.Generate(greedy(2)))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "queue is full" in error.details()
+    assert list(running)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    waiting.join(10)
 
 
 def test_deadline_while_queued_leaves_the_queue(
-    small_server: RunningServer, monkeypatch: pytest.MonkeyPatch
+    small_server: RunningServer,
+    busy_row: BusyRow,
 ) -> None:
-    engine = small_server.model.engine
-    monkeypatch.setattr(engine, "decode", slow_decode(engine, 0.02))
-    with grpc.insecure_channel(small_server.target) as chan:
-        stub = pb_grpc.TextGenerationStub(chan)
-        running = stub.GenerateStream(greedy(40))
-        next(running)  # the only row is busy for ~0.8 s
-        error = rpc_error(lambda: stub.Generate(greedy(2), timeout=0.2))
-        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        small_server.wait_for(lambda s: s.waiting == 0, timeout=1.0)
-        assert small_server.snapshot().running == 1  # the running stream is unaffected
-        assert list(running)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    stub, running = busy_row
+    error = rpc_error(lambda: stub.Generate(greedy(2), timeout=0.2))
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    small_server.wait_for(lambda s: s.waiting == 0, timeout=1.0)
+    assert small_server.snapshot().running == 1  # the running stream is unaffected
+    assert list(running)[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
 def test_oversized_message_is_refused_by_the_transport(small_server: RunningServer) -> None:
