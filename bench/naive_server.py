@@ -51,7 +51,9 @@ class NaiveService(pb_grpc.TextGenerationServicer):
         with self._lock:
             tracker = RequestTracker(request, engine.tokenizer, engine.eos_token_id, engine.capacity, arrival)
             tracker.admit(time.monotonic())
-            sequence = NewSequence(request.request_id, request.prompt_ids, request.sampling)
+            sequence = NewSequence(
+                request.request_id, request.prompt_ids, request.sampling, request.include_logprobs
+            )
             try:
                 out = engine.prefill([sequence])[0]
                 while True:

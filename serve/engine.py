@@ -76,13 +76,14 @@ class NewSequence:
     seq_id: str
     prompt_ids: Sequence[int]
     sampling: SamplingParams
+    logprobs: bool = False  # report each token's logprob (TokenOut.logprob is NaN otherwise)
 
 
 @dataclass(frozen=True)
 class TokenOut:
     seq_id: str
     token_id: int
-    logprob: float
+    logprob: float  # NaN unless the sequence asked for logprobs
 
 
 @dataclass(frozen=True)
@@ -335,7 +336,7 @@ class Engine:
         n = self.batch_size
         group = SamplingBatch()
         for seq in new:
-            group.append(seq.sampling, seq.prompt_ids)
+            group.append(seq.sampling, seq.prompt_ids, seq.logprobs)
         tokens, logprobs = group.sample(logits)
         self._sampling.extend(group)
         self._ids.extend(s.seq_id for s in new)

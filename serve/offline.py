@@ -48,6 +48,7 @@ def generate(
                 stop=stop,
                 ignore_eos=ignore_eos,
                 include_logprobs=include_logprobs,
+                stream=False,
             ),
             stop_at_context=True,
         )

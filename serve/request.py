@@ -27,6 +27,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     include_logprobs: bool = False
     deadline: float | None = None  # a time.monotonic() value
+    # The caller reads tokens as they come (GenerateStream). False: it reads the whole completion, so the
+    # engine thread hands it over once, at the end, instead of waking the event loop for every token.
+    stream: bool = True
 
 
 @dataclass(frozen=True)
@@ -211,10 +214,13 @@ class RequestTracker:
         """What to hand to the client now: the first tokens at once, then at most one event per `interval`
         seconds, carrying every token held since the previous one; `flush` (the request ends) hands over the
         rest. A client that reads each message costs the server the same whether it carries one token or ten,
-        so a fast model need not pay that cost per token."""
+        so a fast model need not pay that cost per token. A request that does not stream gets everything at
+        the end."""
         if event is not None:
             self._held.append(event)
         if not self._held:
+            return None
+        if not flush and not self.request.stream:
             return None
         if not flush and self._handed_at is not None and now - self._handed_at < interval:
             return None

@@ -219,6 +219,7 @@ class _Row:
     params: SamplingParams
     rng: np.random.Generator | None  # None for greedy rows: they never draw
     history: _History  # empty unless the row has a repetition penalty
+    logprobs: bool  # the caller wants the chosen token's logprob
 
 
 @dataclass(slots=True)
@@ -233,6 +234,7 @@ class _Layout:
     sampled: np.ndarray  # row indices drawn at random
     penalized: np.ndarray  # row indices with a repetition penalty
     generators: list[np.random.Generator]  # of the sampled rows, in the same order
+    scored: np.ndarray  # row indices whose chosen token's logprob is wanted
 
     @classmethod
     def of(cls, rows: Sequence[_Row]) -> _Layout:
@@ -248,6 +250,7 @@ class _Layout:
             sampled=np.flatnonzero(temperature > 0.0),
             penalized=np.flatnonzero(_penalizes(penalty)),
             generators=[row.rng for row in rows if row.rng is not None],
+            scored=np.flatnonzero([row.logprobs for row in rows]),
         )
 
 
@@ -262,13 +265,15 @@ class SamplingBatch:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def append(self, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
-        """Add a row at the end (the engine's next row). Unseeded sampling rows get a seed from OS entropy."""
+    def append(self, params: SamplingParams, prompt_ids: Sequence[int], logprobs: bool = False) -> None:
+        """Add a row at the end (the engine's next row). Unseeded sampling rows get a seed from OS entropy.
+        `logprobs`: `sample` computes this row's logprob (a log-softmax over the vocabulary: skipped for
+        rows that do not ask, which on a small model costs as much as the rest of sampling)."""
         params.validate()
         rng = None if params.greedy else np.random.default_rng(params.seed)
         penalized = bool(_penalizes(np.asarray(params.repetition_penalty, dtype=np.float32)))
         history = _History(prompt_ids if penalized else ())
-        self._rows.append(_Row(params=params, rng=rng, history=history))
+        self._rows.append(_Row(params=params, rng=rng, history=history, logprobs=logprobs))
         self._layout = None
 
     def extend(self, other: SamplingBatch) -> None:
@@ -287,8 +292,8 @@ class SamplingBatch:
 
     def sample(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Choose each row's next token from its logits [n, vocab]: tokens int64 [n] and their logprobs
-        float32 [n] under the model's raw distribution (before any processor). Records the tokens for the
-        repetition penalty."""
+        float32 [n] under the model's raw distribution (before any processor), NaN for rows that did not ask
+        for them. Records the tokens for the repetition penalty."""
         logits = np.asarray(logits, dtype=np.float32)
         if logits.ndim != 2 or logits.shape[0] != len(self._rows):
             raise ValueError(
@@ -301,7 +306,10 @@ class SamplingBatch:
             tokens = logits.argmax(axis=1)
         else:
             tokens = self._choose(logits, layout)
-        return tokens, self._logprobs(logits, tokens)
+        logprobs = np.full(len(tokens), np.nan, dtype=np.float32)
+        if layout.scored.size:
+            logprobs[layout.scored] = self._logprobs(logits[layout.scored], tokens[layout.scored])
+        return tokens, logprobs
 
     def _choose(self, logits: np.ndarray, layout: _Layout) -> np.ndarray:
         work = logits

@@ -368,7 +368,10 @@ class BatchRunner:
             if self._metrics is not None:
                 self._metrics.on_admitted(queued)
         lengths = [t.prompt_len for t in group]
-        new = [NewSequence(t.request_id, t.request.prompt_ids, t.request.sampling) for t in group]
+        new = [
+            NewSequence(t.request_id, t.request.prompt_ids, t.request.sampling, t.request.include_logprobs)
+            for t in group
+        ]
         # In pieces only while others decode: nobody is stalled when nothing else runs.
         chunk = self.limits.prefill_chunk_tokens if len(self._running) > len(group) else 0
         if chunk and len(group) == 1:  # the engine chunks a lone prompt only; the record shows one piece

@@ -283,7 +283,11 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             self._metrics.on_request_done(record.rpc, record.code.name, time.perf_counter() - record.started)
 
     async def _submit(
-        self, raw: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext, record: CallRecord
+        self,
+        raw: pb.GenerateRequest | Undecodable,
+        context: grpc.aio.ServicerContext,
+        record: CallRecord,
+        stream: bool,
     ) -> RequestHandle:
         model = self._ready_model()
         request: pb.GenerateRequest = decoded(raw)
@@ -297,7 +301,12 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         generation = generation_request(
-            request, request_id=record.request_id, prompt=prompt, limits=model.limits, deadline=deadline
+            request,
+            request_id=record.request_id,
+            prompt=prompt,
+            limits=model.limits,
+            deadline=deadline,
+            stream=stream,
         )
         if self.draining:  # the drain may have begun while the prompt was being tokenized
             raise Draining("the server is shutting down: retry on another replica")
@@ -307,7 +316,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         self, request: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> pb.GenerateResponse:
         async with self._call("Generate", context) as record:
-            handle = await self._submit(request, context, record)
+            handle = await self._submit(request, context, record, stream=False)
             completion = Completion(record.request_id)
             try:
                 async for event in handle:
@@ -339,7 +348,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         once per write instead of once per token.
         """
         async with self._call("GenerateStream", context) as record:
-            handle = await self._submit(request, context, record)
+            handle = await self._submit(request, context, record, stream=True)
             texts: list[str] = []
             try:
                 async for event in handle:

@@ -142,6 +142,7 @@ def generation_request(
     prompt: list[int],
     limits: RequestLimits,
     deadline: float | None,
+    stream: bool = True,
 ) -> GenerationRequest:
     """The scheduler's request for an already tokenized prompt; raises InvalidRequest on any bad value."""
     return GenerationRequest(
@@ -153,4 +154,5 @@ def generation_request(
         ignore_eos=request.stopping.ignore_eos,
         include_logprobs=request.include_logprobs,
         deadline=deadline,
+        stream=stream,
     )

@@ -153,10 +153,12 @@ def test_repetition_penalty_lowers_both_signs() -> None:
 # ---------------------------------------------------------------- SamplingBatch
 
 
-def batch_of(*params: SamplingParams, prompt: tuple[int, ...] = (1, 2)) -> SamplingBatch:
+def batch_of(
+    *params: SamplingParams, prompt: tuple[int, ...] = (1, 2), logprobs: bool = True
+) -> SamplingBatch:
     batch = SamplingBatch()
     for p in params:
-        batch.append(p, prompt)
+        batch.append(p, prompt, logprobs)
     return batch
 
 
@@ -180,6 +182,23 @@ def test_logprobs_are_of_the_raw_distribution_not_the_processed_one() -> None:
     tokens, logprobs = batch.sample(logits)
     expected = [log_softmax(row)[t] for row, t in zip(logits, tokens, strict=True)]
     np.testing.assert_allclose(logprobs, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_logprobs_only_for_the_rows_that_ask() -> None:
+    logits = np.random.default_rng(3).normal(0, 2, (4, 60)).astype(np.float32)
+    batch = SamplingBatch()
+    for i, wants in enumerate((False, True, False, True)):
+        batch.append(SamplingParams(temperature=0.5 * i, seed=i), (1, 2), logprobs=wants)
+    tokens, logprobs = batch.sample(logits)
+    assert np.isnan(logprobs[[0, 2]]).all()
+    expected = [log_softmax(logits[i])[tokens[i]] for i in (1, 3)]
+    np.testing.assert_allclose(logprobs[[1, 3]], expected, rtol=1e-5, atol=1e-5)
+    # The flag moves with its row on swap-remove: row 3 takes row 0's place.
+    batch.remove(0)
+    tokens, logprobs = batch.sample(logits[:3])
+    assert np.isfinite(logprobs[[0, 1]]).all() and np.isnan(logprobs[2])
+    untouched = batch_of(SamplingParams(), SamplingParams(), logprobs=False).sample(logits[:2])
+    assert np.isnan(untouched[1]).all()
 
 
 def draw_frequencies(params: SamplingParams, logits_row: np.ndarray, rows: int, steps: int) -> np.ndarray:

@@ -619,6 +619,14 @@ def test_pace_hands_over_the_first_token_at_once_then_at_most_once_per_interval(
     assert [unpaced.pace(e, now=1.0, interval=0.0, flush=False) for e in (a, b)] == [a, b]
 
 
+def test_a_request_that_does_not_stream_is_handed_over_once_at_the_end(tokenizer: Tokenizer) -> None:
+    tracker = RequestTracker(request("u", prompt_of(3), stream=False), tokenizer, 0, 64, arrival=0.0)
+    a, b, c = (TokenEvent([i], LETTERS_TEXT[i], []) for i in range(3))
+    assert tracker.pace(a, now=1.0, interval=0.0, flush=False) is None  # not even the first token
+    assert tracker.pace(b, now=5.0, interval=0.0, flush=False) is None
+    assert tracker.pace(c, now=9.0, interval=0.0, flush=True) == TokenEvent([0, 1, 2], "abc", [])
+
+
 def test_a_stream_that_falls_behind_takes_what_is_ready_in_one_go(tokenizer: Tokenizer) -> None:
     async def main() -> None:
         tracker = tracker_of(tokenizer)
@@ -658,6 +666,31 @@ def test_stream_interval_through_the_scheduler_keeps_every_token(make_engine: En
         assert [t for e in tokens if isinstance(e, TokenEvent) for t in e.token_ids] == engine.expected(
             prompt_of(4 + i), 10
         )
+
+
+def test_unary_requests_get_one_event_beside_streams_that_get_every_step(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=2)
+
+    async def main() -> list[list[TokenEvent | FinishEvent]]:
+        scheduler = await started(engine)
+        handles = [
+            scheduler.submit(request("unary", prompt_of(5), max_new=12, stream=False)),
+            scheduler.submit(request("stream", prompt_of(6), max_new=12)),
+        ]
+
+        async def events(handle: RequestHandle) -> list[TokenEvent | FinishEvent]:
+            return [event async for event in handle]
+
+        done = await asyncio.gather(*(events(h) for h in handles))
+        await scheduler.drain(1.0)
+        return done
+
+    unary, stream = run(main)
+    assert len(unary) == 2 and isinstance(unary[1], FinishEvent)
+    assert isinstance(unary[0], TokenEvent) and unary[0].token_ids == engine.expected(prompt_of(5), 12)
+    assert isinstance(stream[-1], FinishEvent) and len(stream) > 2
+    tokens = [t for e in stream if isinstance(e, TokenEvent) for t in e.token_ids]
+    assert tokens == engine.expected(prompt_of(6), 12)
 
 
 def test_a_long_lone_prompt_is_prefilled_in_pieces_between_decode_steps(make_engine: EngineFactory) -> None:
