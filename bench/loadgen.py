@@ -3,7 +3,8 @@
     textgen-bench --target localhost:50051 --concurrency 16 --num-requests 128 --max-new-tokens 128 \\
         --ignore-eos --output results.json --metrics-url http://localhost:8000/metrics
 
-Every request is a `GenerateStream` call; the client timestamps each streamed message that carries tokens.
+Every request is a `GenerateStream` call (the client timestamps each streamed message that carries tokens),
+or with `--rpc unary` a `Generate` call (one reply: throughput and end-to-end latency, no TTFT or ITL).
 Definitions (those of vLLM's benchmark, so figures compare):
 - TTFT: from sending the request to the first message with a token.
 - TPOT: per request, (end-to-end latency - TTFT) / (output tokens - 1); requests with one token have none.
@@ -28,7 +29,7 @@ import sys
 import sysconfig
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -42,6 +43,9 @@ from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 
 Dataset = Literal["synthetic", "corpus"]
+Rpc = Literal["stream", "unary"]
+# The server's name of each, as its request counter labels it.
+RPC_NAMES: dict[str, str] = {"stream": "GenerateStream", "unary": "Generate"}
 # Duration-bound runs cycle through this many prepared prompts.
 DURATION_PROMPT_POOL = 256
 # Characters per token to start from when cutting corpus text; corrected by tokenizing.
@@ -66,6 +70,7 @@ class LoadConfig:
     timeout: float = 600.0  # per request, seconds
     percentiles: tuple[float, ...] = (99.0,)
     progress: bool = True
+    rpc: Rpc = "stream"
 
     def __post_init__(self) -> None:
         if (self.num_requests is None) == (self.duration is None):
@@ -81,6 +86,7 @@ class LoadConfig:
             "output_len_spread": 0.0 <= self.output_len_spread < 1.0,
             "timeout": self.timeout > 0,
             "percentiles": all(0.0 < p < 100.0 for p in self.percentiles),
+            "rpc": self.rpc in RPC_NAMES,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -205,29 +211,49 @@ class RequestRecord:
 
 
 async def send(
-    stub: pb_grpc.TextGenerationStub, message: pb.GenerateRequest, origin: float, sent: float, timeout: float
+    stub: pb_grpc.TextGenerationStub,
+    message: pb.GenerateRequest,
+    origin: float,
+    sent: float,
+    timeout: float,
+    rpc: Rpc = "stream",
 ) -> RequestRecord:
     """`sent` is when the load shape issued the request (its arrival), not when this task got to run."""
     record = RequestRecord(request_id=message.request_id, start=sent - origin)
-    last: float | None = None
     try:
-        async for reply in stub.GenerateStream(message, timeout=timeout):
-            now = time.perf_counter()
-            if reply.token_ids:
-                if last is None:
-                    record.ttft = now - sent
-                else:
-                    record.itl.append(now - last)
-                last = now
-                record.output_tokens += len(reply.token_ids)
-            if reply.HasField("usage"):
-                record.prompt_tokens = reply.usage.prompt_tokens
-                record.finish_reason = pb.FinishReason.Name(reply.finish_reason)
+        if rpc == "stream":
+            await _read_stream(stub.GenerateStream(message, timeout=timeout), sent, record)
+        else:  # the client sees the completion only at the end: no TTFT, no ITL
+            reply = await stub.Generate(message, timeout=timeout)
+            record.output_tokens = len(reply.token_ids)
+            _read_usage(reply, record)
         record.success = True
     except grpc.aio.AioRpcError as exc:
         record.error = f"{exc.code().name}: {exc.details()}"
     record.latency = time.perf_counter() - sent
     return record
+
+
+async def _read_stream(
+    replies: AsyncIterator[pb.GenerateStreamResponse], sent: float, record: RequestRecord
+) -> None:
+    last: float | None = None
+    async for reply in replies:
+        now = time.perf_counter()
+        if reply.token_ids:
+            if last is None:
+                record.ttft = now - sent
+            else:
+                record.itl.append(now - last)
+            last = now
+            record.output_tokens += len(reply.token_ids)
+        if reply.HasField("usage"):
+            _read_usage(reply, record)
+
+
+def _read_usage(reply: pb.GenerateResponse | pb.GenerateStreamResponse, record: RequestRecord) -> None:
+    record.prompt_tokens = reply.usage.prompt_tokens
+    record.finish_reason = pb.FinishReason.Name(reply.finish_reason)
 
 
 # --- load shapes -------------------------------------------------------------------------------------------
@@ -303,7 +329,8 @@ async def run_load(config: LoadConfig, stub: pb_grpc.TextGenerationStub, prompts
     plan = _Plan(config, prompts, origin)
 
     def issue(message: pb.GenerateRequest) -> asyncio.Future[RequestRecord]:
-        future = asyncio.ensure_future(send(stub, message, origin, time.perf_counter(), config.timeout))
+        sent = time.perf_counter()
+        future = asyncio.ensure_future(send(stub, message, origin, sent, config.timeout, config.rpc))
         future.add_done_callback(lambda _f: bar.update(1))
         return future
 
@@ -399,34 +426,37 @@ def format_report(summary: dict[str, object], title: str = "Serving Benchmark Re
 
 # --- the server's own figures ------------------------------------------------------------------------------
 
-# (sample name, labels that must match) -> what the check calls it
-SERVER_SAMPLES = {
-    "stream_requests": ("textgen_requests_total", {"rpc": "GenerateStream"}),
-    "stream_ok": ("textgen_requests_total", {"rpc": "GenerateStream", "code": "OK"}),
-    "ttft_sum": ("textgen_time_to_first_token_seconds_sum", {}),
-    "ttft_count": ("textgen_time_to_first_token_seconds_count", {}),
-    "generation_tokens": ("textgen_generation_tokens_total", {}),
-}
+def server_samples(rpc: Rpc) -> dict[str, tuple[str, dict[str, str]]]:
+    """figure -> (sample name, labels that must match) for a run of `rpc` calls."""
+    name = RPC_NAMES[rpc]
+    return {
+        "requests": ("textgen_requests_total", {"rpc": name}),
+        "ok": ("textgen_requests_total", {"rpc": name, "code": "OK"}),
+        "ttft_sum": ("textgen_time_to_first_token_seconds_sum", {}),
+        "ttft_count": ("textgen_time_to_first_token_seconds_count", {}),
+        "generation_tokens": ("textgen_generation_tokens_total", {}),
+    }
 
 
-def parse_server_figures(exposition: str) -> dict[str, float]:
-    """Sums of the SERVER_SAMPLES over the series whose labels match, from Prometheus text format."""
-    figures = dict.fromkeys(SERVER_SAMPLES, 0.0)
+def parse_server_figures(exposition: str, rpc: Rpc = "stream") -> dict[str, float]:
+    """Sums of the server_samples over the series whose labels match, from Prometheus text format."""
+    samples = server_samples(rpc)
+    figures = dict.fromkeys(samples, 0.0)
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
-            for key, (name, labels) in SERVER_SAMPLES.items():
+            for key, (name, labels) in samples.items():
                 if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                     figures[key] += sample.value
     return figures
 
 
-def scrape(url: str) -> dict[str, float]:
+def scrape(url: str, rpc: Rpc) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=10) as response:
-        return parse_server_figures(response.read().decode("utf-8"))
+        return parse_server_figures(response.read().decode("utf-8"), rpc)
 
 
 def scrape_after(
-    url: str, before: dict[str, float], requests: int, patience: float = 2.0
+    url: str, rpc: Rpc, before: dict[str, float], requests: int, patience: float = 2.0
 ) -> dict[str, float]:
     """The server's figures once it has counted `requests` more calls, or after `patience` seconds.
 
@@ -435,8 +465,8 @@ def scrape_after(
     """
     deadline = time.monotonic() + patience
     while True:
-        after = scrape(url)
-        counted = after["stream_requests"] - before["stream_requests"]
+        after = scrape(url, rpc)
+        counted = after["requests"] - before["requests"]
         if counted >= requests or time.monotonic() >= deadline:
             return after
         time.sleep(0.05)
@@ -450,22 +480,25 @@ class Check:
     ok: bool
 
 
-def compare_with_server(before: dict[str, float], after: dict[str, float], result: RunResult) -> list[Check]:
+def compare_with_server(
+    before: dict[str, float], after: dict[str, float], result: RunResult, rpc: Rpc = "stream"
+) -> list[Check]:
     """The server's own counts and TTFT over the run against the client's (no other traffic assumed)."""
-    delta = {key: after[key] - before[key] for key in SERVER_SAMPLES}
+    delta = {key: after[key] - before[key] for key in before}
     ok = [r for r in result.records if r.success]
-    client_ttft = [r.ttft for r in ok if r.ttft is not None]
-    client_ttft_mean = float(np.mean(client_ttft)) if client_ttft else math.nan
+    # A unary client sees no first token: the server's TTFT can only be checked against the whole call.
+    client_first = [r.ttft for r in ok if r.ttft is not None] if rpc == "stream" else [r.latency for r in ok]
+    client_first_mean = float(np.mean(client_first)) if client_first else math.nan
     server_ttft_mean = delta["ttft_sum"] / delta["ttft_count"] if delta["ttft_count"] else math.nan
     output_tokens = sum(r.output_tokens for r in ok)
     return [
         Check(
-            "requests (GenerateStream)",
+            f"requests ({RPC_NAMES[rpc]})",
             len(result.records),
-            delta["stream_requests"],
-            delta["stream_requests"] == len(result.records),
+            delta["requests"],
+            delta["requests"] == len(result.records),
         ),
-        Check("successful requests (code OK)", len(ok), delta["stream_ok"], delta["stream_ok"] == len(ok)),
+        Check("successful requests (code OK)", len(ok), delta["ok"], delta["ok"] == len(ok)),
         Check(
             "generated tokens",
             output_tokens,
@@ -474,10 +507,10 @@ def compare_with_server(before: dict[str, float], after: dict[str, float], resul
         ),
         # The server's clock starts when the request arrives and stops before the token crosses the network.
         Check(
-            "mean TTFT (s): server <= client",
-            client_ttft_mean,
+            "mean TTFT (s): server <= client" + ("" if rpc == "stream" else " latency"),
+            client_first_mean,
             server_ttft_mean,
-            server_ttft_mean <= client_ttft_mean,
+            server_ttft_mean <= client_first_mean,
         ),
     ]
 
@@ -519,12 +552,13 @@ async def benchmark(config: LoadConfig, metrics_url: str | None = None) -> Bench
         stub = pb_grpc.TextGenerationStub(channel)
         info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         prompts = await _prepare(config, stub, info)
-        before = await asyncio.to_thread(scrape, metrics_url) if metrics_url else None
+        before = await asyncio.to_thread(scrape, metrics_url, config.rpc) if metrics_url else None
         result = await run_load(config, stub, prompts)
         checks = []
         if metrics_url and before is not None:
-            after = await asyncio.to_thread(scrape_after, metrics_url, before, len(result.records))
-            checks = compare_with_server(before, after, result)
+            count = len(result.records)
+            after = await asyncio.to_thread(scrape_after, metrics_url, config.rpc, before, count)
+            checks = compare_with_server(before, after, result, config.rpc)
     model = {"name": info.model_name, "vocab_size": info.vocab_size, "max_batch_size": info.max_batch_size}
     return BenchmarkOutput(config, model, summarize(result, config.percentiles), result.records, checks)
 
@@ -586,6 +620,12 @@ def parser() -> argparse.ArgumentParser:
         help="max_new_tokens uniform in max_new_tokens * [1-s, 1+s]",
     )
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_new_tokens per request")
+    p.add_argument(
+        "--rpc",
+        choices=tuple(RPC_NAMES),
+        default="stream",
+        help="stream: GenerateStream, timed per message; unary: Generate, one reply per request",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths, arrivals and sampling")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, seconds")
@@ -619,6 +659,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         timeout=args.timeout,
         percentiles=tuple(float(p) for p in args.percentiles.split(",") if p.strip()),
         progress=not args.no_progress,
+        rpc=args.rpc,
     )
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.loadgen import BenchmarkOutput, LoadConfig, benchmark, synthetic_ids, write_json
+from bench.loadgen import RPC_NAMES, BenchmarkOutput, LoadConfig, Rpc, benchmark, synthetic_ids, write_json
 from bench.serving_report import cdf_level, plot_all, update_doc
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
@@ -65,6 +65,7 @@ class Plan:
     repeats: int  # timed passes of the offline measurements (median)
     input_len: int
     new_tokens: int
+    rpc: Rpc = "stream"  # of the closed-loop levels; the steady-arrivals run always streams (it measures ITL)
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
@@ -78,6 +79,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         repeats=1 if args.quick else 3,
         input_len=args.input_len,
         new_tokens=args.new_tokens,
+        rpc=args.rpc,
     )
 
 
@@ -264,6 +266,7 @@ def closed_loop(target: str, clients: int, requests: int, plan: Plan) -> LoadCon
         ignore_eos=True,
         percentiles=PERCENTILES,
         progress=False,
+        rpc=plan.rpc,
     )
 
 
@@ -301,6 +304,7 @@ def as_command(config: LoadConfig, target: str, metrics: bool) -> str:
         ("--seed", config.seed or None),
         ("--percentiles", ",".join(f"{p:g}" for p in config.percentiles)),
         ("--metrics-url", "http://127.0.0.1:M/metrics" if metrics else None),
+        ("--rpc", None if config.rpc == "stream" else config.rpc),
     ]
     words = ["textgen-bench"] + [f"{flag} {value}" for flag, value in flags if value is not None]
     return " ".join([*words, "--ignore-eos"] if config.ignore_eos else words)
@@ -462,6 +466,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=ServerSettings.model_fields["prefill_chunk_tokens"].default,
         help="textgen-serve --prefill-chunk-tokens (default: the server's)",
+    )
+    p.add_argument(
+        "--rpc",
+        choices=tuple(RPC_NAMES),
+        default="stream",
+        help="the closed-loop clients' call: GenerateStream (per-token latency) or unary Generate (one reply "
+        "per request: what a batch client pays, no per-message cost)",
     )
     p.add_argument("--skip-hf", action="store_true", help="leave out HF transformers")
     p.add_argument(

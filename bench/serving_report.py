@@ -21,6 +21,8 @@ matplotlib.use("Agg")  # files only: no display on a server or in CI
 import matplotlib.pyplot as plt
 import numpy as np
 
+from bench.loadgen import RPC_NAMES
+
 if TYPE_CHECKING:
     from bench.loadgen import BenchmarkOutput
     from bench.serving_bench import Results
@@ -306,7 +308,13 @@ def section(results: Results, images: Sequence[Path], doc: Path, argv_used: Sequ
         f"{model['n_layers']} layers, {model['n_heads']} heads, d_ff {model['d_ff']}, "
         f"{model['positions']} positions.",
         f"- Every request: a prompt of {plan.input_len} random token ids (EOS excluded), "
-        f"exactly {plan.new_tokens} new tokens (`ignore_eos`), greedy, streamed (`GenerateStream`).",
+        f"exactly {plan.new_tokens} new tokens (`ignore_eos`), greedy; the closed-loop clients call "
+        + (
+            "`GenerateStream` (a message per step)."
+            if plan.rpc == "stream"
+            else "the unary `Generate` (one reply per request: no TTFT or ITL is seen by the client; the "
+            "steady-arrivals run still streams)."
+        ),
         f"- Closed loop at {', '.join(map(str, plan.levels))} clients: textgen-serve gets "
         f"{plan.requests_per_client} requests per client, the naive server max(clients, "
         f"{plan.naive_requests}) (its rate does not depend on the clients, and each of its requests waits "
@@ -356,8 +364,9 @@ def section(results: Results, images: Sequence[Path], doc: Path, argv_used: Sequ
         f"![latency CDF at {cdf_level(results.plan.levels)} clients]({rel[2]})",
         "",
         "### The server's own metrics against the client's",
-        "Per level: GenerateStream request count and OK count, generated tokens (equal), and the server's "
-        "mean TTFT (`textgen_time_to_first_token_seconds`) ≤ the client's.",
+        f"Per level: {RPC_NAMES[plan.rpc]} request count and OK count, generated tokens (equal), and the "
+        "server's mean TTFT (`textgen_time_to_first_token_seconds`) ≤ the client's"
+        + (" (unary: its end-to-end latency)." if plan.rpc == "unary" else "."),
         "",
         *metric_checks(results),
         "",

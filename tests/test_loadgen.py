@@ -106,9 +106,11 @@ def exposition(ok: int, cancelled: int, ttft_count: int, ttft_sum: float, tokens
 
 def test_server_figures_sum_matching_series_only() -> None:
     figures = parse_server_figures(exposition(3, 1, 4, 0.4, 40))
-    assert figures["stream_requests"] == 4 and figures["stream_ok"] == 3  # the unary Generate is not counted
+    assert figures["requests"] == 4 and figures["ok"] == 3  # the unary Generate is not counted
     assert figures["ttft_count"] == 4 and figures["ttft_sum"] == pytest.approx(0.4)
     assert figures["generation_tokens"] == 40
+    unary = parse_server_figures(exposition(3, 1, 4, 0.4, 40), rpc="unary")
+    assert unary["requests"] == unary["ok"] == 100  # only the unary Generate series
 
 
 def test_comparison_with_the_server_flags_what_disagrees() -> None:
@@ -193,6 +195,26 @@ def test_closed_loop_smoke_run_matches_the_server(server: RunningServer, tmp_pat
         # A stream that lags the engine gets several tokens in one message (one gap per message, not token).
         assert len(rec["itl"]) <= 4 and all(gap > 0 for gap in rec["itl"])
     assert [c["ok"] for c in saved["server_checks"]] == [True] * 4
+
+
+def test_unary_run_counts_generate_calls_and_checks_ttft_against_latency(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    out = tmp_path / "unary.json"
+    argv = [
+        *("--target", server.target, "--rpc", "unary", "--concurrency", "2", "--num-requests", "3"),
+        *("--max-new-tokens", "4", "--input-len", "5", "--ignore-eos", "--no-progress", "--output", str(out)),
+        *("--metrics-url", f"http://127.0.0.1:{server.server.metrics_port}/metrics"),
+    ]
+    assert main(argv) == 0
+    saved = json.loads(out.read_text())
+    assert saved["summary"]["total_output_tokens"] == 12 and saved["summary"]["successful_requests"] == 3
+    for rec in saved["records"]:
+        assert rec["output_tokens"] == 4 and rec["prompt_tokens"] == 5 and rec["latency"] > 0
+        assert rec["ttft"] is None and rec["itl"] == []  # a unary client sees no tokens before the end
+    checks = {c["name"]: c for c in saved["server_checks"]}
+    assert checks["requests (Generate)"]["server"] == 3
+    assert all(c["ok"] for c in checks.values()) and "mean TTFT (s): server <= client latency" in checks
 
 
 def test_open_loop_corpus_run_sends_text(server: RunningServer, tmp_path: Path) -> None:
