@@ -102,11 +102,11 @@ def plot_throughput(results: Results, path: Path) -> None:
 
 def plot_latency(results: Results, path: Path) -> None:
     levels = list(results.plan.levels)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    for ax, metric, title in (
-        (axes[0], "ttft_ms", "Time to first token"),
-        (axes[1], "itl_ms", "Inter-token latency"),
-    ):
+    panels = [("ttft_ms", "Time to first token"), ("itl_ms", "Inter-token latency")]
+    if results.plan.rpc == "unary":  # the clients saw no tokens before the end
+        panels = [("e2el_ms", "End-to-end latency")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+    for ax, (metric, title) in zip(axes[0], panels, strict=True):
         for name, outputs, marker in (("server", results.server, "o"), ("naive", results.naive, "s")):
             for which, style in (("median", "-"), ("p99", "--")):
                 values = [stat(outputs[c], metric, which) for c in levels]
@@ -124,11 +124,11 @@ def plot_latency(results: Results, path: Path) -> None:
 
 def plot_cdf(results: Results, path: Path) -> None:
     clients = cdf_level(results.plan.levels)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    for ax, field, title in (
-        (axes[0], "ttft", "Time to first token"),
-        (axes[1], "latency", "End-to-end latency"),
-    ):
+    panels = [("ttft", "Time to first token"), ("latency", "End-to-end latency")]
+    if results.plan.rpc == "unary":
+        panels = panels[1:]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+    for ax, (field, title) in zip(axes[0], panels, strict=True):
         for name, outputs in (("textgen-serve", results.server), ("naive server", results.naive)):
             values = np.sort([getattr(r, field) * 1e3 for r in outputs[clients].records if r.success])
             ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=name)

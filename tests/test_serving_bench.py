@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from bench.loadgen import BenchmarkOutput, LoadConfig, RequestRecord, RunResult, summarize
@@ -11,8 +12,11 @@ from bench.serving_report import DOC_BEGIN, DOC_END, plot_all, targets, update_d
 PLAN = Plan(levels=(1, 16), requests_per_client=2, naive_requests=4, repeats=1, input_len=4, new_tokens=10)
 
 
-def output(clients: int, tokens_per_second: float, gap: float, requests: int = 4) -> BenchmarkOutput:
-    """`requests` requests of 10 tokens, `gap` seconds apart, over a run that yields `tokens_per_second`."""
+def output(
+    clients: int, tokens_per_second: float, gap: float, requests: int = 4, unary: bool = False
+) -> BenchmarkOutput:
+    """`requests` requests of 10 tokens, `gap` seconds apart, over a run that yields `tokens_per_second`;
+    `unary`: as a Generate client records them (no first token or gaps seen)."""
     records = [
         RequestRecord(
             request_id=f"r{i}",
@@ -20,8 +24,8 @@ def output(clients: int, tokens_per_second: float, gap: float, requests: int = 4
             success=True,
             prompt_tokens=4,
             output_tokens=10,
-            ttft=0.05 + 0.01 * i,
-            itl=[gap] * 9,
+            ttft=None if unary else 0.05 + 0.01 * i,
+            itl=[] if unary else [gap] * 9,
             latency=0.05 + 0.01 * i + 9 * gap,
         )
         for i in range(requests)
@@ -31,7 +35,7 @@ def output(clients: int, tokens_per_second: float, gap: float, requests: int = 4
     return BenchmarkOutput(config, {"name": "m"}, summary, records)
 
 
-def results(tmp_path: Path, served_16: float) -> Results:
+def results(tmp_path: Path, served_16: float, unary: bool = False) -> Results:
     model = {
         "name": "bench-a-random",
         "dtype": "float32",
@@ -45,7 +49,7 @@ def results(tmp_path: Path, served_16: float) -> Results:
         "positions": "learned",
     }
     return Results(
-        plan=PLAN,
+        plan=dataclasses.replace(PLAN, rpc="unary") if unary else PLAN,
         machine={
             "cpu": "test cpu",
             "cores": "2",
@@ -63,8 +67,8 @@ def results(tmp_path: Path, served_16: float) -> Results:
         spinning=False,
         max_batch=16,
         offline={1: 300.0, 16: 1000.0},
-        server={1: output(1, 290.0, 0.01), 16: output(16, served_16, 0.02)},
-        naive={1: output(1, 280.0, 0.01), 16: output(16, 100.0, 0.01)},
+        server={1: output(1, 290.0, 0.01, unary=unary), 16: output(16, served_16, 0.02, unary=unary)},
+        naive={1: output(1, 280.0, 0.01, unary=unary), 16: output(16, 100.0, 0.01, unary=unary)},
         arrivals=output(16, 500.0, 0.02),
         hf=None,
         commands=["textgen-serve --bundle B"],
@@ -107,3 +111,14 @@ def test_plots_are_written(tmp_path: Path) -> None:
     ]
     for path in paths:
         assert path.read_bytes().startswith(b"\x89PNG") and path.stat().st_size > 10_000
+
+
+def test_a_unary_run_plots_end_to_end_latency_and_says_what_the_clients_called(tmp_path: Path) -> None:
+    unary = results(tmp_path, served_16=950.0, unary=True)
+    paths = plot_all(unary, tmp_path / "images")  # no TTFT or ITL to put on a log scale
+    assert all(path.read_bytes().startswith(b"\x89PNG") for path in paths)
+    doc = tmp_path / "benchmarks.md"
+    update_doc(unary, paths, doc, argv_used=["--rpc", "unary"])
+    text = doc.read_text()
+    assert "the unary `Generate`" in text and "Per level: Generate request count" in text
+    assert "**0.95**" in text
