@@ -74,9 +74,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         levels = tuple(int(c) for c in args.levels.split(","))
     return Plan(
         levels=levels,
-        requests_per_client=2 if args.quick else 4,
+        requests_per_client=args.requests_per_client or (2 if args.quick else 4),
         naive_requests=4 if args.quick else 8,
-        repeats=1 if args.quick else 3,
+        repeats=args.repeats or (1 if args.quick else 3),
         input_len=args.input_len,
         new_tokens=args.new_tokens,
         rpc=args.rpc,
@@ -443,6 +443,16 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=None,
         help="model bundle (default: models/bench/bench-a-fp32, exported once)",
+    )
+    p.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=None,
+        help="closed-loop requests per client at each level (default 4, --quick 2): more for a fast model, "
+        "whose runs are otherwise too short to measure",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timed offline passes, median (default 3, --quick 1)"
     )
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
