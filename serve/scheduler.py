@@ -11,7 +11,9 @@ Admission policy, evaluated between every two engine steps:
 - Padding-aware grouping: younger requests join the head's group while the group's padding
   (rows x longest prompt vs. the sum of lengths) stays within `max_padding_ratio` and the group's padded
   size within `max_prefill_tokens` (large arrivals are split over several steps; a single prompt larger
-  than the budget is prefilled alone, since the engine cannot chunk a prefill).
+  than the budget is prefilled alone).
+- Chunked prefill (`prefill_chunk_tokens`): a lone prompt arriving while others decode is prefilled that
+  many tokens a step, with decode steps in between; the engine continues one sequence at a time.
 - KV budget: every request reserves prompt + max_new_tokens; the batch's padded footprint
   rows x largest reservation must stay within `max_batch_tokens`. Decode pads every row to the longest
   context, so this bounds every step; a long request gives its share back as soon as it leaves.
