@@ -103,6 +103,8 @@ class TextStream:
 
     def _release(self, new: str, final: bool) -> TextDelta:
         """Split held + new text into what goes out now and what may still begin a stop string."""
+        if not self._stop:  # nothing is ever held back (this runs for every token of every request)
+            return self._emit(new, stopped=False)
         buffer = self._held + new
         cut = self._first_stop(buffer)
         if cut is not None:
