@@ -31,8 +31,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -46,7 +46,6 @@ from serve.config import ServerSettings
 from serve.engine import Engine, EngineSettings
 from serve.offline import OFFLINE_LIMITS, generate
 from serve.runtime import SessionConfig
-from serve.scheduler import SchedulerLimits
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -66,6 +65,7 @@ class Plan:
     input_len: int
     new_tokens: int
     rpc: Rpc = "stream"  # of the closed-loop levels; the steady-arrivals run always streams (it measures ITL)
+    pairs: int = 0  # alternated (offline pass, served pass) rounds at the target level
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
@@ -80,6 +80,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         input_len=args.input_len,
         new_tokens=args.new_tokens,
         rpc=args.rpc,
+        pairs=args.pairs if args.pairs is not None else (2 if args.quick else 3),
     )
 
 
@@ -142,25 +143,28 @@ def prompts(count: int, input_len: int, bundle: Bundle, seed: int = 0) -> list[l
     ]
 
 
-def offline_engine(bundle: Bundle, plan: Plan, session: SessionConfig, max_batch: int) -> dict[int, float]:
+def offline_engine(engine: Engine, bundle: Bundle, plan: Plan) -> dict[int, float]:
     """Output tokens/s of `serve.offline.generate` at batch = each level (prefill included), median."""
-    settings = EngineSettings(max_batch_size=max_batch, session=session)
-    engine = Engine.from_bundle(bundle, settings)
     rates = {}
     for batch in plan.levels:
-        work = prompts(batch, plan.input_len, bundle)
-        limits = OFFLINE_LIMITS.model_copy(update={"max_batch_size": min(batch, max_batch)})
-
-        def once(work: list[list[int]] = work, limits: SchedulerLimits = limits) -> float:
-            start = time.perf_counter()
-            generate(engine, work, max_new_tokens=plan.new_tokens, ignore_eos=True, limits=limits)
-            return time.perf_counter() - start
-
+        once = offline_pass(engine, bundle, plan, batch)
         once()  # warm-up
-        seconds = statistics.median(once() for _ in range(plan.repeats))
-        rates[batch] = batch * plan.new_tokens / seconds
+        rates[batch] = batch * plan.new_tokens / statistics.median(once() for _ in range(plan.repeats))
         print(f"offline engine b={batch}: {rates[batch]:.0f} tok/s", flush=True)
     return rates
+
+
+def offline_pass(engine: Engine, bundle: Bundle, plan: Plan, batch: int) -> Callable[[], float]:
+    """A function that generates for `batch` prompts at once and returns the seconds it took."""
+    work = prompts(batch, plan.input_len, bundle)
+    limits = OFFLINE_LIMITS.model_copy(update={"max_batch_size": min(batch, engine.max_batch_size)})
+
+    def once() -> float:
+        start = time.perf_counter()
+        generate(engine, work, max_new_tokens=plan.new_tokens, ignore_eos=True, limits=limits)
+        return time.perf_counter() - start
+
+    return once
 
 
 def ensure_hf_venv(venv: Path) -> Path:
@@ -330,6 +334,9 @@ class Results:
     hf: dict[str, object] | None
     commands: list[str]
     seconds: float
+    # (offline tok/s, served tok/s) at cdf_level, measured back to back with the server up but idle, so
+    # the machine's drift hits both sides of each ratio alike
+    pairs: list[tuple[float, float]] = field(default_factory=list)
 
 
 def run(args: argparse.Namespace) -> Results:
@@ -343,7 +350,9 @@ def run(args: argparse.Namespace) -> Results:
     max_batch = max(plan.levels)
 
     # The servers' session settings, so the ceiling differs from them only in what serving adds.
-    offline = offline_engine(bundle, plan, SessionConfig(threads=threads, spinning=args.spinning), max_batch)
+    session = SessionConfig(threads=threads, spinning=args.spinning)
+    engine = Engine.from_bundle(bundle, EngineSettings(max_batch_size=max_batch, session=session))
+    offline = offline_engine(engine, bundle, plan)
     hf = None if args.skip_hf else hf_generate(bundle, plan, threads, args.hf_venv)
 
     spin_flag = "--spinning" if args.spinning else "--no-spinning"
@@ -369,6 +378,7 @@ def run(args: argparse.Namespace) -> Results:
         rate = ARRIVALS_LOAD * float(server[reference].summary["request_throughput"])  # type: ignore[arg-type]
         arrivals_load = steady_arrivals(f"127.0.0.1:{port}", rate, plan, reference)
         arrivals = measure("server-arrivals", arrivals_load, results_dir, metrics_url)
+        pairs = alternate(engine, bundle, plan, server_loads[reference], results_dir)
 
     naive_port = free_port()
     naive_cmd = [
@@ -412,7 +422,29 @@ def run(args: argparse.Namespace) -> Results:
         hf=hf,
         commands=commands,
         seconds=time.monotonic() - started,
+        pairs=pairs,
     )
+
+
+def alternate(
+    engine: Engine, bundle: Bundle, plan: Plan, load: LoadConfig, results: Path
+) -> list[tuple[float, float]]:
+    """`plan.pairs` rounds of one offline pass then one served run at the same batch, back to back.
+
+    The table's offline and served cells are minutes apart, and this machine's speed drifts by ±15% over
+    minutes; a ratio of neighbours does not carry that drift. The idle server waits meanwhile (no spinning
+    threads unless --spinning).
+    """
+    assert load.concurrency is not None
+    once = offline_pass(engine, bundle, plan, load.concurrency)
+    pairs = []
+    for round_no in range(plan.pairs):
+        offline = load.concurrency * plan.new_tokens / once()
+        output = measure(f"server-pair{round_no}", load, results)
+        served = float(output.summary["output_throughput"])  # type: ignore[arg-type]
+        print(f"pair {round_no}: offline {offline:.0f}, served {served:.0f} tok/s", flush=True)
+        pairs.append((offline, served))
+    return pairs
 
 
 # --- the record --------------------------------------------------------------------------------------------
@@ -430,6 +462,7 @@ def save_summary(results: Results, path: Path) -> None:
         "naive": {c: o.summary for c, o in results.naive.items()},
         "arrivals": {"config": results.arrivals.config.__dict__, "summary": results.arrivals.summary},
         "seconds": results.seconds,
+        "pairs": results.pairs,
     }
     path.write_text(json.dumps(data, indent=1) + "\n")
 
@@ -453,6 +486,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--repeats", type=int, default=None, help="timed offline passes, median (default 3, --quick 1)"
+    )
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=None,
+        help="alternated offline/served rounds at 16 clients for the served ÷ offline target (default 3, "
+        "--quick 2; 0: none)",
     )
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")

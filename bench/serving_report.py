@@ -243,17 +243,28 @@ def itl_spread(output: BenchmarkOutput) -> float:
 def targets(results: Results) -> list[str]:
     c = cdf_level(results.plan.levels)
     served = throughput(results.server[c])
-    vs_offline = served / results.offline[c]
+    table_ratio = served / results.offline[c]
     vs_naive = served / throughput(results.naive[c])
     spread = itl_spread(results.arrivals)
 
     def verdict(ok: bool) -> str:
         return "**met**" if ok else "**missed**"
 
+    if results.pairs:
+        ratios = [s / o for o, s in results.pairs]
+        vs_offline = float(np.median(ratios))
+        how = (
+            f"median of {len(ratios)} alternated pairs (offline pass, then served run): "
+            + ", ".join(f"{s:.0f} ÷ {o:.0f} = {s / o:.2f}" for o, s in results.pairs)
+            + f"; the table's cells, minutes apart: {table_ratio:.2f}"
+        )
+    else:
+        vs_offline, how = table_ratio, "the table's cells"
     return [
         f"At {c} clients:",
         f"- served ÷ offline engine at batch {c}: **{vs_offline:.2f}** (target ≥ {TARGET_VS_OFFLINE}): "
-        + verdict(vs_offline >= TARGET_VS_OFFLINE),
+        + verdict(vs_offline >= TARGET_VS_OFFLINE)
+        + f" — {how}",
         f"- served ÷ naive server: **{vs_naive:.1f}×** (target ≥ {TARGET_VS_NAIVE:g}×): "
         + verdict(vs_naive >= TARGET_VS_NAIVE),
         f"- server ITL p99 ÷ median while requests keep arriving (the steady-arrivals run): **{spread:.1f}** "
@@ -325,7 +336,14 @@ def section(results: Results, images: Sequence[Path], doc: Path, argv_used: Sequ
         f"{arrivals.num_requests} requests: sequences join and leave the running batch all the time.",
         f"- textgen-serve runs with `--max-batch-size {results.max_batch}`; the offline engine is "
         "`serve.offline.generate` on an engine of the same size, at batch = clients "
-        f"(median of {plan.repeats}, after a warm-up), prefill included.",
+        f"(median of {plan.repeats}, after a warm-up), prefill included."
+        + (
+            f" For the served ÷ offline target, {plan.pairs} more rounds at {cdf_level(plan.levels)} clients "
+            "alternate one offline pass and one served run (the server idle during the offline pass), so "
+            "each ratio compares neighbours in time."
+            if results.pairs
+            else ""
+        ),
         "- The naive server (`bench/naive_server.py`) is the same bundle and service with one lock around a "
         "prefill + decode loop on a batch-1 engine.",
         "- HF transformers: `GPT2LMHeadModel.generate` (KV cache, greedy, `min_new_tokens` = new tokens) "
