@@ -429,7 +429,8 @@ def run(args: argparse.Namespace) -> Results:
 def alternate(
     engine: Engine, bundle: Bundle, plan: Plan, load: LoadConfig, results: Path
 ) -> list[tuple[float, float]]:
-    """`plan.pairs` rounds of one offline pass then one served run at the same batch, back to back.
+    """`plan.pairs` rounds of offline passes (median of `plan.repeats`) then one served run at the same
+    batch, back to back.
 
     The table's offline and served cells are minutes apart, and this machine's speed drifts by ±15% over
     minutes; a ratio of neighbours does not carry that drift. The idle server waits meanwhile (no spinning
@@ -439,7 +440,7 @@ def alternate(
     once = offline_pass(engine, bundle, plan, load.concurrency)
     pairs = []
     for round_no in range(plan.pairs):
-        offline = load.concurrency * plan.new_tokens / once()
+        offline = load.concurrency * plan.new_tokens / statistics.median(once() for _ in range(plan.repeats))
         output = measure(f"server-pair{round_no}", load, results)
         served = float(output.summary["output_throughput"])  # type: ignore[arg-type]
         print(f"pair {round_no}: offline {offline:.0f}, served {served:.0f} tok/s", flush=True)

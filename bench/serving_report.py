@@ -254,7 +254,7 @@ def targets(results: Results) -> list[str]:
         ratios = [s / o for o, s in results.pairs]
         vs_offline = float(np.median(ratios))
         how = (
-            f"median of {len(ratios)} alternated pairs (offline pass, then served run): "
+            f"median of {len(ratios)} alternated pairs (offline passes, then a served run): "
             + ", ".join(f"{s:.0f} ÷ {o:.0f} = {s / o:.2f}" for o, s in results.pairs)
             + f"; the table's cells, minutes apart: {table_ratio:.2f}"
         )
@@ -339,7 +339,8 @@ def section(results: Results, images: Sequence[Path], doc: Path, argv_used: Sequ
         f"(median of {plan.repeats}, after a warm-up), prefill included."
         + (
             f" For the served ÷ offline target, {plan.pairs} more rounds at {cdf_level(plan.levels)} clients "
-            "alternate one offline pass and one served run (the server idle during the offline pass), so "
+            f"alternate offline passes (median of {plan.repeats}) and one served run (the server idle during "
+            "the offline passes), so "
             "each ratio compares neighbours in time."
             if results.pairs
             else ""
