@@ -65,7 +65,7 @@ class Plan:
     input_len: int
     new_tokens: int
     rpc: Rpc = "stream"  # of the closed-loop levels; the steady-arrivals run always streams (it measures ITL)
-    pairs: int = 0  # alternated (offline pass, served pass) rounds at the target level
+    pairs: int = 0  # alternated rounds (offline passes, then one served run) at the target level
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
@@ -147,24 +147,28 @@ def offline_engine(engine: Engine, bundle: Bundle, plan: Plan) -> dict[int, floa
     """Output tokens/s of `serve.offline.generate` at batch = each level (prefill included), median."""
     rates = {}
     for batch in plan.levels:
-        once = offline_pass(engine, bundle, plan, batch)
-        once()  # warm-up
-        rates[batch] = batch * plan.new_tokens / statistics.median(once() for _ in range(plan.repeats))
+        rate = offline_rate(engine, bundle, plan, batch)
+        rate(1)  # warm-up
+        rates[batch] = rate(plan.repeats)
         print(f"offline engine b={batch}: {rates[batch]:.0f} tok/s", flush=True)
     return rates
 
 
-def offline_pass(engine: Engine, bundle: Bundle, plan: Plan, batch: int) -> Callable[[], float]:
-    """A function that generates for `batch` prompts at once and returns the seconds it took."""
+def offline_rate(engine: Engine, bundle: Bundle, plan: Plan, batch: int) -> Callable[[int], float]:
+    """A function that generates for `batch` prompts at once, `passes` times, and returns the output
+    tokens/s of the median pass."""
     work = prompts(batch, plan.input_len, bundle)
     limits = OFFLINE_LIMITS.model_copy(update={"max_batch_size": min(batch, engine.max_batch_size)})
 
-    def once() -> float:
-        start = time.perf_counter()
-        generate(engine, work, max_new_tokens=plan.new_tokens, ignore_eos=True, limits=limits)
-        return time.perf_counter() - start
+    def rate(passes: int) -> float:
+        seconds = []
+        for _ in range(passes):
+            start = time.perf_counter()
+            generate(engine, work, max_new_tokens=plan.new_tokens, ignore_eos=True, limits=limits)
+            seconds.append(time.perf_counter() - start)
+        return batch * plan.new_tokens / statistics.median(seconds)
 
-    return once
+    return rate
 
 
 def ensure_hf_venv(venv: Path) -> Path:
@@ -437,10 +441,10 @@ def alternate(
     threads unless --spinning).
     """
     assert load.concurrency is not None
-    once = offline_pass(engine, bundle, plan, load.concurrency)
+    rate = offline_rate(engine, bundle, plan, load.concurrency)
     pairs = []
     for round_no in range(plan.pairs):
-        offline = load.concurrency * plan.new_tokens / statistics.median(once() for _ in range(plan.repeats))
+        offline = rate(plan.repeats)
         output = measure(f"server-pair{round_no}", load, results)
         served = float(output.summary["output_throughput"])  # type: ignore[arg-type]
         print(f"pair {round_no}: offline {offline:.0f}, served {served:.0f} tok/s", flush=True)
