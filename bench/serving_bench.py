@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -65,7 +66,7 @@ class Plan:
     input_len: int
     new_tokens: int
     rpc: Rpc = "stream"  # of the closed-loop levels; the steady-arrivals run always streams (it measures ITL)
-    pairs: int = 0  # alternated rounds (offline passes, then one served run) at the target level
+    pairs: int = 0  # served runs at the target level, each between offline passes
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
@@ -321,6 +322,24 @@ def as_command(config: LoadConfig, target: str, metrics: bool) -> str:
 # --- the run -----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Pair:
+    """Tokens/s at cdf_level clients: offline passes, a served run, offline passes, back to back."""
+
+    before: float
+    served: float
+    after: float
+
+    @property
+    def offline(self) -> float:
+        return (self.before + self.after) / 2
+
+    @property
+    def ratio(self) -> float:
+        """Served ÷ the offline passes on either side: a steady drift of the machine cancels out."""
+        return self.served / self.offline
+
+
 @dataclass
 class Results:
     plan: Plan
@@ -338,9 +357,7 @@ class Results:
     hf: dict[str, object] | None
     commands: list[str]
     seconds: float
-    # (offline tok/s, served tok/s) at cdf_level, measured back to back with the server up but idle, so
-    # the machine's drift hits both sides of each ratio alike
-    pairs: list[tuple[float, float]] = field(default_factory=list)
+    pairs: list[Pair] = field(default_factory=list)
 
 
 def run(args: argparse.Namespace) -> Results:
@@ -430,25 +447,29 @@ def run(args: argparse.Namespace) -> Results:
     )
 
 
-def alternate(
-    engine: Engine, bundle: Bundle, plan: Plan, load: LoadConfig, results: Path
-) -> list[tuple[float, float]]:
-    """`plan.pairs` rounds of offline passes (median of `plan.repeats`) then one served run at the same
-    batch, back to back.
+def alternate(engine: Engine, bundle: Bundle, plan: Plan, load: LoadConfig, results: Path) -> list[Pair]:
+    """`plan.pairs` served runs at the same batch as offline passes (median of `plan.repeats`) run just before
+    and just after each of them.
 
     The table's offline and served cells are minutes apart, and this machine's speed drifts by ±15% over
-    minutes; a ratio of neighbours does not carry that drift. The idle server waits meanwhile (no spinning
-    threads unless --spinning).
+    minutes (by up to half within a minute, seen on the demo model); a served run compared with the mean of
+    the offline passes on either side of it does not carry a steady drift. The idle server waits meanwhile
+    (no spinning threads unless --spinning).
     """
     assert load.concurrency is not None
     rate = offline_rate(engine, bundle, plan, load.concurrency)
+    offline = [rate(plan.repeats)]
     pairs = []
     for round_no in range(plan.pairs):
-        offline = rate(plan.repeats)
         output = measure(f"server-pair{round_no}", load, results)
-        served = float(output.summary["output_throughput"])  # type: ignore[arg-type]
-        print(f"pair {round_no}: offline {offline:.0f}, served {served:.0f} tok/s", flush=True)
-        pairs.append((offline, served))
+        offline.append(rate(plan.repeats))
+        pair = Pair(offline[-2], float(output.summary["output_throughput"]), offline[-1])  # type: ignore[arg-type]
+        print(
+            f"pair {round_no}: offline {pair.before:.0f}, served {pair.served:.0f}, offline {pair.after:.0f} "
+            f"tok/s: {pair.ratio:.2f}",
+            flush=True,
+        )
+        pairs.append(pair)
     return pairs
 
 
@@ -467,7 +488,7 @@ def save_summary(results: Results, path: Path) -> None:
         "naive": {c: o.summary for c, o in results.naive.items()},
         "arrivals": {"config": results.arrivals.config.__dict__, "summary": results.arrivals.summary},
         "seconds": results.seconds,
-        "pairs": results.pairs,
+        "pairs": [dataclasses.asdict(pair) for pair in results.pairs],
     }
     path.write_text(json.dumps(data, indent=1) + "\n")
 
@@ -496,8 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         "--pairs",
         type=int,
         default=None,
-        help="alternated offline/served rounds at 16 clients for the served ÷ offline target (default 3, "
-        "--quick 2; 0: none)",
+        help="served runs at 16 clients, each between offline passes, for the served ÷ offline target "
+        "(default 3, --quick 2; 0: none)",
     )
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")

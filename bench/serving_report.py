@@ -251,11 +251,13 @@ def targets(results: Results) -> list[str]:
         return "**met**" if ok else "**missed**"
 
     if results.pairs:
-        ratios = [s / o for o, s in results.pairs]
-        vs_offline = float(np.median(ratios))
+        vs_offline = float(np.median([p.ratio for p in results.pairs]))
         how = (
-            f"median of {len(ratios)} alternated pairs (offline passes, then a served run): "
-            + ", ".join(f"{s:.0f} ÷ {o:.0f} = {s / o:.2f}" for o, s in results.pairs)
+            f"median of {len(results.pairs)} served runs, each ÷ the mean of the offline passes just before "
+            "and after it: "
+            + ", ".join(
+                f"{p.served:.0f} ÷ ({p.before:.0f}, {p.after:.0f}) = {p.ratio:.2f}" for p in results.pairs
+            )
             + f"; the table's cells, minutes apart: {table_ratio:.2f}"
         )
     else:
@@ -338,10 +340,10 @@ def section(results: Results, images: Sequence[Path], doc: Path, argv_used: Sequ
         "`serve.offline.generate` on an engine of the same size, at batch = clients "
         f"(median of {plan.repeats}, after a warm-up), prefill included."
         + (
-            f" For the served ÷ offline target, {plan.pairs} more rounds at {cdf_level(plan.levels)} clients "
-            f"alternate offline passes (median of {plan.repeats}) and one served run (the server idle during "
-            "the offline passes), so "
-            "each ratio compares neighbours in time."
+            f" For the served ÷ offline target, {plan.pairs} more served runs at {cdf_level(plan.levels)} "
+            f"clients alternate with offline passes (median of {plan.repeats}; the server idle meanwhile), "
+            "and each served run is compared with the mean of the offline passes just before and after it, "
+            "so a steady drift of the machine cancels out."
             if results.pairs
             else ""
         ),
