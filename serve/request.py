@@ -146,7 +146,7 @@ class RequestTracker:
         self.cancel_requested = False
         self._eos = eos_token_id
         self._limit = token_limit  # prompt + generated tokens may not exceed it
-        self._text = TextStream(tokenizer, request.stop)
+        self._text = TextStream(tokenizer, request.stop, incremental=request.stream)
         self._held: list[TokenEvent] = []  # produced, not yet handed over (see `pace`)
         self._handed_at: float | None = None
 

@@ -9,6 +9,11 @@ not O(text).
 Stop strings are matched on the decoded text, across token boundaries: text that could still be the start of
 a stop string is held back until the next tokens settle it, and a matched stop string and everything after it
 are never returned.
+
+Text that nobody reads before the end (`incremental=False`: a unary call or the offline API, without stop
+strings) is decoded once, at the end: the tokenizer's decode of all the tokens, which is what the increments
+add up to, for one decode call per sequence instead of two per token (the demo model offline at batch 16:
++10%, median of 6 alternated rounds).
 """
 
 from __future__ import annotations
@@ -33,10 +38,13 @@ class TextDelta:
     stopped: bool
 
 
+_NOTHING = TextDelta("", stopped=False)
+
+
 class TextStream:
     """Turns one sequence's tokens, pushed one at a time, into text deltas safe to stream."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *, incremental: bool = True) -> None:
         if isinstance(stop, str):
             raise TypeError("stop must be a sequence of strings, not one string")
         if not all(stop):
@@ -44,7 +52,9 @@ class TextStream:
         self._tokenizer = tokenizer
         self._vocab_size = tokenizer.get_vocab_size()
         self._stop = tuple(stop)
-        self._window: list[int] = []  # tokens from the prefix offset on
+        # Stop strings are matched on text as it comes, so they need the increments whoever reads them.
+        self._deferred = not incremental and not self._stop
+        self._window: list[int] = []  # tokens from the prefix offset on (deferred: all tokens)
         self._read = 0  # index in the window of the first token whose text is not yet out
         self._prefix_text = ""  # the window's tokens before the read offset, decoded
         self._held = ""  # decoded text that could begin a stop string
@@ -73,6 +83,8 @@ class TextStream:
                 f"token id {token_id} is outside the vocabulary: allowed 0..{self._vocab_size - 1}"
             )
         self._window.append(token_id)
+        if self._deferred:
+            return _NOTHING
         return self._release(self._decode_new(final=False), final=False)
 
     def flush(self) -> str:
@@ -81,6 +93,8 @@ class TextStream:
             self._flushed = True
             return ""
         self._flushed = True
+        if self._deferred:
+            return self._emit(self._tokenizer.decode(self._window), stopped=False).text
         return self._release(self._decode_new(final=True), final=True).text
 
     def _decode_new(self, final: bool) -> str:

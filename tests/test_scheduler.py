@@ -627,6 +627,36 @@ def test_a_request_that_does_not_stream_is_handed_over_once_at_the_end(tokenizer
     assert tracker.pace(c, now=9.0, interval=0.0, flush=True) == TokenEvent([0, 1, 2], "abc", [])
 
 
+def test_a_request_that_does_not_stream_gets_the_same_text_decoded_once(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("é a😀b").ids  # characters of several byte tokens (none is in the letters)
+
+    decodes: list[list[int]] = []
+
+    class Counting:
+        def get_vocab_size(self) -> int:
+            return tokenizer.get_vocab_size()
+
+        def decode(self, window: list[int]) -> str:
+            decodes.append(list(window))
+            return tokenizer.decode(window)
+
+    def text_of(stream: bool) -> tuple[str, str]:
+        new = request("t", prompt_of(3), max_new=len(ids), stream=stream)
+        tracker = RequestTracker(new, Counting(), 0, 64, 0.0)  # type: ignore[arg-type]
+        tracker.admit(0.0)
+        completion = Completion("t")
+        for step, token in enumerate(ids):
+            event, finish = tracker.accept(token, 0.0, now=float(step))
+            for item in (tracker.pace(event, float(step), 0.0, flush=finish is not None), finish):
+                if item is not None:
+                    completion.add(item)
+        return completion.text, completion.finish_reason
+
+    assert text_of(stream=False) == ("é a😀b", "length")
+    assert decodes == [ids]  # once, at the end
+    assert text_of(stream=True) == ("é a😀b", "length") and len(decodes) > len(ids) > 4
+
+
 def test_a_stream_that_falls_behind_takes_what_is_ready_in_one_go(tokenizer: Tokenizer) -> None:
     async def main() -> None:
         tracker = tracker_of(tokenizer)

@@ -163,13 +163,37 @@ class CountingTokenizer:
     def __init__(self, inner: Tokenizer) -> None:
         self._inner = inner
         self.widest = 0
+        self.calls = 0
 
     def get_vocab_size(self) -> int:
         return self._inner.get_vocab_size()
 
     def decode(self, ids: list[int]) -> str:
         self.widest = max(self.widest, len(ids))
+        self.calls += 1
         return self._inner.decode(ids)
+
+
+@pytest.mark.parametrize("text", [*CORPUS, "rare emoji 🦀🦀 🧪 end", ""])
+def test_text_read_only_at_the_end_is_decoded_once_and_equals_the_increments(
+    tokenizer: Tokenizer, text: str
+) -> None:
+    ids = [*tokenizer.encode(text).ids, EOS_ID]
+    counting = CountingTokenizer(tokenizer)
+    deferred = TextStream(counting, incremental=False)  # type: ignore[arg-type]
+    assert [deferred.push(i) for i in ids] == [TextDelta("", False)] * len(ids)
+    assert counting.calls == 0
+    assert deferred.flush() == joined(stream_all(tokenizer, ids)) == text
+    assert counting.calls == 1 and deferred.text == text and deferred.flush() == ""
+
+
+def test_stop_strings_are_matched_as_tokens_come_even_if_text_is_read_at_the_end(
+    tokenizer: Tokenizer,
+) -> None:
+    ids = tokenizer.encode("hello world, the quick brown fox").ids
+    stream = TextStream(tokenizer, (" the",), incremental=False)
+    deltas = [stream.push(i) for i in ids]
+    assert any(d.stopped for d in deltas) and joined(deltas) + stream.flush() == "hello world,"
 
 
 def test_each_push_decodes_a_bounded_window(tokenizer: Tokenizer) -> None:
