@@ -21,7 +21,7 @@ from serve.offline import generate
 from serve.request import Completion, FinishEvent, GenerationRequest, RequestState, RequestTracker, TokenEvent
 from serve.runtime import SessionConfig
 from serve.sampling import SamplingParams
-from serve.scheduler import RequestHandle, Scheduler, SchedulerLimits
+from serve.scheduler import RequestHandle, Scheduler, SchedulerLimits, StepRecord
 
 T = TypeVar("T")
 Reference = Callable[[Sequence[int], int], list[int]]
@@ -727,7 +727,7 @@ def test_a_long_lone_prompt_is_prefilled_in_pieces_between_decode_steps(make_eng
     engine = make_engine(max_batch_size=3, step_seconds=0.005)  # the first two outlive the late one's pieces
     limits = SchedulerLimits(prefill_chunk_tokens=4)
 
-    async def main() -> list[Completion]:
+    async def main() -> tuple[list[Completion], list[StepRecord]]:
         scheduler = await started(engine, limits)
         first = [scheduler.submit(request(f"r{i}", prompt_of(3 + i), max_new=50)) for i in range(2)]
         for handle in first:
@@ -735,10 +735,12 @@ def test_a_long_lone_prompt_is_prefilled_in_pieces_between_decode_steps(make_eng
         late = scheduler.submit(request("late", prompt_of(14, 45), max_new=5))
         done = await asyncio.gather(*(collect(h) for h in [*first, late]))
         await scheduler.drain(1.0)
-        return done
+        return done, scheduler.steps()
 
-    *_, late = run(main)
+    (*_, late), steps = run(main)
     assert late.token_ids == engine.expected(prompt_of(14, 45), 5)
+    # The records count each piece's own tokens: 14 = 4 + 4 + 4 + 2 (r0 and r1 were prefilled before).
+    assert [(s.rows, s.real_tokens) for s in steps if s.phase == "prefill"][-4:] == [(1, 4)] * 3 + [(1, 2)]
     phases = [phase for phase, _ in engine.calls]
     start = next(i for i, (phase, rows) in enumerate(engine.calls) if rows == ["late"])
     # 14 tokens in pieces of 4: the first piece, then three more, each after a decode step of the others.
