@@ -426,6 +426,7 @@ def format_report(summary: dict[str, object], title: str = "Serving Benchmark Re
 
 # --- the server's own figures ------------------------------------------------------------------------------
 
+
 def server_samples(rpc: Rpc) -> dict[str, tuple[str, dict[str, str]]]:
     """figure -> (sample name, labels that must match) for a run of `rpc` calls."""
     name = RPC_NAMES[rpc]
@@ -435,6 +436,10 @@ def server_samples(rpc: Rpc) -> dict[str, tuple[str, dict[str, str]]]:
         "ttft_sum": ("textgen_time_to_first_token_seconds_sum", {}),
         "ttft_count": ("textgen_time_to_first_token_seconds_count", {}),
         "generation_tokens": ("textgen_generation_tokens_total", {}),
+        "decode_steps": ("textgen_step_duration_seconds_count", {"phase": "decode"}),
+        "decode_seconds": ("textgen_step_duration_seconds_sum", {"phase": "decode"}),
+        "prefill_steps": ("textgen_step_duration_seconds_count", {"phase": "prefill"}),
+        "prefill_seconds": ("textgen_step_duration_seconds_sum", {"phase": "prefill"}),
     }
 
 
@@ -472,6 +477,10 @@ def scrape_after(
         time.sleep(0.05)
 
 
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {key: after[key] - before[key] for key in before}
+
+
 @dataclass(frozen=True)
 class Check:
     name: str
@@ -484,7 +493,7 @@ def compare_with_server(
     before: dict[str, float], after: dict[str, float], result: RunResult, rpc: Rpc = "stream"
 ) -> list[Check]:
     """The server's own counts and TTFT over the run against the client's (no other traffic assumed)."""
-    delta = {key: after[key] - before[key] for key in before}
+    delta = _delta(before, after)
     ok = [r for r in result.records if r.success]
     # A unary client sees no first token: the server's TTFT can only be checked against the whole call.
     client_first = [r.ttft for r in ok if r.ttft is not None] if rpc == "stream" else [r.latency for r in ok]
@@ -515,6 +524,73 @@ def compare_with_server(
     ]
 
 
+@dataclass(frozen=True)
+class EngineSteps:
+    """What the server's engine did during the run, from its step histograms (no other traffic assumed):
+    where served throughput goes — engine steps, how full they ran, and the time between them."""
+
+    duration: float  # seconds, the client's run
+    decode_steps: int
+    decode_seconds: float
+    prefill_steps: int  # a prompt prefilled in chunks counts one step per piece
+    prefill_seconds: float
+    sequences: int  # started (first tokens)
+    tokens: int  # generated
+
+    @property
+    def decode_rows(self) -> float:
+        """Mean sequences per decode step: every token after a sequence's first comes from one."""
+        return (self.tokens - self.sequences) / self.decode_steps if self.decode_steps else math.nan
+
+    @property
+    def prefill_rows(self) -> float:
+        """Mean sequences started per prefill step."""
+        return self.sequences / self.prefill_steps if self.prefill_steps else math.nan
+
+    @property
+    def busy(self) -> float:
+        """Share of the run the engine spent inside steps."""
+        return (self.decode_seconds + self.prefill_seconds) / self.duration
+
+    @property
+    def between_ms(self) -> float:
+        """Milliseconds per step spent outside engine steps (hand-off, admission, waiting for work or CPU)."""
+        steps = self.decode_steps + self.prefill_steps
+        idle = self.duration - self.decode_seconds - self.prefill_seconds
+        return idle / steps * 1e3 if steps else math.nan
+
+
+def engine_steps(before: dict[str, float], after: dict[str, float], duration: float) -> EngineSteps:
+    delta = _delta(before, after)
+    return EngineSteps(
+        duration=duration,
+        decode_steps=round(delta["decode_steps"]),
+        decode_seconds=delta["decode_seconds"],
+        prefill_steps=round(delta["prefill_steps"]),
+        prefill_seconds=delta["prefill_seconds"],
+        sequences=round(delta["ttft_count"]),
+        tokens=round(delta["generation_tokens"]),
+    )
+
+
+def format_steps(steps: EngineSteps) -> str:
+    def mean_ms(seconds: float, count: int) -> float:
+        return seconds / count * 1e3 if count else math.nan
+
+    return "\n".join(
+        [
+            f"{' Server engine steps ':=^78}",
+            f"{'Decode steps:':<40}{steps.decode_steps:<10} "
+            f"{mean_ms(steps.decode_seconds, steps.decode_steps):.2f} ms mean, {steps.decode_rows:.2f} rows",
+            f"{'Prefill steps:':<40}{steps.prefill_steps:<10} "
+            f"{mean_ms(steps.prefill_seconds, steps.prefill_steps):.2f} ms mean, "
+            f"{steps.prefill_rows:.2f} sequences",
+            f"{'Engine busy (share of the run):':<40}{steps.busy:.2f}",
+            f"{'Between steps (ms per step):':<40}{steps.between_ms:.2f}",
+        ]
+    )
+
+
 def format_checks(checks: Sequence[Check]) -> str:
     rows = [f"{' Server metrics vs client ':=^78}", f"{'check':<36}{'client':>14}{'server':>14}{'':>4}result"]
     for check in checks:
@@ -535,6 +611,13 @@ class BenchmarkOutput:
     summary: dict[str, object]
     records: list[RequestRecord]
     checks: list[Check] = field(default_factory=list)
+    steps: EngineSteps | None = None
+
+    def steps_json(self) -> dict[str, float] | None:
+        if self.steps is None:
+            return None
+        derived = ("decode_rows", "prefill_rows", "busy", "between_ms")
+        return asdict(self.steps) | {name: getattr(self.steps, name) for name in derived}
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -542,6 +625,7 @@ class BenchmarkOutput:
             "model": self.model,
             "summary": self.summary,
             "server_checks": [asdict(c) for c in self.checks],
+            "server_steps": self.steps_json(),
             "records": [asdict(r) | {"tpot": r.tpot} for r in self.records],
         }
 
@@ -554,13 +638,15 @@ async def benchmark(config: LoadConfig, metrics_url: str | None = None) -> Bench
         prompts = await _prepare(config, stub, info)
         before = await asyncio.to_thread(scrape, metrics_url, config.rpc) if metrics_url else None
         result = await run_load(config, stub, prompts)
-        checks = []
+        checks, steps = [], None
         if metrics_url and before is not None:
             count = len(result.records)
             after = await asyncio.to_thread(scrape_after, metrics_url, config.rpc, before, count)
             checks = compare_with_server(before, after, result, config.rpc)
+            steps = engine_steps(before, after, result.duration)
     model = {"name": info.model_name, "vocab_size": info.vocab_size, "max_batch_size": info.max_batch_size}
-    return BenchmarkOutput(config, model, summarize(result, config.percentiles), result.records, checks)
+    summary = summarize(result, config.percentiles)
+    return BenchmarkOutput(config, model, summary, result.records, checks, steps)
 
 
 async def _prepare(config: LoadConfig, stub: pb_grpc.TextGenerationStub, info: pb.ModelInfo) -> list[Prompt]:
@@ -685,6 +771,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(output.summary))
     if output.checks:
         print(format_checks(output.checks))
+    if output.steps is not None:
+        print(format_steps(output.steps))
     if args.output is not None:
         write_json(output, args.output)
         print(f"records written to {args.output}")

@@ -485,6 +485,7 @@ def save_summary(results: Results, path: Path) -> None:
         "hf": results.hf,
         "server": {c: o.summary for c, o in results.server.items()},
         "server_checks": {c: [check.__dict__ for check in o.checks] for c, o in results.server.items()},
+        "server_steps": {c: o.steps_json() for c, o in results.server.items()},
         "naive": {c: o.summary for c, o in results.naive.items()},
         "arrivals": {"config": results.arrivals.config.__dict__, "summary": results.arrivals.summary},
         "seconds": results.seconds,

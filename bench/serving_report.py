@@ -277,6 +277,38 @@ def targets(results: Results) -> list[str]:
     ]
 
 
+def engine_steps(results: Results) -> list[str]:
+    """Per load, what the server's step histograms say the engine did (rows per step, time between steps)."""
+    rows = []
+    for c, o in [*results.server.items(), ("steady arrivals", results.arrivals)]:
+        s = o.steps
+        if s is None:
+            continue
+        decode_ms = s.decode_seconds / s.decode_steps * 1e3 if s.decode_steps else math.nan
+        prefill_ms = s.prefill_seconds / s.prefill_steps * 1e3 if s.prefill_steps else math.nan
+        rows.append(
+            [
+                str(c),
+                f"{s.decode_steps} × {decode_ms:.1f} ms",
+                f"{s.decode_rows:.1f}",
+                f"{s.prefill_steps} × {prefill_ms:.1f} ms",
+                f"{s.prefill_rows:.1f}",
+                f"{s.busy:.2f}",
+                f"{s.between_ms:.2f}",
+            ]
+        )
+    header = [
+        "load",
+        "decode steps",
+        "rows a decode step",
+        "prefill steps",
+        "sequences a prefill step",
+        "engine busy",
+        "ms between steps",
+    ]
+    return _table(header, rows)
+
+
 def metric_checks(results: Results) -> list[str]:
     rows = []
     for c, o in [*results.server.items(), ("steady arrivals", results.arrivals)]:
@@ -390,6 +422,14 @@ def section(results: Results, images: Sequence[Path], doc: Path, argv_used: Sequ
         + (" (unary: its end-to-end latency)." if plan.rpc == "unary" else "."),
         "",
         *metric_checks(results),
+        "",
+        "### Inside the server: its engine steps",
+        "From the server's step histograms over each run (`textgen_step_duration_seconds` by phase, tokens "
+        "and first tokens): how full the decode steps ran, how prefills were grouped, the share of the run "
+        "spent in engine steps and the time per step outside them (hand-off, admission, waiting for work or "
+        "for the CPU).",
+        "",
+        *engine_steps(results),
         "",
         f"Raw per-request records: `{os.path.relpath(results.results_dir, doc.parent)}/` (not committed).",
         DOC_END,

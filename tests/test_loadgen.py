@@ -22,7 +22,9 @@ from bench.loadgen import (
     compare_with_server,
     cut_to_tokens,
     distribution,
+    engine_steps,
     format_report,
+    format_steps,
     main,
     parse_server_figures,
     summarize,
@@ -113,6 +115,31 @@ def test_server_figures_sum_matching_series_only() -> None:
     assert unary["requests"] == unary["ok"] == 100  # only the unary Generate series
 
 
+STEPS = """\
+# TYPE textgen_step_duration_seconds histogram
+textgen_step_duration_seconds_count{{phase="decode"}} {decode}
+textgen_step_duration_seconds_sum{{phase="decode"}} {decode_s}
+textgen_step_duration_seconds_count{{phase="prefill"}} {prefill}
+textgen_step_duration_seconds_sum{{phase="prefill"}} {prefill_s}
+"""
+
+
+def test_engine_steps_show_where_the_run_went() -> None:
+    def scraped(decode: int, decode_s: float, prefill: int, prefill_s: float, first: int, tokens: int) -> str:
+        steps = STEPS.format(decode=decode, decode_s=decode_s, prefill=prefill, prefill_s=prefill_s)
+        return exposition(0, 0, first, 0.0, tokens) + steps
+
+    before = parse_server_figures(scraped(50, 1.0, 5, 0.5, 10, 100))
+    after = parse_server_figures(scraped(150, 1.2, 15, 0.55, 30, 320))
+    steps = engine_steps(before, after, duration=1.0)
+    assert (steps.decode_steps, steps.prefill_steps, steps.sequences, steps.tokens) == (100, 10, 20, 220)
+    assert steps.decode_rows == pytest.approx(2.0)  # 200 tokens after the 20 first ones, in 100 steps
+    assert steps.prefill_rows == pytest.approx(2.0)
+    assert steps.busy == pytest.approx(0.25) and steps.between_ms == pytest.approx(750 / 110)
+    report = format_steps(steps)
+    assert "2.00 ms mean, 2.00 rows" in report and "5.00 ms mean, 2.00 sequences" in report
+
+
 def test_comparison_with_the_server_flags_what_disagrees() -> None:
     result = RunResult([record(0.2, [0.01] * 4), record(0.2, [0.01] * 4)], duration=1.0)
     before = parse_server_figures(exposition(5, 0, 6, 1.0, 100))
@@ -195,6 +222,10 @@ def test_closed_loop_smoke_run_matches_the_server(server: RunningServer, tmp_pat
         # A stream that lags the engine gets several tokens in one message (one gap per message, not token).
         assert len(rec["itl"]) <= 4 and all(gap > 0 for gap in rec["itl"])
     assert [c["ok"] for c in saved["server_checks"]] == [True] * 4
+    steps = saved["server_steps"]
+    assert steps["sequences"] == 4 and steps["tokens"] == 20 and steps["prefill_steps"] >= 1
+    assert steps["decode_steps"] >= 4 and 1 <= steps["decode_rows"] <= 4  # 4 tokens each after the first
+    assert 0 < steps["busy"] <= 1 and steps["between_ms"] >= 0
 
 
 def test_unary_run_counts_generate_calls_and_checks_ttft_against_latency(

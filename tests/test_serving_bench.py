@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from bench.loadgen import BenchmarkOutput, LoadConfig, RequestRecord, RunResult, summarize
+from bench.loadgen import BenchmarkOutput, EngineSteps, LoadConfig, RequestRecord, RunResult, summarize
 from bench.serving_bench import Pair, Plan, Results
 from bench.serving_report import DOC_BEGIN, DOC_END, plot_all, targets, update_doc
 
@@ -33,6 +33,10 @@ def output(
     config = LoadConfig(target="127.0.0.1:1", concurrency=clients, num_requests=requests)
     summary = summarize(RunResult(records, duration=10 * requests / tokens_per_second), (90.0, 99.0))
     return BenchmarkOutput(config, {"name": "m"}, summary, records)
+
+
+# 100 decode steps of 20 ms and 10 prefill steps of 100 ms in a 10 s run; 20 sequences, 220 tokens.
+STEPS_16 = EngineSteps(10.0, 100, 2.0, 10, 1.0, 20, 220)
 
 
 def results(tmp_path: Path, served_16: float, unary: bool = False) -> Results:
@@ -67,7 +71,10 @@ def results(tmp_path: Path, served_16: float, unary: bool = False) -> Results:
         spinning=False,
         max_batch=16,
         offline={1: 300.0, 16: 1000.0},
-        server={1: output(1, 290.0, 0.01, unary=unary), 16: output(16, served_16, 0.02, unary=unary)},
+        server={
+            1: output(1, 290.0, 0.01, unary=unary),
+            16: dataclasses.replace(output(16, served_16, 0.02, unary=unary), steps=STEPS_16),
+        },
         naive={1: output(1, 280.0, 0.01, unary=unary), 16: output(16, 100.0, 0.01, unary=unary)},
         arrivals=output(16, 500.0, 0.02),
         hf=None,
@@ -110,6 +117,9 @@ def test_doc_section_is_replaced_in_place_and_the_rest_kept(tmp_path: Path) -> N
     )
     assert "**0.80**" in text and "**0.95**" not in text  # the second run's figures only
     assert "![throughput vs concurrency](images/a.png)" in text
+    # the server's steps, where the run recorded them (the 16-client level here)
+    assert "| 16 | 100 × 20.0 ms | 2.0 | 10 × 100.0 ms | 2.0 | 0.30 | 63.64 |" in text
+    assert "| 1 | " not in text.split("### Inside the server")[1]
     assert "| 16 | 800 | 100 | 1000 | — | 0.80 | 8.0 |" in text
 
 
