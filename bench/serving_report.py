@@ -240,6 +240,16 @@ def itl_spread(output: BenchmarkOutput) -> float:
     return stat(output, "itl_ms", "p99") / stat(output, "itl_ms", "median")
 
 
+def near(value: float, digits: int, target: float) -> str:
+    """`value` rounded to `digits`, with more digits while rounding would put it on the target's other side
+    (0.8996 is shown as 0.8996, not as 0.90 beside "missed")."""
+    for extra in range(4):
+        shown = f"{value:.{digits + extra}f}"
+        if (float(shown) < target) == (value < target) and (float(shown) > target) == (value > target):
+            return shown
+    return shown
+
+
 def targets(results: Results) -> list[str]:
     c = cdf_level(results.plan.levels)
     served = throughput(results.server[c])
@@ -264,12 +274,13 @@ def targets(results: Results) -> list[str]:
         vs_offline, how = table_ratio, "the table's cells"
     return [
         f"At {c} clients:",
-        f"- served ÷ offline engine at batch {c}: **{vs_offline:.2f}** (target ≥ {TARGET_VS_OFFLINE}): "
-        + verdict(vs_offline >= TARGET_VS_OFFLINE)
-        + f" — {how}",
-        f"- served ÷ naive server: **{vs_naive:.1f}×** (target ≥ {TARGET_VS_NAIVE:g}×): "
+        f"- served ÷ offline engine at batch {c}: **{near(vs_offline, 2, TARGET_VS_OFFLINE)}** "
+        f"(target ≥ {TARGET_VS_OFFLINE}): " + verdict(vs_offline >= TARGET_VS_OFFLINE) + f" — {how}",
+        f"- served ÷ naive server: **{near(vs_naive, 1, TARGET_VS_NAIVE)}×** "
+        f"(target ≥ {TARGET_VS_NAIVE:g}×): "
         + verdict(vs_naive >= TARGET_VS_NAIVE),
-        f"- server ITL p99 ÷ median while requests keep arriving (the steady-arrivals run): **{spread:.1f}** "
+        f"- server ITL p99 ÷ median while requests keep arriving (the steady-arrivals run): "
+        f"**{near(spread, 1, TARGET_ITL_SPREAD)}** "
         f"(target ≤ {TARGET_ITL_SPREAD:g}): "
         + verdict(spread <= TARGET_ITL_SPREAD)
         + f"; in the closed loop at {c} clients, where requests join in waves: "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from bench.loadgen import BenchmarkOutput, EngineSteps, LoadConfig, RequestRecord, RunResult, summarize
 from bench.serving_bench import Pair, Plan, Results
-from bench.serving_report import DOC_BEGIN, DOC_END, plot_all, targets, update_doc
+from bench.serving_report import DOC_BEGIN, DOC_END, near, plot_all, targets, update_doc
 
 PLAN = Plan(levels=(1, 16), requests_per_client=2, naive_requests=4, repeats=1, input_len=4, new_tokens=10)
 
@@ -89,6 +89,11 @@ def test_targets_compare_with_offline_and_naive_at_16_clients(tmp_path: Path) ->
     assert "**missed**" not in met  # ITL: constant gaps, p99 ÷ median = 1
     missed = "\n".join(targets(results(tmp_path, served_16=450.0)))
     assert "**0.45** (target ≥ 0.9): **missed**" in missed and "**4.5×** (target ≥ 5×): **missed**" in missed
+
+
+def test_a_figure_next_to_its_target_is_shown_with_the_digits_its_verdict_needs() -> None:
+    assert near(0.8996, 2, 0.9) == "0.8996" and near(0.9004, 2, 0.9) == "0.9004"
+    assert near(0.87, 2, 0.9) == "0.87" and near(0.9, 2, 0.9) == "0.90" and near(3.04, 1, 3.0) == "3.04"
 
 
 def test_the_offline_target_uses_the_alternated_pairs_when_there_are_some(tmp_path: Path) -> None:
