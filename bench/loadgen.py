@@ -538,6 +538,16 @@ class EngineSteps:
     tokens: int  # generated
 
     @property
+    def decode_ms(self) -> float:
+        """Mean milliseconds a decode step."""
+        return self.decode_seconds / self.decode_steps * 1e3 if self.decode_steps else math.nan
+
+    @property
+    def prefill_ms(self) -> float:
+        """Mean milliseconds a prefill step (or piece)."""
+        return self.prefill_seconds / self.prefill_steps * 1e3 if self.prefill_steps else math.nan
+
+    @property
     def decode_rows(self) -> float:
         """Mean sequences per decode step: every token after a sequence's first comes from one."""
         return (self.tokens - self.sequences) / self.decode_steps if self.decode_steps else math.nan
@@ -574,17 +584,13 @@ def engine_steps(before: dict[str, float], after: dict[str, float], duration: fl
 
 
 def format_steps(steps: EngineSteps) -> str:
-    def mean_ms(seconds: float, count: int) -> float:
-        return seconds / count * 1e3 if count else math.nan
-
     return "\n".join(
         [
             f"{' Server engine steps ':=^78}",
             f"{'Decode steps:':<40}{steps.decode_steps:<10} "
-            f"{mean_ms(steps.decode_seconds, steps.decode_steps):.2f} ms mean, {steps.decode_rows:.2f} rows",
+            f"{steps.decode_ms:.2f} ms mean, {steps.decode_rows:.2f} rows",
             f"{'Prefill steps:':<40}{steps.prefill_steps:<10} "
-            f"{mean_ms(steps.prefill_seconds, steps.prefill_steps):.2f} ms mean, "
-            f"{steps.prefill_rows:.2f} sequences",
+            f"{steps.prefill_ms:.2f} ms mean, {steps.prefill_rows:.2f} sequences",
             f"{'Engine busy (share of the run):':<40}{steps.busy:.2f}",
             f"{'Between steps (ms per step):':<40}{steps.between_ms:.2f}",
         ]
@@ -616,7 +622,7 @@ class BenchmarkOutput:
     def steps_json(self) -> dict[str, float] | None:
         if self.steps is None:
             return None
-        derived = ("decode_rows", "prefill_rows", "busy", "between_ms")
+        derived = ("decode_ms", "prefill_ms", "decode_rows", "prefill_rows", "busy", "between_ms")
         return asdict(self.steps) | {name: getattr(self.steps, name) for name in derived}
 
     def to_json(self) -> dict[str, object]:

@@ -243,10 +243,13 @@ def itl_spread(output: BenchmarkOutput) -> float:
 def near(value: float, digits: int, target: float) -> str:
     """`value` rounded to `digits`, with more digits while rounding would put it on the target's other side
     (0.8996 is shown as 0.8996, not as 0.90 beside "missed")."""
+    def side(x: float) -> int:
+        return (x > target) - (x < target)
+
     for extra in range(4):
         shown = f"{value:.{digits + extra}f}"
-        if (float(shown) < target) == (value < target) and (float(shown) > target) == (value > target):
-            return shown
+        if side(float(shown)) == side(value):
+            break
     return shown
 
 
@@ -288,21 +291,19 @@ def targets(results: Results) -> list[str]:
     ]
 
 
-def engine_steps(results: Results) -> list[str]:
+def steps_table(results: Results) -> list[str]:
     """Per load, what the server's step histograms say the engine did (rows per step, time between steps)."""
     rows = []
     for c, o in [*results.server.items(), ("steady arrivals", results.arrivals)]:
         s = o.steps
         if s is None:
             continue
-        decode_ms = s.decode_seconds / s.decode_steps * 1e3 if s.decode_steps else math.nan
-        prefill_ms = s.prefill_seconds / s.prefill_steps * 1e3 if s.prefill_steps else math.nan
         rows.append(
             [
                 str(c),
-                f"{s.decode_steps} × {decode_ms:.1f} ms",
+                f"{s.decode_steps} × {s.decode_ms:.1f} ms",
                 f"{s.decode_rows:.1f}",
-                f"{s.prefill_steps} × {prefill_ms:.1f} ms",
+                f"{s.prefill_steps} × {s.prefill_ms:.1f} ms",
                 f"{s.prefill_rows:.1f}",
                 f"{s.busy:.2f}",
                 f"{s.between_ms:.2f}",
@@ -440,7 +441,7 @@ def section(results: Results, images: Sequence[Path], doc: Path, argv_used: Sequ
         "spent in engine steps and the time per step outside them (hand-off, admission, waiting for work or "
         "for the CPU).",
         "",
-        *engine_steps(results),
+        *steps_table(results),
         "",
         f"Raw per-request records: `{os.path.relpath(results.results_dir, doc.parent)}/` (not committed).",
         DOC_END,
