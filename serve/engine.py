@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -79,8 +79,9 @@ class NewSequence:
     logprobs: bool = False  # report each token's logprob (TokenOut.logprob is NaN otherwise)
 
 
-@dataclass(frozen=True)
-class TokenOut:
+class TokenOut(NamedTuple):
+    """One sequence's new token. A tuple: the engine makes one per row per step."""
+
     seq_id: str
     token_id: int
     logprob: float  # NaN unless the sequence asked for logprobs
@@ -401,6 +402,8 @@ class Engine:
     def _emit(self, first_row: int, tokens: np.ndarray, logprobs: np.ndarray) -> list[TokenOut]:
         self._pending[first_row : first_row + len(tokens)] = tokens
         ids = self._ids[first_row:]
+        # Python scalars in one call each (.tolist()), not a numpy scalar conversion per row.
         return [
-            TokenOut(seq_id, int(t), float(lp)) for seq_id, t, lp in zip(ids, tokens, logprobs, strict=True)
+            TokenOut(seq_id, t, lp)
+            for seq_id, t, lp in zip(ids, tokens.tolist(), logprobs.tolist(), strict=True)
         ]
