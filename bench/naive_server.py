@@ -25,7 +25,7 @@ from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.bundle import Bundle, load_bundle
 from serve.config import ConfigError, ServerSettings, load_settings
-from serve.engine import Engine, EngineSettings, NewSequence
+from serve.engine import Engine, EngineSettings
 from serve.errors import TextgenError, grpc_status
 from serve.request import Completion, Event, FinishEvent, GenerationRequest, RequestTracker
 from serve.runtime import SessionConfig
@@ -51,9 +51,7 @@ class NaiveService(pb_grpc.TextGenerationServicer):
         with self._lock:
             tracker = RequestTracker(request, engine.tokenizer, engine.eos_token_id, engine.capacity, arrival)
             tracker.admit(time.monotonic())
-            sequence = NewSequence(
-                request.request_id, request.prompt_ids, request.sampling, request.include_logprobs
-            )
+            sequence = tracker.new_sequence()
             try:
                 out = engine.prefill([sequence])[0]
                 while True:

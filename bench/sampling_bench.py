@@ -19,6 +19,8 @@ CASES = {
     "top-p 0.9, T 0.8": SamplingParams(temperature=0.8, top_p=0.9),
     "top-k 50, T 0.8": SamplingParams(temperature=0.8, top_k=50),
     "greedy + rep. penalty 1.2": SamplingParams(repetition_penalty=1.2),
+    "min-p 0.05, T 0.8": SamplingParams(temperature=0.8, min_p=0.05),
+    "greedy + frequency 0.5, presence 0.5": SamplingParams(frequency_penalty=0.5, presence_penalty=0.5),
 }
 
 

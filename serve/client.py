@@ -91,6 +91,9 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
         top_k=args.top_k,
         top_p=args.top_p,
         repetition_penalty=args.repetition_penalty,
+        min_p=args.min_p,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
     )
     if args.seed is not None:
         sampling.seed = args.seed
@@ -99,7 +102,11 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
         text=args.prompt,
         sampling=sampling,
         stopping=pb.StoppingCriteria(
-            max_new_tokens=args.max_new_tokens, stop=args.stop, ignore_eos=args.ignore_eos
+            max_new_tokens=args.max_new_tokens,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+            min_new_tokens=args.min_new_tokens,
+            stop_token_ids=args.stop_token_id,
         ),
         include_logprobs=args.logprobs,
     )
@@ -201,9 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=_positive_or_zero, default=0, help="0: off")
     gen.add_argument("--top-p", type=float, default=0.0, help="0: off")
     gen.add_argument("--repetition-penalty", type=float, default=0.0, help="0: off")
+    gen.add_argument("--min-p", type=float, default=0.0, help="0: off")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, -2..2; 0: off")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, -2..2; 0: off")
     gen.add_argument("--seed", type=_positive_or_zero, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--min-new-tokens", type=_positive_or_zero, default=0, help="no EOS before this many")
+    gen.add_argument(
+        "--stop-token-id", type=_positive_or_zero, action="append", default=[], help="stop token (repeatable)"
+    )
     gen.add_argument("--logprobs", action="store_true", help="ask for token logprobs")
     gen.add_argument("--request-id", default="")
     gen.add_argument("--verbose", action="store_true", help="print usage and timings to stderr")

@@ -77,6 +77,8 @@ class NewSequence:
     prompt_ids: Sequence[int]
     sampling: SamplingParams
     logprobs: bool = False  # report each token's logprob (TokenOut.logprob is NaN otherwise)
+    banned: tuple[int, ...] = ()  # token ids its first `banned_for` tokens may not be
+    banned_for: int = 0
 
 
 class TokenOut(NamedTuple):
@@ -337,7 +339,7 @@ class Engine:
         n = self.batch_size
         group = SamplingBatch()
         for seq in new:
-            group.append(seq.sampling, seq.prompt_ids, seq.logprobs)
+            group.append(seq.sampling, seq.prompt_ids, seq.logprobs, seq.banned, seq.banned_for)
         tokens, logprobs = group.sample(logits)
         self._sampling.extend(group)
         self._ids.extend(s.seq_id for s in new)

@@ -27,6 +27,8 @@ def generate(
     stop: tuple[str, ...] = (),
     ignore_eos: bool = False,
     include_logprobs: bool = False,
+    min_new_tokens: int = 0,
+    stop_token_ids: tuple[int, ...] = (),
     limits: SchedulerLimits = OFFLINE_LIMITS,
 ) -> list[Completion]:
     """Complete every prompt (text, or token ids) and return the completions in prompt order.
@@ -49,6 +51,8 @@ def generate(
                 ignore_eos=ignore_eos,
                 include_logprobs=include_logprobs,
                 stream=False,
+                stop_token_ids=stop_token_ids,
+                min_new_tokens=min_new_tokens,
             ),
             stop_at_context=True,
         )

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import tokenizers
 
 from serve.errors import InvalidRequest
 from serve.sampling import SamplingParams
 from serve.textstream import TextStream
+
+if TYPE_CHECKING:
+    from serve.engine import NewSequence
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,10 @@ class GenerationRequest:
     # The caller reads tokens as they come (GenerateStream). False: it reads the whole completion, so the
     # engine thread hands it over once, at the end, instead of waking the event loop for every token.
     stream: bool = True
+    # Token ids that end generation as EOS does (finish reason `stop`; the token itself is not returned).
+    stop_token_ids: tuple[int, ...] = ()
+    # EOS and the stop token ids cannot be sampled before this many new tokens (stop strings still apply).
+    min_new_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,14 @@ def validate_request(
         raise InvalidRequest(f"request {rid}: the prompt is empty; give at least one token")
     if request.max_new_tokens < 1:
         raise InvalidRequest(f"request {rid}: max_new_tokens is {request.max_new_tokens}; it must be >= 1")
+    if not 0 <= request.min_new_tokens <= request.max_new_tokens:
+        raise InvalidRequest(
+            f"request {rid}: min_new_tokens is {request.min_new_tokens}; "
+            f"allowed 0..{request.max_new_tokens} (max_new_tokens)"
+        )
+    stops = request.stop_token_ids
+    if stops and not 0 <= min(stops) <= max(stops) < vocab_size:
+        raise InvalidRequest(f"request {rid}: stop token ids must be in [0, {vocab_size - 1}]")
     if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab_size:
         raise InvalidRequest(f"request {rid}: prompt token ids must be in [0, {vocab_size - 1}]")
     prompt = len(request.prompt_ids)
@@ -145,6 +161,7 @@ class RequestTracker:
         self.completion_tokens = 0  # tokens handed to the client (EOS excluded)
         self.cancel_requested = False
         self._eos = eos_token_id
+        self._stop_ids = frozenset(request.stop_token_ids)
         self._limit = token_limit  # prompt + generated tokens may not exceed it
         self._text = TextStream(tokenizer, request.stop, incremental=request.stream)
         self._held: list[TokenEvent] = []  # produced, not yet handed over (see `pace`)
@@ -171,6 +188,22 @@ class RequestTracker:
     @property
     def done(self) -> bool:
         return self.state in _ENDINGS
+
+    def new_sequence(self) -> NewSequence:
+        """What the engine needs to prefill this request: its sampling, and the tokens that would end it
+        (EOS unless ignored, the stop token ids) banned until `min_new_tokens`."""
+        from serve.engine import NewSequence  # the real engine module imports ONNX Runtime
+
+        request = self.request
+        ends = request.stop_token_ids if request.ignore_eos else (self._eos, *request.stop_token_ids)
+        return NewSequence(
+            seq_id=request.request_id,
+            prompt_ids=request.prompt_ids,
+            sampling=request.sampling,
+            logprobs=request.include_logprobs,
+            banned=ends if request.min_new_tokens else (),
+            banned_for=request.min_new_tokens,
+        )
 
     def request_cancel(self) -> None:
         self.cancel_requested = True
@@ -200,6 +233,8 @@ class RequestTracker:
         self.produced += 1
         if token_id == self._eos and not self.request.ignore_eos:
             return self._event([], [], self._text.flush()), self._finish("eos", now)
+        if token_id in self._stop_ids:
+            return self._event([], [], self._text.flush()), self._finish("stop", now)
         self.completion_tokens += 1
         delta = self._text.push(token_id)
         logprobs = [logprob] if self.request.include_logprobs else []

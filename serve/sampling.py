@@ -1,9 +1,10 @@
 """Next-token choice for the whole running batch: logits processors and per-row sampling state.
 
 Runs on the hot path (every decode step, every row), so everything is vectorized numpy over `[n, vocab]`.
-The processors follow Hugging Face / TGI semantics and are applied as a chain in TGI's order: repetition
-penalty, temperature, top-k, top-p. Each takes a per-row parameter vector and leaves alone the rows where
-its parameter means "off".
+The processors follow Hugging Face / TGI / vLLM semantics and are applied as a chain: the penalties
+(repetition over prompt and output, then OpenAI's frequency and presence over the output), banned tokens (EOS
+and stop token ids until `min_new_tokens`), then for sampled rows temperature, top-k, top-p and min-p. Each
+takes a per-row parameter vector and leaves alone the rows where its parameter means "off".
 
 Reproducibility: a seeded row draws its randomness only from its own `np.random.Generator` (one uniform per
 step) and every reduction runs along its own row, so its tokens do not depend on what else is in the batch.
@@ -20,6 +21,7 @@ import numpy as np
 from serve.errors import InvalidRequest
 
 MAX_SEED = 2**64 - 1
+MAX_OPENAI_PENALTY = 2.0  # the range OpenAI and vLLM accept for frequency and presence penalties
 
 # Top-p first looks for its threshold among this many largest logits; a full sort is needed only for rows
 # whose nucleus is wider (nearly flat distributions), which keeps the usual case O(vocab) instead of a sort.
@@ -37,6 +39,9 @@ class SamplingParams:
     top_p: float = 0.0
     repetition_penalty: float = 0.0
     seed: int | None = None
+    min_p: float = 0.0  # keep tokens with probability >= min_p x the top token's (after temperature)
+    frequency_penalty: float = 0.0  # OpenAI: subtracted from a token's logit per time it was generated
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of every token generated so far
 
     @property
     def greedy(self) -> bool:
@@ -56,6 +61,13 @@ class SamplingParams:
             raise InvalidRequest(
                 f"repetition_penalty must be 0 (off) or a finite number > 0, got {self.repetition_penalty}"
             )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -MAX_OPENAI_PENALTY <= value <= MAX_OPENAI_PENALTY):
+                bound = f"{MAX_OPENAI_PENALTY:g}"
+                raise InvalidRequest(f"{name} must be in [-{bound}, {bound}] (0 = off), got {value}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED
         ):
@@ -98,6 +110,29 @@ def apply_repetition_penalty(logits: np.ndarray, penalty: np.ndarray, seen: Sequ
     logits[rows, cols] = np.where(values > 0.0, values / factor, values * factor)
 
 
+def apply_frequency_presence(
+    logits: np.ndarray, frequency: np.ndarray, presence: np.ndarray, generated: Sequence[np.ndarray]
+) -> None:
+    """In place (OpenAI's definition): logit[t] -= frequency x count[t] + presence x (count[t] > 0), where
+    count[t] is how often row i generated token t (the prompt does not count). `frequency`, `presence` [n];
+    `generated[i]` the token ids row i generated so far."""
+    active = np.flatnonzero((frequency != 0.0) | (presence != 0.0))
+    ids = [generated[i] for i in active.tolist()]
+    if not ids or not sum(len(row_ids) for row_ids in ids):
+        return
+    vocab = logits.shape[1]
+    keys = np.repeat(active, [len(row_ids) for row_ids in ids]) * vocab + np.concatenate(ids)
+    keys, counts = np.unique(keys, return_counts=True)  # one entry per (row, token), with its count
+    rows, cols = np.divmod(keys, vocab)
+    logits[rows, cols] -= (frequency[rows] * counts + presence[rows]).astype(np.float32)
+
+
+def ban_tokens(logits: np.ndarray, rows: np.ndarray, banned: Sequence[np.ndarray]) -> None:
+    """In place: -inf for the token ids `banned[j]` in row `rows[j]` (EOS until `min_new_tokens`)."""
+    if len(rows):
+        logits[np.repeat(rows, [len(ids) for ids in banned]), np.concatenate(banned)] = -np.inf
+
+
 def apply_temperature(logits: np.ndarray, temperature: np.ndarray) -> None:
     """In place: divide each row by its temperature (0 = greedy and 1 are left alone).
 
@@ -126,6 +161,18 @@ def apply_top_k(logits: np.ndarray, top_k: np.ndarray) -> None:
     # One partition places every distinct k-th position the block needs.
     partitioned = np.partition(block, np.unique(kth), axis=1)
     threshold = np.take_along_axis(partitioned, kth[:, None], axis=1)
+    block[block < threshold] = -np.inf
+    _store(logits, block, rows)
+
+
+def apply_min_p(logits: np.ndarray, min_p: np.ndarray) -> None:
+    """In place: -inf for tokens less likely than `min_p` x the row's most likely token; 0 is off.
+    In logits: below the row's largest logit + log(min_p); no softmax is needed."""
+    active = min_p > 0.0
+    if not active.any():
+        return
+    block, rows = _active_rows(logits, active)
+    threshold = block.max(axis=1, keepdims=True) + np.log(min_p[active, None].astype(np.float32))
     block[block < threshold] = -np.inf
     _store(logits, block, rows)
 
@@ -192,7 +239,7 @@ def _draw(logits: np.ndarray, uniform: np.ndarray) -> np.ndarray:
 class _History:
     """The token ids a row has seen, prompt then each sampled token, in a buffer that doubles when full."""
 
-    __slots__ = ("_count", "_ids", "largest")
+    __slots__ = ("_count", "_ids", "_start", "largest")
 
     def __init__(self, prompt_ids: Sequence[int]) -> None:
         ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
@@ -200,12 +247,16 @@ class _History:
             raise ValueError(f"prompt token ids must be >= 0, got {int(ids.min())}")
         self._ids = np.empty(max(64, 2 * ids.size), dtype=np.int64)
         self._ids[: ids.size] = ids
-        self._count = ids.size
+        self._count = self._start = ids.size
         self.largest = int(ids.max()) if ids.size else -1
 
     @property
     def ids(self) -> np.ndarray:
         return self._ids[: self._count]
+
+    @property
+    def generated(self) -> np.ndarray:
+        return self._ids[self._start : self._count]
 
     def add(self, token: int) -> None:
         if self._count == self._ids.size:
@@ -218,8 +269,14 @@ class _History:
 class _Row:
     params: SamplingParams
     rng: np.random.Generator | None  # None for greedy rows: they never draw
-    history: _History  # empty unless the row has a repetition penalty
+    history: _History  # empty unless the row has a penalty; the prompt only for a repetition penalty
     logprobs: bool  # the caller wants the chosen token's logprob
+    banned: np.ndarray  # token ids it may not pick while `banned_for` > 0
+    banned_for: int  # tokens still to pick without them
+
+
+def _penalizes_openai(params: SamplingParams) -> bool:
+    return params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
 
 
 @dataclass(slots=True)
@@ -229,26 +286,44 @@ class _Layout:
     temperature: np.ndarray
     top_k: np.ndarray
     top_p: np.ndarray
+    min_p: np.ndarray
     penalty: np.ndarray
+    frequency: np.ndarray
+    presence: np.ndarray
     greedy: np.ndarray  # row indices decided by argmax
     sampled: np.ndarray  # row indices drawn at random
-    penalized: np.ndarray  # row indices with a repetition penalty
+    repeated: np.ndarray  # row indices with a repetition penalty
+    openai: np.ndarray  # row indices with a frequency or presence penalty
+    penalized: np.ndarray  # row indices with either: their tokens are recorded
+    banning: np.ndarray  # row indices with banned tokens this step
     generators: list[np.random.Generator]  # of the sampled rows, in the same order
     scored: np.ndarray  # row indices whose chosen token's logprob is wanted
+
+    @property
+    def plain(self) -> bool:
+        """Every row is greedy on the raw logits: one argmax decides the batch."""
+        return not (self.sampled.size or self.penalized.size or self.banning.size)
 
     @classmethod
     def of(cls, rows: Sequence[_Row]) -> _Layout:
         params = [row.params for row in rows]
         temperature = np.array([p.temperature for p in params], dtype=np.float32)
         penalty = np.array([p.repetition_penalty for p in params], dtype=np.float32)
+        openai = np.array([_penalizes_openai(p) for p in params], dtype=bool)
         return cls(
             temperature=temperature,
             top_k=np.array([p.top_k for p in params], dtype=np.int64),
             top_p=np.array([p.top_p for p in params], dtype=np.float32),
+            min_p=np.array([p.min_p for p in params], dtype=np.float32),
             penalty=penalty,
+            frequency=np.array([p.frequency_penalty for p in params], dtype=np.float32),
+            presence=np.array([p.presence_penalty for p in params], dtype=np.float32),
             greedy=np.flatnonzero(temperature == 0.0),
             sampled=np.flatnonzero(temperature > 0.0),
-            penalized=np.flatnonzero(_penalizes(penalty)),
+            repeated=np.flatnonzero(_penalizes(penalty)),
+            openai=np.flatnonzero(openai),
+            penalized=np.flatnonzero(_penalizes(penalty) | openai),
+            banning=np.flatnonzero([row.banned_for > 0 and row.banned.size > 0 for row in rows]),
             generators=[row.rng for row in rows if row.rng is not None],
             scored=np.flatnonzero([row.logprobs for row in rows]),
         )
@@ -265,15 +340,30 @@ class SamplingBatch:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def append(self, params: SamplingParams, prompt_ids: Sequence[int], logprobs: bool = False) -> None:
+    def append(
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        logprobs: bool = False,
+        banned: Sequence[int] = (),
+        banned_for: int = 0,
+    ) -> None:
         """Add a row at the end (the engine's next row). Unseeded sampling rows get a seed from OS entropy.
         `logprobs`: `sample` computes this row's logprob (a log-softmax over the vocabulary: skipped for
-        rows that do not ask, which on a small model costs as much as the rest of sampling)."""
+        rows that do not ask, which on a small model costs as much as the rest of sampling). `banned`: token
+        ids its first `banned_for` tokens may not be (EOS and stop token ids under `min_new_tokens`)."""
         params.validate()
         rng = None if params.greedy else np.random.default_rng(params.seed)
-        penalized = bool(_penalizes(np.asarray(params.repetition_penalty, dtype=np.float32)))
-        history = _History(prompt_ids if penalized else ())
-        self._rows.append(_Row(params=params, rng=rng, history=history, logprobs=logprobs))
+        repeated = bool(_penalizes(np.asarray(params.repetition_penalty, dtype=np.float32)))
+        row = _Row(
+            params=params,
+            rng=rng,
+            history=_History(prompt_ids if repeated else ()),
+            logprobs=logprobs,
+            banned=np.unique(np.asarray(banned, dtype=np.int64)),
+            banned_for=banned_for,
+        )
+        self._rows.append(row)
         self._layout = None
 
     def extend(self, other: SamplingBatch) -> None:
@@ -302,10 +392,7 @@ class SamplingBatch:
         if self._layout is None:
             self._layout = _Layout.of(self._rows)
         layout = self._layout
-        if layout.sampled.size == 0 and layout.penalized.size == 0:
-            tokens = logits.argmax(axis=1)
-        else:
-            tokens = self._choose(logits, layout)
+        tokens = logits.argmax(axis=1) if layout.plain else self._choose(logits, layout)
         logprobs = np.full(len(tokens), np.nan, dtype=np.float32)
         if layout.scored.size:
             logprobs[layout.scored] = self._logprobs(logits[layout.scored], tokens[layout.scored])
@@ -313,9 +400,15 @@ class SamplingBatch:
 
     def _choose(self, logits: np.ndarray, layout: _Layout) -> np.ndarray:
         work = logits
-        if layout.penalized.size:
+        if layout.penalized.size or layout.banning.size:
             work = logits.copy()
-            apply_repetition_penalty(work, layout.penalty, self._histories(layout.penalized, logits.shape[1]))
+            if layout.repeated.size:
+                seen = self._histories(layout.repeated, logits.shape[1])
+                apply_repetition_penalty(work, layout.penalty, seen)
+            if layout.openai.size:
+                generated = [row.history.generated for row in self._rows]
+                apply_frequency_presence(work, layout.frequency, layout.presence, generated)
+            ban_tokens(work, layout.banning, [self._rows[i].banned for i in layout.banning])
         tokens = np.empty(logits.shape[0], dtype=np.int64)
         tokens[layout.greedy] = work[layout.greedy].argmax(axis=1)
         if layout.sampled.size:
@@ -324,10 +417,16 @@ class SamplingBatch:
             apply_temperature(warped, layout.temperature[rows])
             apply_top_k(warped, layout.top_k[rows])
             apply_top_p(warped, layout.top_p[rows])
+            apply_min_p(warped, layout.min_p[rows])
             uniform = np.array([rng.random() for rng in layout.generators])
             tokens[rows] = _draw(warped, uniform)
         for i in layout.penalized:
             self._rows[i].history.add(int(tokens[i]))
+        for i in layout.banning:
+            row = self._rows[i]
+            row.banned_for -= 1
+            if row.banned_for == 0:
+                self._layout = None  # it no longer needs the slow path
         return tokens
 
     def _histories(self, penalized: np.ndarray, vocab: int) -> list[np.ndarray]:

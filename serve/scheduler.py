@@ -362,8 +362,6 @@ class BatchRunner:
         return rows * max(running.reserved, group.reserved) <= self.limits.batch_tokens
 
     def _prefill(self, group: list[RequestTracker], deliveries: list[Delivery]) -> None:
-        from serve.engine import NewSequence  # the real engine module imports ONNX Runtime
-
         now = time.monotonic()
         for tracker in group:
             queued = tracker.admit(now)
@@ -371,10 +369,7 @@ class BatchRunner:
             if self._metrics is not None:
                 self._metrics.on_admitted(queued)
         lengths = [t.prompt_len for t in group]
-        new = [
-            NewSequence(t.request_id, t.request.prompt_ids, t.request.sampling, t.request.include_logprobs)
-            for t in group
-        ]
+        new = [t.new_sequence() for t in group]
         # In pieces only while others decode: nobody is stalled when nothing else runs.
         chunk = self.limits.prefill_chunk_tokens if len(self._running) > len(group) else 0
         if chunk and len(group) == 1:  # the engine chunks a lone prompt only; the record shows one piece

@@ -18,6 +18,7 @@ from serve.request import GenerationRequest
 from serve.sampling import SamplingParams
 
 MAX_REQUEST_ID_CHARS = 128
+MAX_STOP_TOKEN_IDS = 64  # a ban list, checked per step while min_new_tokens holds: keep it short
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,9 @@ def sampling_params(sampling: pb.SamplingParams) -> SamplingParams:
         top_p=sampling.top_p,
         repetition_penalty=sampling.repetition_penalty,
         seed=sampling.seed if sampling.HasField("seed") else None,
+        min_p=sampling.min_p,
+        frequency_penalty=sampling.frequency_penalty,
+        presence_penalty=sampling.presence_penalty,
     )
     params.validate()
     return params
@@ -105,6 +109,26 @@ def stop_strings(stop: Sequence[str], limits: RequestLimits) -> tuple[str, ...]:
                 f"stop[{index}] has {len(text)} characters; allowed 1..{limits.max_stop_length}"
             )
     return tuple(stop)
+
+
+def stop_token_ids(ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"{len(ids)} stop token ids given; at most {MAX_STOP_TOKEN_IDS} are allowed")
+    for index, token in enumerate(ids):
+        if token >= vocab_size:
+            raise InvalidRequest(
+                f"stop_token_ids[{index}] = {token} is outside the vocabulary: allowed 0..{vocab_size - 1}"
+            )
+    return tuple(ids)
+
+
+def min_new_tokens(requested: int, max_new: int) -> int:
+    if requested > max_new:
+        raise InvalidRequest(
+            f"min_new_tokens = {requested} is above max_new_tokens ({max_new} for this request): "
+            f"allowed 0..{max_new}"
+        )
+    return requested
 
 
 def check_prompt_length(prompt_tokens: int, limits: RequestLimits) -> None:
@@ -145,14 +169,18 @@ def generation_request(
     stream: bool = True,
 ) -> GenerationRequest:
     """The scheduler's request for an already tokenized prompt; raises InvalidRequest on any bad value."""
+    stopping = request.stopping
+    most = max_new_tokens(stopping.max_new_tokens, len(prompt), limits)
     return GenerationRequest(
         request_id=request_id,
         prompt_ids=prompt,
         sampling=sampling_params(request.sampling),
-        max_new_tokens=max_new_tokens(request.stopping.max_new_tokens, len(prompt), limits),
-        stop=stop_strings(request.stopping.stop, limits),
-        ignore_eos=request.stopping.ignore_eos,
+        max_new_tokens=most,
+        stop=stop_strings(stopping.stop, limits),
+        ignore_eos=stopping.ignore_eos,
         include_logprobs=request.include_logprobs,
         deadline=deadline,
         stream=stream,
+        stop_token_ids=stop_token_ids(stopping.stop_token_ids, limits.vocab_size),
+        min_new_tokens=min_new_tokens(stopping.min_new_tokens, most),
     )

@@ -11,7 +11,7 @@ import pytest
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, Pki, make_pki
 
-from serve.client import main
+from serve.client import build_parser, generate_request, main
 
 TOKEN = "client-test-token"
 
@@ -91,6 +91,26 @@ def test_verbose_generate_reports_usage_and_timings(
     assert code == 0
     for field in ("request_id=c1", "completion_tokens=3", "ttft_s=", "total_s="):
         assert field in usage
+
+
+def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
+    flags = (
+        "generate hi --temperature 0.7 --top-k 5 --top-p 0.9 --min-p 0.05 --repetition-penalty 1.1 "
+        "--frequency-penalty 0.5 --presence-penalty -0.5 --seed 3 --max-new-tokens 9 --min-new-tokens 2 "
+        "--stop-token-id 7 --stop-token-id 11 --stop END --ignore-eos --logprobs"
+    )
+    args = build_parser().parse_args(flags.split(" "))
+    request = generate_request(args)
+    sampling, stopping = request.sampling, request.stopping
+    assert (sampling.top_k, sampling.seed) == (5, 3)
+    assert sampling.min_p == pytest.approx(0.05) and sampling.frequency_penalty == 0.5
+    assert sampling.presence_penalty == -0.5 and sampling.repetition_penalty == pytest.approx(1.1)
+    assert (stopping.max_new_tokens, stopping.min_new_tokens, list(stopping.stop_token_ids)) == (
+        9,
+        2,
+        [7, 11],
+    )
+    assert list(stopping.stop) == ["END"] and stopping.ignore_eos and request.include_logprobs
 
 
 def test_info_and_health(server: RunningServer, pki_files: dict[str, Path]) -> None:

@@ -13,6 +13,7 @@ from export.checkpoint import load_checkpoint
 from export.model import Decoder
 from export.onnx_inplace import build_inplace_graph
 from serve.engine import Engine, EngineSettings, ModelSpec, NewSequence, TokenOut
+from serve.offline import generate
 from serve.runtime import Device, SessionConfig, allocate, copy_graph, create_copy_session, kv_device
 from serve.sampling import SamplingParams
 
@@ -168,6 +169,28 @@ def test_seeded_sampling_does_not_depend_on_the_batch(demo: tuple[Decoder, Engin
     assert (
         run_alone(engine, prompt, 20, SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=99)) != alone
     )
+
+
+def test_stop_token_ids_end_and_min_new_tokens_holds_them_off(demo: tuple[Decoder, Engine]) -> None:
+    _, engine = demo
+    prompt = encode(engine, PROMPTS[2])
+    plain = run_alone(engine, prompt, 16)
+    at = next(i for i in range(2, 16) if plain[i] not in plain[:i])
+    stop = plain[at]
+    (stopped,) = generate(engine, [prompt], max_new_tokens=16, stop_token_ids=(stop,))
+    assert stopped.finish_reason == "stop" and stopped.token_ids == plain[:at]
+    assert stopped.text == engine.tokenizer.decode(plain[:at])
+    # Until min_new_tokens the stop token is banned: the engine takes the next best token instead, the
+    # request goes on, and the tokens before it are unchanged.
+    (held,) = generate(engine, [prompt], max_new_tokens=16, stop_token_ids=(stop,), min_new_tokens=at + 3)
+    assert held.token_ids[:at] == plain[:at] and held.token_ids[at] != stop
+    assert stop not in held.token_ids[: at + 3] and len(held.token_ids) >= at + 3
+    assert held.finish_reason in ("stop", "length", "eos")
+    # Many stop tokens at once (every token of the plain run): none of them comes before the minimum.
+    stops = tuple(set(plain))
+    (many,) = generate(engine, [prompt], max_new_tokens=16, stop_token_ids=stops, min_new_tokens=9)
+    assert len(many.token_ids) >= 9 and not set(many.token_ids[:9]) & set(stops)
+    assert engine.batch_size == 0
 
 
 def test_prompt_filling_the_context(demo: tuple[Decoder, Engine]) -> None:

@@ -16,6 +16,8 @@ from serve.errors import InvalidRequest
 from serve.sampling import (
     SamplingBatch,
     SamplingParams,
+    apply_frequency_presence,
+    apply_min_p,
     apply_repetition_penalty,
     apply_temperature,
     apply_top_k,
@@ -56,6 +58,22 @@ def ref_penalty(row: np.ndarray, penalty: float, seen: set[int]) -> np.ndarray:
     for token in seen:
         out[token] = out[token] / penalty if out[token] > 0 else out[token] * penalty
     return out
+
+
+def ref_openai(row: np.ndarray, frequency: float, presence: float, generated: list[int]) -> np.ndarray:
+    """OpenAI's documented formula, token by token."""
+    out = row.astype(np.float64)
+    for token in set(generated):
+        count = generated.count(token)
+        out[token] -= count * frequency + (1.0 if count > 0 else 0.0) * presence
+    return out
+
+
+def ref_min_p(row: np.ndarray, min_p: float) -> np.ndarray:
+    if min_p == 0.0:
+        return row.copy()
+    probs = np.exp(log_softmax(row))
+    return np.where(probs < min_p * probs.max(), -np.inf, row)
 
 
 # ---------------------------------------------------------------- strategies
@@ -144,6 +162,45 @@ def test_repetition_penalty_matches_reference(logits: np.ndarray, data: st.DataO
         np.testing.assert_allclose(got, ref_penalty(row, penalty, tokens), rtol=1e-6)
 
 
+@settings(max_examples=40, deadline=None)
+@given(logits=small_logits, data=st.data())
+def test_frequency_and_presence_penalties_match_openais_formula(
+    logits: np.ndarray, data: st.DataObject
+) -> None:
+    n, vocab = logits.shape
+    levels = st.sampled_from([0.0, 0.5, -0.7, 2.0, -2.0])
+    frequency = data.draw(st.lists(levels, min_size=n, max_size=n))
+    presence = data.draw(st.lists(levels, min_size=n, max_size=n))
+    generated = [data.draw(st.lists(st.integers(0, vocab - 1), max_size=12)) for _ in range(n)]
+    out = logits.copy()
+    apply_frequency_presence(
+        out,
+        np.array(frequency, dtype=np.float32),
+        np.array(presence, dtype=np.float32),
+        [np.array(g, dtype=np.int64) for g in generated],
+    )
+    for i, row in enumerate(logits):
+        np.testing.assert_allclose(
+            out[i], ref_openai(row, frequency[i], presence[i], generated[i]), atol=1e-5
+        )
+
+
+@settings(max_examples=40, deadline=None)
+@given(logits=small_logits, data=st.data())
+def test_min_p_matches_reference(logits: np.ndarray, data: st.DataObject) -> None:
+    n = logits.shape[0]
+    min_p = data.draw(st.lists(st.sampled_from([0.0, 0.05, 0.3, 0.9, 1.0]), min_size=n, max_size=n))
+    out = logits.copy()
+    apply_min_p(out, np.array(min_p, dtype=np.float32))
+    for i, row in enumerate(logits):
+        expected = ref_min_p(row, min_p[i])
+        # Tokens within float32 rounding of the threshold may fall either way; all others must agree.
+        probs = np.exp(log_softmax(row))
+        clear = np.abs(probs - min_p[i] * probs.max()) > 1e-5
+        np.testing.assert_array_equal(out[i][clear], expected[clear])
+        assert out[i][row.argmax()] == row.max()  # the most likely token always stays
+
+
 def test_repetition_penalty_lowers_both_signs() -> None:
     logits = np.array([[2.0, -2.0, 1.0]], dtype=np.float32)
     apply_repetition_penalty(logits, np.array([2.0], dtype=np.float32), [np.array([0, 1])])
@@ -221,11 +278,14 @@ def draw_frequencies(params: SamplingParams, logits_row: np.ndarray, rows: int, 
         SamplingParams(temperature=1.5, top_k=3),
         SamplingParams(temperature=0.8, top_p=0.7),
         SamplingParams(temperature=1.2, top_k=5, top_p=0.9),
+        SamplingParams(temperature=0.9, min_p=0.2),
+        SamplingParams(temperature=1.4, top_p=0.95, min_p=0.1),
     ],
 )
 def test_sampled_frequencies_follow_the_processed_distribution(params: SamplingParams) -> None:
     row = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -np.inf, 0.2, 1.2], dtype=np.float32)
     expected_logits = ref_top_p(ref_top_k(row / params.temperature, params.top_k), params.top_p)
+    expected_logits = ref_min_p(expected_logits, params.min_p)
     expected = np.exp(log_softmax(expected_logits))
     samples = 2000 * 10
     freq = draw_frequencies(params, row, rows=2000, steps=10)
@@ -251,11 +311,21 @@ def row_logits(row_id: int, step: int, vocab: int) -> np.ndarray:
 
 @pytest.mark.parametrize("vocab", [257, 8192])
 def test_seeded_row_is_reproducible_whatever_the_batch(vocab: int) -> None:
-    target = SamplingParams(temperature=0.9, top_k=100, top_p=0.95, repetition_penalty=1.1, seed=1234)
+    target = SamplingParams(
+        temperature=0.9,
+        top_k=100,
+        top_p=0.95,
+        repetition_penalty=1.1,
+        seed=1234,
+        min_p=0.01,
+        frequency_penalty=0.4,
+        presence_penalty=0.3,
+    )
     steps = 12
+    banned = (3, 4)  # its EOS and a stop token, for its first 5 tokens
 
     alone = SamplingBatch()
-    alone.append(target, (5, 6, 7))
+    alone.append(target, (5, 6, 7), banned=banned, banned_for=5)
     expected = [int(alone.sample(row_logits(0, s, vocab)[None])[0][0]) for s in range(steps)]
 
     # The same sequence joins behind others, which leave (swap-remove moves it) and join around it.
@@ -266,6 +336,7 @@ def test_seeded_row_is_reproducible_whatever_the_batch(vocab: int) -> None:
         SamplingParams(temperature=1.3, seed=9),
         SamplingParams(temperature=0.7, top_p=0.5),
         SamplingParams(repetition_penalty=1.5),
+        SamplingParams(temperature=1.1, frequency_penalty=-1.0, min_p=0.2, seed=3),
     ]
     for i, p in enumerate(neighbours, start=1):
         batch.append(p, (i,))
@@ -273,7 +344,7 @@ def test_seeded_row_is_reproducible_whatever_the_batch(vocab: int) -> None:
     # It joins as the engine's prefill does: sampled first in its own group, then the group joins.
     group = SamplingBatch()
     group.append(SamplingParams(temperature=1.0, seed=77), (8,))
-    group.append(target, (5, 6, 7))
+    group.append(target, (5, 6, 7), banned=banned, banned_for=5)
     prefill_ids = [50, 0]
     first = group.sample(np.stack([row_logits(i, 0, vocab) for i in prefill_ids]))[0]
     got = [int(first[1])]
@@ -294,6 +365,41 @@ def test_seeded_row_is_reproducible_whatever_the_batch(vocab: int) -> None:
         tokens, _ = batch.sample(logits)
         got.append(int(tokens[ids.index(0)]))
     assert got == expected
+
+
+def test_banned_tokens_are_not_picked_for_their_first_tokens_then_are() -> None:
+    # Token 2 (an EOS, say) is every row's argmax and most likely draw; rows ban it for 3 tokens.
+    row = np.array([0.0, 1.0, 9.0, 0.5], dtype=np.float32)
+    batch = SamplingBatch()
+    batch.append(SamplingParams(), (1,), banned=(2,), banned_for=3)
+    batch.append(SamplingParams(temperature=1.0, seed=4), (1,), banned=(2, 0), banned_for=3)
+    batch.append(SamplingParams(), (1,))  # bans nothing: picks 2 from the start
+    batch.append(SamplingParams(), (1,), banned=(), banned_for=3)  # min_new_tokens with ignore_eos
+    picks = [batch.sample(np.tile(row, (4, 1)))[0].tolist() for _ in range(5)]
+    assert [p[0] for p in picks] == [1, 1, 1, 2, 2]
+    assert all(p[1] in (1, 3) for p in picks[:3])
+    assert [p[2] for p in picks] == [2] * 5 == [p[3] for p in picks]
+
+
+def test_banned_token_logprobs_stay_those_of_the_raw_distribution() -> None:
+    row = np.array([0.0, 1.0, 9.0], dtype=np.float32)
+    batch = SamplingBatch()
+    batch.append(SamplingParams(), (1,), logprobs=True, banned=(2,), banned_for=1)
+    tokens, logprobs = batch.sample(row[None])
+    assert tokens.tolist() == [1]
+    np.testing.assert_allclose(logprobs, [log_softmax(row)[1]], rtol=1e-6)
+
+
+def test_greedy_frequency_penalty_counts_generated_tokens_not_the_prompt() -> None:
+    row = np.array([3.0, 2.5, 0.0], dtype=np.float32)
+    batch = SamplingBatch()
+    batch.append(SamplingParams(frequency_penalty=0.4), (0, 0, 0))  # the prompt's 0s cost nothing
+    batch.append(SamplingParams(presence_penalty=1.0), (0,))
+    picks = [batch.sample(np.tile(row, (2, 1)))[0].tolist() for _ in range(4)]
+    # frequency: 0 (3.0), 0 (2.6), 1 (2.5 > 2.2), 0 (2.2 > 2.1): counts 2 of token 0 then 1 of token 1
+    assert [p[0] for p in picks] == [0, 0, 1, 0]
+    # presence: 0 (3.0), then 1 (2.5 > 2.0), then 0 and 1 are both penalized once: 0 (2.0 > 1.5)
+    assert [p[1] for p in picks] == [0, 1, 0, 0]
 
 
 def test_unseeded_rows_differ() -> None:
@@ -381,6 +487,10 @@ def test_bad_calls_are_refused() -> None:
         (SamplingParams(repetition_penalty=float("inf")), "repetition_penalty"),
         (SamplingParams(seed=-3), "seed must be an integer in 0.."),
         (SamplingParams(seed=2**64), "seed"),
+        (SamplingParams(min_p=1.2), r"min_p must be in \[0, 1\]"),
+        (SamplingParams(min_p=float("nan")), "min_p"),
+        (SamplingParams(frequency_penalty=2.5), r"frequency_penalty must be in \[-2, 2\]"),
+        (SamplingParams(presence_penalty=float("-inf")), "presence_penalty"),
     ],
 )
 def test_validate_names_the_field_and_range(params: SamplingParams, message: str) -> None:
@@ -391,3 +501,4 @@ def test_validate_names_the_field_and_range(params: SamplingParams, message: str
 def test_validate_accepts_the_documented_ranges() -> None:
     SamplingParams().validate()
     SamplingParams(temperature=0.7, top_k=40, top_p=1.0, repetition_penalty=1.1, seed=2**64 - 1).validate()
+    SamplingParams(min_p=1.0, frequency_penalty=-2.0, presence_penalty=2.0).validate()

@@ -10,15 +10,23 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import pytest
-from scheduler_fakes import FakeEngine, Instrumented, fake, letter_tokenizer
+from scheduler_fakes import EOS_ID, FakeEngine, Instrumented, fake, letter_tokenizer
 from tokenizers import Tokenizer
 
 from serve.bundle import Bundle, load_bundle
-from serve.engine import Engine, EngineSettings
+from serve.engine import Engine, EngineSettings, NewSequence
 from serve.errors import Cancelled, DeadlineExceeded, Draining, EngineFailure, InvalidRequest, QueueFull
 from serve.metrics import Metrics, new_registry
 from serve.offline import generate
-from serve.request import Completion, FinishEvent, GenerationRequest, RequestState, RequestTracker, TokenEvent
+from serve.request import (
+    Completion,
+    FinishEvent,
+    GenerationRequest,
+    RequestState,
+    RequestTracker,
+    TokenEvent,
+    validate_request,
+)
 from serve.runtime import SessionConfig
 from serve.sampling import SamplingParams
 from serve.scheduler import RequestHandle, Scheduler, SchedulerLimits, StepRecord
@@ -189,6 +197,39 @@ def test_stop_eos_and_logprobs(tokenizer: Tokenizer) -> None:
     assert eos.finish_reason == "eos"
     assert eos.token_ids == plain[:3] and eos.finish is not None and eos.finish.completion_tokens == 3
     assert eos.logprobs == [-0.5] * 3
+
+
+def test_a_stop_token_ends_the_request_and_is_not_returned(tokenizer: Tokenizer) -> None:
+    plain = FakeEngine(tokenizer).expected(prompt_of(3), 10)
+    stop_at = next(i for i in range(2, 10) if plain[i] not in plain[:i])
+
+    async def main() -> Completion:
+        scheduler = await started(fake(tokenizer))
+        done = await collect(
+            scheduler.submit(request("t", prompt_of(3), 10, stop_token_ids=(plain[stop_at],)))
+        )
+        await scheduler.drain(1.0)
+        return done
+
+    done = run(main)
+    assert done.finish_reason == "stop" and done.token_ids == plain[:stop_at]
+    assert done.text == tokenizer.decode(plain[:stop_at])
+    assert done.finish is not None and done.finish.completion_tokens == stop_at
+
+
+def test_the_engine_is_told_to_ban_eos_and_stop_tokens_until_min_new_tokens(tokenizer: Tokenizer) -> None:
+    def sequence(**kw: Any) -> NewSequence:
+        tracker = RequestTracker(request("m", prompt_of(3), 8, **kw), tokenizer, EOS_ID, 100, 0.0)
+        return tracker.new_sequence()
+
+    banned = sequence(ignore_eos=False, min_new_tokens=3, stop_token_ids=(7, 9))
+    assert banned.banned == (EOS_ID, 7, 9) and banned.banned_for == 3
+    assert sequence(ignore_eos=True, min_new_tokens=3, stop_token_ids=(7,)).banned == (7,)
+    assert sequence(ignore_eos=False, stop_token_ids=(7,)).banned_for == 0
+    with pytest.raises(InvalidRequest, match=r"min_new_tokens is 9; allowed 0\.\.8"):
+        validate_request(request("m", prompt_of(3), 8, min_new_tokens=9), 100, 100)
+    with pytest.raises(InvalidRequest, match=r"stop token ids must be in \[0, 99\]"):
+        validate_request(request("m", prompt_of(3), 8, stop_token_ids=(100,)), 100, 100)
 
 
 def test_invalid_requests_are_refused_before_queueing(tokenizer: Tokenizer) -> None:

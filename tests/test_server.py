@@ -91,6 +91,29 @@ def test_token_ids_input_and_logprobs(stub: pb_grpc.TextGenerationStub) -> None:
     assert not by_text.logprobs  # only when asked for
 
 
+def test_stop_token_ids_min_new_tokens_and_the_openai_penalties(stub: pb_grpc.TextGenerationStub) -> None:
+    plain = list(stub.Generate(greedy(12)).token_ids)
+    at = next(i for i in range(12) if plain[i] not in plain[:i])  # the tiny random model repeats itself
+
+    def call(stopping: pb.StoppingCriteria, **sampling: float) -> pb.GenerateResponse:
+        return stub.Generate(
+            pb.GenerateRequest(text=PROMPT, stopping=stopping, sampling=pb.SamplingParams(**sampling))
+        )
+
+    stopped = call(pb.StoppingCriteria(max_new_tokens=12, ignore_eos=True, stop_token_ids=[plain[at]]))
+    assert stopped.finish_reason == pb.FINISH_REASON_STOP and list(stopped.token_ids) == plain[:at]
+    held = call(
+        pb.StoppingCriteria(
+            max_new_tokens=12, ignore_eos=True, stop_token_ids=[plain[at]], min_new_tokens=at + 1
+        )
+    )
+    assert list(held.token_ids[:at]) == plain[:at] and held.token_ids[at] != plain[at]
+    # A strong frequency penalty makes greedy decoding avoid repeating its own tokens.
+    penalized = call(pb.StoppingCriteria(max_new_tokens=12, ignore_eos=True), frequency_penalty=2.0)
+    assert len(set(penalized.token_ids)) > len(set(plain))
+    assert call(pb.StoppingCriteria(max_new_tokens=12, ignore_eos=True), min_p=0.5).token_ids == plain
+
+
 def test_default_max_new_tokens(stub: pb_grpc.TextGenerationStub) -> None:
     response = stub.Generate(pb.GenerateRequest(text=PROMPT, stopping=pb.StoppingCriteria(ignore_eos=True)))
     assert response.usage.completion_tokens == 8  # the server's default_max_new_tokens
@@ -159,6 +182,10 @@ INVALID = [
     (_sampling(repetition_penalty=-2), "repetition_penalty must be 0 (off) or a finite number > 0, got -2"),
     (_stopping(stop=["a", "b", "c"]), "3 stop strings given; at most 2 are allowed"),
     (_stopping(stop=["x" * 65]), "stop[0] has 65 characters; allowed 1..64"),
+    (_sampling(min_p=2), "min_p must be in [0, 1] (0 = off), got 2"),
+    (_sampling(presence_penalty=5), "presence_penalty must be in [-2, 2] (0 = off), got 5"),
+    (_stopping(stop_token_ids=[10**6]), "stop_token_ids[0] = 1000000 is outside the vocabulary"),
+    (_stopping(max_new_tokens=4, min_new_tokens=5), "min_new_tokens = 5 is above max_new_tokens (4 for"),
     (pb.GenerateRequest(text=PROMPT, request_id="r" * 200), "request_id has 200 characters; at most 128"),
 ]
 
@@ -304,9 +331,7 @@ def small_server(loop: LoopThread, tiny_bundle: Path) -> Iterator[RunningServer]
 
 
 @pytest.fixture
-def busy_row(
-    small_server: RunningServer, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[BusyRow]:
+def busy_row(small_server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[BusyRow]:
     """A stub, and a 40-token stream that holds the small server's only row for ~0.8 s (slowed decode)."""
     engine = small_server.model.engine
     monkeypatch.setattr(engine, "decode", slow_decode(engine, 0.02))

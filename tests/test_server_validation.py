@@ -41,8 +41,19 @@ def _build(request: pb.GenerateRequest) -> object:
 def test_valid_request_maps_every_field() -> None:
     request = pb.GenerateRequest(
         text="hello",
-        sampling=pb.SamplingParams(temperature=0.5, top_k=5, top_p=0.9, repetition_penalty=1.1, seed=7),
-        stopping=pb.StoppingCriteria(max_new_tokens=10, stop=["\n"], ignore_eos=True),
+        sampling=pb.SamplingParams(
+            temperature=0.5,
+            top_k=5,
+            top_p=0.9,
+            repetition_penalty=1.1,
+            seed=7,
+            min_p=0.05,
+            frequency_penalty=0.5,
+            presence_penalty=-0.25,
+        ),
+        stopping=pb.StoppingCriteria(
+            max_new_tokens=10, stop=["\n"], ignore_eos=True, min_new_tokens=4, stop_token_ids=[7, 99]
+        ),
         include_logprobs=True,
     )
     generation = generation_request(
@@ -53,6 +64,9 @@ def test_valid_request_maps_every_field() -> None:
     assert generation.ignore_eos and generation.include_logprobs and generation.deadline == 12.5
     assert generation.sampling.seed == 7 and generation.sampling.top_k == 5
     assert generation.sampling.temperature == pytest.approx(0.5)
+    assert generation.sampling.min_p == pytest.approx(0.05)
+    assert generation.sampling.frequency_penalty == 0.5 and generation.sampling.presence_penalty == -0.25
+    assert generation.min_new_tokens == 4 and generation.stop_token_ids == (7, 99)
 
 
 def test_unset_seed_is_none_and_zero_seed_is_kept() -> None:
@@ -97,6 +111,12 @@ def test_text_that_encodes_to_nothing() -> None:
         (pb.SamplingParams(top_p=math.nan), r"top_p must be in \[0, 1\]"),
         (pb.SamplingParams(repetition_penalty=-1), "repetition_penalty must be 0 .* or a finite number > 0"),
         (pb.SamplingParams(repetition_penalty=math.inf), "repetition_penalty"),
+        (pb.SamplingParams(min_p=1.5), r"min_p must be in \[0, 1\]"),
+        (
+            pb.SamplingParams(frequency_penalty=-3),
+            r"frequency_penalty must be in \[-2, 2\] \(0 = off\), got -3",
+        ),
+        (pb.SamplingParams(presence_penalty=math.nan), r"presence_penalty must be in \[-2, 2\]"),
     ],
 )
 def test_bad_sampling(sampling: pb.SamplingParams, message: str) -> None:
@@ -115,6 +135,21 @@ def test_bad_sampling(sampling: pb.SamplingParams, message: str) -> None:
 def test_bad_stop_strings(stop: list[str], message: str) -> None:
     with pytest.raises(InvalidRequest, match=message):
         _build(pb.GenerateRequest(text="a", stopping=pb.StoppingCriteria(stop=stop)))
+
+
+@pytest.mark.parametrize(
+    ("stopping", "message"),
+    [
+        (pb.StoppingCriteria(stop_token_ids=[5, 100]), r"stop_token_ids\[1\] = 100 .* allowed 0\.\.99"),
+        (pb.StoppingCriteria(stop_token_ids=list(range(65))), "65 stop token ids given; at most 64"),
+        (pb.StoppingCriteria(max_new_tokens=8, min_new_tokens=9), r"min_new_tokens = 9 .* allowed 0\.\.8"),
+        # Against the default that max_new_tokens = 0 asks for (16 here), not against 0.
+        (pb.StoppingCriteria(min_new_tokens=17), r"min_new_tokens = 17 is above max_new_tokens \(16"),
+    ],
+)
+def test_bad_token_stopping(stopping: pb.StoppingCriteria, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        _build(pb.GenerateRequest(text="a", stopping=stopping))
 
 
 def test_max_new_tokens_default_cap_and_context() -> None:
