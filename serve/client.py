@@ -108,7 +108,8 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
             min_new_tokens=args.min_new_tokens,
             stop_token_ids=args.stop_token_id,
         ),
-        include_logprobs=args.logprobs,
+        include_logprobs=args.logprobs or args.top_logprobs > 0,
+        top_logprobs=args.top_logprobs,
     )
 
 
@@ -219,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--stop-token-id", type=_positive_or_zero, action="append", default=[], help="stop token (repeatable)"
     )
     gen.add_argument("--logprobs", action="store_true", help="ask for token logprobs")
+    gen.add_argument(
+        "--top-logprobs", type=_positive_or_zero, default=0, help="and the N most likely tokens of each step"
+    )
     gen.add_argument("--request-id", default="")
     gen.add_argument("--verbose", action="store_true", help="print usage and timings to stderr")
     health = commands.add_parser("health", help="the server's health status")

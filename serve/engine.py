@@ -39,7 +39,7 @@ from serve.runtime import (
     ortvalue,
     session_device_id,
 )
-from serve.sampling import SamplingBatch, SamplingParams
+from serve.sampling import Alternatives, SamplingBatch, SamplingParams
 
 if TYPE_CHECKING:
     from serve.bundle import Bundle
@@ -79,6 +79,7 @@ class NewSequence:
     logprobs: bool = False  # report each token's logprob (TokenOut.logprob is NaN otherwise)
     banned: tuple[int, ...] = ()  # token ids its first `banned_for` tokens may not be
     banned_for: int = 0
+    top_logprobs: int = 0  # report this many most likely tokens of each step (TokenOut.top)
 
 
 class TokenOut(NamedTuple):
@@ -87,6 +88,7 @@ class TokenOut(NamedTuple):
     seq_id: str
     token_id: int
     logprob: float  # NaN unless the sequence asked for logprobs
+    top: Alternatives | None = None  # unless the sequence asked for top_logprobs
 
 
 @dataclass(frozen=True)
@@ -297,7 +299,8 @@ class Engine:
             np.zeros(n, np.int64),
         )
         self._lengths[:n] += 1
-        return self._emit(0, *self._sampling.sample(logits))
+        tokens, logprobs = self._sampling.sample(logits)
+        return self._emit(0, tokens, logprobs, self._sampling.alternatives(logits))
 
     def release(self, seq_ids: Iterable[str]) -> None:
         """The sequences leave the batch; each is replaced by the current last row."""
@@ -339,12 +342,15 @@ class Engine:
         n = self.batch_size
         group = SamplingBatch()
         for seq in new:
-            group.append(seq.sampling, seq.prompt_ids, seq.logprobs, seq.banned, seq.banned_for)
+            group.append(
+                seq.sampling, seq.prompt_ids, seq.logprobs, seq.banned, seq.banned_for, seq.top_logprobs
+            )
         tokens, logprobs = group.sample(logits)
+        top = group.alternatives(logits)
         self._sampling.extend(group)
         self._ids.extend(s.seq_id for s in new)
         self._lengths[n : n + len(new)] = lens
-        return self._emit(n, tokens, logprobs)
+        return self._emit(n, tokens, logprobs, top)
 
     def _run(
         self,
@@ -401,11 +407,14 @@ class Engine:
             self._copy_bindings[(src, dst)] = binding
         self._copy_session.run_with_iobinding(binding)
 
-    def _emit(self, first_row: int, tokens: np.ndarray, logprobs: np.ndarray) -> list[TokenOut]:
+    def _emit(
+        self, first_row: int, tokens: np.ndarray, logprobs: np.ndarray, top: dict[int, Alternatives]
+    ) -> list[TokenOut]:
+        """`top` is keyed by row index within `tokens`."""
         self._pending[first_row : first_row + len(tokens)] = tokens
         ids = self._ids[first_row:]
         # Python scalars in one call each (.tolist()), not a numpy scalar conversion per row.
-        return [
-            TokenOut(seq_id, t, lp)
-            for seq_id, t, lp in zip(ids, tokens.tolist(), logprobs.tolist(), strict=True)
-        ]
+        rows = zip(ids, tokens.tolist(), logprobs.tolist(), strict=True)
+        if not top:
+            return [TokenOut(seq_id, t, lp) for seq_id, t, lp in rows]
+        return [TokenOut(seq_id, t, lp, top.get(i)) for i, (seq_id, t, lp) in enumerate(rows)]

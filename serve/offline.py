@@ -29,6 +29,7 @@ def generate(
     include_logprobs: bool = False,
     min_new_tokens: int = 0,
     stop_token_ids: tuple[int, ...] = (),
+    top_logprobs: int = 0,
     limits: SchedulerLimits = OFFLINE_LIMITS,
 ) -> list[Completion]:
     """Complete every prompt (text, or token ids) and return the completions in prompt order.
@@ -53,6 +54,7 @@ def generate(
                 stream=False,
                 stop_token_ids=stop_token_ids,
                 min_new_tokens=min_new_tokens,
+                top_logprobs=top_logprobs,
             ),
             stop_at_context=True,
         )

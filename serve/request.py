@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import tokenizers
 
 from serve.errors import InvalidRequest
-from serve.sampling import SamplingParams
+from serve.sampling import MAX_TOP_LOGPROBS, Alternatives, SamplingParams
 from serve.textstream import TextStream
 
 if TYPE_CHECKING:
@@ -38,6 +38,8 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     # EOS and the stop token ids cannot be sampled before this many new tokens (stop strings still apply).
     min_new_tokens: int = 0
+    # With include_logprobs: this many most likely tokens of each step, with their logprobs.
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class TokenEvent:
     token_ids: list[int]
     text: str
     logprobs: list[float]  # empty unless the request asked for them
+    top_logprobs: list[Alternatives] = field(default_factory=list)  # one per token if asked for
 
     @staticmethod
     def join(events: list[TokenEvent]) -> TokenEvent:
@@ -57,6 +60,7 @@ class TokenEvent:
             token_ids=[t for e in events for t in e.token_ids],
             text="".join(e.text for e in events),
             logprobs=[lp for e in events for lp in e.logprobs],
+            top_logprobs=[a for e in events for a in e.top_logprobs],
         )
 
 
@@ -120,6 +124,12 @@ def validate_request(
             f"request {rid}: min_new_tokens is {request.min_new_tokens}; "
             f"allowed 0..{request.max_new_tokens} (max_new_tokens)"
         )
+    if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            f"request {rid}: top_logprobs is {request.top_logprobs}; allowed 0..{MAX_TOP_LOGPROBS}"
+        )
+    if request.top_logprobs and not request.include_logprobs:
+        raise InvalidRequest(f"request {rid}: top_logprobs needs include_logprobs (as OpenAI's API does)")
     stops = request.stop_token_ids
     if stops and not 0 <= min(stops) <= max(stops) < vocab_size:
         raise InvalidRequest(f"request {rid}: stop token ids must be in [0, {vocab_size - 1}]")
@@ -203,6 +213,7 @@ class RequestTracker:
             logprobs=request.include_logprobs,
             banned=ends if request.min_new_tokens else (),
             banned_for=request.min_new_tokens,
+            top_logprobs=request.top_logprobs,
         )
 
     def request_cancel(self) -> None:
@@ -223,27 +234,28 @@ class RequestTracker:
         self.times.finished = now
 
     def accept(
-        self, token_id: int, logprob: float, now: float
+        self, token_id: int, logprob: float, now: float, top: Alternatives | None = None
     ) -> tuple[TokenEvent | None, FinishEvent | None]:
-        """Take the engine's next token; returns what to send (either may be None) and stops when due."""
+        """Take the engine's next token (with its logprob and, if asked for, the step's most likely tokens);
+        returns what to send (either may be None) and stops when due."""
         if self.state is RequestState.PREFILLING:
             self._move(RequestState.DECODING)
             self.times.first_token = now
         self.times.last_token = now
         self.produced += 1
         if token_id == self._eos and not self.request.ignore_eos:
-            return self._event([], [], self._text.flush()), self._finish("eos", now)
+            return self._event([], self._text.flush(), [], []), self._finish("eos", now)
         if token_id in self._stop_ids:
-            return self._event([], [], self._text.flush()), self._finish("stop", now)
+            return self._event([], self._text.flush(), [], []), self._finish("stop", now)
         self.completion_tokens += 1
         delta = self._text.push(token_id)
-        logprobs = [logprob] if self.request.include_logprobs else []
+        scores = ([logprob], [top] if top is not None else []) if self.request.include_logprobs else ([], [])
         if delta.stopped:
-            return self._event([token_id], logprobs, delta.text), self._finish("stop", now)
+            return self._event([token_id], delta.text, *scores), self._finish("stop", now)
         reason = self._limit_reached()
         if reason is None:
-            return self._event([token_id], logprobs, delta.text), None
-        return self._event([token_id], logprobs, delta.text + self._text.flush()), self._finish(reason, now)
+            return self._event([token_id], delta.text, *scores), None
+        return self._event([token_id], delta.text + self._text.flush(), *scores), self._finish(reason, now)
 
     def pace(self, event: TokenEvent | None, now: float, interval: float, flush: bool) -> TokenEvent | None:
         """What to hand to the client now: the first tokens at once, then at most one event per `interval`
@@ -272,10 +284,12 @@ class RequestTracker:
         return None
 
     @staticmethod
-    def _event(token_ids: list[int], logprobs: list[float], text: str) -> TokenEvent | None:
+    def _event(
+        token_ids: list[int], text: str, logprobs: list[float], top: list[Alternatives]
+    ) -> TokenEvent | None:
         if not token_ids and not text:
             return None
-        return TokenEvent(token_ids=token_ids, text=text, logprobs=logprobs)
+        return TokenEvent(token_ids=token_ids, text=text, logprobs=logprobs, top_logprobs=top)
 
     def _finish(self, reason: str, now: float) -> FinishEvent:
         self._move(RequestState.FINISHED)
@@ -311,6 +325,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[Alternatives] = field(default_factory=list)
     finish: FinishEvent | None = None
 
     def add(self, event: Event) -> None:
@@ -320,6 +335,7 @@ class Completion:
         self.token_ids.extend(event.token_ids)
         self.text += event.text
         self.logprobs.extend(event.logprobs)
+        self.top_logprobs.extend(event.top_logprobs)
 
     @property
     def finish_reason(self) -> str:

@@ -22,12 +22,22 @@ from serve.errors import InvalidRequest
 
 MAX_SEED = 2**64 - 1
 MAX_OPENAI_PENALTY = 2.0  # the range OpenAI and vLLM accept for frequency and presence penalties
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 
 # Top-p first looks for its threshold among this many largest logits; a full sort is needed only for rows
 # whose nucleus is wider (nearly flat distributions), which keeps the usual case O(vocab) instead of a sort.
 _TOP_P_CANDIDATES = 256
 # Tokens per block of the two-level inverse-CDF draw.
 _DRAW_BLOCK = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Alternatives:
+    """The most likely tokens of one step under the model's raw distribution, most likely first (ties in
+    any order), with their logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +281,7 @@ class _Row:
     rng: np.random.Generator | None  # None for greedy rows: they never draw
     history: _History  # empty unless the row has a penalty; the prompt only for a repetition penalty
     logprobs: bool  # the caller wants the chosen token's logprob
+    top_logprobs: int  # and this many most likely tokens of each step
     banned: np.ndarray  # token ids it may not pick while `banned_for` > 0
     banned_for: int  # tokens still to pick without them
 
@@ -298,6 +309,8 @@ class _Layout:
     banning: np.ndarray  # row indices with banned tokens this step
     generators: list[np.random.Generator]  # of the sampled rows, in the same order
     scored: np.ndarray  # row indices whose chosen token's logprob is wanted
+    listed: np.ndarray  # row indices that want the most likely tokens too
+    listed_k: np.ndarray  # how many each, in the same order
 
     @property
     def plain(self) -> bool:
@@ -326,6 +339,8 @@ class _Layout:
             banning=np.flatnonzero([row.banned_for > 0 and row.banned.size > 0 for row in rows]),
             generators=[row.rng for row in rows if row.rng is not None],
             scored=np.flatnonzero([row.logprobs for row in rows]),
+            listed=np.flatnonzero([row.top_logprobs > 0 for row in rows]),
+            listed_k=np.array([row.top_logprobs for row in rows if row.top_logprobs > 0], dtype=np.int64),
         )
 
 
@@ -347,11 +362,15 @@ class SamplingBatch:
         logprobs: bool = False,
         banned: Sequence[int] = (),
         banned_for: int = 0,
+        top_logprobs: int = 0,
     ) -> None:
         """Add a row at the end (the engine's next row). Unseeded sampling rows get a seed from OS entropy.
         `logprobs`: `sample` computes this row's logprob (a log-softmax over the vocabulary: skipped for
         rows that do not ask, which on a small model costs as much as the rest of sampling). `banned`: token
-        ids its first `banned_for` tokens may not be (EOS and stop token ids under `min_new_tokens`)."""
+        ids its first `banned_for` tokens may not be (EOS and stop token ids under `min_new_tokens`).
+        `top_logprobs`: `alternatives` lists this many most likely tokens of each step for it."""
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {top_logprobs}")
         params.validate()
         rng = None if params.greedy else np.random.default_rng(params.seed)
         repeated = bool(_penalizes(np.asarray(params.repetition_penalty, dtype=np.float32)))
@@ -360,6 +379,7 @@ class SamplingBatch:
             rng=rng,
             history=_History(prompt_ids if repeated else ()),
             logprobs=logprobs,
+            top_logprobs=top_logprobs,
             banned=np.unique(np.asarray(banned, dtype=np.int64)),
             banned_for=banned_for,
         )
@@ -397,6 +417,27 @@ class SamplingBatch:
         if layout.scored.size:
             logprobs[layout.scored] = self._logprobs(logits[layout.scored], tokens[layout.scored])
         return tokens, logprobs
+
+    def alternatives(self, logits: np.ndarray) -> dict[int, Alternatives]:
+        """For the rows appended with `top_logprobs`, by row index: that many most likely tokens of `logits`
+        (the step just sampled) under the raw distribution. Empty, at no cost, when no row asks."""
+        if self._layout is None:
+            self._layout = _Layout.of(self._rows)
+        rows, wanted = self._layout.listed, self._layout.listed_k
+        if rows.size == 0:
+            return {}
+        block = np.asarray(logits, dtype=np.float32)[rows]
+        k = min(int(wanted.max()), block.shape[1])
+        ids = np.argpartition(block, block.shape[1] - k, axis=1)[:, -k:]
+        values = np.take_along_axis(block, ids, axis=1)
+        order = np.argsort(-values, axis=1)
+        ids, values = np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
+        row_max = block.max(axis=1, keepdims=True)
+        logprobs = values - (row_max + np.log(np.exp(block - row_max).sum(axis=1, keepdims=True)))
+        return {
+            int(row): Alternatives(ids[j, :n].tolist(), logprobs[j, :n].tolist())
+            for j, (row, n) in enumerate(zip(rows.tolist(), wanted.tolist(), strict=True))
+        }
 
     def _choose(self, logits: np.ndarray, layout: _Layout) -> np.ndarray:
         work = logits

@@ -37,7 +37,7 @@ from serve.errors import BundleError, Draining, InvalidRequest, grpc_status
 from serve.metrics import Metrics
 from serve.request import Completion, FinishEvent, TokenEvent
 from serve.runtime import SessionConfig
-from serve.sampling import SamplingParams
+from serve.sampling import Alternatives, SamplingParams
 from serve.scheduler import RequestHandle, Scheduler, SchedulerLimits
 from serve.validation import (
     RequestLimits,
@@ -73,6 +73,10 @@ FINISH_REASONS = {
 
 def finish_reason(reason: str) -> pb.FinishReason:
     return FINISH_REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
+
+
+def top_logprobs(alternatives: list[Alternatives]) -> list[pb.TopLogprobs]:
+    return [pb.TopLogprobs(token_ids=a.token_ids, logprobs=a.logprobs) for a in alternatives]
 
 
 def usage(finish: FinishEvent) -> pb.Usage:
@@ -333,6 +337,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 finish_reason=finish_reason(finish.finish_reason),
                 usage=usage(finish),
                 logprobs=completion.logprobs,
+                top_logprobs=top_logprobs(completion.top_logprobs),
                 queue_seconds=finish.queue_seconds,
                 time_to_first_token_seconds=finish.ttft_seconds,
                 total_seconds=finish.total_seconds,
@@ -367,6 +372,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                             text=event.text,
                             token_ids=event.token_ids,
                             logprobs=event.logprobs,
+                            top_logprobs=top_logprobs(event.top_logprobs),
                         )
             finally:
                 handle.cancel()  # frees the slot when the client goes away; no effect once finished

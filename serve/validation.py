@@ -15,7 +15,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve.errors import InvalidRequest
 from serve.request import GenerationRequest
-from serve.sampling import SamplingParams
+from serve.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_TOKEN_IDS = 64  # a ban list, checked per step while min_new_tokens holds: keep it short
@@ -122,6 +122,14 @@ def stop_token_ids(ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def top_logprobs(request: pb.GenerateRequest) -> int:
+    if request.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs = {request.top_logprobs}; allowed 0..{MAX_TOP_LOGPROBS}")
+    if request.top_logprobs and not request.include_logprobs:
+        raise InvalidRequest("top_logprobs needs include_logprobs = true (as OpenAI's API does)")
+    return request.top_logprobs
+
+
 def min_new_tokens(requested: int, max_new: int) -> int:
     if requested > max_new:
         raise InvalidRequest(
@@ -183,4 +191,5 @@ def generation_request(
         stream=stream,
         stop_token_ids=stop_token_ids(stopping.stop_token_ids, limits.vocab_size),
         min_new_tokens=min_new_tokens(stopping.min_new_tokens, most),
+        top_logprobs=top_logprobs(request),
     )

@@ -97,7 +97,7 @@ def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
     flags = (
         "generate hi --temperature 0.7 --top-k 5 --top-p 0.9 --min-p 0.05 --repetition-penalty 1.1 "
         "--frequency-penalty 0.5 --presence-penalty -0.5 --seed 3 --max-new-tokens 9 --min-new-tokens 2 "
-        "--stop-token-id 7 --stop-token-id 11 --stop END --ignore-eos --logprobs"
+        "--stop-token-id 7 --stop-token-id 11 --stop END --ignore-eos --top-logprobs 4"
     )
     args = build_parser().parse_args(flags.split(" "))
     request = generate_request(args)
@@ -110,7 +110,8 @@ def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
         2,
         [7, 11],
     )
-    assert list(stopping.stop) == ["END"] and stopping.ignore_eos and request.include_logprobs
+    assert list(stopping.stop) == ["END"] and stopping.ignore_eos
+    assert request.include_logprobs and request.top_logprobs == 4  # top logprobs imply logprobs
 
 
 def test_info_and_health(server: RunningServer, pki_files: dict[str, Path]) -> None:

@@ -193,6 +193,20 @@ def test_stop_token_ids_end_and_min_new_tokens_holds_them_off(demo: tuple[Decode
     assert engine.batch_size == 0
 
 
+def test_top_logprobs_through_the_offline_api(demo: tuple[Decoder, Engine]) -> None:
+    _, engine = demo
+    prompts = [encode(engine, text) for text in PROMPTS[:3]]
+    plain = generate(engine, prompts, max_new_tokens=6, include_logprobs=True)
+    listed = generate(engine, prompts, max_new_tokens=6, include_logprobs=True, top_logprobs=4)
+    for without, got in zip(plain, listed, strict=True):
+        assert got.token_ids == without.token_ids and not without.top_logprobs
+        assert len(got.top_logprobs) == len(got.token_ids)
+        for token, logprob, top in zip(got.token_ids, got.logprobs, got.top_logprobs, strict=True):
+            assert len(top.token_ids) == 4 and top.token_ids[0] == token  # greedy: the most likely
+            assert top.logprobs == sorted(top.logprobs, reverse=True)
+            assert top.logprobs[0] == pytest.approx(logprob, abs=1e-5)
+
+
 def test_prompt_filling_the_context(demo: tuple[Decoder, Engine]) -> None:
     _, engine = demo
     capacity = engine.capacity

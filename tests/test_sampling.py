@@ -367,6 +367,30 @@ def test_seeded_row_is_reproducible_whatever_the_batch(vocab: int) -> None:
     assert got == expected
 
 
+@pytest.mark.parametrize("vocab", [5, 300])
+def test_alternatives_are_the_most_likely_tokens_of_the_raw_distribution(vocab: int) -> None:
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, (4, vocab)).astype(np.float32)
+    batch = SamplingBatch()
+    batch.append(SamplingParams(), (1,), logprobs=True, top_logprobs=3)
+    batch.append(SamplingParams(temperature=0.5, top_k=2, seed=1), (1,), logprobs=True, top_logprobs=20)
+    batch.append(SamplingParams(), (1,), logprobs=True)  # logprobs only: no alternatives
+    batch.append(SamplingParams(repetition_penalty=3.0), (1,), logprobs=True, top_logprobs=1)
+    tokens, logprobs = batch.sample(logits)
+    top = batch.alternatives(logits)
+    assert sorted(top) == [0, 1, 3]
+    for row, k in ((0, 3), (1, 20), (3, 1)):
+        reference = log_softmax(logits[row])
+        expected = np.argsort(-reference, kind="stable")[: min(k, vocab)]
+        assert top[row].token_ids == expected.tolist()
+        np.testing.assert_allclose(top[row].logprobs, reference[expected], rtol=1e-5, atol=1e-5)
+    # Greedy on the raw logits picks the first alternative, with the same logprob.
+    assert top[0].token_ids[0] == tokens[0] and top[0].logprobs[0] == pytest.approx(logprobs[0], abs=1e-5)
+    assert SamplingBatch().alternatives(logits[:0]) == {}
+    with pytest.raises(ValueError, match=r"top_logprobs must be in 0\.\.20"):
+        batch.append(SamplingParams(), (1,), top_logprobs=21)
+
+
 def test_banned_tokens_are_not_picked_for_their_first_tokens_then_are() -> None:
     # Token 2 (an EOS, say) is every row's argmax and most likely draw; rows ban it for 3 tokens.
     row = np.array([0.0, 1.0, 9.0, 0.5], dtype=np.float32)

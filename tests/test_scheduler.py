@@ -228,6 +228,10 @@ def test_the_engine_is_told_to_ban_eos_and_stop_tokens_until_min_new_tokens(toke
     assert sequence(ignore_eos=False, stop_token_ids=(7,)).banned_for == 0
     with pytest.raises(InvalidRequest, match=r"min_new_tokens is 9; allowed 0\.\.8"):
         validate_request(request("m", prompt_of(3), 8, min_new_tokens=9), 100, 100)
+    with pytest.raises(InvalidRequest, match=r"top_logprobs is 21; allowed 0\.\.20"):
+        validate_request(request("m", prompt_of(3), 8, include_logprobs=True, top_logprobs=21), 100, 100)
+    with pytest.raises(InvalidRequest, match="top_logprobs needs include_logprobs"):
+        validate_request(request("m", prompt_of(3), 8, top_logprobs=2), 100, 100)
     with pytest.raises(InvalidRequest, match=r"stop token ids must be in \[0, 99\]"):
         validate_request(request("m", prompt_of(3), 8, stop_token_ids=(100,)), 100, 100)
 

@@ -114,6 +114,19 @@ def test_stop_token_ids_min_new_tokens_and_the_openai_penalties(stub: pb_grpc.Te
     assert call(pb.StoppingCriteria(max_new_tokens=12, ignore_eos=True), min_p=0.5).token_ids == plain
 
 
+def test_top_logprobs_in_whole_and_streamed_replies(stub: pb_grpc.TextGenerationStub) -> None:
+    whole = stub.Generate(greedy(5, include_logprobs=True, top_logprobs=3))
+    parts = list(stub.GenerateStream(greedy(5, include_logprobs=True, top_logprobs=3)))
+    streamed = [top for part in parts for top in part.top_logprobs]
+    assert [list(t.token_ids) for t in streamed] == [list(t.token_ids) for t in whole.top_logprobs]
+    assert len(whole.top_logprobs) == len(whole.token_ids) == 5
+    for token, logprob, top in zip(whole.token_ids, whole.logprobs, whole.top_logprobs, strict=True):
+        assert len(top.token_ids) == 3 and top.token_ids[0] == token
+        assert list(top.logprobs) == sorted(top.logprobs, reverse=True)
+        assert top.logprobs[0] == pytest.approx(logprob, abs=1e-5)
+    assert not stub.Generate(greedy(2, include_logprobs=True)).top_logprobs
+
+
 def test_default_max_new_tokens(stub: pb_grpc.TextGenerationStub) -> None:
     response = stub.Generate(pb.GenerateRequest(text=PROMPT, stopping=pb.StoppingCriteria(ignore_eos=True)))
     assert response.usage.completion_tokens == 8  # the server's default_max_new_tokens
@@ -183,6 +196,11 @@ INVALID = [
     (_stopping(stop=["a", "b", "c"]), "3 stop strings given; at most 2 are allowed"),
     (_stopping(stop=["x" * 65]), "stop[0] has 65 characters; allowed 1..64"),
     (_sampling(min_p=2), "min_p must be in [0, 1] (0 = off), got 2"),
+    (pb.GenerateRequest(text=PROMPT, top_logprobs=2), "top_logprobs needs include_logprobs = true"),
+    (
+        pb.GenerateRequest(text=PROMPT, include_logprobs=True, top_logprobs=21),
+        "top_logprobs = 21; allowed 0..20",
+    ),
     (_sampling(presence_penalty=5), "presence_penalty must be in [-2, 2] (0 = off), got 5"),
     (_stopping(stop_token_ids=[10**6]), "stop_token_ids[0] = 1000000 is outside the vocabulary"),
     (_stopping(max_new_tokens=4, min_new_tokens=5), "min_new_tokens = 5 is above max_new_tokens (4 for"),
@@ -217,10 +235,10 @@ def test_unknown_field_is_refused(channel: grpc.Channel) -> None:
     raw = channel.unary_unary(
         "/textgen.v1.TextGeneration/Generate", response_deserializer=pb.GenerateResponse.FromString
     )
-    payload = pb.GenerateRequest(text=PROMPT).SerializeToString() + b"\x38\x05"  # field 7: not in textgen.v1
+    payload = pb.GenerateRequest(text=PROMPT).SerializeToString() + b"\x78\x05"  # field 15: not in textgen.v1
     error = rpc_error(lambda: raw(payload))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "unknown field number(s) [7]" in error.details()
+    assert "unknown field number(s) [15]" in error.details()
 
 
 @pytest.mark.parametrize("method", ["Generate", "GenerateStream", "GetModelInfo", "Tokenize"])

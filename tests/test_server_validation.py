@@ -187,11 +187,11 @@ def test_request_id_length() -> None:
 
 
 def test_unknown_fields_are_refused_at_any_depth() -> None:
-    top = pb.GenerateRequest.FromString(pb.GenerateRequest(text="a").SerializeToString() + b"\x38\x05")
-    with pytest.raises(InvalidRequest, match=r"GenerateRequest has unknown field number\(s\) \[7\]"):
+    top = pb.GenerateRequest.FromString(pb.GenerateRequest(text="a").SerializeToString() + b"\x78\x05")
+    with pytest.raises(InvalidRequest, match=r"GenerateRequest has unknown field number\(s\) \[15\]"):
         reject_unknown_fields(top)
     nested = pb.GenerateRequest(text="a")
-    nested.sampling.MergeFromString(b"\x30\x01")  # field 6 of SamplingParams does not exist
-    with pytest.raises(InvalidRequest, match=r"SamplingParams has unknown field number\(s\) \[6\]"):
+    nested.sampling.MergeFromString(b"\x78\x01")  # field 15 of SamplingParams does not exist
+    with pytest.raises(InvalidRequest, match=r"SamplingParams has unknown field number\(s\) \[15\]"):
         reject_unknown_fields(nested)
     reject_unknown_fields(pb.GenerateRequest(text="a", sampling=pb.SamplingParams(temperature=1)))
