@@ -94,6 +94,7 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
         min_p=args.min_p,
         frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty,
+        logit_bias=dict(args.logit_bias),
     )
     if args.seed is not None:
         sampling.seed = args.seed
@@ -198,6 +199,16 @@ def _positive_or_zero(text: str) -> int:
     return value
 
 
+def _token_bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return _positive_or_zero(token), float(bias)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, e.g. 50256=-100, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="textgen-client", description="Call a textgen server.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -212,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0, help="0: off")
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, -2..2; 0: off")
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, -2..2; 0: off")
+    gen.add_argument(
+        "--logit-bias", type=_token_bias, action="append", default=[], help="TOKEN_ID=BIAS (repeatable)"
+    )
     gen.add_argument("--seed", type=_positive_or_zero, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")

@@ -133,6 +133,9 @@ def validate_request(
     stops = request.stop_token_ids
     if stops and not 0 <= min(stops) <= max(stops) < vocab_size:
         raise InvalidRequest(f"request {rid}: stop token ids must be in [0, {vocab_size - 1}]")
+    biased = [token for token, _ in request.sampling.logit_bias]
+    if biased and not 0 <= min(biased) <= max(biased) < vocab_size:
+        raise InvalidRequest(f"request {rid}: logit_bias token ids must be in [0, {vocab_size - 1}]")
     if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab_size:
         raise InvalidRequest(f"request {rid}: prompt token ids must be in [0, {vocab_size - 1}]")
     prompt = len(request.prompt_ids)

@@ -1,10 +1,11 @@
 """Next-token choice for the whole running batch: logits processors and per-row sampling state.
 
 Runs on the hot path (every decode step, every row), so everything is vectorized numpy over `[n, vocab]`.
-The processors follow Hugging Face / TGI / vLLM semantics and are applied as a chain: the penalties
-(repetition over prompt and output, then OpenAI's frequency and presence over the output), banned tokens (EOS
-and stop token ids until `min_new_tokens`), then for sampled rows temperature, top-k, top-p and min-p. Each
-takes a per-row parameter vector and leaves alone the rows where its parameter means "off".
+The processors follow Hugging Face / TGI / vLLM semantics and are applied as a chain: OpenAI's logit bias,
+the penalties (repetition over prompt and output, then OpenAI's frequency and presence over the output),
+banned tokens (EOS and stop token ids until `min_new_tokens`), then for sampled rows temperature, top-k,
+top-p and min-p. Each takes a per-row parameter vector and leaves alone the rows where its parameter means
+"off".
 
 Reproducibility: a seeded row draws its randomness only from its own `np.random.Generator` (one uniform per
 step) and every reduction runs along its own row, so its tokens do not depend on what else is in the batch.
@@ -23,6 +24,8 @@ from serve.errors import InvalidRequest
 MAX_SEED = 2**64 - 1
 MAX_OPENAI_PENALTY = 2.0  # the range OpenAI and vLLM accept for frequency and presence penalties
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
+MAX_LOGIT_BIAS_TOKENS = 300  # entries per request
 
 # Top-p first looks for its threshold among this many largest logits; a full sort is needed only for rows
 # whose nucleus is wider (nearly flat distributions), which keeps the usual case O(vocab) instead of a sort.
@@ -52,6 +55,7 @@ class SamplingParams:
     min_p: float = 0.0  # keep tokens with probability >= min_p x the top token's (after temperature)
     frequency_penalty: float = 0.0  # OpenAI: subtracted from a token's logit per time it was generated
     presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of every token generated so far
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI: (token id, bias) added to the model's logits
 
     @property
     def greedy(self) -> bool:
@@ -78,10 +82,31 @@ class SamplingParams:
             if not (math.isfinite(value) and -MAX_OPENAI_PENALTY <= value <= MAX_OPENAI_PENALTY):
                 bound = f"{MAX_OPENAI_PENALTY:g}"
                 raise InvalidRequest(f"{name} must be in [-{bound}, {bound}] (0 = off), got {value}")
+        self._validate_logit_bias()
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED
         ):
             raise InvalidRequest(f"seed must be an integer in 0..{MAX_SEED} or unset, got {self.seed!r}")
+
+    def _validate_logit_bias(self) -> None:
+        entries = len(self.logit_bias)
+        if entries > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidRequest(
+                f"logit_bias has {entries} entries; at most {MAX_LOGIT_BIAS_TOKENS} are allowed"
+            )
+        for token, bias in self.logit_bias:
+            _check_bias(token, bias)
+        if len({token for token, _ in self.logit_bias}) < entries:
+            raise InvalidRequest("logit_bias names a token id twice; give one bias per token")
+
+
+def _check_bias(token: object, bias: object) -> None:
+    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+        raise InvalidRequest(f"logit_bias token ids must be integers >= 0, got {token!r}")
+    if not (isinstance(bias, int | float) and math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
+        raise InvalidRequest(
+            f"logit_bias[{token}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}"
+        )
 
 
 def _active_rows(logits: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -118,6 +143,16 @@ def apply_repetition_penalty(logits: np.ndarray, penalty: np.ndarray, seen: Sequ
     values = logits[rows, cols]  # a repeated id reads and writes the same original value
     factor = penalty[rows].astype(np.float32)
     logits[rows, cols] = np.where(values > 0.0, values / factor, values * factor)
+
+
+def apply_logit_bias(
+    logits: np.ndarray, rows: np.ndarray, biases: Sequence[tuple[np.ndarray, np.ndarray]]
+) -> None:
+    """In place: add `biases[j]` (token ids, values) to row `rows[j]`."""
+    if len(rows):
+        ids, values = zip(*biases, strict=True)
+        cols = np.concatenate(ids)
+        logits[np.repeat(rows, [len(i) for i in ids]), cols] += np.concatenate(values)
 
 
 def apply_frequency_presence(
@@ -282,6 +317,7 @@ class _Row:
     history: _History  # empty unless the row has a penalty; the prompt only for a repetition penalty
     logprobs: bool  # the caller wants the chosen token's logprob
     top_logprobs: int  # and this many most likely tokens of each step
+    bias: tuple[np.ndarray, np.ndarray]  # logit_bias as token ids and values
     banned: np.ndarray  # token ids it may not pick while `banned_for` > 0
     banned_for: int  # tokens still to pick without them
 
@@ -307,6 +343,7 @@ class _Layout:
     openai: np.ndarray  # row indices with a frequency or presence penalty
     penalized: np.ndarray  # row indices with either: their tokens are recorded
     banning: np.ndarray  # row indices with banned tokens this step
+    biased: np.ndarray  # row indices with a logit bias
     generators: list[np.random.Generator]  # of the sampled rows, in the same order
     scored: np.ndarray  # row indices whose chosen token's logprob is wanted
     listed: np.ndarray  # row indices that want the most likely tokens too
@@ -315,7 +352,7 @@ class _Layout:
     @property
     def plain(self) -> bool:
         """Every row is greedy on the raw logits: one argmax decides the batch."""
-        return not (self.sampled.size or self.penalized.size or self.banning.size)
+        return not (self.sampled.size or self.penalized.size or self.banning.size or self.biased.size)
 
     @classmethod
     def of(cls, rows: Sequence[_Row]) -> _Layout:
@@ -337,6 +374,7 @@ class _Layout:
             openai=np.flatnonzero(openai),
             penalized=np.flatnonzero(_penalizes(penalty) | openai),
             banning=np.flatnonzero([row.banned_for > 0 and row.banned.size > 0 for row in rows]),
+            biased=np.flatnonzero([len(p.logit_bias) > 0 for p in params]),
             generators=[row.rng for row in rows if row.rng is not None],
             scored=np.flatnonzero([row.logprobs for row in rows]),
             listed=np.flatnonzero([row.top_logprobs > 0 for row in rows]),
@@ -380,6 +418,10 @@ class SamplingBatch:
             history=_History(prompt_ids if repeated else ()),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            bias=(
+                np.array([token for token, _ in params.logit_bias], dtype=np.int64),
+                np.array([bias for _, bias in params.logit_bias], dtype=np.float32),
+            ),
             banned=np.unique(np.asarray(banned, dtype=np.int64)),
             banned_for=banned_for,
         )
@@ -441,8 +483,9 @@ class SamplingBatch:
 
     def _choose(self, logits: np.ndarray, layout: _Layout) -> np.ndarray:
         work = logits
-        if layout.penalized.size or layout.banning.size:
+        if layout.penalized.size or layout.banning.size or layout.biased.size:
             work = logits.copy()
+            apply_logit_bias(work, layout.biased, [self._rows[i].bias for i in layout.biased])
             if layout.repeated.size:
                 seen = self._histories(layout.repeated, logits.shape[1])
                 apply_repetition_penalty(work, layout.penalty, seen)

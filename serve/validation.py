@@ -91,6 +91,7 @@ def sampling_params(sampling: pb.SamplingParams) -> SamplingParams:
         min_p=sampling.min_p,
         frequency_penalty=sampling.frequency_penalty,
         presence_penalty=sampling.presence_penalty,
+        logit_bias=tuple(sorted(sampling.logit_bias.items())),
     )
     params.validate()
     return params

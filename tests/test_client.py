@@ -96,7 +96,8 @@ def test_verbose_generate_reports_usage_and_timings(
 def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
     flags = (
         "generate hi --temperature 0.7 --top-k 5 --top-p 0.9 --min-p 0.05 --repetition-penalty 1.1 "
-        "--frequency-penalty 0.5 --presence-penalty -0.5 --seed 3 --max-new-tokens 9 --min-new-tokens 2 "
+        "--frequency-penalty 0.5 --presence-penalty -0.5 --logit-bias 5=-100 --logit-bias 9=2.5 --seed 3 "
+        "--max-new-tokens 9 --min-new-tokens 2 "
         "--stop-token-id 7 --stop-token-id 11 --stop END --ignore-eos --top-logprobs 4"
     )
     args = build_parser().parse_args(flags.split(" "))
@@ -105,6 +106,7 @@ def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
     assert (sampling.top_k, sampling.seed) == (5, 3)
     assert sampling.min_p == pytest.approx(0.05) and sampling.frequency_penalty == 0.5
     assert sampling.presence_penalty == -0.5 and sampling.repetition_penalty == pytest.approx(1.1)
+    assert dict(sampling.logit_bias) == {5: -100.0, 9: 2.5}
     assert (stopping.max_new_tokens, stopping.min_new_tokens, list(stopping.stop_token_ids)) == (
         9,
         2,
@@ -112,6 +114,13 @@ def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
     )
     assert list(stopping.stop) == ["END"] and stopping.ignore_eos
     assert request.include_logprobs and request.top_logprobs == 4  # top logprobs imply logprobs
+
+
+@pytest.mark.parametrize("bad", ["5", "x=1", "5=high", "-3=1"])
+def test_a_malformed_logit_bias_flag_is_refused(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", f"--logit-bias={bad}"])
+    assert "expected TOKEN_ID=BIAS" in capsys.readouterr().err
 
 
 def test_info_and_health(server: RunningServer, pki_files: dict[str, Path]) -> None:

@@ -17,6 +17,7 @@ from serve.sampling import (
     SamplingBatch,
     SamplingParams,
     apply_frequency_presence,
+    apply_logit_bias,
     apply_min_p,
     apply_repetition_penalty,
     apply_temperature,
@@ -183,6 +184,27 @@ def test_frequency_and_presence_penalties_match_openais_formula(
         np.testing.assert_allclose(
             out[i], ref_openai(row, frequency[i], presence[i], generated[i]), atol=1e-5
         )
+
+
+def test_logit_bias_adds_to_the_named_tokens_of_each_row() -> None:
+    logits = np.zeros((3, 5), dtype=np.float32)
+    biases = [
+        (np.array([4, 0]), np.array([2.5, -1.0], np.float32)),
+        (np.array([1]), np.array([7.0], np.float32)),
+    ]
+    apply_logit_bias(logits, np.array([0, 2]), biases)
+    np.testing.assert_array_equal(logits, [[-1, 0, 0, 0, 2.5], [0, 0, 0, 0, 0], [0, 7, 0, 0, 0]])
+    apply_logit_bias(logits, np.array([], dtype=np.int64), [])  # no row biased: nothing to do
+
+
+def test_logit_bias_steers_greedy_and_sampled_rows() -> None:
+    row = np.array([5.0, 1.0, 0.0, -1.0], dtype=np.float32)
+    batch = SamplingBatch()
+    batch.append(SamplingParams(logit_bias=((3, 100.0),)), (1,))  # all but forces token 3
+    batch.append(SamplingParams(temperature=1.0, seed=2, logit_bias=((0, -100.0),)), (1,))  # bans token 0
+    batch.append(SamplingParams(), (1,))
+    picks = [batch.sample(np.tile(row, (3, 1)))[0].tolist() for _ in range(30)]
+    assert all(p[0] == 3 and p[1] != 0 and p[2] == 0 for p in picks)
 
 
 @settings(max_examples=40, deadline=None)
@@ -515,6 +537,11 @@ def test_bad_calls_are_refused() -> None:
         (SamplingParams(min_p=float("nan")), "min_p"),
         (SamplingParams(frequency_penalty=2.5), r"frequency_penalty must be in \[-2, 2\]"),
         (SamplingParams(presence_penalty=float("-inf")), "presence_penalty"),
+        (SamplingParams(logit_bias=((5, 101.0),)), r"logit_bias\[5\] must be in \[-100, 100\], got 101"),
+        (SamplingParams(logit_bias=((5, float("nan")),)), r"logit_bias\[5\]"),
+        (SamplingParams(logit_bias=((-1, 1.0),)), "logit_bias token ids must be integers >= 0, got -1"),
+        (SamplingParams(logit_bias=((5, 1.0), (5, 2.0))), "names a token id twice"),
+        (SamplingParams(logit_bias=tuple((i, 1.0) for i in range(301))), "301 entries; at most 300"),
     ],
 )
 def test_validate_names_the_field_and_range(params: SamplingParams, message: str) -> None:
@@ -526,3 +553,4 @@ def test_validate_accepts_the_documented_ranges() -> None:
     SamplingParams().validate()
     SamplingParams(temperature=0.7, top_k=40, top_p=1.0, repetition_penalty=1.1, seed=2**64 - 1).validate()
     SamplingParams(min_p=1.0, frequency_penalty=-2.0, presence_penalty=2.0).validate()
+    SamplingParams(logit_bias=tuple((i, 100.0 if i % 2 else -100.0) for i in range(300))).validate()

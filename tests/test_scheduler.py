@@ -232,6 +232,9 @@ def test_the_engine_is_told_to_ban_eos_and_stop_tokens_until_min_new_tokens(toke
         validate_request(request("m", prompt_of(3), 8, include_logprobs=True, top_logprobs=21), 100, 100)
     with pytest.raises(InvalidRequest, match="top_logprobs needs include_logprobs"):
         validate_request(request("m", prompt_of(3), 8, top_logprobs=2), 100, 100)
+    biased = GenerationRequest("m", prompt_of(3), SamplingParams(logit_bias=((100, 1.0),)), 8)
+    with pytest.raises(InvalidRequest, match=r"logit_bias token ids must be in \[0, 99\]"):
+        validate_request(biased, 100, 100)
     with pytest.raises(InvalidRequest, match=r"stop token ids must be in \[0, 99\]"):
         validate_request(request("m", prompt_of(3), 8, stop_token_ids=(100,)), 100, 100)
 

@@ -112,6 +112,8 @@ def test_stop_token_ids_min_new_tokens_and_the_openai_penalties(stub: pb_grpc.Te
     penalized = call(pb.StoppingCriteria(max_new_tokens=12, ignore_eos=True), frequency_penalty=2.0)
     assert len(set(penalized.token_ids)) > len(set(plain))
     assert call(pb.StoppingCriteria(max_new_tokens=12, ignore_eos=True), min_p=0.5).token_ids == plain
+    forced = stub.Generate(greedy(4, sampling=pb.SamplingParams(logit_bias={plain[0] + 1: 100.0})))
+    assert list(forced.token_ids) == [plain[0] + 1] * 4
 
 
 def test_top_logprobs_in_whole_and_streamed_replies(stub: pb_grpc.TextGenerationStub) -> None:
@@ -197,6 +199,8 @@ INVALID = [
     (_stopping(stop=["x" * 65]), "stop[0] has 65 characters; allowed 1..64"),
     (_sampling(min_p=2), "min_p must be in [0, 1] (0 = off), got 2"),
     (pb.GenerateRequest(text=PROMPT, top_logprobs=2), "top_logprobs needs include_logprobs = true"),
+    (_sampling(logit_bias={3: 150.0}), "logit_bias[3] must be in [-100, 100], got 150"),
+    (_sampling(logit_bias={10**6: 1.0}), "logit_bias token ids must be in [0, "),
     (
         pb.GenerateRequest(text=PROMPT, include_logprobs=True, top_logprobs=21),
         "top_logprobs = 21; allowed 0..20",
