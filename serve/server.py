@@ -26,6 +26,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from tokenizers import Tokenizer
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
@@ -45,6 +46,7 @@ from serve.validation import (
     generation_request,
     prompt_ids,
     reject_unknown_fields,
+    token_ids,
 )
 
 log = logging.getLogger("textgen.server")
@@ -407,6 +409,25 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             reject_unknown_fields(tokenize)
             encoding = await asyncio.to_thread(model.engine.tokenizer.encode, tokenize.text)
             return pb.TokenizeResponse(ids=encoding.ids, tokens=encoding.tokens)
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest | Undecodable, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        async with self._call("Detokenize", context):
+            model = self._ready_model()
+            detokenize: pb.DetokenizeRequest = decoded(request)
+            reject_unknown_fields(detokenize)
+            ids = token_ids(detokenize.ids, model.engine.vocab_size, "ids")
+            return await asyncio.to_thread(_detokenized, model.engine.tokenizer, ids)
+
+
+def _detokenized(tokenizer: Tokenizer, ids: list[int]) -> pb.DetokenizeResponse:
+    return pb.DetokenizeResponse(
+        text=tokenizer.decode(ids),
+        texts=tokenizer.decode_batch([[token] for token in ids]),
+        # "" for ids the model has but the tokenizer does not (a vocabulary padded for speed).
+        tokens=[tokenizer.id_to_token(token) or "" for token in ids],
+    )
 
 
 # --- server lifecycle --------------------------------------------------------------------------------------

@@ -56,6 +56,15 @@ def check_request_id(request_id: str) -> str:
     return request_id
 
 
+def token_ids(ids: Sequence[int], vocab_size: int, field: str) -> list[int]:
+    for position, token in enumerate(ids):
+        if token >= vocab_size:
+            raise InvalidRequest(
+                f"{field}[{position}] = {token} is outside the vocabulary: allowed 0..{vocab_size - 1}"
+            )
+    return list(ids)
+
+
 def prompt_ids(
     request: pb.GenerateRequest, encode: Callable[[str], Sequence[int]], vocab_size: int
 ) -> list[int]:
@@ -70,15 +79,9 @@ def prompt_ids(
         if not ids:
             raise InvalidRequest("text encodes to no tokens: give at least one token of text")
         return ids
-    ids = list(request.token_ids.ids)
-    if not ids:
+    if not request.token_ids.ids:
         raise InvalidRequest("token_ids is empty: give at least one token id")
-    for position, token in enumerate(ids):
-        if token >= vocab_size:
-            raise InvalidRequest(
-                f"token_ids[{position}] = {token} is outside the vocabulary: allowed 0..{vocab_size - 1}"
-            )
-    return ids
+    return token_ids(request.token_ids.ids, vocab_size, "token_ids")
 
 
 def sampling_params(sampling: pb.SamplingParams) -> SamplingParams:
@@ -115,12 +118,7 @@ def stop_strings(stop: Sequence[str], limits: RequestLimits) -> tuple[str, ...]:
 def stop_token_ids(ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"{len(ids)} stop token ids given; at most {MAX_STOP_TOKEN_IDS} are allowed")
-    for index, token in enumerate(ids):
-        if token >= vocab_size:
-            raise InvalidRequest(
-                f"stop_token_ids[{index}] = {token} is outside the vocabulary: allowed 0..{vocab_size - 1}"
-            )
-    return tuple(ids)
+    return tuple(token_ids(ids, vocab_size, "stop_token_ids"))
 
 
 def top_logprobs(request: pb.GenerateRequest) -> int:

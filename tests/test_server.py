@@ -155,6 +155,21 @@ def test_tokenize(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> No
     assert server.model.engine.tokenizer.decode(list(response.ids)) == PROMPT
 
 
+def test_detokenize_is_tokenize_backwards(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> None:
+    tokenized = stub.Tokenize(pb.TokenizeRequest(text=PROMPT + " é"))
+    detokenized = stub.Detokenize(pb.DetokenizeRequest(ids=tokenized.ids))
+    assert detokenized.text == PROMPT + " é" and list(detokenized.tokens) == list(tokenized.tokens)
+    tokenizer = server.model.engine.tokenizer
+    assert list(detokenized.texts) == [tokenizer.decode([i]) for i in tokenized.ids]
+    # The ids top_logprobs reports, spelled out.
+    top = stub.Generate(greedy(1, include_logprobs=True, top_logprobs=3)).top_logprobs[0]
+    assert len(stub.Detokenize(pb.DetokenizeRequest(ids=top.token_ids)).texts) == 3
+    assert stub.Detokenize(pb.DetokenizeRequest()).text == ""
+    error = rpc_error(lambda: stub.Detokenize(pb.DetokenizeRequest(ids=[1, 10**6])))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ids[1] = 1000000 is outside the vocabulary" in error.details()
+
+
 def test_health_and_reflection(channel: grpc.Channel) -> None:
     health = health_pb2_grpc.HealthStub(channel)
     for service in ("", "textgen.v1.TextGeneration"):
@@ -245,7 +260,7 @@ def test_unknown_field_is_refused(channel: grpc.Channel) -> None:
     assert "unknown field number(s) [15]" in error.details()
 
 
-@pytest.mark.parametrize("method", ["Generate", "GenerateStream", "GetModelInfo", "Tokenize"])
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream", "GetModelInfo", "Tokenize", "Detokenize"])
 def test_undecodable_request_is_invalid_argument(channel: grpc.Channel, method: str) -> None:
     path = f"/textgen.v1.TextGeneration/{method}"
     call = channel.unary_stream(path) if method == "GenerateStream" else channel.unary_unary(path)

@@ -35,6 +35,7 @@ def test_stubs_import_by_package_path() -> None:
     from serve._proto.textgen.v1 import textgen_pb2, textgen_pb2_grpc
 
     service = textgen_pb2.DESCRIPTOR.services_by_name["TextGeneration"]
-    assert [m.name for m in service.methods] == ["Generate", "GenerateStream", "GetModelInfo", "Tokenize"]
+    methods = ["Generate", "GenerateStream", "GetModelInfo", "Tokenize", "Detokenize"]
+    assert [m.name for m in service.methods] == methods
     assert hasattr(textgen_pb2_grpc, "TextGenerationStub")
     assert textgen_pb2.DESCRIPTOR.package == "textgen.v1"

@@ -54,6 +54,11 @@ class TextGenerationStub:
                 request_serializer=textgen_dot_v1_dot_textgen__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=textgen_dot_v1_dot_textgen__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/textgen.v1.TextGeneration/Detokenize',
+                request_serializer=textgen_dot_v1_dot_textgen__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_textgen__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -85,6 +90,13 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """e.g. top_logprobs' ids
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +119,11 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=textgen_dot_v1_dot_textgen__pb2.TokenizeRequest.FromString,
                     response_serializer=textgen_dot_v1_dot_textgen__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=textgen_dot_v1_dot_textgen__pb2.DetokenizeRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_textgen__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +234,33 @@ class TextGeneration:
             '/textgen.v1.TextGeneration/Tokenize',
             textgen_dot_v1_dot_textgen__pb2.TokenizeRequest.SerializeToString,
             textgen_dot_v1_dot_textgen__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/Detokenize',
+            textgen_dot_v1_dot_textgen__pb2.DetokenizeRequest.SerializeToString,
+            textgen_dot_v1_dot_textgen__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
