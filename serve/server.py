@@ -232,9 +232,11 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
-def decoded(request: M | Undecodable) -> M:
+def checked(request: M | Undecodable) -> M:
+    """The request message, or InvalidRequest for bytes that do not decode or fields this server lacks."""
     if isinstance(request, Undecodable):
         raise InvalidRequest(request.message)
+    reject_unknown_fields(request)
     return request
 
 
@@ -296,8 +298,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         stream: bool,
     ) -> RequestHandle:
         model = self._ready_model()
-        request: pb.GenerateRequest = decoded(raw)
-        reject_unknown_fields(request)
+        request: pb.GenerateRequest = checked(raw)
         record.request_id = check_request_id(request.request_id) or uuid.uuid4().hex
         record.prompt = request.text if request.WhichOneof("input") == "text" else None
         encode = model.engine.tokenizer.encode
@@ -385,7 +386,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     ) -> pb.ModelInfo:
         async with self._call("GetModelInfo", context):
             model = self._ready_model()
-            reject_unknown_fields(decoded(request))
+            checked(request)
             manifest = model.bundle.manifest
             return pb.ModelInfo(
                 model_name=manifest.model_name,
@@ -405,8 +406,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     ) -> pb.TokenizeResponse:
         async with self._call("Tokenize", context):
             model = self._ready_model()
-            tokenize: pb.TokenizeRequest = decoded(request)
-            reject_unknown_fields(tokenize)
+            tokenize: pb.TokenizeRequest = checked(request)
             encoding = await asyncio.to_thread(model.engine.tokenizer.encode, tokenize.text)
             return pb.TokenizeResponse(ids=encoding.ids, tokens=encoding.tokens)
 
@@ -415,8 +415,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     ) -> pb.DetokenizeResponse:
         async with self._call("Detokenize", context):
             model = self._ready_model()
-            detokenize: pb.DetokenizeRequest = decoded(request)
-            reject_unknown_fields(detokenize)
+            detokenize: pb.DetokenizeRequest = checked(request)
             ids = token_ids(detokenize.ids, model.engine.vocab_size, "ids")
             return await asyncio.to_thread(_detokenized, model.engine.tokenizer, ids)
 
