@@ -137,11 +137,18 @@ def run_generate(stub: pb_grpc.TextGenerationStub, args: argparse.Namespace, out
                 },
                 err,
             )
+            _report_logprobs(stub, args, response.token_ids, response.logprobs, response.top_logprobs, err)
         return 0
     last = pb.GenerateStreamResponse()
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    top: list[pb.TopLogprobs] = []
     for message in stub.GenerateStream(request, metadata=metadata, timeout=args.timeout):
         out.write(message.text)
         out.flush()
+        tokens += message.token_ids
+        logprobs += message.logprobs
+        top += message.top_logprobs
         last = message
     out.write("\n")
     if args.verbose:
@@ -154,7 +161,35 @@ def run_generate(stub: pb_grpc.TextGenerationStub, args: argparse.Namespace, out
             },
             err,
         )
+        _report_logprobs(stub, args, tokens, logprobs, top, err)
     return 0
+
+
+def _report_logprobs(
+    stub: pb_grpc.TextGenerationStub,
+    args: argparse.Namespace,
+    tokens: Sequence[int],
+    logprobs: Sequence[float],
+    top: Sequence[pb.TopLogprobs],
+    err: TextIO,
+) -> None:
+    """One line per generated token: its id, text and logprob, then the most likely alternatives."""
+    if not logprobs:
+        return
+    ids = [*tokens, *(i for step in top for i in step.token_ids)]
+    texts = iter(
+        stub.Detokenize(
+            pb.DetokenizeRequest(ids=ids), metadata=auth_metadata(args.token), timeout=args.timeout
+        ).texts
+    )
+    lines = [
+        f"{token} {next(texts)!r} {logprob:.4f}" for token, logprob in zip(tokens, logprobs, strict=True)
+    ]
+    for index, step in enumerate(top):
+        alternatives = ", ".join(f"{next(texts)!r} {lp:.4f}" for lp in step.logprobs)
+        lines[index] += f" | {alternatives}"
+    for line in lines:
+        print(line, file=err)
 
 
 def run_info(stub: pb_grpc.TextGenerationStub, args: argparse.Namespace, out: TextIO) -> int:

@@ -123,6 +123,22 @@ def test_a_malformed_logit_bias_flag_is_refused(bad: str, capsys: pytest.Capture
     assert "expected TOKEN_ID=BIAS" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_verbose_generate_prints_each_token_with_its_logprob_and_alternatives(
+    server: RunningServer, pki_files: dict[str, Path], stream: bool
+) -> None:
+    options = ["--max-new-tokens", "3", "--ignore-eos", "--verbose", "--top-logprobs", "2"]
+    code, _, report = run(server, pki_files, "generate", "hi", *options, *(["--stream"] if stream else []))
+    assert code == 0
+    lines = [line for line in report.splitlines() if " | " in line]
+    assert len(lines) == 3
+    for line in lines:
+        token, _, rest = line.partition(" ")
+        assert token.isdigit() and rest.count(", ") >= 1  # its text and logprob, then two alternatives
+    code, _, plain = run(server, pki_files, "generate", "hi", "--max-new-tokens", "3", "--verbose")
+    assert code == 0 and " | " not in plain  # no logprobs asked for: no token lines
+
+
 def test_info_and_health(server: RunningServer, pki_files: dict[str, Path]) -> None:
     code, out, _ = run(server, pki_files, "info")
     info = json.loads(out)
