@@ -111,6 +111,7 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
         ),
         include_logprobs=args.logprobs or args.top_logprobs > 0,
         top_logprobs=args.top_logprobs,
+        truncate_prompt_tokens=args.truncate_prompt_tokens,
     )
 
 
@@ -271,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--logprobs", action="store_true", help="ask for token logprobs")
     gen.add_argument(
         "--top-logprobs", type=_positive_or_zero, default=0, help="and the N most likely tokens of each step"
+    )
+    gen.add_argument(
+        "--truncate-prompt-tokens", type=_positive_or_zero, default=0, help="keep the prompt's last N tokens"
     )
     gen.add_argument("--request-id", default="")
     gen.add_argument("--verbose", action="store_true", help="print usage and timings to stderr")

@@ -138,6 +138,15 @@ def min_new_tokens(requested: int, max_new: int) -> int:
     return requested
 
 
+def truncated(prompt: list[int], keep: int, limits: RequestLimits) -> list[int]:
+    """The prompt's last `keep` tokens (0: all of it): TGI's `truncate`, vLLM's `truncate_prompt_tokens`."""
+    if keep > limits.max_prompt_tokens:
+        raise InvalidRequest(
+            f"truncate_prompt_tokens = {keep}; allowed 0..{limits.max_prompt_tokens} (0 = off)"
+        )
+    return prompt[-keep:] if keep else prompt
+
+
 def check_prompt_length(prompt_tokens: int, limits: RequestLimits) -> None:
     if prompt_tokens > limits.max_prompt_tokens:
         raise InvalidRequest(
@@ -177,6 +186,7 @@ def generation_request(
 ) -> GenerationRequest:
     """The scheduler's request for an already tokenized prompt; raises InvalidRequest on any bad value."""
     stopping = request.stopping
+    prompt = truncated(prompt, request.truncate_prompt_tokens, limits)
     most = max_new_tokens(stopping.max_new_tokens, len(prompt), limits)
     return GenerationRequest(
         request_id=request_id,

@@ -97,7 +97,7 @@ def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
     flags = (
         "generate hi --temperature 0.7 --top-k 5 --top-p 0.9 --min-p 0.05 --repetition-penalty 1.1 "
         "--frequency-penalty 0.5 --presence-penalty -0.5 --logit-bias 5=-100 --logit-bias 9=2.5 --seed 3 "
-        "--max-new-tokens 9 --min-new-tokens 2 "
+        "--max-new-tokens 9 --min-new-tokens 2 --truncate-prompt-tokens 30 "
         "--stop-token-id 7 --stop-token-id 11 --stop END --ignore-eos --top-logprobs 4"
     )
     args = build_parser().parse_args(flags.split(" "))
@@ -114,6 +114,7 @@ def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
     )
     assert list(stopping.stop) == ["END"] and stopping.ignore_eos
     assert request.include_logprobs and request.top_logprobs == 4  # top logprobs imply logprobs
+    assert request.truncate_prompt_tokens == 30
 
 
 @pytest.mark.parametrize("bad", ["5", "x=1", "5=high", "-3=1"])

@@ -129,6 +129,29 @@ def test_top_logprobs_in_whole_and_streamed_replies(stub: pb_grpc.TextGeneration
     assert not stub.Generate(greedy(2, include_logprobs=True)).top_logprobs
 
 
+def test_a_prompt_longer_than_the_context_is_served_when_truncated(
+    stub: pb_grpc.TextGenerationStub, server: RunningServer
+) -> None:
+    context = server.model.engine.context_length
+    ids = [1 + i % 50 for i in range(context + 10)]
+    assert rpc_error(lambda: stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids)))).code() == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    truncated = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids),
+        truncate_prompt_tokens=20,
+        stopping=pb.StoppingCriteria(max_new_tokens=4, ignore_eos=True),
+    )
+    whole = stub.Generate(truncated)
+    tail = stub.Generate(
+        pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=ids[-20:]),
+            stopping=pb.StoppingCriteria(max_new_tokens=4, ignore_eos=True),
+        )
+    )
+    assert whole.usage.prompt_tokens == 20 and list(whole.token_ids) == list(tail.token_ids)
+
+
 def test_default_max_new_tokens(stub: pb_grpc.TextGenerationStub) -> None:
     response = stub.Generate(pb.GenerateRequest(text=PROMPT, stopping=pb.StoppingCriteria(ignore_eos=True)))
     assert response.usage.completion_tokens == 8  # the server's default_max_new_tokens

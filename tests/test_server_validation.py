@@ -168,6 +168,24 @@ def test_max_new_tokens_default_cap_and_context() -> None:
         max_new_tokens(0, prompt_tokens=64, limits=LIMITS)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end() -> None:
+    long = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(1, 81))), truncate_prompt_tokens=40)
+    assert _build(long).prompt_ids == list(range(41, 81))  # type: ignore[attr-defined]
+    short = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), truncate_prompt_tokens=40)
+    assert _build(short).prompt_ids == [1, 2, 3]  # type: ignore[attr-defined]
+    with pytest.raises(InvalidRequest, match=r"truncate_prompt_tokens = 64; allowed 0\.\.63 \(0 = off\)"):
+        _build(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), truncate_prompt_tokens=64))
+    # The kept tokens still leave room for max_new_tokens, or the request is refused as any other.
+    with pytest.raises(InvalidRequest, match="exceeds the context length 64"):
+        _build(
+            pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=list(range(80))),
+                truncate_prompt_tokens=60,
+                stopping=pb.StoppingCriteria(max_new_tokens=10),
+            )
+        )
+
+
 def test_prompt_longer_than_context_is_refused() -> None:
     with pytest.raises(InvalidRequest, match=r"prompt has 70 tokens; allowed 1\.\.63"):
         _build(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 70)))

@@ -21,7 +21,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_CONTEXT: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "stopping", "include_logprobs", "top_logprobs")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "stopping", "include_logprobs", "top_logprobs", "truncate_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class GenerateRequest(_message.Message):
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -36,7 +37,8 @@ class GenerateRequest(_message.Message):
     stopping: StoppingCriteria
     include_logprobs: bool
     top_logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., include_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    truncate_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., include_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
