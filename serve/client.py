@@ -108,6 +108,7 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
             ignore_eos=args.ignore_eos,
             min_new_tokens=args.min_new_tokens,
             stop_token_ids=args.stop_token_id,
+            include_stop_str_in_output=args.include_stop_str,
         ),
         include_logprobs=args.logprobs or args.top_logprobs > 0,
         top_logprobs=args.top_logprobs,
@@ -265,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=_positive_or_zero, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument(
+        "--include-stop-str", action="store_true", help="end the text with the matched stop string"
+    )
     gen.add_argument("--min-new-tokens", type=_positive_or_zero, default=0, help="no EOS before this many")
     gen.add_argument(
         "--stop-token-id", type=_positive_or_zero, action="append", default=[], help="stop token (repeatable)"

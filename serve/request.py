@@ -40,6 +40,8 @@ class GenerationRequest:
     min_new_tokens: int = 0
     # With include_logprobs: this many most likely tokens of each step, with their logprobs.
     top_logprobs: int = 0
+    # The matched stop string ends the text instead of being cut off with what follows.
+    include_stop_str_in_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,12 @@ class RequestTracker:
         self._eos = eos_token_id
         self._stop_ids = frozenset(request.stop_token_ids)
         self._limit = token_limit  # prompt + generated tokens may not exceed it
-        self._text = TextStream(tokenizer, request.stop, incremental=request.stream)
+        self._text = TextStream(
+            tokenizer,
+            request.stop,
+            incremental=request.stream,
+            include_stop=request.include_stop_str_in_output,
+        )
         self._held: list[TokenEvent] = []  # produced, not yet handed over (see `pace`)
         self._handed_at: float | None = None
 

@@ -7,8 +7,9 @@ in U+FFFD. The window is dropped up to the previous read offset on every emissio
 not O(text).
 
 Stop strings are matched on the decoded text, across token boundaries: text that could still be the start of
-a stop string is held back until the next tokens settle it, and a matched stop string and everything after it
-are never returned.
+a stop string is held back until the next tokens settle it, and everything after a matched stop string is
+never returned; the stop string itself neither, unless `include_stop` (vLLM's `include_stop_str_in_output`).
+The match is the stop string that starts earliest (the shortest of those starting there).
 
 Text that nobody reads before the end (`incremental=False`: a unary call or the offline API, without stop
 strings) is decoded once, at the end: the tokenizer's decode of all the tokens, which is what the increments
@@ -44,7 +45,14 @@ _NOTHING = TextDelta("", stopped=False)
 class TextStream:
     """Turns one sequence's tokens, pushed one at a time, into text deltas safe to stream."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *, incremental: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        *,
+        incremental: bool = True,
+        include_stop: bool = False,
+    ) -> None:
         if isinstance(stop, str):
             raise TypeError("stop must be a sequence of strings, not one string")
         if not all(stop):
@@ -52,6 +60,7 @@ class TextStream:
         self._tokenizer = tokenizer
         self._vocab_size = tokenizer.get_vocab_size()
         self._stop = tuple(stop)
+        self._include_stop = include_stop
         # Stop strings are matched on text as it comes, so they need the increments whoever reads them.
         self._deferred = not incremental and not self._stop
         self._window: list[int] = []  # tokens from the prefix offset on (deferred: all tokens)
@@ -120,11 +129,12 @@ class TextStream:
         if not self._stop:  # nothing is ever held back (this runs for every token of every request)
             return self._emit(new, stopped=False)
         buffer = self._held + new
-        cut = self._first_stop(buffer)
-        if cut is not None:
+        match = self._first_stop(buffer)
+        if match is not None:
+            cut, stop = match
             self._stopped = True
             self._held = ""
-            return self._emit(buffer[:cut], stopped=True)
+            return self._emit(buffer[: cut + len(stop) if self._include_stop else cut], stopped=True)
         keep = 0 if final else self._stop_prefix_length(buffer)
         self._held = buffer[len(buffer) - keep :]
         return self._emit(buffer[: len(buffer) - keep], stopped=False)
@@ -134,10 +144,13 @@ class TextStream:
             self._emitted.append(text)
         return TextDelta(text, stopped)
 
-    def _first_stop(self, buffer: str) -> int | None:
-        """Where the earliest stop string starts in `buffer`, if any does."""
-        found = [i for i in (buffer.find(stop) for stop in self._stop) if i >= 0]
-        return min(found) if found else None
+    def _first_stop(self, buffer: str) -> tuple[int, str] | None:
+        """The stop string that starts earliest in `buffer` (the shortest of those), and where it starts."""
+        found = [(i, len(stop), stop) for stop in self._stop if (i := buffer.find(stop)) >= 0]
+        if not found:
+            return None
+        start, _, stop = min(found)
+        return start, stop
 
     def _stop_prefix_length(self, buffer: str) -> int:
         """Length of the longest end of `buffer` that is the beginning of a stop string."""

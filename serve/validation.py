@@ -201,4 +201,5 @@ def generation_request(
         stop_token_ids=stop_token_ids(stopping.stop_token_ids, limits.vocab_size),
         min_new_tokens=min_new_tokens(stopping.min_new_tokens, most),
         top_logprobs=top_logprobs(request),
+        include_stop_str_in_output=stopping.include_stop_str_in_output,
     )

@@ -98,7 +98,7 @@ def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
         "generate hi --temperature 0.7 --top-k 5 --top-p 0.9 --min-p 0.05 --repetition-penalty 1.1 "
         "--frequency-penalty 0.5 --presence-penalty -0.5 --logit-bias 5=-100 --logit-bias 9=2.5 --seed 3 "
         "--max-new-tokens 9 --min-new-tokens 2 --truncate-prompt-tokens 30 "
-        "--stop-token-id 7 --stop-token-id 11 --stop END --ignore-eos --top-logprobs 4"
+        "--stop-token-id 7 --stop-token-id 11 --stop END --include-stop-str --ignore-eos --top-logprobs 4"
     )
     args = build_parser().parse_args(flags.split(" "))
     request = generate_request(args)
@@ -112,7 +112,7 @@ def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
         2,
         [7, 11],
     )
-    assert list(stopping.stop) == ["END"] and stopping.ignore_eos
+    assert list(stopping.stop) == ["END"] and stopping.ignore_eos and stopping.include_stop_str_in_output
     assert request.include_logprobs and request.top_logprobs == 4  # top logprobs imply logprobs
     assert request.truncate_prompt_tokens == 30
 

@@ -152,6 +152,18 @@ def test_a_prompt_longer_than_the_context_is_served_when_truncated(
     assert whole.usage.prompt_tokens == 20 and list(whole.token_ids) == list(tail.token_ids)
 
 
+def test_include_stop_str_in_output(stub: pb_grpc.TextGenerationStub) -> None:
+    (the,) = stub.Tokenize(pb.TokenizeRequest(text=" the")).ids  # one token; forced, it repeats
+    forced = pb.SamplingParams(logit_bias={the: 100.0})
+
+    def stopped(include: bool) -> pb.GenerateResponse:
+        stopping = pb.StoppingCriteria(max_new_tokens=8, stop=["he t"], include_stop_str_in_output=include)
+        return stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=forced, stopping=stopping))
+
+    assert stopped(False).text == " t" and stopped(True).text == " the t"
+    assert stopped(True).finish_reason == pb.FINISH_REASON_STOP
+
+
 def test_default_max_new_tokens(stub: pb_grpc.TextGenerationStub) -> None:
     response = stub.Generate(pb.GenerateRequest(text=PROMPT, stopping=pb.StoppingCriteria(ignore_eos=True)))
     assert response.usage.completion_tokens == 8  # the server's default_max_new_tokens

@@ -25,8 +25,10 @@ def tokenizer() -> Tokenizer:
     return train_tokenizer(CORPUS * 20, vocab_size=400)
 
 
-def stream_all(tokenizer: Tokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> list[TextDelta]:
-    stream = TextStream(tokenizer, stop)
+def stream_all(
+    tokenizer: Tokenizer, ids: list[int], stop: tuple[str, ...] = (), include_stop: bool = False
+) -> list[TextDelta]:
+    stream = TextStream(tokenizer, stop, include_stop=include_stop)
     deltas = [stream.push(i) for i in ids]
     deltas.append(TextDelta(stream.flush(), stream.stopped))
     assert stream.text == "".join(d.text for d in deltas)
@@ -149,6 +151,25 @@ def test_stop_output_is_the_decoded_text_up_to_the_first_match(
     cut = text.find(stop)
     assert joined(deltas) == (text if cut < 0 else text[:cut])
     assert any(d.stopped for d in deltas) == (cut >= 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    text=st.text(alphabet=st.sampled_from("abc é日😀"), max_size=30),
+    stop=st.text(alphabet=st.sampled_from("abc é日😀"), min_size=1, max_size=4),
+)
+def test_include_stop_ends_the_text_with_the_matched_stop_string(
+    tokenizer: Tokenizer, text: str, stop: str
+) -> None:
+    deltas = stream_all(tokenizer, tokenizer.encode(text).ids, stop=(stop,), include_stop=True)
+    cut = text.find(stop)
+    assert joined(deltas) == (text if cut < 0 else text[: cut + len(stop)])
+
+
+def test_included_stop_string_is_the_earliest_then_the_shortest(tokenizer: Tokenizer) -> None:
+    text = tokenizer.encode("the lazy dog jumps").ids
+    assert joined(stream_all(tokenizer, text, stop=("dog", "lazy", "la"), include_stop=True)) == "the la"
+    assert joined(stream_all(tokenizer, text, stop=("dog", "zy d"), include_stop=True)) == "the lazy d"
 
 
 def test_special_tokens_add_no_text(tokenizer: Tokenizer) -> None:
