@@ -225,6 +225,11 @@ class Engine:
         """The sequence being prefilled in chunks (it has a row, but decode steps leave it alone)."""
         return None if self._staged is None else self._staged.seq.seq_id
 
+    @property
+    def staged_done(self) -> int:
+        """Prompt tokens the staged sequence already has in its cache (0 when none is staged)."""
+        return 0 if self._staged is None else self._staged.done
+
     def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]:
         """Run the prompts of `new` as one right-padded group; they join the batch. Returns first tokens.
 

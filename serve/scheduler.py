@@ -79,6 +79,8 @@ class BatchEngine(Protocol):
     def continue_prefill(self) -> list[TokenOut]: ...
     @property
     def staged_id(self) -> str | None: ...
+    @property
+    def staged_done(self) -> int: ...
     def decode(self) -> list[TokenOut]: ...
     def release(self, seq_ids: Iterable[str]) -> None: ...
     @property
@@ -196,7 +198,6 @@ class BatchRunner:
         self._steps: deque[StepRecord] = deque(maxlen=limits.step_history)
         self._outcomes: Counter[str] = Counter()
         self._last_phase = ""
-        self._prefilled = 0  # prompt tokens of the request being prefilled in chunks already in its cache
         self._partial: list[Delivery] = []
         self._load = _Load(0, engine.batch_size, engine.kv_shape(), 0)
 
@@ -374,12 +375,10 @@ class BatchRunner:
         chunk = self.limits.prefill_chunk_tokens if len(self._running) > len(group) else 0
         if chunk and len(group) == 1:  # the engine chunks a lone prompt only; the record shows one piece
             lengths = [min(chunk, lengths[0])]
-            self._prefilled = lengths[0]
         self._run_step("prefill", group, lengths, lambda: self.engine.prefill(new, chunk), deliveries)
 
     def _continue_prefill(self, staged: RequestTracker, deliveries: list[Delivery]) -> None:
-        piece = min(self.limits.prefill_chunk_tokens, staged.prompt_len - self._prefilled)
-        self._prefilled += piece
+        piece = min(self.limits.prefill_chunk_tokens, staged.prompt_len - self.engine.staged_done)
         self._run_step("prefill", [staged], [piece], self.engine.continue_prefill, deliveries)
 
     @property

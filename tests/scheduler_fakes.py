@@ -45,7 +45,7 @@ class FakeEngine:
         self._ids: list[str] = []
         self._context: dict[str, list[int]] = {}
         self._generated: dict[str, int] = {}
-        self._staged: tuple[NewSequence, int] | None = None  # (sequence, prefill pieces still to run)
+        self._staged: tuple[NewSequence, int, int] | None = None  # (sequence, chunk, prompt tokens done)
 
     @property
     def batch_size(self) -> int:
@@ -72,7 +72,7 @@ class FakeEngine:
             if not 1 <= len(seq.prompt_ids) < self.capacity or seq.seq_id in self._context:
                 raise ValueError(f"bad sequence {seq.seq_id}")
         if chunk and len(new) == 1 and len(new[0].prompt_ids) > chunk:
-            self._staged = (new[0], -(-len(new[0].prompt_ids) // chunk) - 1)  # pieces still to run
+            self._staged = (new[0], chunk, chunk)  # the first piece ran
             return []
         for seq in new:
             self._ids.append(seq.seq_id)
@@ -84,12 +84,16 @@ class FakeEngine:
     def staged_id(self) -> str | None:
         return None if self._staged is None else self._staged[0].seq_id
 
+    @property
+    def staged_done(self) -> int:
+        return 0 if self._staged is None else self._staged[2]
+
     def continue_prefill(self) -> list[TokenOut]:
         if self._staged is None:
             raise RuntimeError("no chunked prefill in progress")
-        seq, left = self._staged
-        if left > 1:
-            self._staged = (seq, left - 1)
+        seq, chunk, done = self._staged
+        if done + chunk < len(seq.prompt_ids):
+            self._staged = (seq, chunk, done + chunk)
             return []
         self._staged = None
         return self.prefill([seq])
@@ -176,6 +180,10 @@ class Instrumented:
     @property
     def staged_id(self) -> str | None:
         return self.inner.staged_id
+
+    @property
+    def staged_done(self) -> int:
+        return self.inner.staged_done
 
     def continue_prefill(self) -> list[TokenOut]:
         self._enter("prefill", [])

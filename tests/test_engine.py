@@ -321,9 +321,10 @@ def test_chunked_prefill_equals_whole_and_lets_the_batch_decode_in_between(
 
     take(engine.prefill([NewSequence(str(i), p, GREEDY) for i, p in enumerate(prompts)]))
     assert engine.prefill([NewSequence("3", long, GREEDY)], chunk=5) == []
-    assert engine.staged_id == "3" and engine.batch_size == 3
+    assert engine.staged_id == "3" and engine.batch_size == 3 and engine.staged_done == 5
     pieces = 1
     while engine.staged_id is not None:
+        assert engine.staged_done == min(5 * pieces, len(long))
         decoded = engine.decode()
         assert sorted(t.seq_id for t in decoded) == sorted(engine.running_ids)  # the staged row is left alone
         take(decoded)
@@ -332,7 +333,7 @@ def test_chunked_prefill_equals_whole_and_lets_the_batch_decode_in_between(
             assert engine.kv_shape()[0] == 2
         take(engine.continue_prefill())
         pieces += 1
-    assert pieces == -(-len(long) // 5) and engine.running_ids[-1] == "3"
+    assert pieces == -(-len(long) // 5) and engine.running_ids[-1] == "3" and engine.staged_done == 0
     while len(out["3"]) < 12:
         take(engine.decode())
     engine.release(engine.running_ids)
