@@ -33,21 +33,31 @@ def logits_like(kind: str, rows: int, vocab: int, rng: np.random.Generator) -> n
     return logits
 
 
-def per_step_ms(params: SamplingParams, logits: np.ndarray, steps: int, repeats: int) -> tuple[float, float]:
-    """Best wall-clock and best thread-CPU milliseconds per step over `repeats` runs of `steps` steps.
+# Greedy rows that ask for their logprob, and for that many most likely tokens too (0: the logprob only).
+REPORTED = {"greedy + logprobs": 0, "greedy + top-20 logprobs": 20}
+
+
+def per_step_ms(
+    params: SamplingParams, logits: np.ndarray, steps: int, repeats: int, top_logprobs: int | None = None
+) -> tuple[float, float]:
+    """Best wall-clock and best thread-CPU milliseconds per step over `repeats` runs of `steps` steps; with
+    `top_logprobs` (not None) every row reports its logprob and the step includes `alternatives`.
 
     CPU time is printed too because on a shared machine the wall clock also counts time spent waiting for a
     core; the CPU figure is what a step costs when it has one.
     """
+    reported = top_logprobs is not None
     batch = SamplingBatch()
     for _ in range(logits.shape[0]):
-        batch.append(params, prompt_ids=list(range(32)))
+        batch.append(params, list(range(32)), logprobs=reported, top_logprobs=top_logprobs or 0)
     batch.sample(logits)  # warm-up: scratch buffers, first-step growth of the penalty masks
     wall, cpu = [], []
     for _ in range(repeats):
         wall_start, cpu_start = time.perf_counter(), time.thread_time()
         for _ in range(steps):
             batch.sample(logits)
+            if reported:
+                batch.alternatives(logits)
         wall.append((time.perf_counter() - wall_start) / steps * 1e3)
         cpu.append((time.thread_time() - cpu_start) / steps * 1e3)
     return min(wall), min(cpu)
@@ -65,12 +75,15 @@ def main() -> None:
         f"SamplingBatch.sample, n={args.rows}, vocab={args.vocab}: "
         f"best of {args.repeats} x {args.steps} steps"
     )
-    print(f"  {'logits':6} {'params':28} {'wall ms':>8} {'cpu ms':>8}")
+    print(f"  {'logits':6} {'params':36} {'wall ms':>8} {'cpu ms':>8}")
     for kind in ("peaked", "flat"):
         logits = logits_like(kind, args.rows, args.vocab, rng)
         for name, params in CASES.items():
             wall, cpu = per_step_ms(params, logits, args.steps, args.repeats)
-            print(f"  {kind:6} {name:28} {wall:8.3f} {cpu:8.3f}")
+            print(f"  {kind:6} {name:36} {wall:8.3f} {cpu:8.3f}")
+        for name, top in REPORTED.items():
+            wall, cpu = per_step_ms(SamplingParams(), logits, args.steps, args.repeats, top_logprobs=top)
+            print(f"  {kind:6} {name:36} {wall:8.3f} {cpu:8.3f}")
 
 
 if __name__ == "__main__":
