@@ -554,3 +554,13 @@ def test_validate_accepts_the_documented_ranges() -> None:
     SamplingParams(temperature=0.7, top_k=40, top_p=1.0, repetition_penalty=1.1, seed=2**64 - 1).validate()
     SamplingParams(min_p=1.0, frequency_penalty=-2.0, presence_penalty=2.0).validate()
     SamplingParams(logit_bias=tuple((i, 100.0 if i % 2 else -100.0) for i in range(300))).validate()
+
+
+def test_the_sampling_benchmark_times_every_case_it_reports() -> None:
+    from bench.sampling_bench import CASES, REPORTED, logits_like, per_step_ms
+
+    logits = logits_like("peaked", 3, 300, np.random.default_rng(0))
+    timings = [per_step_ms(params, logits, steps=2, repeats=1) for params in CASES.values()]
+    greedy = SamplingParams()
+    timings += [per_step_ms(greedy, logits, steps=2, repeats=1, top_logprobs=k) for k in REPORTED.values()]
+    assert all(wall > 0 and cpu >= 0 for wall, cpu in timings)
