@@ -305,7 +305,7 @@ class Engine:
         )
         self._lengths[:n] += 1
         tokens, logprobs = self._sampling.sample(logits)
-        return self._emit(0, tokens, logprobs, self._sampling.alternatives(logits))
+        return self._emit(0, tokens, logprobs, self._sampling.alternatives)
 
     def release(self, seq_ids: Iterable[str]) -> None:
         """The sequences leave the batch; each is replaced by the current last row."""
@@ -351,11 +351,10 @@ class Engine:
                 seq.sampling, seq.prompt_ids, seq.logprobs, seq.banned, seq.banned_for, seq.top_logprobs
             )
         tokens, logprobs = group.sample(logits)
-        top = group.alternatives(logits)
         self._sampling.extend(group)
         self._ids.extend(s.seq_id for s in new)
         self._lengths[n : n + len(new)] = lens
-        return self._emit(n, tokens, logprobs, top)
+        return self._emit(n, tokens, logprobs, group.alternatives)
 
     def _run(
         self,

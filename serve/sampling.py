@@ -348,6 +348,7 @@ class _Layout:
     scored: np.ndarray  # row indices whose chosen token's logprob is wanted
     listed: np.ndarray  # row indices that want the most likely tokens too
     listed_k: np.ndarray  # how many each, in the same order
+    reported: np.ndarray  # scored or listed: their log-softmax normalizer is computed once
 
     @property
     def plain(self) -> bool:
@@ -360,6 +361,8 @@ class _Layout:
         temperature = np.array([p.temperature for p in params], dtype=np.float32)
         penalty = np.array([p.repetition_penalty for p in params], dtype=np.float32)
         openai = np.array([_penalizes_openai(p) for p in params], dtype=bool)
+        scored = np.flatnonzero([row.logprobs for row in rows])
+        listed = np.flatnonzero([row.top_logprobs > 0 for row in rows])
         return cls(
             temperature=temperature,
             top_k=np.array([p.top_k for p in params], dtype=np.int64),
@@ -376,10 +379,29 @@ class _Layout:
             banning=np.flatnonzero([row.banned_for > 0 and row.banned.size > 0 for row in rows]),
             biased=np.flatnonzero([len(p.logit_bias) > 0 for p in params]),
             generators=[row.rng for row in rows if row.rng is not None],
-            scored=np.flatnonzero([row.logprobs for row in rows]),
-            listed=np.flatnonzero([row.top_logprobs > 0 for row in rows]),
+            scored=scored,
+            listed=listed,
             listed_k=np.array([row.top_logprobs for row in rows if row.top_logprobs > 0], dtype=np.int64),
+            reported=np.union1d(scored, listed),
         )
+
+
+def _most_likely(
+    block: np.ndarray, row_max: np.ndarray, log_sum: np.ndarray, layout: _Layout
+) -> dict[int, Alternatives]:
+    """The `layout.listed_k` largest logits of each listed row of `block`, high to low, as logprobs computed
+    as the chosen token's are ((logit - row max) - log sum), so a greedy row's first alternative is its token
+    with the same logprob."""
+    k = min(int(layout.listed_k.max()), block.shape[1])
+    ids = np.argpartition(block, block.shape[1] - k, axis=1)[:, -k:]
+    values = np.take_along_axis(block, ids, axis=1)
+    order = np.argsort(-values, axis=1)
+    ids, values = np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
+    logprobs = ((values - row_max) - log_sum[:, None]).astype(np.float32)
+    return {
+        row: Alternatives(ids[j, :n].tolist(), logprobs[j, :n].tolist())
+        for j, (row, n) in enumerate(zip(layout.listed.tolist(), layout.listed_k.tolist(), strict=True))
+    }
 
 
 class SamplingBatch:
@@ -389,6 +411,7 @@ class SamplingBatch:
         self._rows: list[_Row] = []
         self._layout: _Layout | None = None  # rebuilt lazily: several rows often join before a step
         self._scratch = np.empty((0, 0), dtype=np.float32)
+        self._alternatives: dict[int, Alternatives] = {}  # of the last `sample` call
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -456,30 +479,16 @@ class SamplingBatch:
         layout = self._layout
         tokens = logits.argmax(axis=1) if layout.plain else self._choose(logits, layout)
         logprobs = np.full(len(tokens), np.nan, dtype=np.float32)
-        if layout.scored.size:
-            logprobs[layout.scored] = self._logprobs(logits[layout.scored], tokens[layout.scored])
+        self._alternatives = {}
+        if layout.reported.size:
+            self._report(logits, tokens, layout, logprobs)
         return tokens, logprobs
 
-    def alternatives(self, logits: np.ndarray) -> dict[int, Alternatives]:
-        """For the rows appended with `top_logprobs`, by row index: that many most likely tokens of `logits`
-        (the step just sampled) under the raw distribution. Empty, at no cost, when no row asks."""
-        if self._layout is None:
-            self._layout = _Layout.of(self._rows)
-        rows, wanted = self._layout.listed, self._layout.listed_k
-        if rows.size == 0:
-            return {}
-        block = np.asarray(logits, dtype=np.float32)[rows]
-        k = min(int(wanted.max()), block.shape[1])
-        ids = np.argpartition(block, block.shape[1] - k, axis=1)[:, -k:]
-        values = np.take_along_axis(block, ids, axis=1)
-        order = np.argsort(-values, axis=1)
-        ids, values = np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
-        row_max = block.max(axis=1, keepdims=True)
-        logprobs = values - (row_max + np.log(np.exp(block - row_max).sum(axis=1, keepdims=True)))
-        return {
-            int(row): Alternatives(ids[j, :n].tolist(), logprobs[j, :n].tolist())
-            for j, (row, n) in enumerate(zip(rows.tolist(), wanted.tolist(), strict=True))
-        }
+    @property
+    def alternatives(self) -> dict[int, Alternatives]:
+        """Of the step `sample` last chose, for the rows appended with `top_logprobs`, by row index: that many
+        most likely tokens under the raw distribution. Empty when no row asks."""
+        return self._alternatives
 
     def _choose(self, logits: np.ndarray, layout: _Layout) -> np.ndarray:
         work = logits
@@ -521,14 +530,23 @@ class SamplingBatch:
                 raise ValueError(f"row {i} has prompt token id {largest} outside the vocabulary of {vocab}")
         return [row.history.ids for row in self._rows]
 
-    def _logprobs(self, logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """log_softmax(logits)[row, token], in a reused buffer (a fresh [n, vocab] one costs page faults)."""
-        n, vocab = logits.shape
+    def _report(self, logits: np.ndarray, tokens: np.ndarray, layout: _Layout, logprobs: np.ndarray) -> None:
+        """The chosen tokens' logprobs (into `logprobs`) and the alternatives, from one log-softmax normalizer
+        per row, in a reused buffer (a fresh [n, vocab] one costs page faults)."""
+        rows = layout.reported
+        block = logits[rows]
+        n, vocab = block.shape
         if self._scratch.shape[0] < n or self._scratch.shape[1] != vocab:
             self._scratch = np.empty((max(n, self._scratch.shape[0]), vocab), dtype=np.float32)
         shifted = self._scratch[:n]
-        row_max = logits.max(axis=1, keepdims=True)
-        np.subtract(logits, row_max, out=shifted)
-        chosen = np.take_along_axis(shifted, tokens[:, None], axis=1)[:, 0]
+        row_max = block.max(axis=1, keepdims=True)
+        np.subtract(block, row_max, out=shifted)
+        chosen = np.take_along_axis(shifted, tokens[rows][:, None], axis=1)[:, 0]
         np.exp(shifted, out=shifted)
-        return (chosen - np.log(shifted.sum(axis=1))).astype(np.float32)
+        log_sum = np.log(shifted.sum(axis=1))
+        if layout.scored.size:
+            at = np.searchsorted(rows, layout.scored)
+            logprobs[layout.scored] = (chosen[at] - log_sum[at]).astype(np.float32)
+        if layout.listed.size:
+            at = np.searchsorted(rows, layout.listed)
+            self._alternatives = _most_likely(block[at], row_max[at], log_sum[at], layout)
