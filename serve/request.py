@@ -134,7 +134,7 @@ def validate_request(
         raise InvalidRequest(f"request {rid}: top_logprobs needs include_logprobs (as OpenAI's API does)")
     stops = request.stop_token_ids
     if stops and not 0 <= min(stops) <= max(stops) < vocab_size:
-        raise InvalidRequest(f"request {rid}: stop token ids must be in [0, {vocab_size - 1}]")
+        raise InvalidRequest(f"request {rid}: stop_token_ids must be in [0, {vocab_size - 1}]")
     biased = [token for token, _ in request.sampling.logit_bias]
     if biased and not 0 <= min(biased) <= max(biased) < vocab_size:
         raise InvalidRequest(f"request {rid}: logit_bias token ids must be in [0, {vocab_size - 1}]")

@@ -15,7 +15,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve.errors import InvalidRequest
 from serve.request import GenerationRequest
-from serve.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from serve.sampling import SamplingParams
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_TOKEN_IDS = 64  # a ban list, checked per step while min_new_tokens holds: keep it short
@@ -115,27 +115,11 @@ def stop_strings(stop: Sequence[str], limits: RequestLimits) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def stop_token_ids(ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
+def stop_token_ids(ids: Sequence[int]) -> tuple[int, ...]:
+    """Capped where the wire message is read; their range is checked by `validate_request`."""
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"{len(ids)} stop token ids given; at most {MAX_STOP_TOKEN_IDS} are allowed")
-    return tuple(token_ids(ids, vocab_size, "stop_token_ids"))
-
-
-def top_logprobs(request: pb.GenerateRequest) -> int:
-    if request.top_logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidRequest(f"top_logprobs = {request.top_logprobs}; allowed 0..{MAX_TOP_LOGPROBS}")
-    if request.top_logprobs and not request.include_logprobs:
-        raise InvalidRequest("top_logprobs needs include_logprobs = true (as OpenAI's API does)")
-    return request.top_logprobs
-
-
-def min_new_tokens(requested: int, max_new: int) -> int:
-    if requested > max_new:
-        raise InvalidRequest(
-            f"min_new_tokens = {requested} is above max_new_tokens ({max_new} for this request): "
-            f"allowed 0..{max_new}"
-        )
-    return requested
+    return tuple(ids)
 
 
 def truncated(prompt: list[int], keep: int, limits: RequestLimits) -> list[int]:
@@ -184,7 +168,10 @@ def generation_request(
     deadline: float | None,
     stream: bool = True,
 ) -> GenerationRequest:
-    """The scheduler's request for an already tokenized prompt; raises InvalidRequest on any bad value."""
+    """The scheduler's request for an already tokenized prompt; raises InvalidRequest on a bad value of the
+    wire message. What relates fields to each other or to the model (min_new_tokens <= max_new_tokens,
+    top_logprobs, token id ranges) is checked once for every caller by `serve.request.validate_request`,
+    which `Scheduler.submit` runs."""
     stopping = request.stopping
     prompt = truncated(prompt, request.truncate_prompt_tokens, limits)
     most = max_new_tokens(stopping.max_new_tokens, len(prompt), limits)
@@ -198,8 +185,8 @@ def generation_request(
         include_logprobs=request.include_logprobs,
         deadline=deadline,
         stream=stream,
-        stop_token_ids=stop_token_ids(stopping.stop_token_ids, limits.vocab_size),
-        min_new_tokens=min_new_tokens(stopping.min_new_tokens, most),
-        top_logprobs=top_logprobs(request),
+        stop_token_ids=stop_token_ids(stopping.stop_token_ids),
+        min_new_tokens=stopping.min_new_tokens,
+        top_logprobs=request.top_logprobs,
         include_stop_str_in_output=stopping.include_stop_str_in_output,
     )

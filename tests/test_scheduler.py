@@ -235,7 +235,7 @@ def test_the_engine_is_told_to_ban_eos_and_stop_tokens_until_min_new_tokens(toke
     biased = GenerationRequest("m", prompt_of(3), SamplingParams(logit_bias=((100, 1.0),)), 8)
     with pytest.raises(InvalidRequest, match=r"logit_bias token ids must be in \[0, 99\]"):
         validate_request(biased, 100, 100)
-    with pytest.raises(InvalidRequest, match=r"stop token ids must be in \[0, 99\]"):
+    with pytest.raises(InvalidRequest, match=r"stop_token_ids must be in \[0, 99\]"):
         validate_request(request("m", prompt_of(3), 8, stop_token_ids=(100,)), 100, 100)
 
 

@@ -248,16 +248,18 @@ INVALID = [
     (_stopping(stop=["a", "b", "c"]), "3 stop strings given; at most 2 are allowed"),
     (_stopping(stop=["x" * 65]), "stop[0] has 65 characters; allowed 1..64"),
     (_sampling(min_p=2), "min_p must be in [0, 1] (0 = off), got 2"),
-    (pb.GenerateRequest(text=PROMPT, top_logprobs=2), "top_logprobs needs include_logprobs = true"),
+    (pb.GenerateRequest(text=PROMPT, top_logprobs=2), "top_logprobs needs include_logprobs (as OpenAI's"),
     (_sampling(logit_bias={3: 150.0}), "logit_bias[3] must be in [-100, 100], got 150"),
     (_sampling(logit_bias={10**6: 1.0}), "logit_bias token ids must be in [0, "),
     (
         pb.GenerateRequest(text=PROMPT, include_logprobs=True, top_logprobs=21),
-        "top_logprobs = 21; allowed 0..20",
+        "top_logprobs is 21; allowed 0..20",
     ),
     (_sampling(presence_penalty=5), "presence_penalty must be in [-2, 2] (0 = off), got 5"),
-    (_stopping(stop_token_ids=[10**6]), "stop_token_ids[0] = 1000000 is outside the vocabulary"),
-    (_stopping(max_new_tokens=4, min_new_tokens=5), "min_new_tokens = 5 is above max_new_tokens (4 for"),
+    (_stopping(stop_token_ids=[10**6]), "stop_token_ids must be in [0, "),
+    (_stopping(max_new_tokens=4, min_new_tokens=5), "min_new_tokens is 5; allowed 0..4 (max_new_tokens)"),
+    # Against the default that max_new_tokens = 0 asks for (8 on this server), not against 0.
+    (_stopping(min_new_tokens=9), "min_new_tokens is 9; allowed 0..8 (max_new_tokens)"),
     (pb.GenerateRequest(text=PROMPT, request_id="r" * 200), "request_id has 200 characters; at most 128"),
 ]
 
