@@ -27,7 +27,7 @@ from serve.bundle import Bundle, load_bundle
 from serve.config import ConfigError, ServerSettings, load_settings
 from serve.engine import Engine, EngineSettings
 from serve.errors import TextgenError, grpc_status
-from serve.request import Completion, Event, FinishEvent, GenerationRequest, RequestTracker
+from serve.request import Completion, Event, FinishEvent, GenerationRequest, RequestTracker, validate_request
 from serve.runtime import SessionConfig
 from serve.scheduler import Scheduler, SchedulerLimits
 from serve.server import finish_reason, request_limits, top_logprobs, warm_up
@@ -70,9 +70,11 @@ class NaiveService(pb_grpc.TextGenerationServicer):
         encode = self._engine.tokenizer.encode
         prompt = prompt_ids(message, lambda text: encode(text).ids, self._limits.vocab_size)
         # No deadline: the naive server does not check them (the client's own timeout still ends the call).
-        return generation_request(
+        request = generation_request(
             message, request_id=request_id, prompt=prompt, limits=self._limits, deadline=None
         )
+        validate_request(request, self._engine.vocab_size, self._engine.capacity)  # as Scheduler.track does
+        return request
 
     def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext

@@ -9,6 +9,7 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread
@@ -30,6 +31,8 @@ from bench.loadgen import (
     summarize,
     synthetic_ids,
 )
+from serve._proto.textgen.v1 import textgen_pb2 as pb
+from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.config import ServerSettings
 
 # --- statistics on hand-made records ---------------------------------------------------------------------
@@ -310,3 +313,13 @@ def test_naive_server_serves_one_request_at_a_time(naive_target: str, tmp_path: 
     windows = sorted((r["start"] + r["ttft"], r["start"] + r["ttft"] + sum(r["itl"])) for r in records)
     for (first, previous_last), (next_first, _) in itertools.pairwise(windows):
         assert next_first >= previous_last - min(0.001, (previous_last - first) / 4)
+
+
+def test_naive_server_refuses_what_the_scheduler_refuses(naive_target: str) -> None:
+    with grpc.insecure_channel(naive_target) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        bad = pb.GenerateRequest(text="x", stopping=pb.StoppingCriteria(max_new_tokens=2, min_new_tokens=3))
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Generate(bad, timeout=30)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "min_new_tokens is 3; allowed 0..2" in error.value.details()
