@@ -622,7 +622,7 @@ class BenchmarkOutput:
     def steps_json(self) -> dict[str, float] | None:
         if self.steps is None:
             return None
-        derived = ("decode_ms", "prefill_ms", "decode_rows", "prefill_rows", "busy", "between_ms")
+        derived = [name for name, value in vars(EngineSteps).items() if isinstance(value, property)]
         return asdict(self.steps) | {name: getattr(self.steps, name) for name in derived}
 
     def to_json(self) -> dict[str, object]:
