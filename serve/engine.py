@@ -28,6 +28,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from serve.errors import BundleError
+from serve.prefix_cache import PrefixCache
 from serve.runtime import (
     Device,
     SessionConfig,
@@ -69,6 +70,9 @@ class EngineSettings:
     max_batch_size: int = 16
     capacity: int | None = None  # tokens per slot; default: the model's context length
     session: SessionConfig = field(default_factory=SessionConfig)
+    # Extra KV rows that keep finished sequences for prompts that start the same way (serve/prefix_cache.py).
+    prefix_cache_rows: int = 0
+    prefix_cache_min_tokens: int = 16  # the shortest prefix kept or reused
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,8 @@ class Engine:
     ) -> None:
         if settings.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {settings.max_batch_size}")
+        if settings.prefix_cache_rows < 0:
+            raise ValueError(f"prefix_cache_rows must be >= 0, got {settings.prefix_cache_rows}")
         capacity = settings.capacity or spec.context_length
         if not 2 <= capacity <= spec.context_length:
             raise ValueError(
@@ -129,7 +135,8 @@ class Engine:
         self.session = create_session(graph_path, settings.session)
         self.providers: list[str] = self.session.get_providers()
         self.kv_device: Device = kv_device(self.providers, session_device_id(self.session))
-        shape = (settings.max_batch_size, spec.n_heads, capacity, spec.head_dim)
+        rows = settings.max_batch_size + settings.prefix_cache_rows
+        shape = (rows, spec.n_heads, capacity, spec.head_dim)
         self._row_shape = shape[1:]
         # The graph decides the precision (an fp16 bundle has fp16 caches and logits).
         types = {
@@ -147,6 +154,10 @@ class Engine:
         )
         self._lengths = np.zeros(settings.max_batch_size, np.int64)  # tokens in each row's cache
         self._pending = np.zeros(settings.max_batch_size, np.int64)  # sampled, not yet in the cache
+        self._tokens = np.zeros((settings.max_batch_size, capacity), np.int64)  # each row's cached token ids
+        self._row_index = np.arange(settings.max_batch_size)
+        self._prefix = PrefixCache(range(settings.max_batch_size, rows), settings.prefix_cache_min_tokens)
+        self._untrusted: set[str] = set()  # running when a step failed: their rows are not kept
         self._ids: list[str] = []
         self._staged: _Staged | None = None
         self._sampling = SamplingBatch()
@@ -230,12 +241,20 @@ class Engine:
         """Prompt tokens the staged sequence already has in its cache (0 when none is staged)."""
         return 0 if self._staged is None else self._staged.done
 
+    def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """How many of this prompt's tokens a prefill now would copy from the prefix cache (0: none)."""
+        return _reusable(self._prefix.match(prompt_ids))
+
     def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]:
         """Run the prompts of `new` as one right-padded group; they join the batch. Returns first tokens.
 
-        With `chunk` > 0, one sequence whose prompt is longer than `chunk` is prefilled `chunk` tokens at a
-        time instead: this call runs the first piece and returns nothing; `continue_prefill` runs the others
-        (decode steps of the running batch may come in between) and the last one returns its first token.
+        A prompt that begins with a prefix the prefix cache keeps (`cached_tokens`) starts from a copy of
+        that row instead and runs only the rest, alone (a piece over a cached prefix is one row: see below).
+
+        With `chunk` > 0, one sequence whose prompt (the part not cached) is longer than `chunk` is
+        prefilled `chunk` tokens at a time instead: this call runs the first piece and returns nothing;
+        `continue_prefill` runs the others (decode steps of the running batch may come in between) and the
+        last one returns its first token.
         """
         n, k = self.batch_size, len(new)
         if not new:
@@ -254,24 +273,28 @@ class Engine:
             if seq.seq_id in known:
                 raise ValueError(f"sequence {seq.seq_id} is already running")
             known.add(seq.seq_id)
+        hits = [self._prefix.match(seq.prompt_ids) for seq in new]
         # One sequence only: GroupQueryAttention (ONNX Runtime 1.32) refuses a piece over a cached prefix for
         # more than one row ("batch_size must be 1 when sequence_length > 1 and past context is given").
-        if chunk > 0 and k == 1 and len(new[0].prompt_ids) > chunk:
+        if chunk > 0 and k == 1 and len(new[0].prompt_ids) - _reusable(hits[0]) > chunk:
             self._staged = _Staged(new[0], chunk)
             try:
+                self._staged.done = self._reuse(hits[0], n, new[0])
                 self._prefill_piece()
             except Exception:
                 self._staged = None
                 raise
             return []
-        lens = np.array([len(s.prompt_ids) for s in new], np.int64)
-        width = int(lens.max())
-        ids = np.full((k, width), self.spec.pad_token_id, np.int64)
-        for row, seq in enumerate(new):
-            ids[row, : lens[row]] = seq.prompt_ids
-        positions = np.broadcast_to(np.arange(width, dtype=np.int64), (k, width))
-        logits = self._run(slice(n, n + k), ids, positions, lens - 1, width, lens - 1)
-        return self._join(new, logits, lens)
+        misses = [seq for seq, hit in zip(new, hits, strict=True) if hit is None]
+        parts = [self._prefill_group(n, misses)] if misses else []
+        reused = [(seq, hit) for seq, hit in zip(new, hits, strict=True) if hit is not None]
+        for row, (seq, hit) in enumerate(reused, start=n + len(misses)):
+            if parts:  # every run writes the same logits buffer
+                parts[-1] = parts[-1].copy()
+            parts.append(self._prefill_rows(row, seq.prompt_ids, self._reuse(hit, row, seq)))
+        ordered = [*misses, *(seq for seq, _ in reused)]
+        self.last_logits = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return self._join(ordered, self.last_logits, np.array([len(s.prompt_ids) for s in ordered]))
 
     def continue_prefill(self) -> list[TokenOut]:
         """The next piece of the chunked prefill; the last piece joins the sequence and returns its token."""
@@ -303,12 +326,14 @@ class Engine:
             int(lengths.max()) + 1,
             np.zeros(n, np.int64),
         )
+        self._tokens[self._row_index[:n], lengths] = self._pending[:n]
         self._lengths[:n] += 1
         tokens, logprobs = self._sampling.sample(logits)
         return self._emit(0, tokens, logprobs, self._sampling.alternatives)
 
     def release(self, seq_ids: Iterable[str]) -> None:
-        """The sequences leave the batch; each is replaced by the current last row."""
+        """The sequences leave the batch; each is replaced by the current last row. The prefix cache may
+        keep a copy of the leaving row first."""
         for seq_id in seq_ids:
             if seq_id == self.staged_id:
                 self._staged = None  # its row is simply free again
@@ -317,30 +342,61 @@ class Engine:
                 row = self._ids.index(seq_id)
             except ValueError:
                 continue  # already gone: release is idempotent
+            self._keep(row)
             last = len(self._ids) - 1
             if row != last:
-                self._copy_row(last, row)
-                self._lengths[row] = self._lengths[last]
+                self._move_row(last, row)
                 self._pending[row] = self._pending[last]
                 self._ids[row] = self._ids[last]
             self._ids.pop()
             self._sampling.remove(row)
             if self._staged is not None:  # keep the staged row right after the running ones
-                self._copy_row(last + 1, last)
+                self._move_row(last + 1, last)
 
     # -- internals ---------------------------------------------------------------------------------------
+    def _prefill_group(self, first_row: int, new: Sequence[NewSequence]) -> np.ndarray:
+        """Prefill whole prompts as one right-padded group in rows [first_row, first_row + len(new))."""
+        k = len(new)
+        lens = np.array([len(s.prompt_ids) for s in new], np.int64)
+        width = int(lens.max())
+        ids = np.full((k, width), self.spec.pad_token_id, np.int64)
+        for row, seq in enumerate(new):
+            ids[row, : lens[row]] = seq.prompt_ids
+        self._tokens[first_row : first_row + k, :width] = ids
+        positions = np.broadcast_to(np.arange(width, dtype=np.int64), (k, width))
+        return self._run(slice(first_row, first_row + k), ids, positions, lens - 1, width, lens - 1)
+
+    def _reuse(self, hit: tuple[int, int] | None, row: int, seq: NewSequence) -> int:
+        """Copy a prefix cache hit's row into `row`; returns how many prompt tokens it holds (0: no hit)."""
+        if hit is None:
+            return 0
+        source, reused = hit
+        self._copy_row(source, row)
+        self._prefix.use(source)
+        self._tokens[row, :reused] = seq.prompt_ids[:reused]
+        return reused
+
     def _prefill_piece(self) -> np.ndarray:
         """Append the staged sequence's next `chunk` prompt tokens to its row's cache; returns its logits."""
         assert self._staged is not None
-        staged, row = self._staged, self.batch_size
-        start = staged.done
-        piece = np.asarray(staged.seq.prompt_ids[start : start + staged.chunk], np.int64)[None]
-        end = start + piece.shape[1]
-        positions = np.arange(start, end, dtype=np.int64)[None]
-        seqlens = np.array([end - 1], np.int64)
-        logits = self._run(slice(row, row + 1), piece, positions, seqlens, end, np.array([end - start - 1]))
+        staged = self._staged
+        end = min(staged.done + staged.chunk, len(staged.seq.prompt_ids))
+        logits = self._prefill_rows(self.batch_size, staged.seq.prompt_ids, staged.done, end)
         staged.done = end
         return logits
+
+    def _prefill_rows(
+        self, row: int, prompt_ids: Sequence[int], start: int, end: int | None = None
+    ) -> np.ndarray:
+        """Append prompt tokens [start, end) to one row whose cache holds the first `start`; its logits."""
+        end = len(prompt_ids) if end is None else end
+        piece = np.asarray(prompt_ids[start:end], np.int64)
+        self._tokens[row, start:end] = piece
+        positions = np.arange(start, end, dtype=np.int64)[None]
+        seqlens = np.array([end - 1], np.int64)
+        return self._run(
+            slice(row, row + 1), piece[None], positions, seqlens, end, np.array([end - start - 1])
+        )
 
     def _join(self, new: Sequence[NewSequence], logits: np.ndarray, lens: np.ndarray) -> list[TokenOut]:
         """The prefilled rows after the running ones join the batch with their first sampled tokens."""
@@ -376,9 +432,32 @@ class Engine:
         for name, array in inputs.items():  # `inputs` keeps the arrays alive until the run is over
             binding.bind_cpu_input(name, array)
         logits = self._logits[: rows.stop - rows.start]
-        self.session.run_with_iobinding(binding)
+        try:
+            self.session.run_with_iobinding(binding)
+        except Exception:  # it may have written part of any row it was given: do not keep those
+            self._untrusted.update(self._ids[rows])
+            raise
         self.last_logits = logits
         return logits
+
+    def _keep(self, row: int) -> None:
+        """Offer a leaving row to the prefix cache, unless a failed step may have left it half written."""
+        seq_id = self._ids[row]
+        if seq_id in self._untrusted:
+            self._untrusted.discard(seq_id)
+            return
+        target = self._prefix.store(self._tokens[row, : self._lengths[row]])
+        if target is not None:
+            try:
+                self._copy_row(row, target)
+            except Exception:  # the row now holds neither its old tokens nor the new ones
+                self._prefix.clear()
+                raise
+
+    def _move_row(self, src: int, dst: int) -> None:
+        self._copy_row(src, dst)
+        self._lengths[dst] = self._lengths[src]
+        self._tokens[dst] = self._tokens[src]
 
     def _binding(self, rows: slice) -> Any:
         """The IOBinding of a row range, with its KV rows and logits output bound once and reused."""
@@ -422,3 +501,7 @@ class Engine:
         if not top:
             return [TokenOut(seq_id, t, lp) for seq_id, t, lp in rows]
         return [TokenOut(seq_id, t, lp, top.get(i)) for i, (seq_id, t, lp) in enumerate(rows)]
+
+
+def _reusable(hit: tuple[int, int] | None) -> int:
+    return 0 if hit is None else hit[1]

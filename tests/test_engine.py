@@ -28,13 +28,20 @@ PROMPTS = [
 ]
 
 
-def make_engine(model: Decoder, tokenizer: object, tmp: Path, max_batch_size: int = 16) -> Engine:
+def make_engine(
+    model: Decoder, tokenizer: object, tmp: Path, max_batch_size: int = 16, prefix_cache_rows: int = 0
+) -> Engine:
     cfg = model.cfg
     path = tmp / "serving.onnx"
     if not path.exists():
         onnx.save(build_inplace_graph(model), str(path))
     spec = ModelSpec(cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.vocab_size, cfg.context_length, 0, 1)
-    settings = EngineSettings(max_batch_size=max_batch_size, session=SessionConfig(threads=2, spinning=False))
+    settings = EngineSettings(
+        max_batch_size=max_batch_size,
+        session=SessionConfig(threads=2, spinning=False),
+        prefix_cache_rows=prefix_cache_rows,
+        prefix_cache_min_tokens=4,
+    )
     return Engine(str(path), tokenizer, spec, settings)  # type: ignore[arg-type]
 
 
@@ -42,6 +49,13 @@ def make_engine(model: Decoder, tokenizer: object, tmp: Path, max_batch_size: in
 def demo(demo_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Decoder, Engine]:
     ckpt = load_checkpoint(demo_checkpoint)
     return ckpt.model, make_engine(ckpt.model, ckpt.tokenizer, tmp_path_factory.mktemp("demo_engine"))
+
+
+@pytest.fixture()
+def cached(demo: tuple[Decoder, Engine], tmp_path: Path) -> Engine:
+    """The demo model with a three-row prefix cache (fresh for each test: the cache is state)."""
+    model, engine = demo
+    return make_engine(model, engine.tokenizer, tmp_path, max_batch_size=8, prefix_cache_rows=3)
 
 
 def torch_greedy(model: Decoder, prompt: list[int], n: int) -> list[int]:
@@ -343,3 +357,121 @@ def test_chunked_prefill_equals_whole_and_lets_the_batch_decode_in_between(
     assert out["0"] == alone[0][: len(out["0"])]
     with pytest.raises(RuntimeError):
         engine.continue_prefill()
+
+
+def prefill_sizes(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Record (rows, tokens per row) of every graph run from now on."""
+    runs: list[tuple[int, int]] = []
+    real = engine._run
+
+    def spy(rows: slice, input_ids: np.ndarray, *args: object) -> np.ndarray:
+        runs.append(input_ids.shape)
+        return real(rows, input_ids, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "_run", spy)
+    return runs
+
+
+def test_prefix_cache_reuses_a_finished_turn_with_the_same_tokens(
+    demo: tuple[Decoder, Engine], cached: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, reference = demo
+    first = encode(cached, PROMPTS[2])
+    answer = run_alone(cached, first, 20)  # leaves: its prompt and answer (but the last token) are kept
+    assert answer == run_alone(reference, first, 20)
+    follow_up = [*first, *answer, *encode(cached, "\n    def")]  # the next turn of a chat
+    kept = len(first) + len(answer) - 1
+    assert cached.cached_tokens(follow_up) == kept
+    runs = prefill_sizes(cached, monkeypatch)
+    assert run_alone(cached, follow_up, 24) == run_alone(reference, follow_up, 24)
+    assert runs[0] == (1, len(follow_up) - kept)  # only the part not kept was prefilled
+    # The same prompt again: everything but its last token is reused (the last one's logits choose).
+    assert cached.cached_tokens(first) == len(first) - 1
+    runs.clear()
+    assert run_alone(cached, first, 20) == answer
+    assert runs[0] == (1, 1)
+    # A prompt that shares only a beginning reuses that much; one that shares less than the minimum, nothing.
+    branch = [*first[:6], *encode(cached, " = []")]
+    assert cached.cached_tokens(branch) == 6 + _shared(first[6:], branch[6:])
+    assert run_alone(cached, branch, 16) == run_alone(reference, branch, 16)
+    assert cached.cached_tokens([*first[:3], 9, 9, 9, 9, 9]) == 0
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_prefix_cache_hits_join_a_group_and_a_chunked_prefill(
+    demo: tuple[Decoder, Engine], cached: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, reference = demo
+    system = encode(cached, PROMPTS[5] * 3)
+    run_alone(cached, system, 8)
+    tails = [encode(cached, text) for text in PROMPTS[:3]]
+    prompts = [tails[0], [*system, *tails[1]], tails[2]]  # a miss, a hit, a miss in one group
+    alone = [run_alone(reference, p, 12) for p in prompts]
+    runs = prefill_sizes(cached, monkeypatch)
+    out = staggered(cached, prompts, 12, {0: [0, 1, 2]})
+    assert out == dict(enumerate(alone))
+    # One padded run for the misses, one single-row run for the hit's own tokens.
+    assert runs[:2] == [(2, max(len(tails[0]), len(tails[2]))), (1, len(prompts[1]) - len(system))]
+    # Chunked: the pieces cover only what the cache does not hold.
+    long = [*system, *encode(cached, PROMPTS[3] * 2)]
+    expected = run_alone(reference, long, 10)
+    cached.prefill([NewSequence("r", tails[0], GREEDY)])
+    assert cached.prefill([NewSequence("c", long, GREEDY)], chunk=4) == []
+    assert cached.staged_done == len(system) + min(4, len(long) - len(system))
+    got: list[int] = []
+    while cached.staged_id is not None:
+        cached.decode()
+        got += [t.token_id for t in cached.continue_prefill()]
+    while len(got) < 10:
+        got += [t.token_id for t in cached.decode() if t.seq_id == "c"]
+    cached.release(cached.running_ids)
+    assert got == expected
+
+
+def test_prefix_cache_batch_invariance_with_a_shared_system_prompt(
+    demo: tuple[Decoder, Engine], cached: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, reference = demo
+    system = encode(cached, PROMPTS[0] + "):\n")
+    rng = np.random.default_rng(3)
+    prompts = [[*system, *encode(cached, PROMPTS[i % 6])[: 2 + int(rng.integers(0, 8))]] for i in range(8)]
+    alone = {i: run_alone(reference, p, 16) for i, p in enumerate(prompts)}
+    # In waves: later ones find earlier ones kept, and neighbours come and go around them.
+    waves = {0: [0, 1], 2: [2], 9: [3, 4], 17: [5], 20: [6, 7]}
+    reused: list[int] = []
+    monkeypatch.setattr(cached._prefix, "use", reused.append)  # called once for every hit
+    assert staggered(cached, prompts, 16, waves) == alone
+    assert len(reused) == 3  # 5, 6 and 7 started from kept rows
+
+
+def test_prefix_cache_keeps_the_most_recent_and_nothing_a_failed_step_touched(
+    cached: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = [encode(cached, PROMPTS[i] * 2) for i in range(5)]
+    for prompt in prompts[:4]:  # four finished sequences, three rows: the first is given up
+        run_alone(cached, prompt, 4)
+    assert [cached.cached_tokens(p) > 0 for p in prompts[:4]] == [False, True, True, True]
+    run_alone(cached, prompts[1], 4)  # used again: now the most recent
+    run_alone(cached, prompts[4], 4)
+    assert [cached.cached_tokens(p) > 0 for p in prompts[1:5]] == [True, False, True, True]
+
+    cached.prefill([NewSequence("x", prompts[0], GREEDY)])
+    real = cached.session.run_with_iobinding
+
+    def fail(binding: object) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(cached.session, "run_with_iobinding", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        cached.decode()
+    monkeypatch.setattr(cached.session, "run_with_iobinding", real)
+    cached.release(["x"])
+    assert cached.cached_tokens(prompts[0]) == 0  # its row may be half written: not kept
+    run_alone(cached, prompts[0], 4)
+    assert cached.cached_tokens(prompts[0]) == len(prompts[0]) - 1  # the next one is kept again

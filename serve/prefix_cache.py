@@ -1,0 +1,98 @@
+"""Which finished sequences' keys and values the engine keeps, and which one a new prompt can start from.
+
+The engine's KV buffers have a few rows beyond the running batch's. When a sequence leaves, the engine may
+copy its row there (`store` says where); a later prompt that begins with the same tokens (a shared system
+prompt, the next turn of a chat: prompt + answer + new message) copies that row into its own and prefills
+only the rest (`match`). This module holds only the bookkeeping: which token ids each kept row holds, and
+which row to give up (least recently stored or matched). It never touches the buffers.
+
+A row is worth keeping or reusing only from `min_tokens` tokens up: copying a row costs about as much as
+prefilling a few tokens, and a reused prefix is prefilled alone rather than with the rest of its group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class _Kept:
+    row: int  # the engine's KV row that holds it
+    tokens: np.ndarray  # int64 token ids whose keys and values fill the row's first len(tokens) positions
+    used: int  # the cache's clock when last stored or matched
+
+
+class PrefixCache:
+    def __init__(self, rows: Sequence[int], min_tokens: int) -> None:
+        if min_tokens < 1:
+            raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
+        self.rows = tuple(rows)
+        self.min_tokens = min_tokens
+        self._kept: list[_Kept] = []
+        self._clock = 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def match(self, prompt_ids: Sequence[int]) -> tuple[int, int] | None:
+        """The kept row sharing the longest prefix with `prompt_ids`, and how many of its tokens the prompt
+        can reuse (its last token is always left to prefill: its logits choose the first new token), or
+        None when no row offers `min_tokens`. Pure: `use` marks the row as used."""
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
+        best: tuple[int, int] | None = None
+        for kept in self._kept:
+            reusable = min(_common_prefix(kept.tokens, prompt), len(prompt) - 1)
+            if reusable >= self.min_tokens and (best is None or reusable > best[1]):
+                best = (kept.row, reusable)
+        return best
+
+    def use(self, row: int) -> None:
+        for kept in self._kept:
+            if kept.row == row:
+                kept.used = self._tick()
+
+    def store(self, tokens: np.ndarray) -> int | None:
+        """The row to copy a leaving sequence into, which then holds `tokens`; None: it is not worth a copy
+        (too short, or a kept row already holds these tokens and more). Replaces a kept row that `tokens`
+        extend (the previous turn of the same chat), else takes a free row, else the least recently used."""
+        if not self.rows or len(tokens) < self.min_tokens:
+            return None
+        extended: list[_Kept] = []
+        for kept in self._kept:
+            shared = _common_prefix(kept.tokens, tokens)
+            if shared == len(tokens):  # already kept, in full
+                kept.used = self._tick()
+                return None
+            if shared == len(kept.tokens):
+                extended.append(kept)
+        if extended:  # all of them hold less than `tokens` will: one row takes it, the others are free
+            target, dropped = extended[0], {id(kept) for kept in extended[1:]}
+            self._kept = [kept for kept in self._kept if id(kept) not in dropped]
+        else:
+            taken = {kept.row for kept in self._kept}
+            free = [row for row in self.rows if row not in taken]
+            if free:
+                target = _Kept(free[0], tokens, 0)
+                self._kept.append(target)
+            else:
+                target = min(self._kept, key=lambda kept: kept.used)
+        target.tokens = np.array(tokens, dtype=np.int64)
+        target.used = self._tick()
+        return target.row
+
+    def clear(self) -> None:
+        """Forget every kept row (their contents can no longer be trusted)."""
+        self._kept.clear()
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
