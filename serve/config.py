@@ -54,6 +54,16 @@ class ServerSettings(BaseSettings):
         None, ge=1, description="KV slots (including padding) for the running batch; default: all the cache"
     )
     max_prefill_tokens: int = Field(512, ge=1, description="padded prompt tokens prefilled per engine step")
+    prefix_cache_rows: int = Field(
+        4,
+        ge=0,
+        le=1024,
+        description="KV rows beyond max_batch_size that keep finished sequences, so a prompt that starts "
+        "the same way (a shared system prompt, a chat's next turn) prefills only the rest (0: off)",
+    )
+    prefix_cache_min_tokens: int = Field(
+        16, ge=1, description="the shortest shared prefix the prefix cache keeps or reuses"
+    )
     prefill_chunk_tokens: int = Field(
         0,
         ge=0,

@@ -71,6 +71,7 @@ class FinishEvent:
     finish_reason: str  # length | eos | stop | context
     prompt_tokens: int
     completion_tokens: int
+    cached_prompt_tokens: int  # of prompt_tokens, copied from the engine's prefix cache, not computed
     queue_seconds: float
     ttft_seconds: float
     total_seconds: float
@@ -173,6 +174,7 @@ class RequestTracker:
         self.times = RequestTimes(arrival=arrival)
         # Tokens the engine sampled for it, EOS included: its KV row holds prompt + produced after a decode.
         self.produced = 0
+        self.cached_tokens = 0  # prompt tokens its prefill copied from the prefix cache (set at admission)
         self.completion_tokens = 0  # tokens handed to the client (EOS excluded)
         self.cancel_requested = False
         self._eos = eos_token_id
@@ -232,10 +234,12 @@ class RequestTracker:
     def expired(self, now: float) -> bool:
         return self.request.deadline is not None and now >= self.request.deadline
 
-    def admit(self, now: float) -> float:
-        """Move to PREFILLING; returns the seconds it waited in the queue."""
+    def admit(self, now: float, cached_tokens: int = 0) -> float:
+        """Move to PREFILLING, its prefill starting from `cached_tokens` prompt tokens the engine keeps;
+        returns the seconds it waited in the queue."""
         self._move(RequestState.PREFILLING)
         self.times.admitted = now
+        self.cached_tokens = cached_tokens
         return now - self.times.arrival
 
     def end(self, state: RequestState, now: float) -> None:
@@ -308,6 +312,7 @@ class RequestTracker:
             finish_reason=reason,
             prompt_tokens=self.prompt_len,
             completion_tokens=self.completion_tokens,
+            cached_prompt_tokens=self.cached_tokens,
             queue_seconds=_since(self.times.admitted, self.times.arrival),
             ttft_seconds=_since(self.times.first_token, self.times.arrival),
             total_seconds=now - self.times.arrival,

@@ -75,6 +75,7 @@ class BatchEngine(Protocol):
     def eos_token_id(self) -> int: ...
     @property
     def tokenizer(self) -> tokenizers.Tokenizer: ...
+    def cached_tokens(self, prompt_ids: Sequence[int]) -> int: ...
     def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]: ...
     def continue_prefill(self) -> list[TokenOut]: ...
     @property
@@ -365,11 +366,11 @@ class BatchRunner:
     def _prefill(self, group: list[RequestTracker], deliveries: list[Delivery]) -> None:
         now = time.monotonic()
         for tracker in group:
-            queued = tracker.admit(now)
+            queued = tracker.admit(now, self.engine.cached_tokens(tracker.request.prompt_ids))
             self._running[tracker.request_id] = tracker
             if self._metrics is not None:
                 self._metrics.on_admitted(queued)
-        lengths = [t.prompt_len for t in group]
+        lengths = [t.prompt_len - t.cached_tokens for t in group]  # what the engine computes
         new = [t.new_sequence() for t in group]
         # In pieces only while others decode: nobody is stalled when nothing else runs.
         chunk = self.limits.prefill_chunk_tokens if len(self._running) > len(group) else 0
@@ -451,7 +452,12 @@ class BatchRunner:
     def _on_finished(self, finish: FinishEvent) -> None:
         self.count("finished")
         if self._metrics is not None:
-            self._metrics.on_finished(finish.finish_reason, finish.prompt_tokens, finish.completion_tokens)
+            self._metrics.on_finished(
+                finish.finish_reason,
+                finish.prompt_tokens,
+                finish.completion_tokens,
+                finish.cached_prompt_tokens,
+            )
 
     def _fail(self, trackers: list[RequestTracker], reason: str, exc: Exception, out: list[Delivery]) -> None:
         def error(tracker: RequestTracker) -> TextgenError:

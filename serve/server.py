@@ -82,7 +82,11 @@ def top_logprobs(alternatives: list[Alternatives]) -> list[pb.TopLogprobs]:
 
 
 def usage(finish: FinishEvent) -> pb.Usage:
-    return pb.Usage(prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens)
+    return pb.Usage(
+        prompt_tokens=finish.prompt_tokens,
+        completion_tokens=finish.completion_tokens,
+        cached_prompt_tokens=finish.cached_prompt_tokens,
+    )
 
 
 # --- the loaded model ---------------------------------------------------------------------------------------
@@ -128,7 +132,12 @@ async def load_model(settings: ServerSettings, metrics: Metrics | None) -> Loade
     session = SessionConfig(
         providers=tuple(settings.providers or ()), threads=settings.threads or 0, spinning=settings.spinning
     )
-    engine_settings = EngineSettings(max_batch_size=settings.max_batch_size, session=session)
+    engine_settings = EngineSettings(
+        max_batch_size=settings.max_batch_size,
+        session=session,
+        prefix_cache_rows=settings.prefix_cache_rows,
+        prefix_cache_min_tokens=settings.prefix_cache_min_tokens,
+    )
     engine = await asyncio.to_thread(Engine.from_bundle, bundle, engine_settings)
     try:
         await asyncio.to_thread(warm_up, engine)
@@ -177,6 +186,7 @@ class CallRecord:
             out.update(
                 finish_reason=self.finish.finish_reason,
                 prompt_tokens=self.finish.prompt_tokens,
+                cached_prompt_tokens=self.finish.cached_prompt_tokens,
                 completion_tokens=self.finish.completion_tokens,
                 queue_s=round(self.finish.queue_seconds, 6),
                 ttft_s=round(self.finish.ttft_seconds, 6),

@@ -33,6 +33,7 @@ class FakeEngine:
         max_batch_size: int = 4,
         capacity: int = 64,
         eos_after: int | None = None,
+        keeps_prefixes: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -46,6 +47,8 @@ class FakeEngine:
         self._context: dict[str, list[int]] = {}
         self._generated: dict[str, int] = {}
         self._staged: tuple[NewSequence, int, int] | None = None  # (sequence, chunk, prompt tokens done)
+        # A prefix cache in bookkeeping only: tokens are a function of the context, wherever its KV came from.
+        self._kept: list[list[int]] | None = [] if keeps_prefixes else None
 
     @property
     def batch_size(self) -> int:
@@ -62,6 +65,11 @@ class FakeEngine:
         if self.eos_after is not None and generated + 1 == self.eos_after:
             return self.eos_token_id
         return self._alphabet[(sum(context) * 31 + len(context)) % len(self._alphabet)]
+
+    def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """The longest prefix a finished sequence's context shares with the prompt, all but its last token."""
+        shared = [shared_prefix(kept, prompt_ids) for kept in self._kept or []]
+        return min(max(shared, default=0), len(prompt_ids) - 1)
 
     def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]:
         if self._staged is not None:
@@ -111,6 +119,8 @@ class FakeEngine:
             if self._staged is not None and self._staged[0].seq_id == seq_id:
                 self._staged = None
             if seq_id in self._context:
+                if self._kept is not None:
+                    self._kept.append(self._context[seq_id][:-1])  # the last token never ran
                 row = self._ids.index(seq_id)
                 self._ids[row] = self._ids[-1]
                 self._ids.pop()
@@ -173,6 +183,9 @@ class Instrumented:
         """The tokens a greedy sequence gets when it runs alone."""
         return self._reference(prompt, n)
 
+    def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
+        return self.inner.cached_tokens(prompt_ids)
+
     def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]:
         self._enter("prefill", [s.seq_id for s in new])
         return self._leave(self.inner.prefill(new, chunk))
@@ -218,3 +231,11 @@ class Instrumented:
 def fake(tokenizer: Tokenizer, step_seconds: float = 0.0, **kw: Any) -> Instrumented:
     engine = FakeEngine(tokenizer, **kw)
     return Instrumented(engine, engine.expected, step_seconds)
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences have in common."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from scheduler_fakes import shared_prefix
 
 from export.checkpoint import load_checkpoint
 from export.model import Decoder
@@ -392,16 +393,9 @@ def test_prefix_cache_reuses_a_finished_turn_with_the_same_tokens(
     assert runs[0] == (1, 1)
     # A prompt that shares only a beginning reuses that much; one that shares less than the minimum, nothing.
     branch = [*first[:6], *encode(cached, " = []")]
-    assert cached.cached_tokens(branch) == 6 + _shared(first[6:], branch[6:])
+    assert cached.cached_tokens(branch) == 6 + shared_prefix(first[6:], branch[6:])
     assert run_alone(cached, branch, 16) == run_alone(reference, branch, 16)
     assert cached.cached_tokens([*first[:3], 9, 9, 9, 9, 9]) == 0
-
-
-def _shared(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def test_prefix_cache_hits_join_a_group_and_a_chunked_prefill(

@@ -32,6 +32,7 @@ EXPECTED_FAMILIES = {
     "textgen_requests",
     "textgen_requests_finished",
     "textgen_prompt_tokens",
+    "textgen_prompt_tokens_cached",
     "textgen_generation_tokens",
     "textgen_requests_running",
     "textgen_requests_waiting",
@@ -56,7 +57,7 @@ def exercise(m: Metrics) -> None:
     m.on_admitted(0.002)
     m.on_first_token(0.05)
     m.on_token(0.012)
-    m.on_finished("eos", 7, 9)
+    m.on_finished("eos", 7, 9, 4)
     m.on_step("prefill", 3, 0.25, 0.02)
     m.on_step("decode", 3, 0.0, 0.01)
     m.set_load(running=3, waiting=1, kv_used=3, kv_capacity=8)
@@ -88,10 +89,11 @@ def test_latency_histograms_count_and_sum(metrics: Metrics) -> None:
 def test_finished_requests_count_tokens_and_reasons(metrics: Metrics) -> None:
     finished = [("length", 10, 32), ("eos", 5, 3), ("eos", 100, 1), ("stop", 1, 4), ("context", 60, 4)]
     for reason, prompt, generated in finished:
-        metrics.on_finished(reason, prompt, generated)
+        metrics.on_finished(reason, prompt, generated, prompt // 2)
     assert value(metrics, "textgen_requests_finished_total", reason="eos") == 2
     assert value(metrics, "textgen_requests_finished_total", reason="length") == 1
     assert value(metrics, "textgen_prompt_tokens_total") == 176
+    assert value(metrics, "textgen_prompt_tokens_cached_total") == 5 + 2 + 50 + 0 + 30
     assert value(metrics, "textgen_generation_tokens_total") == 44
     assert value(metrics, "textgen_request_prompt_tokens_count") == 5
     assert value(metrics, "textgen_request_prompt_tokens_sum") == 176
@@ -132,7 +134,7 @@ def test_requests_counted_once_per_call_by_rpc_and_code(metrics: Metrics) -> Non
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda m: m.on_finished("cancelled", 1, 1), "unknown finish reason 'cancelled'"),
+        (lambda m: m.on_finished("cancelled", 1, 1, 0), "unknown finish reason 'cancelled'"),
         (lambda m: m.on_step("verify", 1, 0.0, 0.1), "unknown step phase 'verify'"),
         (lambda m: m.on_request_done("Generate", "ok", 0.1), "unknown status code 'ok'"),
     ],

@@ -55,7 +55,7 @@ def exposition() -> str:
     m.on_admitted(0.002)
     m.on_first_token(0.05)
     m.on_token(0.012)
-    m.on_finished("eos", 7, 9)
+    m.on_finished("eos", 7, 9, 4)
     m.on_step("decode", 3, 0.0, 0.01)
     m.set_load(running=3, waiting=1, kv_used=3, kv_capacity=8)
     m.on_request_done("Generate", "OK", 0.4)

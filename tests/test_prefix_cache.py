@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scheduler_fakes import shared_prefix
 
 from serve.prefix_cache import PrefixCache
 
@@ -84,7 +85,7 @@ def test_match_agrees_with_a_search_over_what_is_kept(
             assert len(tokens) < min_tokens or any(_is_prefix(tokens, t) for t in kept.values())
     assert len(cache) == len(kept) <= 3
     best = max(
-        (min(_shared(t, prompt), len(prompt) - 1) for t in kept.values()),
+        (min(shared_prefix(t, prompt), len(prompt) - 1) for t in kept.values()),
         default=0,
     )
     hit = cache.match(prompt)
@@ -93,13 +94,6 @@ def test_match_agrees_with_a_search_over_what_is_kept(
         assert kept[hit[0]][: hit[1]] == prompt[: hit[1]]
     else:
         assert hit is None
-
-
-def _shared(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def _is_prefix(a: list[int], b: list[int]) -> bool:

@@ -38,7 +38,9 @@ SESSION = SessionConfig(threads=1, spinning=False)
 
 
 class EngineFactory(Protocol):
-    def __call__(self, max_batch_size: int = 4, step_seconds: float = 0.0) -> Instrumented: ...
+    def __call__(
+        self, max_batch_size: int = 4, step_seconds: float = 0.0, prefix_cache: bool = False
+    ) -> Instrumented: ...
 
 
 @pytest.fixture(scope="module")
@@ -710,7 +712,7 @@ def test_a_stream_that_falls_behind_takes_what_is_ready_in_one_go(tokenizer: Tok
         tracker = tracker_of(tokenizer)
         handle = RequestHandle(tracker, asyncio.get_running_loop(), lambda: None)
         events = [TokenEvent([i], "x", []) for i in range(3)]
-        finish = FinishEvent("length", 3, 3, 0.0, 0.0, 0.0)
+        finish = FinishEvent("length", 3, 3, 0, 0.0, 0.0, 0.0)
         for item in (*events, finish):
             handle._push(item)
         assert await handle.__anext__() == events[0]

@@ -474,6 +474,32 @@ def test_stream_interval_sends_the_first_token_at_once_then_fuller_messages(
     assert parts[-1].finish_reason == pb.FINISH_REASON_LENGTH and parts[-1].usage.completion_tokens == 12
 
 
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(loop: LoopThread, tiny_bundle: Path) -> None:
+    running = RunningServer(
+        loop, loopback_settings(tiny_bundle, prefix_cache_rows=1, prefix_cache_min_tokens=4)
+    )
+    request = pb.GenerateRequest(
+        text=PROMPT * 4, stopping=pb.StoppingCriteria(max_new_tokens=5, ignore_eos=True)
+    )
+    try:
+        assert running.model.engine.kv_shape()[0] == 0
+        with grpc.insecure_channel(running.target) as chan:
+            stub = pb_grpc.TextGenerationStub(chan)
+            first = stub.Generate(request)
+            again = stub.Generate(request)
+            streamed = list(stub.GenerateStream(request))
+        scrape = running.server.metrics.exposition()
+    finally:
+        running.stop()
+    prompt_tokens = first.usage.prompt_tokens
+    assert first.usage.cached_prompt_tokens == 0
+    assert again.usage.cached_prompt_tokens == prompt_tokens - 1  # all but the token that picks the next
+    assert streamed[-1].usage.cached_prompt_tokens == prompt_tokens - 1
+    assert list(again.token_ids) == list(first.token_ids)
+    assert [t for m in streamed for t in m.token_ids] == list(first.token_ids)
+    assert f"textgen_prompt_tokens_cached_total {2.0 * (prompt_tokens - 1)}" in scrape
+
+
 def test_scheduling_settings_reach_the_scheduler(tiny_bundle: Path) -> None:
     settings = loopback_settings(
         tiny_bundle, prefill_chunk_tokens=16, stream_interval_ms=25, max_wait_seconds=0.5

@@ -1,0 +1,142 @@
+"""Prefix cache: what reusing a kept prefix saves, and what keeping rows costs when nothing is reused.
+
+Two engines on one bundle in one process, one with `--rows` prefix-cache rows and one without, alternated
+round by round (this machine is shared and noisy: compare the two within a round, not across runs):
+
+- **chat follow-up**: a conversation's next turn, prompt = the previous prompt (`--history` tokens) + its
+  answer (64 tokens) + a new message (32 tokens); time to first token of the next turn.
+- **shared system prompt**: 16 requests at once, each a `--system`-token system prompt + its own 32-token
+  question, 16 new tokens each, after one earlier request with the same system prompt; time to first token
+  (median over the 16) and wall time of the burst.
+- **no reuse**: the engine issue's bench-a workload (16 random 32-token prompts, 128 new tokens each, all at
+  once): tokens/s. The cache only costs here: each leaving row is copied into a kept row.
+
+Every prompt is fresh random token ids (a round never finds the previous round's answers kept). Greedy;
+both engines must produce the same tokens (checked). Everything runs through the offline API (the
+scheduler's admission and steps). Results print as a table and go to `--json`.
+Run: `.venv/bin/python -m bench.prefix_bench [--bundle models/bench/bench-a-fp32] [--rounds 5]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from serve.bundle import load_bundle
+from serve.engine import Engine, EngineSettings
+from serve.offline import generate
+from serve.request import Completion
+from serve.runtime import SessionConfig
+
+ANSWER, MESSAGE, QUESTION, BURST = 64, 32, 32, 16
+
+# A measurement: (its figures by name, the tokens of every completion, to check both engines agree).
+Measure = Callable[[Engine, np.random.Generator], tuple[dict[str, float], list[list[int]]]]
+
+
+def ttft(completion: Completion) -> float:
+    assert completion.finish is not None
+    return completion.finish.ttft_seconds
+
+
+def random_ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return rng.integers(3, vocab, size=n).tolist()
+
+
+def chat_follow_up(history: int) -> Measure:
+    def measure(engine: Engine, rng: np.random.Generator) -> tuple[dict[str, float], list[list[int]]]:
+        prompt = random_ids(rng, history, engine.vocab_size)
+        (first,) = generate(engine, [prompt], max_new_tokens=ANSWER, ignore_eos=True)
+        follow_up = [*prompt, *first.token_ids, *random_ids(rng, MESSAGE, engine.vocab_size)]
+        (second,) = generate(engine, [follow_up], max_new_tokens=4, ignore_eos=True)
+        return {"TTFT s": ttft(second)}, [first.token_ids, second.token_ids]
+
+    return measure
+
+
+def shared_system_prompt(system_len: int) -> Measure:
+    def measure(engine: Engine, rng: np.random.Generator) -> tuple[dict[str, float], list[list[int]]]:
+        vocab = engine.vocab_size
+        system = random_ids(rng, system_len, vocab)
+        generate(engine, [[*system, *random_ids(rng, QUESTION, vocab)]], max_new_tokens=4, ignore_eos=True)
+        prompts = [[*system, *random_ids(rng, QUESTION, vocab)] for _ in range(BURST)]
+        start = time.perf_counter()
+        done = generate(engine, prompts, max_new_tokens=16, ignore_eos=True)
+        wall = time.perf_counter() - start
+        figures = {"median TTFT s": statistics.median(ttft(c) for c in done), "wall s": wall}
+        return figures, [c.token_ids for c in done]
+
+    return measure
+
+
+def no_reuse(engine: Engine, rng: np.random.Generator) -> tuple[dict[str, float], list[list[int]]]:
+    prompts = [random_ids(rng, 32, engine.vocab_size) for _ in range(BURST)]
+    start = time.perf_counter()
+    done = generate(engine, prompts, max_new_tokens=128, ignore_eos=True)
+    seconds = time.perf_counter() - start
+    return {"tok/s": BURST * 128 / seconds}, [c.token_ids for c in done]
+
+
+def compare(
+    engines: dict[str, Engine], measure: Measure, rounds: int, seed: int
+) -> dict[str, dict[str, list[float]]]:
+    """Each round runs both engines on the same fresh prompts, in alternating order.
+    Returns figure name -> engine name -> one value a round."""
+    figures: dict[str, dict[str, list[float]]] = {}
+    for r in range(rounds):
+        order = list(engines) if r % 2 == 0 else list(reversed(engines))
+        tokens: dict[str, list[list[int]]] = {}
+        for name in order:
+            values, tokens[name] = measure(engines[name], np.random.default_rng(seed + r))
+            for figure, value in values.items():
+                figures.setdefault(figure, {e: [] for e in engines})[name].append(value)
+        first, *others = tokens.values()
+        assert all(t == first for t in others), f"round {r}: the engines disagree"
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bundle", type=Path, default=Path("models/bench/bench-a-fp32"))
+    parser.add_argument("--rows", type=int, default=4, help="prefix cache rows of the engine that has one")
+    parser.add_argument("--history", type=int, default=512, help="chat: tokens of the previous prompt")
+    parser.add_argument("--system", type=int, default=256, help="tokens of the shared system prompt")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=Path("bench/results/prefix.json"))
+    args = parser.parse_args()
+    bundle = load_bundle(args.bundle)
+    session = SessionConfig(threads=args.threads)
+    engines = {
+        f"{rows} rows": Engine.from_bundle(bundle, EngineSettings(session=session, prefix_cache_rows=rows))
+        for rows in (args.rows, 0)
+    }
+    cases: dict[str, Measure] = {
+        f"chat follow-up ({args.history}+{ANSWER}+{MESSAGE} tokens)": chat_follow_up(args.history),
+        f"{BURST} x ({args.system} system + {QUESTION}), 16 new tokens": shared_system_prompt(args.system),
+        f"no reuse: {BURST} x 32 prompt, 128 new tokens": no_reuse,
+    }
+    generate(engines[f"{args.rows} rows"], [[5] * 8], max_new_tokens=4)  # warm-up, both engines
+    generate(engines["0 rows"], [[5] * 8], max_new_tokens=4)
+    results: dict[str, object] = {}
+    print(f"bundle {args.bundle}, {args.threads} threads, {args.rounds} alternated rounds, medians")
+    print(f"| case | figure | {args.rows} rows | 0 rows | with ÷ without |")
+    print("|---|---|---|---|---|")
+    for seed, (case, measure) in enumerate(cases.items()):
+        results[case] = figures = compare(engines, measure, args.rounds, seed * 1000)
+        for figure, by_engine in figures.items():
+            with_cache, without = (statistics.median(v) for v in by_engine.values())
+            print(f"| {case} | {figure} | {with_cache:.4g} | {without:.4g} | {with_cache / without:.3f} |")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    summary = {"bundle": str(args.bundle), "rows": args.rows, "rounds": args.rounds, "cases": results}
+    args.json.write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
