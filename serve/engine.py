@@ -10,10 +10,12 @@ and values in place (see export/onnx_inplace.py for the graph's semantics).
 The buffers are OrtValues that ONNX Runtime allocates on the device the session runs on (runtime.kv_device:
 CUDA memory under the CUDA/TensorRT providers, host memory on CPU), so on a GPU the cache never leaves the
 device between steps. One code path for every device, which differs only in the device name: row ranges are
-bound by pointer (buffer start + first row * row bytes; rows are contiguous along the leading axis), and the
-swap-remove copy runs a tiny Identity graph on the same device (runtime.copy_graph) instead of numpy. Small
-inputs are bound from host arrays and logits are written into a host array (ONNX Runtime copies them from
-the device): sampling is numpy.
+bound by pointer (buffer start + first row * row bytes; rows are contiguous along the leading axis). Row
+copies (swap-remove, the prefix cache) differ: on a device they run a tiny Identity graph on whole rows
+(runtime.copy_graph); in host memory numpy copies only each head's filled positions, through views of the
+same buffers — a row is mostly empty, and a whole bench-a row (32 MiB) took ~5 ms a copy on this machine.
+Small inputs are bound from host arrays and logits are written into a host array (ONNX Runtime copies them
+from the device): sampling is numpy.
 
 Not thread-safe: the scheduler calls it from its one engine thread.
 """
@@ -152,6 +154,8 @@ class Engine:
         self._copy_session = create_copy_session(
             copy_graph([b.dtype for b in self._kv], self._row_shape), self.kv_device
         )
+        # OrtValue.numpy() of host memory is a view of it (of device memory, a copy: no use).
+        self._host_views = [b.value.numpy() for b in self._kv] if self.kv_device.type == "cpu" else None
         self._lengths = np.zeros(settings.max_batch_size, np.int64)  # tokens in each row's cache
         self._pending = np.zeros(settings.max_batch_size, np.int64)  # sampled, not yet in the cache
         self._tokens = np.zeros((settings.max_batch_size, capacity), np.int64)  # each row's cached token ids
@@ -345,13 +349,13 @@ class Engine:
             self._keep(row)
             last = len(self._ids) - 1
             if row != last:
-                self._move_row(last, row)
+                self._move_row(last, row, int(self._lengths[last]))
                 self._pending[row] = self._pending[last]
                 self._ids[row] = self._ids[last]
             self._ids.pop()
             self._sampling.remove(row)
             if self._staged is not None:  # keep the staged row right after the running ones
-                self._move_row(last + 1, last)
+                self._move_row(last + 1, last, self._staged.done)
 
     # -- internals ---------------------------------------------------------------------------------------
     def _prefill_group(self, first_row: int, new: Sequence[NewSequence]) -> np.ndarray:
@@ -371,7 +375,7 @@ class Engine:
         if hit is None:
             return 0
         source, reused = hit
-        self._copy_row(source, row)
+        self._copy_row(source, row, reused)
         self._prefix.use(source)
         self._tokens[row, :reused] = seq.prompt_ids[:reused]
         return reused
@@ -446,18 +450,19 @@ class Engine:
         if seq_id in self._untrusted:
             self._untrusted.discard(seq_id)
             return
-        target = self._prefix.store(self._tokens[row, : self._lengths[row]])
+        length = int(self._lengths[row])
+        target = self._prefix.store(self._tokens[row, :length])
         if target is not None:
             try:
-                self._copy_row(row, target)
+                self._copy_row(row, target, length)
             except Exception:  # the row now holds neither its old tokens nor the new ones
                 self._prefix.clear()
                 raise
 
-    def _move_row(self, src: int, dst: int) -> None:
-        self._copy_row(src, dst)
+    def _move_row(self, src: int, dst: int, length: int) -> None:
+        self._copy_row(src, dst, length)
         self._lengths[dst] = self._lengths[src]
-        self._tokens[dst] = self._tokens[src]
+        self._tokens[dst, :length] = self._tokens[src, :length]
 
     def _binding(self, rows: slice) -> Any:
         """The IOBinding of a row range, with its KV rows and logits output bound once and reused."""
@@ -475,11 +480,16 @@ class Engine:
             self._bindings[key] = binding
         return binding
 
-    def _copy_row(self, src: int, dst: int) -> None:
-        """Copy row `src` of every KV buffer over row `dst`, on the buffers' device (whole rows: contiguous).
-        A run finishes before it returns (ONNX Runtime synchronizes the device at the end of a run), so the
-        serving session's next step sees the copy. Bindings are kept per row pair (binding costs ~10 µs a
-        buffer in Python; the source is always the last row, so there are at most max_batch_size² / 2)."""
+    def _copy_row(self, src: int, dst: int, length: int) -> None:
+        """Copy row `src` of every KV buffer over row `dst`: its first `length` positions in host memory,
+        the whole row (contiguous) on a device. A run finishes before it returns (ONNX Runtime synchronizes
+        the device at the end of a run), so the serving session's next step sees the copy. Bindings are kept
+        per row pair (binding costs ~10 µs a buffer in Python; a pair is a running row and the last one, or
+        a running row and a prefix-cache row, so there are at most (max_batch_size + prefix_cache_rows)²)."""
+        if self._host_views is not None:
+            for rows in self._host_views:
+                rows[dst, :, :length] = rows[src, :, :length]
+            return
         binding = self._copy_bindings.get((src, dst))
         if binding is None:
             binding = self._copy_session.io_binding()
