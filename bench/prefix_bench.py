@@ -10,6 +10,8 @@ round by round (this machine is shared and noisy: compare the two within a round
   (median over the 16) and wall time of the burst.
 - **no reuse**: the engine issue's bench-a workload (16 random 32-token prompts, 128 new tokens each, all at
   once): tokens/s. The cache only costs here: each leaving row is copied into a kept row.
+- **release**: what that copy costs, directly: `Engine.release` of each of 16 rows holding 32 + 128 tokens
+  (median ms; the engine without a cache still moves the last row into the freed one).
 
 Every prompt is fresh random token ids (a round never finds the previous round's answers kept). Greedy;
 both engines must produce the same tokens (checked). Everything runs through the offline API (the
@@ -29,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from serve.bundle import load_bundle
-from serve.engine import Engine, EngineSettings
-from serve.offline import generate
+from serve.engine import Engine, EngineSettings, NewSequence
+from serve.offline import GREEDY, generate
 from serve.request import Completion
 from serve.runtime import SessionConfig
 
@@ -45,6 +47,11 @@ def ttft(completion: Completion) -> float:
     return completion.finish.ttft_seconds
 
 
+def cached(completion: Completion) -> int:
+    assert completion.finish is not None
+    return completion.finish.cached_prompt_tokens
+
+
 def random_ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
     return rng.integers(3, vocab, size=n).tolist()
 
@@ -55,7 +62,8 @@ def chat_follow_up(history: int) -> Measure:
         (first,) = generate(engine, [prompt], max_new_tokens=ANSWER, ignore_eos=True)
         follow_up = [*prompt, *first.token_ids, *random_ids(rng, MESSAGE, engine.vocab_size)]
         (second,) = generate(engine, [follow_up], max_new_tokens=4, ignore_eos=True)
-        return {"TTFT s": ttft(second)}, [first.token_ids, second.token_ids]
+        figures = {"TTFT s": ttft(second), "cached prompt tokens": cached(second)}
+        return figures, [first.token_ids, second.token_ids]
 
     return measure
 
@@ -69,7 +77,11 @@ def shared_system_prompt(system_len: int) -> Measure:
         start = time.perf_counter()
         done = generate(engine, prompts, max_new_tokens=16, ignore_eos=True)
         wall = time.perf_counter() - start
-        figures = {"median TTFT s": statistics.median(ttft(c) for c in done), "wall s": wall}
+        figures = {
+            "median TTFT s": statistics.median(ttft(c) for c in done),
+            "wall s": wall,
+            "cached prompt tokens": sum(cached(c) for c in done),
+        }
         return figures, [c.token_ids for c in done]
 
     return measure
@@ -81,6 +93,20 @@ def no_reuse(engine: Engine, rng: np.random.Generator) -> tuple[dict[str, float]
     done = generate(engine, prompts, max_new_tokens=128, ignore_eos=True)
     seconds = time.perf_counter() - start
     return {"tok/s": BURST * 128 / seconds}, [c.token_ids for c in done]
+
+
+def release_cost(engine: Engine, rng: np.random.Generator) -> tuple[dict[str, float], list[list[int]]]:
+    seqs = [NewSequence(str(i), random_ids(rng, 32, engine.vocab_size), GREEDY) for i in range(BURST)]
+    tokens = [[t.token_id] for t in engine.prefill(seqs)]
+    for _ in range(min(127, engine.capacity - 33)):  # a small model's context may be shorter
+        for t in engine.decode():
+            tokens[int(t.seq_id)].append(t.token_id)
+    seconds = []
+    for seq in seqs:
+        start = time.perf_counter()
+        engine.release([seq.seq_id])
+        seconds.append(time.perf_counter() - start)
+    return {"median ms": 1e3 * statistics.median(seconds)}, tokens
 
 
 def compare(
@@ -101,7 +127,7 @@ def compare(
     return figures
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", type=Path, default=Path("models/bench/bench-a-fp32"))
     parser.add_argument("--rows", type=int, default=4, help="prefix cache rows of the engine that has one")
@@ -110,7 +136,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=Path("bench/results/prefix.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     bundle = load_bundle(args.bundle)
     session = SessionConfig(threads=args.threads)
     engines = {
@@ -121,6 +147,7 @@ def main() -> None:
         f"chat follow-up ({args.history}+{ANSWER}+{MESSAGE} tokens)": chat_follow_up(args.history),
         f"{BURST} x ({args.system} system + {QUESTION}), 16 new tokens": shared_system_prompt(args.system),
         f"no reuse: {BURST} x 32 prompt, 128 new tokens": no_reuse,
+        f"release of one of {BURST} rows holding 32 + 128 tokens": release_cost,
     }
     generate(engines[f"{args.rows} rows"], [[5] * 8], max_new_tokens=4)  # warm-up, both engines
     generate(engines["0 rows"], [[5] * 8], max_new_tokens=4)
@@ -132,7 +159,8 @@ def main() -> None:
         results[case] = figures = compare(engines, measure, args.rounds, seed * 1000)
         for figure, by_engine in figures.items():
             with_cache, without = (statistics.median(v) for v in by_engine.values())
-            print(f"| {case} | {figure} | {with_cache:.4g} | {without:.4g} | {with_cache / without:.3f} |")
+            ratio = f"{with_cache / without:.3f}" if without else "-"
+            print(f"| {case} | {figure} | {with_cache:.4g} | {without:.4g} | {ratio} |")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     summary = {"bundle": str(args.bundle), "rows": args.rows, "rounds": args.rounds, "cases": results}
     args.json.write_text(json.dumps(summary, indent=1))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -98,3 +101,36 @@ def test_match_agrees_with_a_search_over_what_is_kept(
 
 def _is_prefix(a: list[int], b: list[int]) -> bool:
     return len(a) <= len(b) and b[: len(a)] == a
+
+
+def test_the_prefix_benchmark_runs_every_case_and_reuses_what_it_says(
+    tiny_bundle: Path, tmp_path: Path
+) -> None:
+    from bench.prefix_bench import ANSWER, BURST, main
+
+    out = tmp_path / "prefix.json"
+    main(
+        [
+            "--bundle",
+            str(tiny_bundle),
+            "--history",
+            "16",
+            "--system",
+            "16",
+            "--rounds",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
+    cases = json.loads(out.read_text())["cases"]
+    assert len(cases) == 4
+    for figures in cases.values():
+        for by_engine in figures.values():
+            assert list(by_engine) == ["4 rows", "0 rows"] and all(len(v) == 2 for v in by_engine.values())
+    chat = next(figures for case, figures in cases.items() if case.startswith("chat"))
+    # The previous prompt and its answer, but the answer's last token (never fed back), came from the cache.
+    assert chat["cached prompt tokens"] == {"4 rows": [16 + ANSWER - 1] * 2, "0 rows": [0, 0]}
+    burst = next(figures for case, figures in cases.items() if "system" in case)
+    assert all(n >= BURST * 16 for n in burst["cached prompt tokens"]["4 rows"])
+    assert burst["cached prompt tokens"]["0 rows"] == [0, 0]
