@@ -271,7 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--include-stop-str", action="store_true", help="end the text with the matched stop string"
     )
-    gen.add_argument("--min-new-tokens", type=_positive_or_zero, default=0, help="no EOS before this many")
+    gen.add_argument(
+        "--min-new-tokens", type=_positive_or_zero, default=0, help="nothing stops before this many"
+    )
     gen.add_argument(
         "--stop-token-id", type=_positive_or_zero, action="append", default=[], help="stop token (repeatable)"
     )

@@ -185,6 +185,7 @@ class RequestTracker:
             request.stop,
             incremental=request.stream,
             include_stop=request.include_stop_str_in_output,
+            min_tokens=request.min_new_tokens,
         )
         self._held: list[TokenEvent] = []  # produced, not yet handed over (see `pace`)
         self._handed_at: float | None = None

@@ -9,7 +9,9 @@ not O(text).
 Stop strings are matched on the decoded text, across token boundaries: text that could still be the start of
 a stop string is held back until the next tokens settle it, and everything after a matched stop string is
 never returned; the stop string itself neither, unless `include_stop` (vLLM's `include_stop_str_in_output`).
-The match is the stop string that starts earliest (the shortest of those starting there).
+The match is the stop string that starts earliest (the shortest of those starting there). With `min_tokens`
+N (vLLM's `min_tokens`), stop strings are looked for only from the N-th token on: the text of earlier tokens
+goes out as it comes, so a match must lie wholly in the text of tokens N, N + 1, ...
 
 Text that nobody reads before the end (`incremental=False`: a unary call or the offline API, without stop
 strings) is decoded once, at the end: the tokenizer's decode of all the tokens, which is what the increments
@@ -52,6 +54,7 @@ class TextStream:
         *,
         incremental: bool = True,
         include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         if isinstance(stop, str):
             raise TypeError("stop must be a sequence of strings, not one string")
@@ -61,6 +64,8 @@ class TextStream:
         self._vocab_size = tokenizer.get_vocab_size()
         self._stop = tuple(stop)
         self._include_stop = include_stop
+        self._min_tokens = min_tokens
+        self._pushed = 0
         # Stop strings are matched on text as it comes, so they need the increments whoever reads them.
         self._deferred = not incremental and not self._stop
         self._window: list[int] = []  # tokens from the prefix offset on (deferred: all tokens)
@@ -92,6 +97,7 @@ class TextStream:
                 f"token id {token_id} is outside the vocabulary: allowed 0..{self._vocab_size - 1}"
             )
         self._window.append(token_id)
+        self._pushed += 1
         if self._deferred:
             return _NOTHING
         return self._release(self._decode_new(final=False), final=False)
@@ -126,7 +132,9 @@ class TextStream:
 
     def _release(self, new: str, final: bool) -> TextDelta:
         """Split held + new text into what goes out now and what may still begin a stop string."""
-        if not self._stop:  # nothing is ever held back (this runs for every token of every request)
+        # Nothing is held back without stop strings (this runs for every token of every request) or before
+        # they apply.
+        if not self._stop or self._pushed < self._min_tokens:
             return self._emit(new, stopped=False)
         buffer = self._held + new
         match = self._first_stop(buffer)

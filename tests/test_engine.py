@@ -208,6 +208,21 @@ def test_stop_token_ids_end_and_min_new_tokens_holds_them_off(demo: tuple[Decode
     assert engine.batch_size == 0
 
 
+def test_stop_strings_wait_for_min_new_tokens(demo: tuple[Decoder, Engine]) -> None:
+    _, engine = demo
+    prompt, stop = encode(engine, PROMPTS[0]), "self"
+    (plain,) = generate(engine, [prompt], max_new_tokens=24, ignore_eos=True)
+    first = plain.text.find(stop)
+    assert 0 <= first < len(engine.tokenizer.decode(plain.token_ids[:5]))  # within the first five tokens
+    (at_once,) = generate(engine, [prompt], max_new_tokens=24, ignore_eos=True, stop=(stop,))
+    assert at_once.finish_reason == "stop" and at_once.text == plain.text[:first]
+    # From the 6th token on only (vLLM's min_tokens): the text of the first five goes out as it is.
+    (held,) = generate(engine, [prompt], max_new_tokens=24, ignore_eos=True, stop=(stop,), min_new_tokens=6)
+    later = plain.text.find(stop, len(engine.tokenizer.decode(plain.token_ids[:5])))
+    assert later > first and held.finish_reason == "stop" and held.text == plain.text[:later]
+    assert len(held.token_ids) >= 6 and held.token_ids == plain.token_ids[: len(held.token_ids)]
+
+
 def test_top_logprobs_through_the_offline_api(demo: tuple[Decoder, Engine]) -> None:
     _, engine = demo
     prompts = [encode(engine, text) for text in PROMPTS[:3]]

@@ -155,6 +155,27 @@ def test_stop_output_is_the_decoded_text_up_to_the_first_match(
     assert any(d.stopped for d in deltas) == (cut >= 0)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    text=st.text(alphabet=st.sampled_from("ab c"), max_size=24),
+    stop=st.text(alphabet=st.sampled_from("ab c"), min_size=1, max_size=3),
+    min_tokens=st.integers(0, 12),
+    include=st.booleans(),
+)
+def test_stop_strings_apply_from_the_min_tokens_th_token_on(
+    tokenizer: Tokenizer, text: str, stop: str, min_tokens: int, include: bool
+) -> None:
+    """Before it, text goes out as it comes; a match must lie in the text of that token and later ones."""
+    ids = tokenizer.encode(text).ids
+    stream = TextStream(tokenizer, (stop,), include_stop=include, min_tokens=min_tokens)
+    deltas = [stream.push(i) for i in ids]
+    deltas.append(TextDelta(stream.flush(), stream.stopped))
+    before = len(tokenizer.decode(ids[: max(0, min_tokens - 1)]))  # ASCII: token texts add up exactly
+    cut = text.find(stop, before)
+    assert joined(deltas) == (text if cut < 0 else text[: cut + len(stop) if include else cut])
+    assert stream.stopped == (cut >= 0)
+
+
 def test_included_stop_string_is_the_earliest_then_the_shortest(tokenizer: Tokenizer) -> None:
     text = tokenizer.encode("the lazy dog jumps").ids
     assert joined(stream_all(tokenizer, text, stop=("dog", "lazy", "la"), include_stop=True)) == "the la"
