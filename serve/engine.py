@@ -263,20 +263,7 @@ class Engine:
         n, k = self.batch_size, len(new)
         if not new:
             return []
-        if self._staged is not None:
-            raise RuntimeError(f"sequence {self._staged.seq.seq_id} is still being prefilled in chunks")
-        if n + k > self.max_batch_size:
-            raise ValueError(f"{n} running + {k} new sequences exceed max_batch_size {self.max_batch_size}")
-        known = set(self._ids)
-        for seq in new:
-            if not 1 <= len(seq.prompt_ids) < self.capacity:
-                raise ValueError(
-                    f"sequence {seq.seq_id}: prompt of {len(seq.prompt_ids)} tokens, "
-                    f"must be 1..{self.capacity - 1}"
-                )
-            if seq.seq_id in known:
-                raise ValueError(f"sequence {seq.seq_id} is already running")
-            known.add(seq.seq_id)
+        self._check_joining(new)
         hits = [self._prefix.match(seq.prompt_ids) for seq in new]
         # One sequence only: GroupQueryAttention (ONNX Runtime 1.32) refuses a piece over a cached prefix for
         # more than one row ("batch_size must be 1 when sequence_length > 1 and past context is given").
@@ -358,6 +345,24 @@ class Engine:
                 self._move_row(last + 1, last, self._staged.done)
 
     # -- internals ---------------------------------------------------------------------------------------
+    def _check_joining(self, new: Sequence[NewSequence]) -> None:
+        """ValueError (RuntimeError during a chunked prefill) unless `new` can join as it is."""
+        if self._staged is not None:
+            raise RuntimeError(f"sequence {self._staged.seq.seq_id} is still being prefilled in chunks")
+        n, k = self.batch_size, len(new)
+        if n + k > self.max_batch_size:
+            raise ValueError(f"{n} running + {k} new sequences exceed max_batch_size {self.max_batch_size}")
+        known = set(self._ids)
+        for seq in new:
+            if not 1 <= len(seq.prompt_ids) < self.capacity:
+                raise ValueError(
+                    f"sequence {seq.seq_id}: prompt of {len(seq.prompt_ids)} tokens, "
+                    f"must be 1..{self.capacity - 1}"
+                )
+            if seq.seq_id in known:
+                raise ValueError(f"sequence {seq.seq_id} is already running")
+            known.add(seq.seq_id)
+
     def _prefill_group(self, first_row: int, new: Sequence[NewSequence]) -> np.ndarray:
         """Prefill whole prompts as one right-padded group in rows [first_row, first_row + len(new))."""
         k = len(new)

@@ -41,6 +41,8 @@ class PrefixCache:
         """The kept row sharing the longest prefix with `prompt_ids`, and how many of its tokens the prompt
         can reuse (its last token is always left to prefill: its logits choose the first new token), or
         None when no row offers `min_tokens`. Pure: `use` marks the row as used."""
+        if not self._kept:
+            return None
         prompt = np.asarray(prompt_ids, dtype=np.int64)
         best: tuple[int, int] | None = None
         for kept in self._kept:
