@@ -157,7 +157,9 @@ class SchedulerLimits(BaseModel):
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One engine step. `padded_tokens` = rows x longest (prompt or context), `real_tokens` = their sum."""
+    """One engine step. `padded_tokens`: token slots it computed, padding included (decode: rows x longest
+    context; prefill: rows prefilled together x their longest prompt, plus the uncached tokens of each
+    prefix-cache hit, which runs alone); `real_tokens`: the tokens among them."""
 
     phase: str  # prefill | decode
     rows: int
@@ -334,14 +336,14 @@ class BatchRunner:
         if not self._waiting or free_rows <= 0 or (self._running and self._last_phase == "prefill"):
             return []
         running = _Group.of(self._running.values())
-        group = _Group.of([self._waiting[0]])
+        group = self._group_plus(_Group([]), self._waiting[0])
         if not self._fits_kv(running, group):
             return []  # FCFS: nobody overtakes the head; running requests leave until it fits
         left_out = False
         for candidate in itertools.islice(self._waiting, 1, None):
             if len(group.members) == free_rows:
                 break
-            bigger = group.plus(candidate)
+            bigger = self._group_plus(group, candidate)
             if self._acceptable(running, bigger):
                 group = bigger
             else:
@@ -351,11 +353,14 @@ class BatchRunner:
             return []  # let more arrivals share this prefill instead of stalling the decoders again soon
         return group.members
 
+    def _group_plus(self, group: _Group, tracker: RequestTracker) -> _Group:
+        """`group` and `tracker`, whose prefill computes only what the engine's prefix cache lacks."""
+        return group.plus(tracker, self.engine.cached_tokens(tracker.request.prompt_ids))
+
     def _acceptable(self, running: _Group, group: _Group) -> bool:
-        padded = len(group.members) * group.longest
         return (
-            padded <= self.limits.max_prefill_tokens
-            and 1.0 - group.tokens / padded <= self.limits.max_padding_ratio
+            group.prefill_tokens <= self.limits.max_prefill_tokens
+            and group.padding_ratio <= self.limits.max_padding_ratio
             and self._fits_kv(running, group)
         )
 
@@ -370,17 +375,22 @@ class BatchRunner:
             self._running[tracker.request_id] = tracker
             if self._metrics is not None:
                 self._metrics.on_admitted(queued)
-        lengths = [t.prompt_len - t.cached_tokens for t in group]  # what the engine computes
         new = [t.new_sequence() for t in group]
         # In pieces only while others decode: nobody is stalled when nothing else runs.
         chunk = self.limits.prefill_chunk_tokens if len(self._running) > len(group) else 0
         if chunk and len(group) == 1:  # the engine chunks a lone prompt only; the record shows one piece
-            lengths = [min(chunk, lengths[0])]
-        self._run_step("prefill", group, lengths, lambda: self.engine.prefill(new, chunk), deliveries)
+            piece = min(chunk, group[0].prompt_len - group[0].cached_tokens)
+            sizes = (piece, piece)
+        else:  # what the engine computes: the misses padded together, each hit's uncached part alone
+            computed = _Group([])
+            for tracker in group:
+                computed = computed.plus(tracker, tracker.cached_tokens)
+            sizes = (computed.prefill_tokens, computed.tokens + computed.alone)
+        self._run_step("prefill", group, sizes, lambda: self.engine.prefill(new, chunk), deliveries)
 
     def _continue_prefill(self, staged: RequestTracker, deliveries: list[Delivery]) -> None:
         piece = min(self.limits.prefill_chunk_tokens, staged.prompt_len - self.engine.staged_done)
-        self._run_step("prefill", [staged], [piece], self.engine.continue_prefill, deliveries)
+        self._run_step("prefill", [staged], (piece, piece), self.engine.continue_prefill, deliveries)
 
     @property
     def _staged(self) -> RequestTracker | None:
@@ -396,13 +406,15 @@ class BatchRunner:
     def _decode(self, deliveries: list[Delivery]) -> None:
         staged = self._staged
         rows = [t for t in self._running.values() if t is not staged]
-        self._run_step("decode", rows, [t.context for t in rows], self.engine.decode, deliveries)
+        contexts = [t.context for t in rows]
+        sizes = (len(rows) * max(contexts), sum(contexts))
+        self._run_step("decode", rows, sizes, self.engine.decode, deliveries)
 
     def _run_step(
         self,
         phase: str,
         trackers: list[RequestTracker],
-        lengths: list[int],
+        sizes: tuple[int, int],  # the step record's padded and real tokens
         call: Callable[[], list[TokenOut]],
         deliveries: list[Delivery],
     ) -> None:
@@ -414,9 +426,7 @@ class BatchRunner:
             log.exception("engine %s step failed for %d requests", phase, len(trackers))
             self._fail(trackers, f"the engine failed during {phase}", exc, deliveries)
             return
-        record = StepRecord(
-            phase, len(trackers), len(lengths) * max(lengths), sum(lengths), time.perf_counter() - start
-        )
+        record = StepRecord(phase, len(trackers), *sizes, time.perf_counter() - start)
         with self._stats_lock:
             self._steps.append(record)
         if self._metrics is not None:
@@ -505,27 +515,42 @@ class BatchRunner:
 
 @dataclass(frozen=True)
 class _Group:
-    """Requests considered together, with the sizes admission checks (kept incrementally)."""
+    """Requests considered together, with the sizes admission checks (kept incrementally). The engine
+    prefills the members that start from its prefix cache one at a time, only their uncached tokens, and
+    the others as one right-padded run."""
 
     members: list[RequestTracker]
-    longest: int = 0  # prompt tokens
-    tokens: int = 0  # prompt tokens, summed
+    padded_rows: int = 0  # members prefilled together
+    longest: int = 0  # their longest prompt
+    tokens: int = 0  # their prompt tokens, summed
+    alone: int = 0  # uncached prompt tokens of the members that start from the prefix cache
     reserved: int = 0  # the largest prompt + max_new_tokens
 
     @classmethod
     def of(cls, trackers: Iterable[RequestTracker]) -> _Group:
+        """For the KV budget only (`reserved`): prefix cache hits are not looked up."""
         group = cls([])
         for tracker in trackers:
-            group = group.plus(tracker)
+            group = group.plus(tracker, 0)
         return group
 
-    def plus(self, tracker: RequestTracker) -> _Group:
-        return _Group(
-            [*self.members, tracker],
-            max(self.longest, tracker.prompt_len),
-            self.tokens + tracker.prompt_len,
-            max(self.reserved, tracker.reserved_tokens),
-        )
+    def plus(self, tracker: RequestTracker, cached: int) -> _Group:
+        members, reserved = [*self.members, tracker], max(self.reserved, tracker.reserved_tokens)
+        if cached:
+            alone = self.alone + tracker.prompt_len - cached
+            return _Group(members, self.padded_rows, self.longest, self.tokens, alone, reserved)
+        longest, tokens = max(self.longest, tracker.prompt_len), self.tokens + tracker.prompt_len
+        return _Group(members, self.padded_rows + 1, longest, tokens, self.alone, reserved)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Token slots the prefill computes, padding included."""
+        return self.padded_rows * self.longest + self.alone
+
+    @property
+    def padding_ratio(self) -> float:
+        padded = self.padded_rows * self.longest
+        return 1.0 - self.tokens / padded if padded else 0.0
 
 
 class _Load(NamedTuple):

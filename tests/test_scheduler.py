@@ -53,8 +53,14 @@ def real_bundle(tiny_bundle: Path) -> Bundle:
     return load_bundle(tiny_bundle)
 
 
-def real_engine(bundle: Bundle, max_batch_size: int) -> Engine:
-    return Engine.from_bundle(bundle, EngineSettings(max_batch_size=max_batch_size, session=SESSION))
+def real_engine(bundle: Bundle, max_batch_size: int, prefix_cache_rows: int = 0) -> Engine:
+    settings = EngineSettings(
+        max_batch_size=max_batch_size,
+        session=SESSION,
+        prefix_cache_rows=prefix_cache_rows,
+        prefix_cache_min_tokens=4,
+    )
+    return Engine.from_bundle(bundle, settings)
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +78,13 @@ def alone(real_bundle: Bundle) -> Reference:
 def make_engine(request: pytest.FixtureRequest, tokenizer: Tokenizer) -> EngineFactory:
     """Builds the fake engine, or the real one on the tiny bundle, with the same test controls."""
     if request.param == "fake":
-        return lambda max_batch_size=4, step_seconds=0.0: fake(
-            tokenizer, step_seconds, max_batch_size=max_batch_size
+        return lambda max_batch_size=4, step_seconds=0.0, prefix_cache=False: fake(
+            tokenizer, step_seconds, max_batch_size=max_batch_size, keeps_prefixes=prefix_cache
         )
     bundle = request.getfixturevalue("real_bundle")
     reference = request.getfixturevalue("alone")
-    return lambda max_batch_size=4, step_seconds=0.0: Instrumented(
-        real_engine(bundle, max_batch_size), reference, step_seconds
+    return lambda max_batch_size=4, step_seconds=0.0, prefix_cache=False: Instrumented(
+        real_engine(bundle, max_batch_size, 2 if prefix_cache else 0), reference, step_seconds
     )
 
 
@@ -771,6 +777,52 @@ def test_unary_requests_get_one_event_beside_streams_that_get_every_step(make_en
     assert isinstance(stream[-1], FinishEvent) and len(stream) > 2
     tokens = [t for e in stream if isinstance(e, TokenEvent) for t in e.token_ids]
     assert tokens == engine.expected(prompt_of(6), 12)
+
+
+def test_a_prompt_continuing_a_finished_one_is_prefilled_from_the_prefix_cache(
+    make_engine: EngineFactory,
+) -> None:
+    engine = make_engine(max_batch_size=2, prefix_cache=True)
+    first = prompt_of(10)
+
+    async def main() -> tuple[Completion, Completion, list[int], list[StepRecord]]:
+        scheduler = await started(engine)
+        a = await collect(scheduler.submit(request("a", first, max_new=6)))
+        follow_up = [*first, *a.token_ids, *prompt_of(5, 70)]  # a chat's next turn
+        b = await collect(scheduler.submit(request("b", follow_up, max_new=6)))
+        await scheduler.drain(1.0)
+        return a, b, follow_up, scheduler.steps()
+
+    a, b, follow_up, steps = run(main)
+    kept = len(first) + 6 - 1  # a's prompt and answer, but for the last token (never fed back)
+    assert a.finish is not None and a.finish.cached_prompt_tokens == 0
+    assert b.finish is not None and b.finish.cached_prompt_tokens == kept
+    assert b.token_ids == engine.expected(follow_up, 6)
+    # The step records count what the engine computed: only the part of the prompt not kept.
+    assert [s.real_tokens for s in steps if s.phase == "prefill"] == [len(first), len(follow_up) - kept]
+
+
+def test_admission_counts_only_what_the_prefix_cache_lacks(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=4, prefix_cache=True)
+    first = prompt_of(10)
+    # Each follow-up is 16 tokens, 3 of them new: three of them cost 9 of the 12 prefill tokens a step.
+    limits = SchedulerLimits(max_wait_seconds=0.0, max_prefill_tokens=12)
+
+    async def main() -> tuple[list[Completion], list[StepRecord]]:
+        scheduler = await started(engine, limits)
+        a = await collect(scheduler.submit(request("a", first, max_new=4)))
+        kept = [*first, *a.token_ids[:-1]]  # 13 tokens
+        follow_ups = [
+            scheduler.submit(request(f"f{i}", [*kept, 60 + i, 61, 62], max_new=3)) for i in range(3)
+        ]
+        done = await asyncio.gather(*(collect(h) for h in follow_ups))
+        await scheduler.drain(1.0)
+        return done, scheduler.steps()
+
+    done, steps = run(main)
+    assert [c.finish.cached_prompt_tokens for c in done if c.finish] == [13] * 3
+    prefills = [(s.rows, s.padded_tokens, s.real_tokens) for s in steps if s.phase == "prefill"]
+    assert prefills == [(1, 10, 10), (3, 9, 9)]  # the three together: 16 tokens each would not fit
 
 
 def test_a_long_lone_prompt_is_prefilled_in_pieces_between_decode_steps(make_engine: EngineFactory) -> None:
