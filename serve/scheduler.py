@@ -358,8 +358,11 @@ class BatchRunner:
         return group.plus(tracker, self.engine.cached_tokens(tracker.request.prompt_ids))
 
     def _acceptable(self, running: _Group, group: _Group) -> bool:
+        # A prefix-cache hit runs alone (one weight pass each): two in a step save nothing, and the second
+        # would hold back the first one's first token and stall the running streams twice as long.
         return (
-            group.prefill_tokens <= self.limits.max_prefill_tokens
+            group.hits <= 1
+            and group.prefill_tokens <= self.limits.max_prefill_tokens
             and group.padding_ratio <= self.limits.max_padding_ratio
             and self._fits_kv(running, group)
         )
@@ -523,7 +526,8 @@ class _Group:
     padded_rows: int = 0  # members prefilled together
     longest: int = 0  # their longest prompt
     tokens: int = 0  # their prompt tokens, summed
-    alone: int = 0  # uncached prompt tokens of the members that start from the prefix cache
+    hits: int = 0  # members that start from the prefix cache
+    alone: int = 0  # their uncached prompt tokens
     reserved: int = 0  # the largest prompt + max_new_tokens
 
     @classmethod
@@ -538,9 +542,11 @@ class _Group:
         members, reserved = [*self.members, tracker], max(self.reserved, tracker.reserved_tokens)
         if cached:
             alone = self.alone + tracker.prompt_len - cached
-            return _Group(members, self.padded_rows, self.longest, self.tokens, alone, reserved)
+            return _Group(
+                members, self.padded_rows, self.longest, self.tokens, self.hits + 1, alone, reserved
+            )
         longest, tokens = max(self.longest, tracker.prompt_len), self.tokens + tracker.prompt_len
-        return _Group(members, self.padded_rows + 1, longest, tokens, self.alone, reserved)
+        return _Group(members, self.padded_rows + 1, longest, tokens, self.hits, self.alone, reserved)
 
     @property
     def prefill_tokens(self) -> int:

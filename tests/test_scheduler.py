@@ -805,24 +805,25 @@ def test_a_prompt_continuing_a_finished_one_is_prefilled_from_the_prefix_cache(
 def test_admission_counts_only_what_the_prefix_cache_lacks(make_engine: EngineFactory) -> None:
     engine = make_engine(max_batch_size=4, prefix_cache=True)
     first = prompt_of(10)
-    # Each follow-up is 16 tokens, 3 of them new: three of them cost 9 of the 12 prefill tokens a step.
     limits = SchedulerLimits(max_wait_seconds=0.0, max_prefill_tokens=12)
 
     async def main() -> tuple[list[Completion], list[StepRecord]]:
         scheduler = await started(engine, limits)
         a = await collect(scheduler.submit(request("a", first, max_new=4)))
         kept = [*first, *a.token_ids[:-1]]  # 13 tokens
-        follow_ups = [
-            scheduler.submit(request(f"f{i}", [*kept, 60 + i, 61, 62], max_new=3)) for i in range(3)
-        ]
-        done = await asyncio.gather(*(collect(h) for h in follow_ups))
+        # Two follow-ups of 16 tokens, 3 of them new, around an unrelated 8-token prompt.
+        prompts = [[*kept, 60, 61, 62], prompt_of(8, 20), [*kept, 63, 64, 65]]
+        handles = [scheduler.submit(request(f"r{i}", p, max_new=3)) for i, p in enumerate(prompts)]
+        done = await asyncio.gather(*(collect(h) for h in handles))
         await scheduler.drain(1.0)
         return done, scheduler.steps()
 
     done, steps = run(main)
-    assert [c.finish.cached_prompt_tokens for c in done if c.finish] == [13] * 3
+    assert [c.finish.cached_prompt_tokens for c in done if c.finish] == [13, 0, 13]
     prefills = [(s.rows, s.padded_tokens, s.real_tokens) for s in steps if s.phase == "prefill"]
-    assert prefills == [(1, 10, 10), (3, 9, 9)]  # the three together: 16 tokens each would not fit
+    # The first follow-up (3 tokens to compute) and the 8-token prompt fit 12 together; whole prompts would
+    # not (2 x 16). The second follow-up waits a step: hits run alone, one a step.
+    assert prefills == [(1, 10, 10), (2, 11, 11), (1, 3, 3)]
 
 
 def test_a_long_lone_prompt_is_prefilled_in_pieces_between_decode_steps(make_engine: EngineFactory) -> None:
