@@ -133,6 +133,7 @@ class Engine:
         self.spec = spec
         self.tokenizer = tokenizer
         self.max_batch_size = settings.max_batch_size
+        self.prefix_cache_rows = settings.prefix_cache_rows
         self.capacity = capacity
         self.session = create_session(graph_path, settings.session)
         self.providers: list[str] = self.session.get_providers()
@@ -218,6 +219,11 @@ class Engine:
     def kv_shape(self) -> tuple[int, ...]:
         """Shape of the live KV view the graph runs on: (rows, heads, capacity, head_dim)."""
         return (self.batch_size, *self._row_shape)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Memory of every KV row, running and prefix cache, on the engine's device."""
+        return (self.max_batch_size + self.prefix_cache_rows) * sum(b.row_bytes for b in self._kv)
 
     def kv_buffer_devices(self) -> list[str]:
         """The device ONNX Runtime reports for each KV buffer ("cpu", "cuda"), K and V per layer."""

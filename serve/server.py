@@ -147,6 +147,15 @@ async def load_model(settings: ServerSettings, metrics: Metrics | None) -> Loade
             f"{bundle.inplace_graph}: the graph does not match the manifest's architecture (or cannot run "
             f"here): its first step failed: {type(exc).__name__}: {detail}"
         ) from exc
+    log.info(
+        "KV cache: %d rows (%d running, %d prefix cache) of %d tokens, %.1f MiB on %s",
+        engine.max_batch_size + engine.prefix_cache_rows,
+        engine.max_batch_size,
+        engine.prefix_cache_rows,
+        engine.capacity,
+        engine.kv_bytes / 2**20,
+        engine.kv_device.type,
+    )
     scheduler = Scheduler(engine, scheduler_limits(settings), metrics)
     await scheduler.start()
     return LoadedModel(bundle, engine, scheduler, request_limits(settings, engine, scheduler))
@@ -409,6 +418,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 execution_providers=model.engine.providers,
                 eos_token_id=model.engine.eos_token_id,
                 server_version=server_version(),
+                prefix_cache_rows=model.engine.prefix_cache_rows,
+                kv_cache_bytes=model.engine.kv_bytes,
             )
 
     async def Tokenize(

@@ -181,6 +181,9 @@ def test_model_info(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> 
     assert info.max_batch_size == server.model.engine.max_batch_size
     assert "CPUExecutionProvider" in info.execution_providers
     assert info.server_version
+    engine = server.model.engine
+    assert info.prefix_cache_rows == engine.prefix_cache_rows == 4  # the default
+    assert info.kv_cache_bytes == sum(buffer.value.numpy().nbytes for buffer in engine._kv)  # the real ones
 
 
 def test_tokenize(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> None:

@@ -156,7 +156,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "context_length", "max_new_tokens_limit", "max_batch_size", "dtype", "quantization", "execution_providers", "eos_token_id", "server_version")
+    __slots__ = ("model_name", "vocab_size", "context_length", "max_new_tokens_limit", "max_batch_size", "dtype", "quantization", "execution_providers", "eos_token_id", "server_version", "prefix_cache_rows", "kv_cache_bytes")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,8 @@ class ModelInfo(_message.Message):
     EXECUTION_PROVIDERS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     context_length: int
@@ -177,7 +179,9 @@ class ModelInfo(_message.Message):
     execution_providers: _containers.RepeatedScalarFieldContainer[str]
     eos_token_id: int
     server_version: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., execution_providers: _Optional[_Iterable[str]] = ..., eos_token_id: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+    prefix_cache_rows: int
+    kv_cache_bytes: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., execution_providers: _Optional[_Iterable[str]] = ..., eos_token_id: _Optional[int] = ..., server_version: _Optional[str] = ..., prefix_cache_rows: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)
