@@ -30,7 +30,7 @@ from serve.errors import TextgenError, grpc_status
 from serve.request import Completion, Event, FinishEvent, GenerationRequest, RequestTracker, validate_request
 from serve.runtime import SessionConfig
 from serve.scheduler import Scheduler, SchedulerLimits
-from serve.server import finish_reason, request_limits, top_logprobs, warm_up
+from serve.server import finish_reason, request_limits, top_logprobs, usage, warm_up
 from serve.validation import check_request_id, generation_request, prompt_ids
 
 log = logging.getLogger("textgen.naive")
@@ -55,7 +55,9 @@ class NaiveService(pb_grpc.TextGenerationServicer):
             try:
                 out = engine.prefill([sequence])[0]
                 while True:
-                    event, finish = tracker.accept(out.token_id, out.logprob, time.monotonic(), out.top)
+                    event, finish = tracker.accept(
+                        out.token_id, out.logprob, time.monotonic(), out.top, out.prompt_logprobs
+                    )
                     if event is not None:
                         yield event
                     if finish is not None:
@@ -101,9 +103,10 @@ class NaiveService(pb_grpc.TextGenerationServicer):
             text=completion.text,
             token_ids=completion.token_ids,
             finish_reason=finish_reason(finish.finish_reason),
-            usage=pb.Usage(prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens),
+            usage=usage(finish),
             logprobs=completion.logprobs,
             top_logprobs=top_logprobs(completion.top_logprobs),
+            prompt_logprobs=completion.prompt_logprobs,
             queue_seconds=finish.queue_seconds,
             time_to_first_token_seconds=finish.ttft_seconds,
             total_seconds=finish.total_seconds,
@@ -134,7 +137,7 @@ def _stream_message(request_id: str, event: Event) -> pb.GenerateStreamResponse:
         return pb.GenerateStreamResponse(
             request_id=request_id,
             finish_reason=finish_reason(event.finish_reason),
-            usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+            usage=usage(event),
         )
     return pb.GenerateStreamResponse(
         request_id=request_id,
@@ -142,6 +145,7 @@ def _stream_message(request_id: str, event: Event) -> pb.GenerateStreamResponse:
         token_ids=event.token_ids,
         logprobs=event.logprobs,
         top_logprobs=top_logprobs(event.top_logprobs),
+        prompt_logprobs=event.prompt_logprobs,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -113,6 +114,7 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
         include_logprobs=args.logprobs or args.top_logprobs > 0,
         top_logprobs=args.top_logprobs,
         truncate_prompt_tokens=args.truncate_prompt_tokens,
+        include_prompt_logprobs=args.prompt_logprobs,
     )
 
 
@@ -137,6 +139,7 @@ def run_generate(stub: pb_grpc.TextGenerationStub, args: argparse.Namespace, out
                     "queue_s": f"{response.queue_seconds:.4f}",
                     "ttft_s": f"{response.time_to_first_token_seconds:.4f}",
                     "total_s": f"{response.total_seconds:.4f}",
+                    **_prompt_score(response.prompt_logprobs),
                 },
                 err,
             )
@@ -146,9 +149,11 @@ def run_generate(stub: pb_grpc.TextGenerationStub, args: argparse.Namespace, out
     tokens: list[int] = []
     logprobs: list[float] = []
     top: list[pb.TopLogprobs] = []
+    prompt: list[float] = []
     for message in stub.GenerateStream(request, metadata=metadata, timeout=args.timeout):
         out.write(message.text)
         out.flush()
+        prompt += message.prompt_logprobs
         tokens += message.token_ids
         logprobs += message.logprobs
         top += message.top_logprobs
@@ -162,11 +167,20 @@ def run_generate(stub: pb_grpc.TextGenerationStub, args: argparse.Namespace, out
                 "prompt_tokens": last.usage.prompt_tokens,
                 "cached_prompt_tokens": last.usage.cached_prompt_tokens,
                 "completion_tokens": last.usage.completion_tokens,
+                **_prompt_score(prompt),
             },
             err,
         )
         _report_logprobs(stub, args, tokens, logprobs, top, err)
     return 0
+
+
+def _prompt_score(logprobs: Sequence[float]) -> dict[str, str]:
+    """What --prompt-logprobs reports: the prompt's total logprob and perplexity (tokens 2..n)."""
+    if not logprobs:
+        return {}
+    total = sum(logprobs)
+    return {"prompt_logprob": f"{total:.4f}", "prompt_perplexity": f"{math.exp(-total / len(logprobs)):.3f}"}
 
 
 def _report_logprobs(
@@ -280,6 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--logprobs", action="store_true", help="ask for token logprobs")
     gen.add_argument(
         "--top-logprobs", type=_positive_or_zero, default=0, help="and the N most likely tokens of each step"
+    )
+    gen.add_argument(
+        "--prompt-logprobs",
+        action="store_true",
+        help="score the prompt: with --verbose, its logprob and perplexity over tokens 2..n",
     )
     gen.add_argument(
         "--truncate-prompt-tokens", type=_positive_or_zero, default=0, help="keep the prompt's last N tokens"

@@ -31,6 +31,7 @@ from tokenizers import Tokenizer
 
 from serve.errors import BundleError
 from serve.prefix_cache import PrefixCache
+from serve.prompt_scoring import PromptScorer
 from serve.runtime import (
     Device,
     SessionConfig,
@@ -86,6 +87,7 @@ class NewSequence:
     banned: tuple[int, ...] = ()  # token ids its first `banned_for` tokens may not be
     banned_for: int = 0
     top_logprobs: int = 0  # report this many most likely tokens of each step (TokenOut.top)
+    prompt_logprobs: bool = False  # score the prompt (the first TokenOut's prompt_logprobs)
 
 
 class TokenOut(NamedTuple):
@@ -95,6 +97,7 @@ class TokenOut(NamedTuple):
     token_id: int
     logprob: float  # NaN unless the sequence asked for logprobs
     top: Alternatives | None = None  # unless the sequence asked for top_logprobs
+    prompt_logprobs: list[float] | None = None  # on a sequence's first token, if it asked
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,12 @@ class _Staged:
 
 class Engine:
     def __init__(
-        self, graph_path: str, tokenizer: Tokenizer, spec: ModelSpec, settings: EngineSettings
+        self,
+        graph_path: str,
+        tokenizer: Tokenizer,
+        spec: ModelSpec,
+        settings: EngineSettings,
+        scoring_graph: str | None = None,  # the bundle's standard graph: prompt logprobs (prompt_scoring.py)
     ) -> None:
         if settings.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {settings.max_batch_size}")
@@ -163,6 +171,7 @@ class Engine:
         self._row_index = np.arange(settings.max_batch_size)
         self._prefix = PrefixCache(range(settings.max_batch_size, rows), settings.prefix_cache_min_tokens)
         self._untrusted: set[str] = set()  # running when a step failed: their rows are not kept
+        self._scorer = None if scoring_graph is None else PromptScorer(scoring_graph, settings.session)
         self._ids: list[str] = []
         self._staged: _Staged | None = None
         self._sampling = SamplingBatch()
@@ -193,7 +202,8 @@ class Engine:
         # GroupQueryAttention runs on CUDA anyway, so TensorRT gets only its engine cache and precision.
         trt = {k: v for k, v in bundle.tensorrt_options().items() if not k.startswith("trt_profile_")}
         session = replace(settings.session, tensorrt_options=trt)
-        return cls(str(bundle.inplace_graph), bundle.tokenizer, spec, replace(settings, session=session))
+        settings = replace(settings, session=session)
+        return cls(str(bundle.inplace_graph), bundle.tokenizer, spec, settings, str(bundle.standard_graph))
 
     # -- what the scheduler reads ------------------------------------------------------------------------
     @property
@@ -425,7 +435,18 @@ class Engine:
         self._sampling.extend(group)
         self._ids.extend(s.seq_id for s in new)
         self._lengths[n : n + len(new)] = lens
-        return self._emit(n, tokens, logprobs, group.alternatives)
+        outs = self._emit(n, tokens, logprobs, group.alternatives)
+        for i, seq in enumerate(new):
+            if seq.prompt_logprobs:
+                outs[i] = outs[i]._replace(prompt_logprobs=self.prompt_logprobs(seq.prompt_ids))
+        return outs
+
+    def prompt_logprobs(self, prompt_ids: Sequence[int]) -> list[float]:
+        """Each prompt token's logprob after the ones before it (len - 1 values); RuntimeError for an
+        engine made without the bundle's standard graph."""
+        if self._scorer is None:
+            raise RuntimeError("this engine was made without a scoring graph: it cannot score prompts")
+        return self._scorer.logprobs(prompt_ids)
 
     def _run(
         self,

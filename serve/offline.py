@@ -30,6 +30,7 @@ def generate(
     min_new_tokens: int = 0,
     stop_token_ids: tuple[int, ...] = (),
     top_logprobs: int = 0,
+    prompt_logprobs: bool = False,
     limits: SchedulerLimits = OFFLINE_LIMITS,
 ) -> list[Completion]:
     """Complete every prompt (text, or token ids) and return the completions in prompt order.
@@ -55,6 +56,7 @@ def generate(
                 stop_token_ids=stop_token_ids,
                 min_new_tokens=min_new_tokens,
                 top_logprobs=top_logprobs,
+                prompt_logprobs=prompt_logprobs,
             ),
             stop_at_context=True,
         )

@@ -42,6 +42,8 @@ class GenerationRequest:
     top_logprobs: int = 0
     # The matched stop string ends the text instead of being cut off with what follows.
     include_stop_str_in_output: bool = False
+    # Each prompt token's logprob after those before it, in the first TokenEvent (vLLM's prompt_logprobs).
+    prompt_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class TokenEvent:
     text: str
     logprobs: list[float]  # empty unless the request asked for them
     top_logprobs: list[Alternatives] = field(default_factory=list)  # one per token if asked for
+    prompt_logprobs: list[float] = field(default_factory=list)  # in the first event, if asked for
 
     @staticmethod
     def join(events: list[TokenEvent]) -> TokenEvent:
@@ -63,6 +66,7 @@ class TokenEvent:
             text="".join(e.text for e in events),
             logprobs=[lp for e in events for lp in e.logprobs],
             top_logprobs=[a for e in events for a in e.top_logprobs],
+            prompt_logprobs=[p for e in events for p in e.prompt_logprobs],
         )
 
 
@@ -177,6 +181,7 @@ class RequestTracker:
         self.cached_tokens = 0  # prompt tokens its prefill copied from the prefix cache (set at admission)
         self.completion_tokens = 0  # tokens handed to the client (EOS excluded)
         self.cancel_requested = False
+        self._prompt_scores: list[float] = []  # the prompt's logprobs, until the first event carries them
         self._eos = eos_token_id
         self._stop_ids = frozenset(request.stop_token_ids)
         self._limit = token_limit  # prompt + generated tokens may not exceed it
@@ -227,6 +232,7 @@ class RequestTracker:
             banned=ends if request.min_new_tokens else (),
             banned_for=request.min_new_tokens,
             top_logprobs=request.top_logprobs,
+            prompt_logprobs=request.prompt_logprobs,
         )
 
     def request_cancel(self) -> None:
@@ -249,13 +255,20 @@ class RequestTracker:
         self.times.finished = now
 
     def accept(
-        self, token_id: int, logprob: float, now: float, top: Alternatives | None = None
+        self,
+        token_id: int,
+        logprob: float,
+        now: float,
+        top: Alternatives | None = None,
+        prompt_logprobs: list[float] | None = None,
     ) -> tuple[TokenEvent | None, FinishEvent | None]:
-        """Take the engine's next token (with its logprob and, if asked for, the step's most likely tokens);
-        returns what to send (either may be None) and stops when due."""
+        """Take the engine's next token (with its logprob and, if asked for, the step's most likely tokens,
+        and with the first token the prompt's logprobs); returns what to send (either may be None) and
+        stops when due."""
         if self.state is RequestState.PREFILLING:
             self._move(RequestState.DECODING)
             self.times.first_token = now
+            self._prompt_scores = prompt_logprobs or []
         self.times.last_token = now
         self.produced += 1
         if token_id == self._eos and not self.request.ignore_eos:
@@ -298,13 +311,13 @@ class RequestTracker:
             return "context"
         return None
 
-    @staticmethod
     def _event(
-        token_ids: list[int], text: str, logprobs: list[float], top: list[Alternatives]
+        self, token_ids: list[int], text: str, logprobs: list[float], top: list[Alternatives]
     ) -> TokenEvent | None:
-        if not token_ids and not text:
+        scores, self._prompt_scores = self._prompt_scores, []
+        if not token_ids and not text and not scores:
             return None
-        return TokenEvent(token_ids=token_ids, text=text, logprobs=logprobs, top_logprobs=top)
+        return TokenEvent(token_ids, text, logprobs, top, scores)
 
     def _finish(self, reason: str, now: float) -> FinishEvent:
         self._move(RequestState.FINISHED)
@@ -342,6 +355,7 @@ class Completion:
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[Alternatives] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
     finish: FinishEvent | None = None
 
     def add(self, event: Event) -> None:
@@ -352,6 +366,7 @@ class Completion:
         self.text += event.text
         self.logprobs.extend(event.logprobs)
         self.top_logprobs.extend(event.top_logprobs)
+        self.prompt_logprobs.extend(event.prompt_logprobs)
 
     @property
     def finish_reason(self) -> str:

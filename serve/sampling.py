@@ -109,6 +109,15 @@ def _check_bias(token: object, bias: object) -> None:
         )
 
 
+def chosen_logprobs(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """log_softmax(logits[i])[tokens[i]] for each row i of [n, vocab] logits, as float32 [n]. (The engine's
+    own reporting, `SamplingBatch._report`, shares a normalizer with the alternatives in a reused buffer.)"""
+    scores = np.asarray(logits, dtype=np.float32)
+    peak = scores.max(axis=1, keepdims=True)
+    log_norm = np.log(np.exp(scores - peak).sum(axis=1)) + peak[:, 0]
+    return scores[np.arange(len(scores)), tokens] - log_norm
+
+
 def _active_rows(logits: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """The rows a processor changes, as a block it may modify, and their indices (None: all rows)."""
     if active.all():

@@ -360,6 +360,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 usage=usage(finish),
                 logprobs=completion.logprobs,
                 top_logprobs=top_logprobs(completion.top_logprobs),
+                prompt_logprobs=completion.prompt_logprobs,
                 queue_seconds=finish.queue_seconds,
                 time_to_first_token_seconds=finish.ttft_seconds,
                 total_seconds=finish.total_seconds,
@@ -395,6 +396,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                             token_ids=event.token_ids,
                             logprobs=event.logprobs,
                             top_logprobs=top_logprobs(event.top_logprobs),
+                            prompt_logprobs=event.prompt_logprobs,
                         )
             finally:
                 handle.cancel()  # frees the slot when the client goes away; no effect once finished

@@ -189,4 +189,5 @@ def generation_request(
         min_new_tokens=stopping.min_new_tokens,
         top_logprobs=request.top_logprobs,
         include_stop_str_in_output=stopping.include_stop_str_in_output,
+        prompt_logprobs=request.include_prompt_logprobs,
     )

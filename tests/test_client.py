@@ -93,12 +93,24 @@ def test_verbose_generate_reports_usage_and_timings(
         assert field in usage
 
 
+def test_verbose_generate_reports_the_prompts_score(
+    server: RunningServer, pki_files: dict[str, Path]
+) -> None:
+    for stream in ([], ["--stream"]):
+        flags = ["--max-new-tokens", "2", "--prompt-logprobs", "--verbose", *stream]
+        code, _, report = run(server, pki_files, "generate", "the quick brown fox", *flags)
+        assert code == 0
+        fields = dict(item.split("=", 1) for item in report.split() if "=" in item)
+        assert float(fields["prompt_logprob"]) < 0 and float(fields["prompt_perplexity"]) > 1
+
+
 def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
     flags = (
         "generate hi --temperature 0.7 --top-k 5 --top-p 0.9 --min-p 0.05 --repetition-penalty 1.1 "
         "--frequency-penalty 0.5 --presence-penalty -0.5 --logit-bias 5=-100 --logit-bias 9=2.5 --seed 3 "
         "--max-new-tokens 9 --min-new-tokens 2 --truncate-prompt-tokens 30 "
-        "--stop-token-id 7 --stop-token-id 11 --stop END --include-stop-str --ignore-eos --top-logprobs 4"
+        "--stop-token-id 7 --stop-token-id 11 --stop END --include-stop-str --ignore-eos --top-logprobs 4 "
+        "--prompt-logprobs"
     )
     args = build_parser().parse_args(flags.split(" "))
     request = generate_request(args)
@@ -114,7 +126,7 @@ def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
     )
     assert list(stopping.stop) == ["END"] and stopping.ignore_eos and stopping.include_stop_str_in_output
     assert request.include_logprobs and request.top_logprobs == 4  # top logprobs imply logprobs
-    assert request.truncate_prompt_tokens == 30
+    assert request.truncate_prompt_tokens == 30 and request.include_prompt_logprobs
 
 
 @pytest.mark.parametrize("bad", ["5", "x=1", "5=high", "-3=1"])

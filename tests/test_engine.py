@@ -13,6 +13,7 @@ from scheduler_fakes import shared_prefix
 from export.checkpoint import load_checkpoint
 from export.model import Decoder
 from export.onnx_inplace import build_inplace_graph
+from serve.bundle import load_bundle
 from serve.engine import Engine, EngineSettings, ModelSpec, NewSequence, TokenOut
 from serve.offline import generate
 from serve.runtime import Device, SessionConfig, allocate, copy_graph, create_copy_session, kv_device
@@ -221,6 +222,27 @@ def test_stop_strings_wait_for_min_new_tokens(demo: tuple[Decoder, Engine]) -> N
     later = plain.text.find(stop, len(engine.tokenizer.decode(plain.token_ids[:5])))
     assert later > first and held.finish_reason == "stop" and held.text == plain.text[:later]
     assert len(held.token_ids) >= 6 and held.token_ids == plain.token_ids[: len(held.token_ids)]
+
+
+def test_prompt_logprobs_equal_pytorch_and_come_with_the_first_token(
+    demo: tuple[Decoder, Engine], demo_bundle: Path
+) -> None:
+    model, _ = demo
+    engine = Engine.from_bundle(load_bundle(demo_bundle), EngineSettings(max_batch_size=4))
+    prompts = [encode(engine, text) for text in PROMPTS[:3]]
+    scored = generate(engine, prompts, max_new_tokens=3, prompt_logprobs=True)
+    plain = generate(engine, prompts, max_new_tokens=3)
+    for prompt, got, without in zip(prompts, scored, plain, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            logits, _ = model(ids, torch.ones_like(ids), torch.arange(len(prompt))[None])
+        reference = torch.log_softmax(logits[0, :-1], dim=-1)[torch.arange(len(prompt) - 1), ids[0, 1:]]
+        np.testing.assert_allclose(got.prompt_logprobs, reference.numpy(), atol=1e-4)
+        assert got.token_ids == without.token_ids and not without.prompt_logprobs
+    # A one-token prompt has nothing to score; an engine made without the bundle's standard graph refuses.
+    assert generate(engine, [[5]], max_new_tokens=1, prompt_logprobs=True)[0].prompt_logprobs == []
+    with pytest.raises(RuntimeError, match="cannot score"):
+        demo[1].prompt_logprobs(prompts[0])
 
 
 def test_top_logprobs_through_the_offline_api(demo: tuple[Decoder, Engine]) -> None:

@@ -129,6 +129,21 @@ def test_top_logprobs_in_whole_and_streamed_replies(stub: pb_grpc.TextGeneration
     assert not stub.Generate(greedy(2, include_logprobs=True)).top_logprobs
 
 
+def test_prompt_logprobs_in_whole_and_streamed_replies(
+    stub: pb_grpc.TextGenerationStub, server: RunningServer
+) -> None:
+    whole = stub.Generate(greedy(4, include_prompt_logprobs=True))
+    parts = list(stub.GenerateStream(greedy(4, include_prompt_logprobs=True)))
+    prompt = server.model.engine.tokenizer.encode(PROMPT).ids
+    assert len(whole.prompt_logprobs) == len(prompt) - 1
+    assert list(whole.prompt_logprobs) == pytest.approx(server.model.engine.prompt_logprobs(prompt), abs=1e-6)
+    assert all(lp <= 0 for lp in whole.prompt_logprobs)
+    assert list(parts[0].prompt_logprobs) == list(whole.prompt_logprobs)  # the first message carries them
+    assert not any(part.prompt_logprobs for part in parts[1:])
+    assert [t for p in parts for t in p.token_ids] == list(whole.token_ids)
+    assert not stub.Generate(greedy(2)).prompt_logprobs
+
+
 def test_a_prompt_longer_than_the_context_is_served_when_truncated(
     stub: pb_grpc.TextGenerationStub, server: RunningServer
 ) -> None:

@@ -1,0 +1,55 @@
+"""Prompt logprobs (vLLM's `prompt_logprobs`, TGI's `decoder_input_details`): how likely the model finds each
+prompt token after the ones before it, what evaluation harnesses score texts with.
+
+The serving graph returns one position's logits per row (its head runs on the last position only: see
+export/onnx_inplace.py), so a prompt is scored by the bundle's standard graph, which returns every
+position's logits, run on the prompt alone with an empty past. Its session is created on first use, with the
+serving session's providers and threads: it holds a second copy of the weights, which a server that is never
+asked for prompt logprobs does not pay for. On an INT8 bundle the two graphs are quantized separately, so
+the scores can differ from the serving graph's logprobs in the last digits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from serve.runtime import SessionConfig, create_session
+from serve.sampling import chosen_logprobs
+
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+class PromptScorer:
+    def __init__(self, graph_path: str, session: SessionConfig) -> None:
+        self._graph_path = graph_path
+        self._config = session
+        self._session: Any = None
+        self._empty_past: dict[str, np.ndarray] = {}
+
+    def logprobs(self, prompt_ids: Sequence[int]) -> list[float]:
+        """Each prompt token's logprob given the tokens before it: len(prompt_ids) - 1 values (the first
+        token has nothing before it), under the model's raw distribution."""
+        if len(prompt_ids) < 2:
+            return []
+        session = self._session or self._open()
+        ids = np.asarray(prompt_ids, dtype=np.int64)[None]
+        feed = {
+            "input_ids": ids,
+            "attention_mask": np.ones_like(ids),
+            "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None],
+            **self._empty_past,
+        }
+        (logits,) = session.run(["logits"], feed)  # [1, len, vocab]
+        return chosen_logprobs(logits[0, :-1], ids[0, 1:]).tolist()  # position i predicts token i + 1
+
+    def _open(self) -> Any:
+        session = create_session(self._graph_path, self._config)
+        for spec in session.get_inputs():
+            if spec.name.startswith("past_"):  # [batch, heads, past, head_dim]: one row, nothing past
+                _, heads, _, head_dim = spec.shape
+                self._empty_past[spec.name] = np.zeros((1, heads, 0, head_dim), _NUMPY_TYPES[spec.type])
+        self._session = session
+        return session
