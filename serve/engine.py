@@ -1,9 +1,10 @@
 """The generation engine: one prefill or one decode step at a time over a slot-based, in-place KV cache.
 
-Rows [0, n) of preallocated `[max_batch_size, heads, capacity, head_dim]` buffers (one K and one V per layer)
-hold the running sequences, right-padded: row r's valid cache entries are [0, lengths[r]). A prefill group
-is written straight into rows [n, n + k), a contiguous range, so joining copies nothing; a sequence that
-leaves is replaced by the last row (swap-remove), which copies that whole row. The buffers are bound as both
+Rows [0, n) of preallocated `[max_batch_size + prefix_cache_rows, heads, capacity, head_dim]` buffers (one K
+and one V per layer) hold the running sequences, right-padded: row r's valid cache entries are
+[0, lengths[r]). A prefill group is written straight into rows [n, n + k), a contiguous range, so joining
+copies nothing; a sequence that leaves is replaced by the last row (swap-remove), which copies that row. The
+rows past max_batch_size are the prefix cache's (serve/prefix_cache.py). The buffers are bound as both
 the past input and the present output of the serving graph, so GroupQueryAttention appends each step's keys
 and values in place (see export/onnx_inplace.py for the graph's semantics).
 
@@ -31,7 +32,7 @@ from tokenizers import Tokenizer
 
 from serve.errors import BundleError
 from serve.prefix_cache import PrefixCache
-from serve.prompt_scoring import PromptScorer
+from serve.prompt_scoring import PromptScorer, scoring_session
 from serve.runtime import (
     Device,
     SessionConfig,
@@ -171,7 +172,11 @@ class Engine:
         self._row_index = np.arange(settings.max_batch_size)
         self._prefix = PrefixCache(range(settings.max_batch_size, rows), settings.prefix_cache_min_tokens)
         self._untrusted: set[str] = set()  # running when a step failed: their rows are not kept
-        self._scorer = None if scoring_graph is None else PromptScorer(scoring_graph, settings.session)
+        self._scorer = (
+            None
+            if scoring_graph is None
+            else PromptScorer(scoring_graph, scoring_session(settings.session, self.providers))
+        )
         self._ids: list[str] = []
         self._staged: _Staged | None = None
         self._sampling = SamplingBatch()

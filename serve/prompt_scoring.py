@@ -12,14 +12,21 @@ the scores can differ from the serving graph's logprobs in the last digits.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from serve.runtime import SessionConfig, create_session
+from serve.runtime import TENSORRT, SessionConfig, create_session
 from serve.sampling import chosen_logprobs
 
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def scoring_session(serving: SessionConfig, providers: Sequence[str]) -> SessionConfig:
+    """The scorer's session: the serving session's threads and providers (as resolved), but TensorRT, which
+    builds an engine per input shape profile while prompts come in every length."""
+    return replace(serving, providers=tuple(p for p in providers if p != TENSORRT), tensorrt_options={})
 
 
 class PromptScorer:

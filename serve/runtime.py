@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 # Best first: TensorRT builds whole-graph engines, CUDA runs what TensorRT leaves (e.g. GroupQueryAttention).
 PROVIDER_PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+TENSORRT = PROVIDER_PREFERENCE[0]
 SHORT_NAMES = {
     "tensorrt": PROVIDER_PREFERENCE[0],
     "cuda": PROVIDER_PREFERENCE[1],

@@ -16,6 +16,7 @@ from export.onnx_inplace import build_inplace_graph
 from serve.bundle import load_bundle
 from serve.engine import Engine, EngineSettings, ModelSpec, NewSequence, TokenOut
 from serve.offline import generate
+from serve.prompt_scoring import scoring_session
 from serve.runtime import Device, SessionConfig, allocate, copy_graph, create_copy_session, kv_device
 from serve.sampling import SamplingParams
 
@@ -534,3 +535,11 @@ def test_the_scoring_benchmark_times_prefill_and_scoring_for_each_length(tiny_bu
     results = main(["--bundle", str(tiny_bundle), "--lengths", "4", "16", "--repeats", "2"])
     assert list(results) == [4, 16]
     assert all(r["prefill_s"] > 0 and r["scoring_s"] > 0 for r in results.values())
+
+
+def test_the_scorer_runs_on_the_serving_providers_but_tensorrt() -> None:
+    serving = SessionConfig(threads=3, tensorrt_options={"trt_fp16_enable": "True"})
+    providers = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    scoring = scoring_session(serving, providers)
+    assert scoring.providers == ("CUDAExecutionProvider", "CPUExecutionProvider")
+    assert scoring.threads == 3 and not scoring.tensorrt_options
