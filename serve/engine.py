@@ -268,7 +268,7 @@ class Engine:
 
     def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
         """How many of this prompt's tokens a prefill now would copy from the prefix cache (0: none)."""
-        return _reusable(self._prefix.match(prompt_ids))
+        return _reusable(self._hit(prompt_ids))
 
     def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]:
         """Run the prompts of `new` as one right-padded group; they join the batch. Returns first tokens.
@@ -285,7 +285,7 @@ class Engine:
         if not new:
             return []
         self._check_joining(new)
-        hits = [self._prefix.match(seq.prompt_ids) for seq in new]
+        hits = [self._hit(seq.prompt_ids) for seq in new]
         # One sequence only: GroupQueryAttention (ONNX Runtime 1.32) refuses a piece over a cached prefix for
         # more than one row ("batch_size must be 1 when sequence_length > 1 and past context is given").
         if chunk > 0 and k == 1 and len(new[0].prompt_ids) - _reusable(hits[0]) > chunk:
@@ -396,8 +396,15 @@ class Engine:
         positions = np.broadcast_to(np.arange(width, dtype=np.int64), (k, width))
         return self._run(slice(first_row, first_row + k), ids, positions, lens - 1, width, lens - 1)
 
+    def _hit(self, prompt_ids: Sequence[int]) -> tuple[int, int] | None:
+        """The row (kept, or running) to copy a prompt's prefix from, and the tokens it gives; None: none."""
+        if not self._prefix.rows:
+            return None
+        running = [(r, self._tokens[r, : self._lengths[r]]) for r in range(self.batch_size)]
+        return self._prefix.match(prompt_ids, running)
+
     def _reuse(self, hit: tuple[int, int] | None, row: int, seq: NewSequence) -> int:
-        """Copy a prefix cache hit's row into `row`; returns how many prompt tokens it holds (0: no hit)."""
+        """Copy a hit's row (kept or running) into `row`; returns the prompt tokens it gave (0: no hit)."""
         if hit is None:
             return 0
         source, reused = hit

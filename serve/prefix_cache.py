@@ -3,8 +3,10 @@
 The engine's KV buffers have a few rows beyond the running batch's. When a sequence leaves, the engine may
 copy its row there (`store` says where); a later prompt that begins with the same tokens (a shared system
 prompt, the next turn of a chat: prompt + answer + new message) copies that row into its own and prefills
-only the rest (`match`). This module holds only the bookkeeping: which token ids each kept row holds, and
-which row to give up (least recently stored or matched). It never touches the buffers.
+only the rest (`match`). A sequence still running is as good a source: a burst of prompts sharing a system
+prompt reuses the first one's row as soon as it runs. This module holds only the bookkeeping: which token
+ids each kept row holds, and which row to give up (least recently stored or matched). It never touches the
+buffers.
 
 A row is worth keeping or reusing only from `min_tokens` tokens up: copying a row costs about as much as
 prefilling a few tokens, and a reused prefix is prefilled alone rather than with the rest of its group.
@@ -37,18 +39,22 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def match(self, prompt_ids: Sequence[int]) -> tuple[int, int] | None:
-        """The kept row sharing the longest prefix with `prompt_ids`, and how many of its tokens the prompt
-        can reuse (its last token is always left to prefill: its logits choose the first new token), or
-        None when no row offers `min_tokens`. Pure: `use` marks the row as used."""
-        if not self._kept:
+    def match(
+        self, prompt_ids: Sequence[int], running: Sequence[tuple[int, np.ndarray]] = ()
+    ) -> tuple[int, int] | None:
+        """The row sharing the longest prefix with `prompt_ids`, and how many of its tokens the prompt can
+        reuse (its last token is always left to prefill: its logits choose the first new token), or None
+        when no row offers `min_tokens` (or the cache has no rows: prefix caching is off). The rows are the
+        kept ones and `running`: (row, token ids in its filled positions) of sequences still running, whose
+        filled positions are as good a source. Pure: `use` marks a kept row as used."""
+        if not self.rows or not (self._kept or running):
             return None
         prompt = np.asarray(prompt_ids, dtype=np.int64)
         best: tuple[int, int] | None = None
-        for kept in self._kept:
-            reusable = min(_common_prefix(kept.tokens, prompt), len(prompt) - 1)
+        for row, tokens in [*((kept.row, kept.tokens) for kept in self._kept), *running]:
+            reusable = min(_common_prefix(tokens, prompt), len(prompt) - 1)
             if reusable >= self.min_tokens and (best is None or reusable > best[1]):
-                best = (kept.row, reusable)
+                best = (row, reusable)
         return best
 
     def use(self, row: int) -> None:

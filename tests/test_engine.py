@@ -494,12 +494,13 @@ def test_prefix_cache_batch_invariance_with_a_shared_system_prompt(
     rng = np.random.default_rng(3)
     prompts = [[*system, *encode(cached, PROMPTS[i % 6])[: 2 + int(rng.integers(0, 8))]] for i in range(8)]
     alone = {i: run_alone(reference, p, 16) for i, p in enumerate(prompts)}
-    # In waves: later ones find earlier ones kept, and neighbours come and go around them.
+    # In waves: later ones find earlier ones running or kept, and neighbours come and go around them.
     waves = {0: [0, 1], 2: [2], 9: [3, 4], 17: [5], 20: [6, 7]}
     reused: list[int] = []
     monkeypatch.setattr(cached._prefix, "use", reused.append)  # called once for every hit
     assert staggered(cached, prompts, 16, waves) == alone
-    assert len(reused) == 3  # 5, 6 and 7 started from kept rows
+    # 2, 3 and 4 arrive while others run and copy a running row (0..7); 5, 6 and 7 find kept rows (8..10).
+    assert len(reused) == 6 and all(row < 8 for row in reused[:3]) and all(row >= 8 for row in reused[3:])
 
 
 def test_prefix_cache_keeps_the_most_recent_and_nothing_a_failed_step_touched(
@@ -543,3 +544,24 @@ def test_the_scorer_runs_on_the_serving_providers_but_tensorrt() -> None:
     scoring = scoring_session(serving, providers)
     assert scoring.providers == ("CUDAExecutionProvider", "CPUExecutionProvider")
     assert scoring.threads == 3 and not scoring.tensorrt_options
+
+
+def test_a_prompt_can_start_from_a_sequence_still_running(
+    demo: tuple[Decoder, Engine], cached: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, reference = demo
+    system = encode(cached, PROMPTS[4] * 3)
+    a, b = [*system, *encode(cached, "x")], [*system, *encode(cached, " y = 1")]
+    alone = {"a": run_alone(reference, a, 10), "b": run_alone(reference, b, 10)}
+    out = {"a": [cached.prefill([NewSequence("a", a, GREEDY)])[0].token_id], "b": []}
+    out["a"].append(cached.decode()[0].token_id)
+    shared = cached.cached_tokens(b)
+    assert shared >= len(system)  # from a's row: nothing is kept yet, a still runs
+    runs = prefill_sizes(cached, monkeypatch)
+    out["b"].append(cached.prefill([NewSequence("b", b, GREEDY)])[0].token_id)
+    assert runs == [(1, len(b) - shared)]
+    while min(len(tokens) for tokens in out.values()) < 10:
+        for t in cached.decode():
+            out[t.seq_id].append(t.token_id)
+    cached.release(["a", "b"])
+    assert {k: v[:10] for k, v in out.items()} == alone  # a is undisturbed, b as if prefilled whole

@@ -30,6 +30,16 @@ def test_match_takes_the_longest_shared_prefix_and_leaves_the_last_prompt_token(
     assert cache.match([2, 1, 2, 3]) is None  # a prefix, not a substring
 
 
+def test_running_rows_are_candidates_too_but_only_with_cache_rows() -> None:
+    cache = PrefixCache(rows=[8], min_tokens=2)
+    cache.store(ids(1, 2, 3))
+    running = [(0, ids(1, 2, 3, 4, 5)), (1, ids(7, 7, 7))]
+    assert cache.match([1, 2, 3, 4, 5, 6], running) == (0, 5)  # the running row shares more
+    assert cache.match([1, 2, 3, 9], running) == (8, 3)  # the kept row comes first on a tie
+    assert cache.match([7, 7, 0], running) == (1, 2)
+    assert PrefixCache(rows=[], min_tokens=2).match([1, 2, 3, 4, 5, 6], running) is None  # caching off
+
+
 def test_store_extends_a_previous_turn_and_skips_what_is_already_kept() -> None:
     cache = PrefixCache(rows=[4, 5], min_tokens=3)
     assert cache.store(ids(1, 2)) is None  # too short to be worth a copy
@@ -124,13 +134,15 @@ def test_the_prefix_benchmark_runs_every_case_and_reuses_what_it_says(
         ]
     )
     cases = json.loads(out.read_text())["cases"]
-    assert len(cases) == 4
+    assert len(cases) == 5
     for figures in cases.values():
         for by_engine in figures.values():
             assert list(by_engine) == ["4 rows", "0 rows"] and all(len(v) == 2 for v in by_engine.values())
     chat = next(figures for case, figures in cases.items() if case.startswith("chat"))
     # The previous prompt and its answer, but the answer's last token (never fed back), came from the cache.
     assert chat["cached prompt tokens"] == {"4 rows": [16 + ANSWER - 1] * 2, "0 rows": [0, 0]}
-    burst = next(figures for case, figures in cases.items() if "system" in case)
-    assert all(n >= BURST * 16 for n in burst["cached prompt tokens"]["4 rows"])
-    assert burst["cached prompt tokens"]["0 rows"] == [0, 0]
+    warm, cold = (figures for case, figures in cases.items() if "system" in case)
+    assert all(n >= BURST * 16 for n in warm["cached prompt tokens"]["4 rows"])
+    # Cold: what is not prefilled in the burst's first group starts from a running row.
+    assert all(n >= 16 for n in cold["cached prompt tokens"]["4 rows"])
+    assert warm["cached prompt tokens"]["0 rows"] == cold["cached prompt tokens"]["0 rows"] == [0, 0]
