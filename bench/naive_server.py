@@ -56,7 +56,7 @@ class NaiveService(pb_grpc.TextGenerationServicer):
                 out = engine.prefill([sequence])[0]
                 while True:
                     event, finish = tracker.accept(
-                        out.token_id, out.logprob, time.monotonic(), out.top, out.prompt_logprobs
+                        out.token_id, out.logprob, time.monotonic(), out.top, out.prompt
                     )
                     if event is not None:
                         yield event
@@ -107,6 +107,7 @@ class NaiveService(pb_grpc.TextGenerationServicer):
             logprobs=completion.logprobs,
             top_logprobs=top_logprobs(completion.top_logprobs),
             prompt_logprobs=completion.prompt_logprobs,
+            prompt_top_logprobs=top_logprobs(completion.prompt_top_logprobs),
             queue_seconds=finish.queue_seconds,
             time_to_first_token_seconds=finish.ttft_seconds,
             total_seconds=finish.total_seconds,
@@ -146,6 +147,7 @@ def _stream_message(request_id: str, event: Event) -> pb.GenerateStreamResponse:
         logprobs=event.logprobs,
         top_logprobs=top_logprobs(event.top_logprobs),
         prompt_logprobs=event.prompt_logprobs,
+        prompt_top_logprobs=top_logprobs(event.prompt_top_logprobs),
     )
 
 

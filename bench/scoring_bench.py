@@ -1,6 +1,6 @@
 """What prompt logprobs cost: scoring a prompt beside prefilling it, on one engine, alternated.
 
-`Engine.prompt_logprobs` runs the bundle's standard graph over the prompt (every position's logits) while
+`Engine.score_prompt` runs the bundle's standard graph over the prompt (every position's logits) while
 a prefill runs the serving graph (the head on the last position only), so a request that asks for prompt
 logprobs pays about one more prefill, plus the head over every position. Prints the median of each for
 prompts of a few lengths and their ratio (scoring ÷ prefill); the first scoring call (the session's
@@ -33,7 +33,7 @@ def prefill_seconds(engine: Engine, prompt: list[int]) -> float:
 
 def scoring_seconds(engine: Engine, prompt: list[int]) -> float:
     start = time.perf_counter()
-    engine.prompt_logprobs(prompt)
+    engine.score_prompt(prompt)
     return time.perf_counter() - start
 
 

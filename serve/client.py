@@ -114,7 +114,8 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
         include_logprobs=args.logprobs or args.top_logprobs > 0,
         top_logprobs=args.top_logprobs,
         truncate_prompt_tokens=args.truncate_prompt_tokens,
-        include_prompt_logprobs=args.prompt_logprobs,
+        include_prompt_logprobs=args.prompt_logprobs or args.prompt_top_logprobs > 0,
+        prompt_top_logprobs=args.prompt_top_logprobs,
     )
 
 
@@ -139,7 +140,7 @@ def run_generate(stub: pb_grpc.TextGenerationStub, args: argparse.Namespace, out
                     "queue_s": f"{response.queue_seconds:.4f}",
                     "ttft_s": f"{response.time_to_first_token_seconds:.4f}",
                     "total_s": f"{response.total_seconds:.4f}",
-                    **_prompt_score(response.prompt_logprobs),
+                    **_prompt_score(response.prompt_logprobs, response.prompt_top_logprobs),
                 },
                 err,
             )
@@ -150,10 +151,12 @@ def run_generate(stub: pb_grpc.TextGenerationStub, args: argparse.Namespace, out
     logprobs: list[float] = []
     top: list[pb.TopLogprobs] = []
     prompt: list[float] = []
+    prompt_top: list[pb.TopLogprobs] = []
     for message in stub.GenerateStream(request, metadata=metadata, timeout=args.timeout):
         out.write(message.text)
         out.flush()
         prompt += message.prompt_logprobs
+        prompt_top += message.prompt_top_logprobs
         tokens += message.token_ids
         logprobs += message.logprobs
         top += message.top_logprobs
@@ -167,7 +170,7 @@ def run_generate(stub: pb_grpc.TextGenerationStub, args: argparse.Namespace, out
                 "prompt_tokens": last.usage.prompt_tokens,
                 "cached_prompt_tokens": last.usage.cached_prompt_tokens,
                 "completion_tokens": last.usage.completion_tokens,
-                **_prompt_score(prompt),
+                **_prompt_score(prompt, prompt_top),
             },
             err,
         )
@@ -175,12 +178,19 @@ def run_generate(stub: pb_grpc.TextGenerationStub, args: argparse.Namespace, out
     return 0
 
 
-def _prompt_score(logprobs: Sequence[float]) -> dict[str, str]:
-    """What --prompt-logprobs reports: the prompt's total logprob and perplexity (tokens 2..n)."""
+def _prompt_score(logprobs: Sequence[float], top: Sequence[pb.TopLogprobs]) -> dict[str, str]:
+    """What --prompt-logprobs reports: the prompt's total logprob and perplexity (tokens 2..n); with
+    --prompt-top-logprobs also how many of those tokens were the model's first choice (what evaluation
+    harnesses call is_greedy)."""
     if not logprobs:
         return {}
     total = sum(logprobs)
-    return {"prompt_logprob": f"{total:.4f}", "prompt_perplexity": f"{math.exp(-total / len(logprobs)):.3f}"}
+    perplexity = math.exp(-total / len(logprobs))
+    report = {"prompt_logprob": f"{total:.4f}", "prompt_perplexity": f"{perplexity:.3f}"}
+    if top:  # the same computation gives a token that is the first choice exactly the first logprob
+        greedy = sum(1 for lp, step in zip(logprobs, top, strict=True) if lp == step.logprobs[0])
+        report["prompt_greedy"] = f"{greedy}/{len(logprobs)}"
+    return report
 
 
 def _report_logprobs(
@@ -299,6 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-logprobs",
         action="store_true",
         help="score the prompt: with --verbose, its logprob and perplexity over tokens 2..n",
+    )
+    gen.add_argument(
+        "--prompt-top-logprobs",
+        type=_positive_or_zero,
+        default=0,
+        help="and the N most likely tokens at each prompt position (--verbose: how many were first)",
     )
     gen.add_argument(
         "--truncate-prompt-tokens", type=_positive_or_zero, default=0, help="keep the prompt's last N tokens"

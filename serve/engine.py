@@ -44,7 +44,7 @@ from serve.runtime import (
     ortvalue,
     session_device_id,
 )
-from serve.sampling import Alternatives, SamplingBatch, SamplingParams
+from serve.sampling import Alternatives, PromptScores, SamplingBatch, SamplingParams
 
 if TYPE_CHECKING:
     from serve.bundle import Bundle
@@ -88,7 +88,8 @@ class NewSequence:
     banned: tuple[int, ...] = ()  # token ids its first `banned_for` tokens may not be
     banned_for: int = 0
     top_logprobs: int = 0  # report this many most likely tokens of each step (TokenOut.top)
-    prompt_logprobs: bool = False  # score the prompt (the first TokenOut's prompt_logprobs)
+    prompt_logprobs: bool = False  # score the prompt (the first TokenOut's `prompt`)
+    prompt_top_logprobs: int = 0  # and list this many most likely tokens at each of its positions
 
 
 class TokenOut(NamedTuple):
@@ -98,7 +99,7 @@ class TokenOut(NamedTuple):
     token_id: int
     logprob: float  # NaN unless the sequence asked for logprobs
     top: Alternatives | None = None  # unless the sequence asked for top_logprobs
-    prompt_logprobs: list[float] | None = None  # on a sequence's first token, if it asked
+    prompt: PromptScores | None = None  # on a sequence's first token, if it asked for prompt logprobs
 
 
 @dataclass(frozen=True)
@@ -450,15 +451,16 @@ class Engine:
         outs = self._emit(n, tokens, logprobs, group.alternatives)
         for i, seq in enumerate(new):
             if seq.prompt_logprobs:
-                outs[i] = outs[i]._replace(prompt_logprobs=self.prompt_logprobs(seq.prompt_ids))
+                outs[i] = outs[i]._replace(prompt=self.score_prompt(seq.prompt_ids, seq.prompt_top_logprobs))
         return outs
 
-    def prompt_logprobs(self, prompt_ids: Sequence[int]) -> list[float]:
-        """Each prompt token's logprob after the ones before it (len - 1 values); RuntimeError for an
-        engine made without the bundle's standard graph."""
+    def score_prompt(self, prompt_ids: Sequence[int], top: int = 0) -> PromptScores:
+        """Each prompt token's logprob after the ones before it (len - 1 values) and, with `top`, the most
+        likely tokens of each position; RuntimeError for an engine made without the bundle's standard
+        graph."""
         if self._scorer is None:
             raise RuntimeError("this engine was made without a scoring graph: it cannot score prompts")
-        return self._scorer.logprobs(prompt_ids)
+        return self._scorer.score(prompt_ids, top)
 
     def _run(
         self,

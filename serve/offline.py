@@ -31,6 +31,7 @@ def generate(
     stop_token_ids: tuple[int, ...] = (),
     top_logprobs: int = 0,
     prompt_logprobs: bool = False,
+    prompt_top_logprobs: int = 0,
     limits: SchedulerLimits = OFFLINE_LIMITS,
 ) -> list[Completion]:
     """Complete every prompt (text, or token ids) and return the completions in prompt order.
@@ -57,6 +58,7 @@ def generate(
                 min_new_tokens=min_new_tokens,
                 top_logprobs=top_logprobs,
                 prompt_logprobs=prompt_logprobs,
+                prompt_top_logprobs=prompt_top_logprobs,
             ),
             stop_at_context=True,
         )

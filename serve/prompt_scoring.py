@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from serve.runtime import TENSORRT, SessionConfig, create_session
-from serve.sampling import chosen_logprobs
+from serve.sampling import PromptScores, score_tokens
 
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
@@ -36,11 +36,11 @@ class PromptScorer:
         self._session: Any = None
         self._empty_past: dict[str, np.ndarray] = {}
 
-    def logprobs(self, prompt_ids: Sequence[int]) -> list[float]:
-        """Each prompt token's logprob given the tokens before it: len(prompt_ids) - 1 values (the first
-        token has nothing before it), under the model's raw distribution."""
+    def score(self, prompt_ids: Sequence[int], top: int = 0) -> PromptScores:
+        """The prompt's scores under the model's raw distribution, with the `top` most likely tokens of each
+        position (0: none)."""
         if len(prompt_ids) < 2:
-            return []
+            return PromptScores([], [])
         session = self._session or self._open()
         ids = np.asarray(prompt_ids, dtype=np.int64)[None]
         feed = {
@@ -49,8 +49,9 @@ class PromptScorer:
             "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None],
             **self._empty_past,
         }
-        (logits,) = session.run(["logits"], feed)  # [1, len, vocab]
-        return chosen_logprobs(logits[0, :-1], ids[0, 1:]).tolist()  # position i predicts token i + 1
+        (logits,) = session.run(["logits"], feed)  # [1, len, vocab]; position i predicts token i + 1
+        chosen, alternatives = score_tokens(logits[0, :-1], ids[0, 1:], top)
+        return PromptScores(chosen.tolist(), alternatives)
 
     def _open(self) -> Any:
         session = create_session(self._graph_path, self._config)

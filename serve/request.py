@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING
 import tokenizers
 
 from serve.errors import InvalidRequest
-from serve.sampling import MAX_TOP_LOGPROBS, Alternatives, SamplingParams
+from serve.sampling import MAX_TOP_LOGPROBS, Alternatives, PromptScores, SamplingParams
 from serve.textstream import TextStream
 
 if TYPE_CHECKING:
     from serve.engine import NewSequence
+
+_NO_SCORES = PromptScores([], [])
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class GenerationRequest:
     include_stop_str_in_output: bool = False
     # Each prompt token's logprob after those before it, in the first TokenEvent (vLLM's prompt_logprobs).
     prompt_logprobs: bool = False
+    # With prompt_logprobs: this many most likely tokens at each prompt position, with their logprobs.
+    prompt_top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class TokenEvent:
     logprobs: list[float]  # empty unless the request asked for them
     top_logprobs: list[Alternatives] = field(default_factory=list)  # one per token if asked for
     prompt_logprobs: list[float] = field(default_factory=list)  # in the first event, if asked for
+    prompt_top_logprobs: list[Alternatives] = field(default_factory=list)  # likewise, one per prompt logprob
 
     @staticmethod
     def join(events: list[TokenEvent]) -> TokenEvent:
@@ -67,6 +72,7 @@ class TokenEvent:
             logprobs=[lp for e in events for lp in e.logprobs],
             top_logprobs=[a for e in events for a in e.top_logprobs],
             prompt_logprobs=[p for e in events for p in e.prompt_logprobs],
+            prompt_top_logprobs=[a for e in events for a in e.prompt_top_logprobs],
         )
 
 
@@ -137,6 +143,13 @@ def validate_request(
         )
     if request.top_logprobs and not request.include_logprobs:
         raise InvalidRequest(f"request {rid}: top_logprobs needs include_logprobs (as OpenAI's API does)")
+    if not 0 <= request.prompt_top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            f"request {rid}: prompt_top_logprobs is {request.prompt_top_logprobs}; "
+            f"allowed 0..{MAX_TOP_LOGPROBS}"
+        )
+    if request.prompt_top_logprobs and not request.prompt_logprobs:
+        raise InvalidRequest(f"request {rid}: prompt_top_logprobs needs include_prompt_logprobs")
     stops = request.stop_token_ids
     if stops and not 0 <= min(stops) <= max(stops) < vocab_size:
         raise InvalidRequest(f"request {rid}: stop_token_ids must be in [0, {vocab_size - 1}]")
@@ -181,7 +194,7 @@ class RequestTracker:
         self.cached_tokens = 0  # prompt tokens its prefill copied from the prefix cache (set at admission)
         self.completion_tokens = 0  # tokens handed to the client (EOS excluded)
         self.cancel_requested = False
-        self._prompt_scores: list[float] = []  # the prompt's logprobs, until the first event carries them
+        self._prompt_scores = _NO_SCORES  # the prompt's, until the first event carries them
         self._eos = eos_token_id
         self._stop_ids = frozenset(request.stop_token_ids)
         self._limit = token_limit  # prompt + generated tokens may not exceed it
@@ -233,6 +246,7 @@ class RequestTracker:
             banned_for=request.min_new_tokens,
             top_logprobs=request.top_logprobs,
             prompt_logprobs=request.prompt_logprobs,
+            prompt_top_logprobs=request.prompt_top_logprobs,
         )
 
     def request_cancel(self) -> None:
@@ -260,7 +274,7 @@ class RequestTracker:
         logprob: float,
         now: float,
         top: Alternatives | None = None,
-        prompt_logprobs: list[float] | None = None,
+        prompt: PromptScores | None = None,
     ) -> tuple[TokenEvent | None, FinishEvent | None]:
         """Take the engine's next token (with its logprob and, if asked for, the step's most likely tokens,
         and with the first token the prompt's logprobs); returns what to send (either may be None) and
@@ -268,7 +282,7 @@ class RequestTracker:
         if self.state is RequestState.PREFILLING:
             self._move(RequestState.DECODING)
             self.times.first_token = now
-            self._prompt_scores = prompt_logprobs or []
+            self._prompt_scores = prompt or _NO_SCORES
         self.times.last_token = now
         self.produced += 1
         if token_id == self._eos and not self.request.ignore_eos:
@@ -314,10 +328,10 @@ class RequestTracker:
     def _event(
         self, token_ids: list[int], text: str, logprobs: list[float], top: list[Alternatives]
     ) -> TokenEvent | None:
-        scores, self._prompt_scores = self._prompt_scores, []
-        if not token_ids and not text and not scores:
+        scores, self._prompt_scores = self._prompt_scores, _NO_SCORES
+        if not token_ids and not text and not scores.logprobs:
             return None
-        return TokenEvent(token_ids, text, logprobs, top, scores)
+        return TokenEvent(token_ids, text, logprobs, top, scores.logprobs, scores.top)
 
     def _finish(self, reason: str, now: float) -> FinishEvent:
         self._move(RequestState.FINISHED)
@@ -356,6 +370,7 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[Alternatives] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[Alternatives] = field(default_factory=list)
     finish: FinishEvent | None = None
 
     def add(self, event: Event) -> None:
@@ -367,6 +382,7 @@ class Completion:
         self.logprobs.extend(event.logprobs)
         self.top_logprobs.extend(event.top_logprobs)
         self.prompt_logprobs.extend(event.prompt_logprobs)
+        self.prompt_top_logprobs.extend(event.prompt_top_logprobs)
 
     @property
     def finish_reason(self) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -41,6 +42,14 @@ class Alternatives:
 
     token_ids: list[int]
     logprobs: list[float]
+
+
+class PromptScores(NamedTuple):
+    """Of prompt tokens 2..n (the first has nothing before it): each one's logprob after those before it,
+    and, if asked for, the most likely tokens at its position (serve/prompt_scoring.py)."""
+
+    logprobs: list[float]
+    top: list[Alternatives]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,13 +118,18 @@ def _check_bias(token: object, bias: object) -> None:
         )
 
 
-def chosen_logprobs(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """log_softmax(logits[i])[tokens[i]] for each row i of [n, vocab] logits, as float32 [n]. (The engine's
-    own reporting, `SamplingBatch._report`, shares a normalizer with the alternatives in a reused buffer.)"""
+def score_tokens(logits: np.ndarray, tokens: np.ndarray, k: int) -> tuple[np.ndarray, list[Alternatives]]:
+    """For each row i of [n, vocab] logits: log_softmax(logits[i])[tokens[i]] (float32 [n]) and the row's k
+    most likely tokens with theirs (empty when k is 0). (The engine's own reporting, `SamplingBatch._report`,
+    does the same for the rows that ask, in a reused buffer.)"""
     scores = np.asarray(logits, dtype=np.float32)
-    peak = scores.max(axis=1, keepdims=True)
-    log_norm = np.log(np.exp(scores - peak).sum(axis=1)) + peak[:, 0]
-    return scores[np.arange(len(scores)), tokens] - log_norm
+    row_max = scores.max(axis=1, keepdims=True)
+    log_sum = np.log(np.exp(scores - row_max).sum(axis=1))
+    chosen = (scores[np.arange(len(scores)), tokens] - row_max[:, 0]) - log_sum
+    if not k:
+        return chosen, []
+    ids, logprobs = _top_k(scores, row_max, log_sum, k)
+    return chosen, [Alternatives(i, lp) for i, lp in zip(ids.tolist(), logprobs.tolist(), strict=True)]
 
 
 def _active_rows(logits: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -401,16 +415,24 @@ def _most_likely(
     """The `layout.listed_k` largest logits of each listed row of `block`, high to low, as logprobs computed
     as the chosen token's are ((logit - row max) - log sum), so a greedy row's first alternative is its token
     with the same logprob."""
-    k = min(int(layout.listed_k.max()), block.shape[1])
-    ids = np.argpartition(block, block.shape[1] - k, axis=1)[:, -k:]
-    values = np.take_along_axis(block, ids, axis=1)
-    order = np.argsort(-values, axis=1)
-    ids, values = np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
-    logprobs = ((values - row_max) - log_sum[:, None]).astype(np.float32)
+    ids, logprobs = _top_k(block, row_max, log_sum, int(layout.listed_k.max()))
     return {
         row: Alternatives(ids[j, :n].tolist(), logprobs[j, :n].tolist())
         for j, (row, n) in enumerate(zip(layout.listed.tolist(), layout.listed_k.tolist(), strict=True))
     }
+
+
+def _top_k(
+    block: np.ndarray, row_max: np.ndarray, log_sum: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ids [n, k] of each row's k largest logits, high to low, and their logprobs, computed as a chosen
+    token's are: (logit - row max) - log sum."""
+    k = min(k, block.shape[1])
+    ids = np.argpartition(block, block.shape[1] - k, axis=1)[:, -k:]
+    values = np.take_along_axis(block, ids, axis=1)
+    order = np.argsort(-values, axis=1)
+    ids, values = np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
+    return ids, ((values - row_max) - log_sum[:, None]).astype(np.float32)
 
 
 class SamplingBatch:

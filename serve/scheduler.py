@@ -443,7 +443,7 @@ class BatchRunner:
             tracker = self._running[out.seq_id]
             previous = tracker.times.last_token
             try:
-                token, finish = tracker.accept(out.token_id, out.logprob, now, out.top, out.prompt_logprobs)
+                token, finish = tracker.accept(out.token_id, out.logprob, now, out.top, out.prompt)
             except Exception as exc:  # e.g. a token the tokenizer cannot decode: only this request fails
                 log.exception("request %s: could not process token %d", tracker.request_id, out.token_id)
                 self._fail([tracker], "its output could not be processed", exc, deliveries)

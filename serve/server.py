@@ -361,6 +361,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 logprobs=completion.logprobs,
                 top_logprobs=top_logprobs(completion.top_logprobs),
                 prompt_logprobs=completion.prompt_logprobs,
+                prompt_top_logprobs=top_logprobs(completion.prompt_top_logprobs),
                 queue_seconds=finish.queue_seconds,
                 time_to_first_token_seconds=finish.ttft_seconds,
                 total_seconds=finish.total_seconds,
@@ -397,6 +398,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                             logprobs=event.logprobs,
                             top_logprobs=top_logprobs(event.top_logprobs),
                             prompt_logprobs=event.prompt_logprobs,
+                            prompt_top_logprobs=top_logprobs(event.prompt_top_logprobs),
                         )
             finally:
                 handle.cancel()  # frees the slot when the client goes away; no effect once finished

@@ -190,4 +190,5 @@ def generation_request(
         top_logprobs=request.top_logprobs,
         include_stop_str_in_output=stopping.include_stop_str_in_output,
         prompt_logprobs=request.include_prompt_logprobs,
+        prompt_top_logprobs=request.prompt_top_logprobs,
     )

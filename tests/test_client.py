@@ -97,11 +97,13 @@ def test_verbose_generate_reports_the_prompts_score(
     server: RunningServer, pki_files: dict[str, Path]
 ) -> None:
     for stream in ([], ["--stream"]):
-        flags = ["--max-new-tokens", "2", "--prompt-logprobs", "--verbose", *stream]
+        flags = ["--max-new-tokens", "2", "--prompt-top-logprobs", "1", "--verbose", *stream]
         code, _, report = run(server, pki_files, "generate", "the quick brown fox", *flags)
         assert code == 0
         fields = dict(item.split("=", 1) for item in report.split() if "=" in item)
         assert float(fields["prompt_logprob"]) < 0 and float(fields["prompt_perplexity"]) > 1
+        greedy, scored = map(int, fields["prompt_greedy"].split("/"))
+        assert 0 <= greedy <= scored and scored == int(fields["prompt_tokens"]) - 1
 
 
 def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
@@ -110,7 +112,7 @@ def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
         "--frequency-penalty 0.5 --presence-penalty -0.5 --logit-bias 5=-100 --logit-bias 9=2.5 --seed 3 "
         "--max-new-tokens 9 --min-new-tokens 2 --truncate-prompt-tokens 30 "
         "--stop-token-id 7 --stop-token-id 11 --stop END --include-stop-str --ignore-eos --top-logprobs 4 "
-        "--prompt-logprobs"
+        "--prompt-logprobs --prompt-top-logprobs 2"
     )
     args = build_parser().parse_args(flags.split(" "))
     request = generate_request(args)
@@ -127,6 +129,7 @@ def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
     assert list(stopping.stop) == ["END"] and stopping.ignore_eos and stopping.include_stop_str_in_output
     assert request.include_logprobs and request.top_logprobs == 4  # top logprobs imply logprobs
     assert request.truncate_prompt_tokens == 30 and request.include_prompt_logprobs
+    assert request.prompt_top_logprobs == 2
 
 
 @pytest.mark.parametrize("bad", ["5", "x=1", "5=high", "-3=1"])

@@ -243,7 +243,20 @@ def test_prompt_logprobs_equal_pytorch_and_come_with_the_first_token(
     # A one-token prompt has nothing to score; an engine made without the bundle's standard graph refuses.
     assert generate(engine, [[5]], max_new_tokens=1, prompt_logprobs=True)[0].prompt_logprobs == []
     with pytest.raises(RuntimeError, match="cannot score"):
-        demo[1].prompt_logprobs(prompts[0])
+        demo[1].score_prompt(prompts[0])
+    # The most likely tokens at each position: the first is the argmax, with the chosen tokens' formula.
+    listed = generate(engine, prompts[:1], max_new_tokens=1, prompt_logprobs=True, prompt_top_logprobs=3)[0]
+    ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        logits, _ = model(ids, torch.ones_like(ids), torch.arange(len(prompts[0]))[None])
+    assert len(listed.prompt_top_logprobs) == len(listed.prompt_logprobs) == len(prompts[0]) - 1
+    for position, (token, logprob, top) in enumerate(
+        zip(prompts[0][1:], listed.prompt_logprobs, listed.prompt_top_logprobs, strict=True)
+    ):
+        assert len(top.token_ids) == 3 and top.logprobs == sorted(top.logprobs, reverse=True)
+        assert top.token_ids[0] == int(logits[0, position].argmax()) and top.logprobs[0] >= logprob
+        if top.token_ids[0] == token:
+            assert top.logprobs[0] == logprob  # exactly: what the client's prompt_greedy count relies on
 
 
 def test_top_logprobs_through_the_offline_api(demo: tuple[Decoder, Engine]) -> None:

@@ -136,12 +136,23 @@ def test_prompt_logprobs_in_whole_and_streamed_replies(
     parts = list(stub.GenerateStream(greedy(4, include_prompt_logprobs=True)))
     prompt = server.model.engine.tokenizer.encode(PROMPT).ids
     assert len(whole.prompt_logprobs) == len(prompt) - 1
-    assert list(whole.prompt_logprobs) == pytest.approx(server.model.engine.prompt_logprobs(prompt), abs=1e-6)
+    expected = server.model.engine.score_prompt(prompt).logprobs
+    assert list(whole.prompt_logprobs) == pytest.approx(expected, abs=1e-6)
     assert all(lp <= 0 for lp in whole.prompt_logprobs)
     assert list(parts[0].prompt_logprobs) == list(whole.prompt_logprobs)  # the first message carries them
     assert not any(part.prompt_logprobs for part in parts[1:])
     assert [t for p in parts for t in p.token_ids] == list(whole.token_ids)
     assert not stub.Generate(greedy(2)).prompt_logprobs
+    listed = stub.Generate(greedy(2, include_prompt_logprobs=True, prompt_top_logprobs=2))
+    assert [len(t.token_ids) for t in listed.prompt_top_logprobs] == [2] * (len(prompt) - 1)
+    streamed = list(stub.GenerateStream(greedy(2, include_prompt_logprobs=True, prompt_top_logprobs=2)))
+    assert list(streamed[0].prompt_top_logprobs) == list(listed.prompt_top_logprobs)
+    for bad in (
+        greedy(2, prompt_top_logprobs=2),
+        greedy(2, include_prompt_logprobs=True, prompt_top_logprobs=21),
+    ):
+        error = rpc_error(lambda bad=bad: stub.Generate(bad))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_top_logprobs" in error.details()
 
 
 def test_a_prompt_longer_than_the_context_is_served_when_truncated(

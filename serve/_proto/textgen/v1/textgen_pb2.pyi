@@ -21,7 +21,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_CONTEXT: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "stopping", "include_logprobs", "top_logprobs", "truncate_prompt_tokens", "include_prompt_logprobs")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "stopping", "include_logprobs", "top_logprobs", "truncate_prompt_tokens", "include_prompt_logprobs", "prompt_top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class GenerateRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -40,7 +41,8 @@ class GenerateRequest(_message.Message):
     top_logprobs: int
     truncate_prompt_tokens: int
     include_prompt_logprobs: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., include_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., include_prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    prompt_top_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., include_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., include_prompt_logprobs: _Optional[bool] = ..., prompt_top_logprobs: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -112,7 +114,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "logprobs", "queue_seconds", "time_to_first_token_seconds", "total_seconds", "top_logprobs", "prompt_logprobs")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "logprobs", "queue_seconds", "time_to_first_token_seconds", "total_seconds", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +126,7 @@ class GenerateResponse(_message.Message):
     TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -135,10 +138,11 @@ class GenerateResponse(_message.Message):
     total_seconds: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage", "top_logprobs", "prompt_logprobs")
+    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +151,7 @@ class GenerateStreamResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -155,7 +160,8 @@ class GenerateStreamResponse(_message.Message):
     usage: Usage
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
