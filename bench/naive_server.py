@@ -27,10 +27,10 @@ from serve.bundle import Bundle, load_bundle
 from serve.config import ConfigError, ServerSettings, load_settings
 from serve.engine import Engine, EngineSettings
 from serve.errors import TextgenError, grpc_status
-from serve.request import Completion, Event, FinishEvent, GenerationRequest, RequestTracker, validate_request
+from serve.request import Completion, Event, GenerationRequest, RequestTracker, validate_request
 from serve.runtime import SessionConfig
 from serve.scheduler import Scheduler, SchedulerLimits
-from serve.server import finish_reason, request_limits, top_logprobs, usage, warm_up
+from serve.server import generate_response, request_limits, stream_message, warm_up
 from serve.validation import check_request_id, generation_request, prompt_ids
 
 log = logging.getLogger("textgen.naive")
@@ -84,7 +84,7 @@ class NaiveService(pb_grpc.TextGenerationServicer):
         try:
             generation = self._request(request)
             for event in self.generate_events(generation):
-                yield _stream_message(generation.request_id, event)
+                yield stream_message(generation.request_id, event)
         except TextgenError as exc:
             context.abort(*grpc_status(exc, request.request_id or None))
 
@@ -96,22 +96,7 @@ class NaiveService(pb_grpc.TextGenerationServicer):
                 completion.add(event)
         except TextgenError as exc:
             context.abort(*grpc_status(exc, request.request_id or None))
-        finish = completion.finish
-        assert finish is not None  # generate_events always ends with a FinishEvent
-        return pb.GenerateResponse(
-            request_id=generation.request_id,
-            text=completion.text,
-            token_ids=completion.token_ids,
-            finish_reason=finish_reason(finish.finish_reason),
-            usage=usage(finish),
-            logprobs=completion.logprobs,
-            top_logprobs=top_logprobs(completion.top_logprobs),
-            prompt_logprobs=completion.prompt_logprobs,
-            prompt_top_logprobs=top_logprobs(completion.prompt_top_logprobs),
-            queue_seconds=finish.queue_seconds,
-            time_to_first_token_seconds=finish.ttft_seconds,
-            total_seconds=finish.total_seconds,
-        )
+        return generate_response(generation.request_id, completion)
 
     def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext) -> pb.ModelInfo:
         manifest = self._bundle.manifest
@@ -131,24 +116,6 @@ class NaiveService(pb_grpc.TextGenerationServicer):
     def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext) -> pb.TokenizeResponse:
         encoding = self._engine.tokenizer.encode(request.text)
         return pb.TokenizeResponse(ids=encoding.ids, tokens=encoding.tokens)
-
-
-def _stream_message(request_id: str, event: Event) -> pb.GenerateStreamResponse:
-    if isinstance(event, FinishEvent):
-        return pb.GenerateStreamResponse(
-            request_id=request_id,
-            finish_reason=finish_reason(event.finish_reason),
-            usage=usage(event),
-        )
-    return pb.GenerateStreamResponse(
-        request_id=request_id,
-        text=event.text,
-        token_ids=event.token_ids,
-        logprobs=event.logprobs,
-        top_logprobs=top_logprobs(event.top_logprobs),
-        prompt_logprobs=event.prompt_logprobs,
-        prompt_top_logprobs=top_logprobs(event.prompt_top_logprobs),
-    )
 
 
 def build(settings: ServerSettings) -> NaiveService:

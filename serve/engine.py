@@ -267,6 +267,14 @@ class Engine:
         """Prompt tokens the staged sequence already has in its cache (0 when none is staged)."""
         return 0 if self._staged is None else self._staged.done
 
+    def score_prompt(self, prompt_ids: Sequence[int], top: int = 0) -> PromptScores:
+        """Each prompt token's logprob after the ones before it (len - 1 values) and, with `top`, the most
+        likely tokens of each position; RuntimeError for an engine made without the bundle's standard
+        graph."""
+        if self._scorer is None:
+            raise RuntimeError("this engine was made without a scoring graph: it cannot score prompts")
+        return self._scorer.score(prompt_ids, top)
+
     def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
         """How many of this prompt's tokens a prefill now would copy from the prefix cache (0: none)."""
         return _reusable(self._hit(prompt_ids))
@@ -453,14 +461,6 @@ class Engine:
             if seq.prompt_logprobs:
                 outs[i] = outs[i]._replace(prompt=self.score_prompt(seq.prompt_ids, seq.prompt_top_logprobs))
         return outs
-
-    def score_prompt(self, prompt_ids: Sequence[int], top: int = 0) -> PromptScores:
-        """Each prompt token's logprob after the ones before it (len - 1 values) and, with `top`, the most
-        likely tokens of each position; RuntimeError for an engine made without the bundle's standard
-        graph."""
-        if self._scorer is None:
-            raise RuntimeError("this engine was made without a scoring graph: it cannot score prompts")
-        return self._scorer.score(prompt_ids, top)
 
     def _run(
         self,

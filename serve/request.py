@@ -38,7 +38,8 @@ class GenerationRequest:
     stream: bool = True
     # Token ids that end generation as EOS does (finish reason `stop`; the token itself is not returned).
     stop_token_ids: tuple[int, ...] = ()
-    # EOS and the stop token ids cannot be sampled before this many new tokens (stop strings still apply).
+    # Nothing ends the request before this many new tokens: EOS and the stop token ids are not sampled, stop
+    # strings are looked for from that token's text on.
     min_new_tokens: int = 0
     # With include_logprobs: this many most likely tokens of each step, with their logprobs.
     top_logprobs: int = 0
@@ -137,19 +138,9 @@ def validate_request(
             f"request {rid}: min_new_tokens is {request.min_new_tokens}; "
             f"allowed 0..{request.max_new_tokens} (max_new_tokens)"
         )
-    if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidRequest(
-            f"request {rid}: top_logprobs is {request.top_logprobs}; allowed 0..{MAX_TOP_LOGPROBS}"
-        )
-    if request.top_logprobs and not request.include_logprobs:
-        raise InvalidRequest(f"request {rid}: top_logprobs needs include_logprobs (as OpenAI's API does)")
-    if not 0 <= request.prompt_top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidRequest(
-            f"request {rid}: prompt_top_logprobs is {request.prompt_top_logprobs}; "
-            f"allowed 0..{MAX_TOP_LOGPROBS}"
-        )
-    if request.prompt_top_logprobs and not request.prompt_logprobs:
-        raise InvalidRequest(f"request {rid}: prompt_top_logprobs needs include_prompt_logprobs")
+    _check_top(rid, "top_logprobs", request.top_logprobs, request.include_logprobs, "include_logprobs")
+    prompt_top = request.prompt_top_logprobs
+    _check_top(rid, "prompt_top_logprobs", prompt_top, request.prompt_logprobs, "include_prompt_logprobs")
     stops = request.stop_token_ids
     if stops and not 0 <= min(stops) <= max(stops) < vocab_size:
         raise InvalidRequest(f"request {rid}: stop_token_ids must be in [0, {vocab_size - 1}]")
@@ -169,6 +160,14 @@ def validate_request(
             f"request {rid}: prompt ({prompt} tokens) + max_new_tokens ({request.max_new_tokens}) = {total} "
             f"exceeds the limit of {max_total_tokens} tokens"
         )
+
+
+def _check_top(rid: str, field: str, value: int, asked: bool, needs: str) -> None:
+    """A count of most likely tokens: in range, and only beside the logprobs it adds to (as OpenAI's API)."""
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"request {rid}: {field} is {value}; allowed 0..{MAX_TOP_LOGPROBS}")
+    if value and not asked:
+        raise InvalidRequest(f"request {rid}: {field} needs {needs} (as OpenAI's API does)")
 
 
 class RequestTracker:

@@ -123,9 +123,8 @@ def score_tokens(logits: np.ndarray, tokens: np.ndarray, k: int) -> tuple[np.nda
     most likely tokens with theirs (empty when k is 0). (The engine's own reporting, `SamplingBatch._report`,
     does the same for the rows that ask, in a reused buffer.)"""
     scores = np.asarray(logits, dtype=np.float32)
-    row_max = scores.max(axis=1, keepdims=True)
-    log_sum = np.log(np.exp(scores - row_max).sum(axis=1))
-    chosen = (scores[np.arange(len(scores)), tokens] - row_max[:, 0]) - log_sum
+    row_max, log_sum = _log_normalizer(scores, np.empty_like(scores))
+    chosen = _chosen(scores, tokens, row_max, log_sum)
     if not k:
         return chosen, []
     ids, logprobs = _top_k(scores, row_max, log_sum, k)
@@ -422,6 +421,20 @@ def _most_likely(
     }
 
 
+def _log_normalizer(block: np.ndarray, buffer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's max [n, 1] and log-sum-exp around it [n] (log_softmax = logit - max - log sum), using
+    `buffer` [n, vocab] as scratch."""
+    row_max = block.max(axis=1, keepdims=True)
+    np.subtract(block, row_max, out=buffer)
+    np.exp(buffer, out=buffer)
+    return row_max, np.log(buffer.sum(axis=1))
+
+
+def _chosen(block: np.ndarray, tokens: np.ndarray, row_max: np.ndarray, log_sum: np.ndarray) -> np.ndarray:
+    """The logprob of `tokens[i]` in each row, computed as `_top_k`'s are (equal for the same token)."""
+    return ((np.take_along_axis(block, tokens[:, None], axis=1) - row_max)[:, 0] - log_sum).astype(np.float32)
+
+
 def _top_k(
     block: np.ndarray, row_max: np.ndarray, log_sum: np.ndarray, k: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -569,15 +582,10 @@ class SamplingBatch:
         n, vocab = block.shape
         if self._scratch.shape[0] < n or self._scratch.shape[1] != vocab:
             self._scratch = np.empty((max(n, self._scratch.shape[0]), vocab), dtype=np.float32)
-        shifted = self._scratch[:n]
-        row_max = block.max(axis=1, keepdims=True)
-        np.subtract(block, row_max, out=shifted)
-        chosen = np.take_along_axis(shifted, tokens[rows][:, None], axis=1)[:, 0]
-        np.exp(shifted, out=shifted)
-        log_sum = np.log(shifted.sum(axis=1))
+        row_max, log_sum = _log_normalizer(block, self._scratch[:n])
         if layout.scored.size:
-            at = np.searchsorted(rows, layout.scored)
-            logprobs[layout.scored] = (chosen[at] - log_sum[at]).astype(np.float32)
+            chosen = _chosen(block, tokens[rows], row_max, log_sum)
+            logprobs[layout.scored] = chosen[np.searchsorted(rows, layout.scored)]
         if layout.listed.size:
             at = np.searchsorted(rows, layout.listed)
             self._alternatives = _most_likely(block[at], row_max[at], log_sum[at], layout)

@@ -36,7 +36,7 @@ from serve.config import ConfigError, ServerSettings
 from serve.engine import Engine, EngineSettings, NewSequence
 from serve.errors import BundleError, Draining, InvalidRequest, grpc_status
 from serve.metrics import Metrics
-from serve.request import Completion, FinishEvent, TokenEvent
+from serve.request import Completion, Event, FinishEvent, TokenEvent
 from serve.runtime import SessionConfig
 from serve.sampling import Alternatives, SamplingParams
 from serve.scheduler import RequestHandle, Scheduler, SchedulerLimits
@@ -86,6 +86,43 @@ def usage(finish: FinishEvent) -> pb.Usage:
         prompt_tokens=finish.prompt_tokens,
         completion_tokens=finish.completion_tokens,
         cached_prompt_tokens=finish.cached_prompt_tokens,
+    )
+
+
+def generate_response(request_id: str, completion: Completion) -> pb.GenerateResponse:
+    """A finished completion as `Generate`'s reply."""
+    finish = completion.finish
+    assert finish is not None  # every generation ends with a FinishEvent or an exception
+    return pb.GenerateResponse(
+        request_id=request_id,
+        text=completion.text,
+        token_ids=completion.token_ids,
+        finish_reason=finish_reason(finish.finish_reason),
+        usage=usage(finish),
+        logprobs=completion.logprobs,
+        top_logprobs=top_logprobs(completion.top_logprobs),
+        prompt_logprobs=completion.prompt_logprobs,
+        prompt_top_logprobs=top_logprobs(completion.prompt_top_logprobs),
+        queue_seconds=finish.queue_seconds,
+        time_to_first_token_seconds=finish.ttft_seconds,
+        total_seconds=finish.total_seconds,
+    )
+
+
+def stream_message(request_id: str, event: Event) -> pb.GenerateStreamResponse:
+    """One `GenerateStream` message: tokens and their text, or the last one with finish reason and usage."""
+    if isinstance(event, FinishEvent):
+        return pb.GenerateStreamResponse(
+            request_id=request_id, finish_reason=finish_reason(event.finish_reason), usage=usage(event)
+        )
+    return pb.GenerateStreamResponse(
+        request_id=request_id,
+        text=event.text,
+        token_ids=event.token_ids,
+        logprobs=event.logprobs,
+        top_logprobs=top_logprobs(event.top_logprobs),
+        prompt_logprobs=event.prompt_logprobs,
+        prompt_top_logprobs=top_logprobs(event.prompt_top_logprobs),
     )
 
 
@@ -349,23 +386,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                     completion.add(event)
             finally:
                 handle.cancel()  # frees the slot of a call that ends early; no effect once finished
-            finish = completion.finish
-            assert finish is not None  # the scheduler ends every handle with a FinishEvent or an exception
-            record.finish, record.text = finish, completion.text
-            return pb.GenerateResponse(
-                request_id=record.request_id,
-                text=completion.text,
-                token_ids=completion.token_ids,
-                finish_reason=finish_reason(finish.finish_reason),
-                usage=usage(finish),
-                logprobs=completion.logprobs,
-                top_logprobs=top_logprobs(completion.top_logprobs),
-                prompt_logprobs=completion.prompt_logprobs,
-                prompt_top_logprobs=top_logprobs(completion.prompt_top_logprobs),
-                queue_seconds=finish.queue_seconds,
-                time_to_first_token_seconds=finish.ttft_seconds,
-                total_seconds=finish.total_seconds,
-            )
+            record.finish, record.text = completion.finish, completion.text
+            return generate_response(record.request_id, completion)
 
     async def GenerateStream(
         self, request: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext
@@ -383,23 +405,10 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 async for event in handle:
                     if isinstance(event, FinishEvent):
                         record.finish = event
-                        yield pb.GenerateStreamResponse(
-                            request_id=record.request_id,
-                            finish_reason=finish_reason(event.finish_reason),
-                            usage=usage(event),
-                        )
                     else:
                         event = TokenEvent.join([event, *handle.ready_tokens()])
                         texts.append(event.text)
-                        yield pb.GenerateStreamResponse(
-                            request_id=record.request_id,
-                            text=event.text,
-                            token_ids=event.token_ids,
-                            logprobs=event.logprobs,
-                            top_logprobs=top_logprobs(event.top_logprobs),
-                            prompt_logprobs=event.prompt_logprobs,
-                            prompt_top_logprobs=top_logprobs(event.prompt_top_logprobs),
-                        )
+                    yield stream_message(record.request_id, event)
             finally:
                 handle.cancel()  # frees the slot when the client goes away; no effect once finished
             record.text = "".join(texts)

@@ -511,7 +511,6 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(loop: LoopThread, tin
         text=PROMPT * 4, stopping=pb.StoppingCriteria(max_new_tokens=5, ignore_eos=True)
     )
     try:
-        assert running.model.engine.kv_shape()[0] == 0
         with grpc.insecure_channel(running.target) as chan:
             stub = pb_grpc.TextGenerationStub(chan)
             first = stub.Generate(request)
