@@ -25,12 +25,11 @@ from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.bundle import Bundle, load_bundle
 from serve.config import ConfigError, ServerSettings, load_settings
-from serve.engine import Engine, EngineSettings
+from serve.engine import Engine, EngineSettings, open_engine
 from serve.errors import TextgenError, grpc_status
 from serve.request import Completion, Event, GenerationRequest, RequestTracker, validate_request
 from serve.runtime import SessionConfig
-from serve.scheduler import Scheduler, SchedulerLimits
-from serve.server import generate_response, request_limits, stream_message, warm_up
+from serve.server import generate_response, request_limits, stream_message
 from serve.validation import check_request_id, generation_request, prompt_ids
 
 log = logging.getLogger("textgen.naive")
@@ -41,8 +40,8 @@ class NaiveService(pb_grpc.TextGenerationServicer):
         self._bundle = bundle
         self._engine = engine
         self._lock = threading.Lock()
-        # The real server's request limits for a batch-1 engine; this scheduler is never started.
-        self._limits = request_limits(settings, engine, Scheduler(engine, SchedulerLimits(max_batch_size=1)))
+        # The real server's request limits for a batch-1 engine: a request may fill its slot.
+        self._limits = request_limits(settings, engine.info, engine.capacity)
 
     def generate_events(self, request: GenerationRequest) -> Iterator[Event]:
         """Run one request to its end under the lock: the whole of this server's scheduling."""
@@ -123,10 +122,9 @@ def build(settings: ServerSettings) -> NaiveService:
     session = SessionConfig(
         providers=tuple(settings.providers or ()), threads=settings.threads or 0, spinning=settings.spinning
     )
-    engine = Engine.from_bundle(bundle, EngineSettings(max_batch_size=1, session=session))
-    service = NaiveService(bundle, engine, settings)
-    warm_up(engine)  # as the real server does, so the first client does not pay for the set-up
-    return service
+    # Warmed up as the real server's, so the first client does not pay for the set-up.
+    engine = open_engine(bundle, EngineSettings(max_batch_size=1, session=session))
+    return NaiveService(bundle, engine, settings)
 
 
 def start(settings: ServerSettings, max_workers: int) -> tuple[grpc.Server, int]:

@@ -4,4 +4,6 @@ import sys
 
 from serve.cli import main
 
-sys.exit(main())
+# Guarded: the engine process (spawned) imports the parent's main module again.
+if __name__ == "__main__":
+    sys.exit(main())

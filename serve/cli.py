@@ -1,6 +1,7 @@
 """`textgen-serve` / `python -m serve`: parse the configuration, run the server until SIGTERM or SIGINT.
 
-Exit codes: 0 after a clean drain, 1 when start-up fails (bundle, providers, port), 2 for bad configuration.
+Exit codes: 0 after a clean drain, 1 when start-up fails (bundle, providers, port) or the engine process dies,
+2 for bad configuration.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import asyncio
 import logging
 import sys
 
-from serve.config import ConfigError, load_settings
+from serve.config import ConfigError, configure_logging, load_settings
 from serve.errors import TextgenError
 from serve.server import serve
 
@@ -17,15 +18,6 @@ log = logging.getLogger("textgen.serve")
 
 # Start-up failures that are the operator's to fix: one clear line, no traceback.
 EXPECTED_STARTUP_ERRORS = (ConfigError, TextgenError, ValueError, OSError)
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,8 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(settings.log_level)
     try:
-        asyncio.run(serve(settings))
+        return asyncio.run(serve(settings))
     except EXPECTED_STARTUP_ERRORS as exc:
         log.error("start-up failed: %s", exc)
         return 1
-    return 0

@@ -6,7 +6,9 @@ Precedence: CLI flag > environment variable > default. Every field `x_y` is the 
 
 from __future__ import annotations
 
+import logging
 import ssl
+import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -47,6 +49,11 @@ class ServerSettings(BaseSettings):
         False,
         description="ONNX Runtime threads busy-wait between ops: faster steps on idle cores, but they "
         "take the CPU the gRPC event loop needs (see docs/benchmarks.md)",
+    )
+    engine_process: bool = Field(
+        True,
+        description="run the engine and its scheduler in a process of their own, beside the gRPC one, so "
+        "neither waits for the other's Python (see docs/architecture.md); off: an engine thread here",
     )
     max_batch_size: int = Field(16, ge=1, le=1024, description="rows in one engine step")
     max_queue: int = Field(256, ge=1, le=1_000_000, description="waiting requests before RESOURCE_EXHAUSTED")
@@ -179,3 +186,12 @@ def load_settings(argv: list[str]) -> ServerSettings:
         raise ConfigError(_describe(exc)) from None
     except SettingsError as exc:
         raise ConfigError(f"invalid configuration: {exc}") from None
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )

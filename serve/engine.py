@@ -23,6 +23,7 @@ Not thread-safe: the scheduler calls it from its one engine thread.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -49,6 +50,8 @@ from serve.sampling import Alternatives, PromptScores, SamplingBatch, SamplingPa
 if TYPE_CHECKING:
     from serve.bundle import Bundle
 
+
+log = logging.getLogger("textgen.engine")
 
 _NUMPY_TYPES = {
     "tensor(float)": np.float32,
@@ -90,6 +93,22 @@ class NewSequence:
     top_logprobs: int = 0  # report this many most likely tokens of each step (TokenOut.top)
     prompt_logprobs: bool = False  # score the prompt (the first TokenOut's `prompt`)
     prompt_top_logprobs: int = 0  # and list this many most likely tokens at each of its positions
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server reports of an engine and checks requests against; it crosses to the server's
+    process when the engine runs in one of its own (serve/engine_process.py)."""
+
+    vocab_size: int
+    context_length: int
+    max_batch_size: int
+    capacity: int
+    eos_token_id: int
+    providers: tuple[str, ...]
+    kv_device: str  # "cpu", "cuda"
+    prefix_cache_rows: int
+    kv_bytes: int
 
 
 class TokenOut(NamedTuple):
@@ -211,6 +230,14 @@ class Engine:
         settings = replace(settings, session=session)
         return cls(str(bundle.inplace_graph), bundle.tokenizer, spec, settings, str(bundle.standard_graph))
 
+    def warm_up(self) -> None:
+        """One prefill and one decode step, so the first request does not pay for ONNX Runtime's lazy
+        set-up; run before the scheduler starts, so no metric counts it as a request."""
+        warm = NewSequence(seq_id="warm-up", prompt_ids=[self.eos_token_id], sampling=SamplingParams())
+        self.prefill([warm])
+        self.decode()
+        self.release(["warm-up"])
+
     # -- what the scheduler reads ------------------------------------------------------------------------
     @property
     def context_length(self) -> int:
@@ -240,6 +267,20 @@ class Engine:
     def kv_bytes(self) -> int:
         """Memory of every KV row, running and prefix cache, on the engine's device."""
         return (self.max_batch_size + self.prefix_cache_rows) * sum(b.row_bytes for b in self._kv)
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            vocab_size=self.vocab_size,
+            context_length=self.context_length,
+            max_batch_size=self.max_batch_size,
+            capacity=self.capacity,
+            eos_token_id=self.eos_token_id,
+            providers=tuple(self.providers),
+            kv_device=self.kv_device.type,
+            prefix_cache_rows=self.prefix_cache_rows,
+            kv_bytes=self.kv_bytes,
+        )
 
     def kv_buffer_devices(self) -> list[str]:
         """The device ONNX Runtime reports for each KV buffer ("cpu", "cuda"), K and V per layer."""
@@ -561,3 +602,26 @@ class Engine:
 
 def _reusable(hit: tuple[int, int] | None) -> int:
     return 0 if hit is None else hit[1]
+
+
+def open_engine(bundle: Bundle, settings: EngineSettings) -> Engine:
+    """The bundle's engine, warmed up; BundleError for a bundle that cannot be served."""
+    engine = Engine.from_bundle(bundle, settings)
+    try:
+        engine.warm_up()
+    except Exception as exc:  # ONNX Runtime names a tensor, not the file; an operator needs both, on one line
+        detail = " ".join(str(exc).split())
+        raise BundleError(
+            f"{bundle.inplace_graph}: the graph does not match the manifest's architecture (or cannot run "
+            f"here): its first step failed: {type(exc).__name__}: {detail}"
+        ) from exc
+    log.info(
+        "KV cache: %d rows (%d running, %d prefix cache) of %d tokens, %.1f MiB on %s",
+        engine.max_batch_size + engine.prefix_cache_rows,
+        engine.max_batch_size,
+        engine.prefix_cache_rows,
+        engine.capacity,
+        engine.kv_bytes / 2**20,
+        engine.kv_device.type,
+    )
+    return engine

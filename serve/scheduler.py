@@ -57,7 +57,6 @@ from serve.request import (
 
 if TYPE_CHECKING:
     from serve.engine import NewSequence, TokenOut
-    from serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +86,20 @@ class BatchEngine(Protocol):
     @property
     def batch_size(self) -> int: ...
     def kv_shape(self) -> tuple[int, ...]: ...
+
+
+class EngineMetrics(Protocol):
+    """The metric hooks the engine's side calls (serve.metrics.Metrics; in an engine process, a recorder
+    whose calls the server's process replays)."""
+
+    def on_admitted(self, queue_seconds: float) -> None: ...
+    def on_first_token(self, ttft_seconds: float) -> None: ...
+    def on_token(self, inter_token_seconds: float) -> None: ...
+    def on_finished(
+        self, reason: str, prompt_tokens: int, generation_tokens: int, cached_prompt_tokens: int
+    ) -> None: ...
+    def on_step(self, phase: str, batch_size: int, padding_ratio: float, seconds: float) -> None: ...
+    def set_load(self, running: int, waiting: int, kv_used: int, kv_capacity: int) -> None: ...
 
 
 class SchedulerLimits(BaseModel):
@@ -190,7 +203,9 @@ Delivery = tuple[RequestTracker, "Event | TextgenError"]
 class BatchRunner:
     """Admission and engine steps; every method but `enqueue`, `reject_waiting`, `wake` runs on one thread."""
 
-    def __init__(self, engine: BatchEngine, limits: SchedulerLimits, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, engine: BatchEngine, limits: SchedulerLimits, metrics: EngineMetrics | None = None
+    ) -> None:
         self.engine = engine
         self.limits = limits
         self._metrics = metrics
@@ -203,6 +218,7 @@ class BatchRunner:
         self._last_phase = ""
         self._partial: list[Delivery] = []
         self._load = _Load(0, engine.batch_size, engine.kv_shape(), 0)
+        self.last_step: StepRecord | None = None  # the latest step's record (replaced, never mutated)
 
     @property
     def max_total_tokens(self) -> int:
@@ -223,10 +239,7 @@ class BatchRunner:
         with self._cv:
             if len(self._waiting) >= self.limits.max_queue:
                 self.count("rejected")
-                raise QueueFull(
-                    f"request {tracker.request_id}: the queue is full ({self.limits.max_queue} waiting); "
-                    "retry later"
-                )
+                raise queue_full(tracker.request_id, self.limits.max_queue)
             self._waiting.append(tracker)
             self._cv.notify()
 
@@ -299,6 +312,14 @@ class BatchRunner:
         self._publish_load()
         self._partial = []
         return deliveries
+
+    def safe_step(self) -> list[Delivery]:
+        """`step`; a scheduler bug fails every request in flight instead of leaving its callers waiting."""
+        try:
+            return self.step()
+        except Exception:
+            log.exception("scheduler step failed; failing every request in flight")
+            return self.abort(_internal_error)
 
     def abort(self, error: Callable[[RequestTracker], TextgenError]) -> list[Delivery]:
         """Fail everything queued or running (draining past its grace, or a scheduler bug)."""
@@ -432,6 +453,7 @@ class BatchRunner:
         record = StepRecord(phase, len(trackers), *sizes, time.perf_counter() - start)
         with self._stats_lock:
             self._steps.append(record)
+        self.last_step = record
         if self._metrics is not None:
             self._metrics.on_step(phase, record.rows, record.padding_ratio, record.seconds)
         self._accept(outs, deliveries)
@@ -578,28 +600,23 @@ class RequestHandle:
     that was cancelled, expired or failed. Use it on the event loop that submitted it.
     """
 
-    def __init__(self, tracker: RequestTracker, loop: asyncio.AbstractEventLoop, wake: Callable[[], None]):
-        self.request_id = tracker.request_id
-        self._tracker = tracker
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, cancel: Callable[[], None]):
+        """`cancel` tells the engine's side that the request is to leave at its next step."""
+        self.request_id = request_id
         self._loop = loop
-        self._wake = wake
+        self._cancel = cancel
         self._items: deque[Event | TextgenError] = deque()
         self._arrived = asyncio.Event()  # set while _items is not empty, or once cancelled
         self._ended = False  # the scheduler delivered the last item
         self._exhausted = False  # the iterator returned or raised the last item
         self._cancelled = False
 
-    @property
-    def state(self) -> RequestState:
-        return self._tracker.state
-
     def cancel(self) -> None:
         """Idempotent; no effect once the request has ended."""
         if self._cancelled or self._ended:
             return
         self._cancelled = True
-        self._tracker.request_cancel()
-        self._wake()
+        self._cancel()
         self._loop.call_soon_threadsafe(self._arrived.set)  # wakes a pending __anext__
 
     def __aiter__(self) -> RequestHandle:
@@ -636,16 +653,67 @@ class RequestHandle:
         self._arrived.set()
 
 
+Outcome = tuple[str, "Event | TextgenError"]  # a request id and what the engine's side produced for it
+
+
+class HandleTable:
+    """The event loop's side of the requests in flight: their handles, fed with what the engine produced.
+    A handle leaves the table with its request's last item (a FinishEvent or an error)."""
+
+    def __init__(self) -> None:
+        self._handles: dict[str, RequestHandle] = {}
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def check_free(self, request_id: str) -> None:
+        if request_id in self._handles:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+
+    def open(
+        self, request_id: str, loop: asyncio.AbstractEventLoop, cancel: Callable[[], None]
+    ) -> RequestHandle:
+        handle = RequestHandle(request_id, loop, cancel)
+        self._handles[request_id] = handle
+        return handle
+
+    def deliver(self, outcomes: Iterable[Outcome]) -> None:
+        for request_id, item in outcomes:
+            handle = self._handles.get(request_id)
+            if handle is None:
+                continue
+            handle._push(item)
+            if isinstance(item, FinishEvent | TextgenError):
+                del self._handles[request_id]
+
+    def fail_all(self, error: Callable[[str], TextgenError]) -> None:
+        """End every request in flight with `error(request_id)` (the engine's side is gone)."""
+        self.deliver([(request_id, error(request_id)) for request_id in list(self._handles)])
+
+
+class RequestScheduler(Protocol):
+    """What the server needs of a scheduler: `Scheduler` (an engine thread in this process) or
+    `serve.engine_process.ProcessScheduler` (the engine in a process of its own)."""
+
+    @property
+    def max_total_tokens(self) -> int: ...
+    async def start(self) -> None: ...
+    def submit(self, request: GenerationRequest) -> RequestHandle: ...
+    def snapshot(self) -> SchedulerSnapshot: ...
+    def steps(self) -> list[StepRecord]: ...
+    async def drain(self, grace_seconds: float) -> None: ...
+
+
 class Scheduler:
     """Continuous batching on one engine thread; `submit` and the handles live on the event loop."""
 
     def __init__(
-        self, engine: BatchEngine, limits: SchedulerLimits | None = None, metrics: Metrics | None = None
+        self, engine: BatchEngine, limits: SchedulerLimits | None = None, metrics: EngineMetrics | None = None
     ) -> None:
         self.limits = (limits or SchedulerLimits()).resolve(engine)
         self._engine = engine
         self._runner = BatchRunner(engine, self.limits, metrics)
-        self._handles: dict[str, RequestHandle] = {}
+        self._handles = HandleTable()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._draining = False
@@ -669,13 +737,15 @@ class Scheduler:
             raise RuntimeError("Scheduler.start() was not awaited")
         if self._draining:
             raise Draining(f"request {request.request_id}: the server is shutting down; retry elsewhere")
-        if request.request_id in self._handles:
-            raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+        self._handles.check_free(request.request_id)
         tracker = self._runner.track(request)
         self._runner.enqueue(tracker)
-        handle = RequestHandle(tracker, self._loop, self._runner.wake)
-        self._handles[request.request_id] = handle
-        return handle
+
+        def cancel() -> None:
+            tracker.request_cancel()
+            self._runner.wake()
+
+        return self._handles.open(request.request_id, self._loop, cancel)
 
     def snapshot(self) -> SchedulerSnapshot:
         return self._runner.snapshot()
@@ -687,7 +757,7 @@ class Scheduler:
     async def drain(self, grace_seconds: float) -> None:
         """Stop admitting, let running requests finish within the grace period, fail the rest, stop."""
         self._draining = True
-        self._deliver(self._runner.reject_waiting(_draining_error))
+        self._handles.deliver(outcomes(self._runner.reject_waiting(draining_error)))
         deadline = time.monotonic() + grace_seconds
         while not self._runner.idle and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -703,14 +773,9 @@ class Scheduler:
             self._runner.wait_for_work(lambda: self._stopping)
             if self._stopping:
                 break
-            try:
-                deliveries = self._runner.step()
-            except Exception:  # a scheduler bug must not leave callers waiting forever
-                log.exception("scheduler step failed; failing every request in flight")
-                deliveries = self._runner.abort(_internal_error)
-            if not self._post(deliveries):
+            if not self._post(self._runner.safe_step()):
                 return
-        self._post(self._runner.abort(_draining_error))
+        self._post(self._runner.abort(draining_error))
 
     def _post(self, deliveries: list[Delivery]) -> bool:
         """Hand deliveries to the event loop; False once the loop is closed (nobody is left to tell)."""
@@ -718,23 +783,22 @@ class Scheduler:
         if not deliveries:
             return True
         try:
-            self._loop.call_soon_threadsafe(self._deliver, deliveries)
+            self._loop.call_soon_threadsafe(self._handles.deliver, outcomes(deliveries))
         except RuntimeError:  # the loop closed without draining us
             log.warning("event loop closed; the engine thread stops")
             return False
         return True
 
-    def _deliver(self, deliveries: list[Delivery]) -> None:
-        for tracker, item in deliveries:
-            handle = self._handles.get(tracker.request_id)
-            if handle is None:
-                continue
-            handle._push(item)
-            if isinstance(item, FinishEvent | TextgenError):
-                del self._handles[tracker.request_id]
+
+def queue_full(request_id: str, max_queue: int) -> QueueFull:
+    return QueueFull(f"request {request_id}: the queue is full ({max_queue} waiting); retry later")
 
 
-def _draining_error(tracker: RequestTracker) -> TextgenError:
+def outcomes(deliveries: list[Delivery]) -> list[Outcome]:
+    return [(tracker.request_id, item) for tracker, item in deliveries]
+
+
+def draining_error(tracker: RequestTracker) -> TextgenError:
     return Draining(f"request {tracker.request_id}: the server is shutting down; retry elsewhere")
 
 

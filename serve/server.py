@@ -33,13 +33,14 @@ from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.auth import TokenAuthInterceptor, server_credentials
 from serve.bundle import Bundle, load_bundle
 from serve.config import ConfigError, ServerSettings
-from serve.engine import Engine, EngineSettings, NewSequence
-from serve.errors import BundleError, Draining, InvalidRequest, grpc_status
+from serve.engine import Engine, EngineInfo, EngineSettings, open_engine
+from serve.engine_process import EngineSpec, EngineWrap, ProcessScheduler
+from serve.errors import Draining, InvalidRequest, grpc_status
 from serve.metrics import Metrics
 from serve.request import Completion, Event, FinishEvent, TokenEvent
 from serve.runtime import SessionConfig
-from serve.sampling import Alternatives, SamplingParams
-from serve.scheduler import RequestHandle, Scheduler, SchedulerLimits
+from serve.sampling import Alternatives
+from serve.scheduler import RequestHandle, RequestScheduler, Scheduler, SchedulerLimits
 from serve.validation import (
     RequestLimits,
     check_request_id,
@@ -132,16 +133,21 @@ def stream_message(request_id: str, event: Event) -> pb.GenerateStreamResponse:
 @dataclass
 class LoadedModel:
     bundle: Bundle
-    engine: Engine
-    scheduler: Scheduler
+    info: EngineInfo
+    scheduler: RequestScheduler
     limits: RequestLimits
+    engine: Engine | None = None  # the engine itself when it runs in this process (engine_process off)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.bundle.tokenizer
 
 
-def request_limits(settings: ServerSettings, engine: Engine, scheduler: Scheduler) -> RequestLimits:
+def request_limits(settings: ServerSettings, info: EngineInfo, max_total_tokens: int) -> RequestLimits:
     # A KV slot, or the whole batch budget when that is smaller, bounds prompt + new tokens.
-    context = scheduler.max_total_tokens
+    context = max_total_tokens
     return RequestLimits(
-        vocab_size=engine.vocab_size,
+        vocab_size=info.vocab_size,
         context_length=context,
         max_prompt_tokens=min(settings.max_prompt_tokens or context - 1, context - 1),
         default_max_new_tokens=settings.default_max_new_tokens,
@@ -163,49 +169,36 @@ def scheduler_limits(settings: ServerSettings) -> SchedulerLimits:
     )
 
 
-async def load_model(settings: ServerSettings, metrics: Metrics | None) -> LoadedModel:
-    """Bundle, warmed-up engine, started scheduler; raises BundleError for a bundle that cannot be served."""
-    bundle = await asyncio.to_thread(load_bundle, settings.bundle)
+def engine_settings(settings: ServerSettings) -> EngineSettings:
     session = SessionConfig(
         providers=tuple(settings.providers or ()), threads=settings.threads or 0, spinning=settings.spinning
     )
-    engine_settings = EngineSettings(
+    return EngineSettings(
         max_batch_size=settings.max_batch_size,
         session=session,
         prefix_cache_rows=settings.prefix_cache_rows,
         prefix_cache_min_tokens=settings.prefix_cache_min_tokens,
     )
-    engine = await asyncio.to_thread(Engine.from_bundle, bundle, engine_settings)
-    try:
-        await asyncio.to_thread(warm_up, engine)
-    except Exception as exc:  # ONNX Runtime names a tensor, not the file; an operator needs both, on one line
-        detail = " ".join(str(exc).split())
-        raise BundleError(
-            f"{bundle.inplace_graph}: the graph does not match the manifest's architecture (or cannot run "
-            f"here): its first step failed: {type(exc).__name__}: {detail}"
-        ) from exc
-    log.info(
-        "KV cache: %d rows (%d running, %d prefix cache) of %d tokens, %.1f MiB on %s",
-        engine.max_batch_size + engine.prefix_cache_rows,
-        engine.max_batch_size,
-        engine.prefix_cache_rows,
-        engine.capacity,
-        engine.kv_bytes / 2**20,
-        engine.kv_device.type,
-    )
-    scheduler = Scheduler(engine, scheduler_limits(settings), metrics)
+
+
+async def load_model(
+    settings: ServerSettings, metrics: Metrics | None, wrap: EngineWrap | None = None
+) -> LoadedModel:
+    """Bundle, warmed-up engine (in its own process, or here), started scheduler; raises BundleError for a
+    bundle that cannot be served. `wrap` wraps the engine before the scheduler gets it (tests)."""
+    bundle = await asyncio.to_thread(load_bundle, settings.bundle)
+    if settings.engine_process:
+        limits = scheduler_limits(settings)
+        spec = EngineSpec(bundle, engine_settings(settings), limits, settings.log_level, wrap)
+        process = ProcessScheduler(spec, metrics)
+        await process.start()
+        checks = request_limits(settings, process.info, process.max_total_tokens)
+        return LoadedModel(bundle, process.info, process, checks)
+    engine = await asyncio.to_thread(open_engine, bundle, engine_settings(settings))
+    scheduler = Scheduler(wrap(engine) if wrap else engine, scheduler_limits(settings), metrics)
     await scheduler.start()
-    return LoadedModel(bundle, engine, scheduler, request_limits(settings, engine, scheduler))
-
-
-def warm_up(engine: Engine) -> None:
-    """One prefill and one decode step before the scheduler starts, so the first client does not pay for
-    ONNX Runtime's lazy set-up; run on the engine directly so no metric counts it as a request."""
-    engine.prefill(
-        [NewSequence(seq_id="warm-up", prompt_ids=[engine.eos_token_id], sampling=SamplingParams())]
-    )
-    engine.decode()
-    engine.release(["warm-up"])
+    checks = request_limits(settings, engine.info, scheduler.max_total_tokens)
+    return LoadedModel(bundle, engine.info, scheduler, checks, engine)
 
 
 # --- one RPC's accounting -----------------------------------------------------------------------------------
@@ -357,7 +350,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         request: pb.GenerateRequest = checked(raw)
         record.request_id = check_request_id(request.request_id) or uuid.uuid4().hex
         record.prompt = request.text if request.WhichOneof("input") == "text" else None
-        encode = model.engine.tokenizer.encode
+        encode = model.tokenizer.encode
         prompt = await asyncio.to_thread(
             prompt_ids, request, lambda text: encode(text).ids, model.limits.vocab_size
         )
@@ -422,17 +415,17 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             manifest = model.bundle.manifest
             return pb.ModelInfo(
                 model_name=manifest.model_name,
-                vocab_size=model.engine.vocab_size,
-                context_length=model.engine.context_length,
+                vocab_size=model.info.vocab_size,
+                context_length=model.info.context_length,
                 max_new_tokens_limit=min(self._settings.max_new_tokens, model.limits.context_length - 1),
-                max_batch_size=model.engine.max_batch_size,
+                max_batch_size=model.info.max_batch_size,
                 dtype=manifest.dtype,
                 quantization=manifest.quantization,
-                execution_providers=model.engine.providers,
-                eos_token_id=model.engine.eos_token_id,
+                execution_providers=list(model.info.providers),
+                eos_token_id=model.info.eos_token_id,
                 server_version=server_version(),
-                prefix_cache_rows=model.engine.prefix_cache_rows,
-                kv_cache_bytes=model.engine.kv_bytes,
+                prefix_cache_rows=model.info.prefix_cache_rows,
+                kv_cache_bytes=model.info.kv_bytes,
             )
 
     async def Tokenize(
@@ -441,7 +434,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         async with self._call("Tokenize", context):
             model = self._ready_model()
             tokenize: pb.TokenizeRequest = checked(request)
-            encoding = await asyncio.to_thread(model.engine.tokenizer.encode, tokenize.text)
+            encoding = await asyncio.to_thread(model.tokenizer.encode, tokenize.text)
             return pb.TokenizeResponse(ids=encoding.ids, tokens=encoding.tokens)
 
     async def Detokenize(
@@ -450,8 +443,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         async with self._call("Detokenize", context):
             model = self._ready_model()
             detokenize: pb.DetokenizeRequest = checked(request)
-            ids = token_ids(detokenize.ids, model.engine.vocab_size, "ids")
-            return await asyncio.to_thread(_detokenized, model.engine.tokenizer, ids)
+            ids = token_ids(detokenize.ids, model.info.vocab_size, "ids")
+            return await asyncio.to_thread(_detokenized, model.tokenizer, ids)
 
 
 def _detokenized(tokenizer: Tokenizer, ids: list[int]) -> pb.DetokenizeResponse:
@@ -475,14 +468,21 @@ def _address(host: str, port: int) -> str:
 class TextgenServer:
     """The whole server: `await start()`, then `await drain()`; `serve()` drives it from signals."""
 
-    def __init__(self, settings: ServerSettings, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, settings: ServerSettings, metrics: Metrics | None = None, engine_wrap: EngineWrap | None = None
+    ) -> None:
+        """`engine_wrap` wraps the engine before the scheduler gets it (tests: a slow or failing step)."""
         self.settings = settings
+        self._engine_wrap = engine_wrap
+        # Made in start(); completes with the reason if the engine process dies: the server then stops.
+        self.failed: asyncio.Future[str] | None = None
         self.metrics = metrics if metrics is not None else Metrics()
         self.service = TextGenerationService(settings, self.metrics)
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.metrics_port = 0
         self._metrics_server: WSGIServer | None = None
+        self._health_task: asyncio.Task[None] | None = None
         self._server: grpc.aio.Server | None = None  # made in start(): grpc.aio binds it to the running loop
 
     def _build_server(self) -> grpc.aio.Server:
@@ -525,6 +525,7 @@ class TextgenServer:
 
     async def start(self) -> None:
         """Listen (health NOT_SERVING), load and warm up the model, then report SERVING."""
+        self.failed = asyncio.get_running_loop().create_future()
         self.metrics_port = self._start_metrics()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._server = self._build_server()
@@ -533,12 +534,23 @@ class TextgenServer:
         log.info(
             "listening on %s (tls=%s)", _address(self.settings.host, self.port), self.settings.tls_enabled
         )
-        model = await load_model(self.settings, self.metrics)
+        model = await load_model(self.settings, self.metrics, self._engine_wrap)
+        if isinstance(model.scheduler, ProcessScheduler):
+            assert model.scheduler.exited is not None
+            model.scheduler.exited.add_done_callback(self._engine_exited)
         self.service.model = model
         self._publish_model_info(model)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.metrics.set_ready(True)
         log.info("serving %s", model.bundle.manifest.model_name)
+
+    def _engine_exited(self, exited: asyncio.Future[str]) -> None:
+        """The engine process died: nothing can be served any more; say so and let `serve` stop."""
+        self.service.draining = True
+        self.metrics.set_ready(False)
+        self._health_task = asyncio.create_task(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        if self.failed is not None and not self.failed.done():
+            self.failed.set_result(exited.result())
 
     def _start_metrics(self) -> int:
         address = _address(self.settings.metrics_host, self.settings.metrics_port)
@@ -555,7 +567,7 @@ class TextgenServer:
 
     def _publish_model_info(self, model: LoadedModel) -> None:
         manifest = model.bundle.manifest
-        provider = model.engine.providers[0] if model.engine.providers else "unknown"
+        provider = model.info.providers[0] if model.info.providers else "unknown"
         self.metrics.set_model_info(manifest.model_name, manifest.dtype, manifest.quantization, provider)
 
     async def drain(self) -> None:
@@ -588,8 +600,9 @@ class TextgenServer:
             server.server_close()
 
 
-async def serve(settings: ServerSettings) -> None:
-    """Run until SIGTERM or SIGINT, then drain; a failed start-up stops the server and re-raises."""
+async def serve(settings: ServerSettings) -> int:
+    """Run until SIGTERM or SIGINT, then drain (exit status 0); a failed start-up stops the server and
+    re-raises; if the engine process dies, the server stops at once (exit status 1)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -603,12 +616,19 @@ async def serve(settings: ServerSettings) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await starting
         await server.stop()
-        return
+        return 0
     try:
         starting.result()
     except BaseException:
         signalled.cancel()
         await server.stop()
         raise
-    await signalled
+    assert server.failed is not None
+    await asyncio.wait({signalled, server.failed}, return_when=asyncio.FIRST_COMPLETED)
+    if server.failed.done():
+        signalled.cancel()
+        log.error("%s; the server stops", server.failed.result())
+        await server.stop()
+        return 1
     await server.drain()
+    return 0

@@ -10,6 +10,7 @@ from typing import Any
 from server_tools import LoopThread
 
 from serve.config import ServerSettings
+from serve.engine_process import EngineWrap
 from serve.metrics import Metrics
 from serve.scheduler import SchedulerSnapshot
 from serve.server import LoadedModel, TextgenServer
@@ -31,9 +32,11 @@ def loopback_settings(bundle: Path, **overrides: Any) -> ServerSettings:
 class RunningServer:
     """A TextgenServer started on a LoopThread; `stop()` stops it at once."""
 
-    def __init__(self, loop: LoopThread, settings: ServerSettings) -> None:
+    def __init__(
+        self, loop: LoopThread, settings: ServerSettings, engine_wrap: EngineWrap | None = None
+    ) -> None:
         self.loop = loop
-        self.server = TextgenServer(settings, Metrics())
+        self.server = TextgenServer(settings, Metrics(), engine_wrap)
         loop.run(self.server.start())
         self.target = f"127.0.0.1:{self.server.port}"
 
@@ -66,14 +69,3 @@ class RunningServer:
 
     def stop(self) -> None:
         self.loop.run(self.server.stop())
-
-
-def slow_decode(engine: Any, seconds: float) -> Any:
-    """A replacement for `engine.decode` that sleeps first, so a test can act while a request is running."""
-    decode = engine.decode
-
-    def slowed() -> Any:
-        time.sleep(seconds)
-        return decode()
-
-    return slowed

@@ -160,7 +160,7 @@ def test_info_and_health(server: RunningServer, pki_files: dict[str, Path]) -> N
     info = json.loads(out)
     assert code == 0 and info["model_name"] == server.model.bundle.manifest.model_name
     assert info["max_new_tokens_limit"] == 16
-    assert info["eos_token_id"] == server.model.engine.eos_token_id  # printed even when 0
+    assert info["eos_token_id"] == server.model.info.eos_token_id  # printed even when 0
     code, out, _ = run(server, pki_files, "health")
     assert (code, out.strip()) == (0, "SERVING")
 

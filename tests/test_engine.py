@@ -317,6 +317,13 @@ def test_kv_buffers_are_ort_values_on_the_sessions_device(demo: tuple[Decoder, E
     engine.release(["a"])
 
 
+def test_info_reports_the_real_kv_buffers(cached: Engine) -> None:
+    info = cached.info
+    assert (info.max_batch_size, info.prefix_cache_rows, info.kv_device) == (8, 3, "cpu")
+    assert info.kv_bytes == cached.kv_bytes == sum(buffer.value.numpy().nbytes for buffer in cached._kv)
+    assert info.vocab_size == cached.vocab_size and info.providers == tuple(cached.providers)
+
+
 # The engine copies rows with numpy views in host memory and with the copy graph on a device: the second
 # path runs here too, on host memory, when the views are taken away.
 COPIES = ["host views", "copy graph"]

@@ -26,9 +26,10 @@ from typing import Any
 
 import grpc
 import pytest
+from engine_faults import InjectedFaults
 from metric_refs import missing_metrics
 from prometheus_client.parser import text_string_to_metric_families
-from running_server import RunningServer, loopback_settings, slow_decode
+from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, rpc_error
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
@@ -112,15 +113,12 @@ def _invalid_calls(stub: pb_grpc.TextGenerationStub, ledger: Ledger) -> None:
 
 
 def _cancelled_stream(stub: pb_grpc.TextGenerationStub, running: RunningServer, ledger: Ledger) -> None:
-    engine = running.model.engine
-    # A slowed decode keeps the stream generating while the client cancels it after its first token.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine, "decode", slow_decode(engine, 0.05))
-        call = stub.GenerateStream(by_ids([11, 12, 13], CANCELLED_MAX_NEW_TOKENS))
-        first = next(call)
-        call.cancel()
-        assert call.code() == grpc.StatusCode.CANCELLED
-        running.wait_idle()
+    # Its slowed decode (InjectedFaults) keeps it generating while the client cancels after its first token.
+    call = stub.GenerateStream(by_ids([11, 12, 13], CANCELLED_MAX_NEW_TOKENS, request_id="slow-cancelled"))
+    first = next(call)
+    call.cancel()
+    assert call.code() == grpc.StatusCode.CANCELLED
+    running.wait_idle()
     ledger.codes["GenerateStream", "CANCELLED"] += 1
     ledger.cancelled_tokens += len(first.token_ids)
 
@@ -183,7 +181,7 @@ def settled_scrape(running: RunningServer, requests: int, timeout: float = 10.0)
 
 @contextlib.contextmanager
 def serving(loop: LoopThread, bundle: Path) -> Iterator[RunningServer]:
-    running = RunningServer(loop, loopback_settings(bundle, max_batch_size=4))
+    running = RunningServer(loop, loopback_settings(bundle, max_batch_size=4), InjectedFaults())
     try:
         yield running
     finally:
@@ -271,7 +269,7 @@ def test_gauges_are_zero_when_idle_and_ready_is_one(
     _ledger, taken = traffic
     for gauge in IDLE_GAUGES:
         assert taken.value(gauge) == 0, gauge
-    assert taken.value("textgen_kv_cache_slots_capacity") == server.model.engine.max_batch_size
+    assert taken.value("textgen_kv_cache_slots_capacity") == server.model.info.max_batch_size
     assert taken.value("textgen_ready") == 1
 
 

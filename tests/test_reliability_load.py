@@ -26,8 +26,9 @@ from typing import Any
 
 import grpc
 import pytest
+from engine_faults import InjectedFaults
 from prometheus_client.parser import text_string_to_metric_families
-from running_server import RunningServer, loopback_settings, slow_decode
+from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, rpc_error
 from test_server_lifecycle import NOT_SERVING, ServerProcess, health_status, run_serve
 
@@ -45,8 +46,8 @@ def serving(loop: LoopThread, tiny_bundle: Path) -> Iterator[Callable[..., Runni
     """Starts tiny-bundle servers with the given settings; stops them after the test."""
     started: list[RunningServer] = []
 
-    def start(**overrides: object) -> RunningServer:
-        started.append(RunningServer(loop, loopback_settings(tiny_bundle, **overrides)))
+    def start(faults: InjectedFaults | None = None, **overrides: object) -> RunningServer:
+        started.append(RunningServer(loop, loopback_settings(tiny_bundle, **overrides), faults))
         return started[-1]
 
     yield start
@@ -174,14 +175,13 @@ def client_loop(
 
 
 def test_overload_every_stream_completes_or_is_refused_and_the_server_agrees(
-    serving: Callable[..., RunningServer], monkeypatch: pytest.MonkeyPatch
+    serving: Callable[..., RunningServer],
 ) -> None:
-    server = serving(max_batch_size=BATCH, max_queue=QUEUE)
-    engine = server.model.engine
+    slow = InjectedFaults(slow_seconds=0.01, slow_prefix="")
+    server = serving(slow, max_batch_size=BATCH, max_queue=QUEUE)
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.TextGenerationStub(channel)
         expected = references(stub)
-        monkeypatch.setattr(engine, "decode", slow_decode(engine, 0.01))
         before, tokens_before = stream_counts(server), sample(server, "textgen_generation_tokens_total")
         results: list[list[tuple[str, Streamed]]] = [[] for _ in range(CLIENTS)]
         until = time.monotonic() + LOAD_SECONDS
@@ -247,23 +247,25 @@ def started_together(
 
 
 def test_many_cancels_and_expiries_free_their_slots_and_spare_the_others(
-    serving: Callable[..., RunningServer], monkeypatch: pytest.MonkeyPatch
+    serving: Callable[..., RunningServer],
 ) -> None:
-    server = serving(max_batch_size=6, max_queue=8)
-    engine = server.model.engine
+    server = serving(InjectedFaults(slow_seconds=STEP_SECONDS), max_batch_size=6, max_queue=8)
+
+    def slowed(prompt: str, name: str, timeout: float = CALL_TIMEOUT) -> Iterator[pb.GenerateStreamResponse]:
+        return stub.GenerateStream(greedy(prompt, LONG, f"slow-{name}"), timeout=timeout)
+
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.TextGenerationStub(channel)
-        bystander_reference = stub.Generate(greedy(PROMPTS[0], LONG))
-        monkeypatch.setattr(engine, "decode", slow_decode(engine, STEP_SECONDS))
+        bystander_reference = stub.Generate(greedy(PROMPTS[0], LONG))  # at full speed
         before = Counter(server.snapshot().outcomes)
-        bystander, bystander_seen = started(stub, greedy(PROMPTS[0], LONG), timeout=CALL_TIMEOUT)
+        bystander, bystander_seen = started(
+            stub, greedy(PROMPTS[0], LONG, "slow-bystander"), timeout=CALL_TIMEOUT
+        )
         finishing = threading.Thread(target=consume, args=(bystander, bystander_seen))
         finishing.start()
 
-        running = started_together(
-            [stub.GenerateStream(greedy(PROMPTS[1], LONG), timeout=CALL_TIMEOUT) for _ in range(5)]
-        )
-        queued = [stub.GenerateStream(greedy(PROMPTS[2], LONG), timeout=CALL_TIMEOUT) for _ in range(3)]
+        running = started_together([slowed(PROMPTS[1], f"running-{i}") for i in range(5)])
+        queued = [slowed(PROMPTS[2], f"queued-{i}") for i in range(3)]
         server.wait_for(lambda s: s.running == 6 and s.waiting == 3)
         for call in running + queued:
             call.cancel()
@@ -279,9 +281,7 @@ def test_many_cancels_and_expiries_free_their_slots_and_spare_the_others(
             assert time.monotonic() < deadline, "the load gauges still count the cancelled requests"
             time.sleep(0.005)
 
-        expiring = started_together(
-            [stub.GenerateStream(greedy(PROMPTS[3], LONG), timeout=0.8) for _ in range(5)]
-        )
+        expiring = started_together([slowed(PROMPTS[3], f"expiring-{i}", timeout=0.8) for i in range(5)])
         expired = [consume(call) for call in expiring]
         assert steps_until_ended(server, before, 13) <= FREED_WITHIN_STEPS
         assert {seen.code for seen in expired} == {grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -297,38 +297,15 @@ def test_many_cancels_and_expiries_free_their_slots_and_spare_the_others(
 # --- engine failure ----------------------------------------------------------------------------------------
 
 
-class FailOnce:
-    """Wraps an engine method so that its next call after `arm()` raises, and only that call."""
-
-    def __init__(self, method: Callable[..., object]) -> None:
-        self._method = method
-        self._armed = threading.Event()
-
-    def arm(self) -> None:
-        self._armed.set()
-
-    def __call__(self, *args: object) -> object:
-        if self._armed.is_set():
-            self._armed.clear()
-            raise RuntimeError("injected ONNX Runtime failure")
-        return self._method(*args)
-
-
-def test_a_failing_engine_step_fails_only_its_requests(
-    serving: Callable[..., RunningServer], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    server = serving(max_batch_size=4)
-    engine = server.model.engine
+def test_a_failing_engine_step_fails_only_its_requests(serving: Callable[..., RunningServer]) -> None:
+    faults = InjectedFaults(0.02, slow_prefix="", fail_prefill_prefix="joins-and-fails", fail_rows=3)
+    server = serving(faults, max_batch_size=4)
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.TextGenerationStub(channel)
         expected = references(stub, 30)
-        monkeypatch.setattr(engine, "decode", slow_decode(engine, 0.02))
-        prefill = FailOnce(engine.prefill)
-        monkeypatch.setattr(engine, "prefill", prefill)
 
         # A prefill fails: the request joining fails, the two already running go on.
         runners = [started(stub, greedy(p, 30), timeout=CALL_TIMEOUT) for p in PROMPTS[:2]]
-        prefill.arm()
         joining = consume(
             stub.GenerateStream(greedy(PROMPTS[2], 30, "joins-and-fails"), timeout=CALL_TIMEOUT)
         )
@@ -337,17 +314,15 @@ def test_a_failing_engine_step_fails_only_its_requests(
         for prompt, (call, seen) in zip(PROMPTS[:2], runners, strict=True):
             assert_complete(consume(call, seen), expected[prompt])
 
-        # A decode step fails: all three rows in it fail, the server goes on.
-        decode = FailOnce(engine.decode)
-        monkeypatch.setattr(engine, "decode", decode)
+        # A decode step fails once the three doomed requests run together: all three fail, the server goes on.
         doomed = [
             started(stub, greedy(p, 30, f"doomed-{i}"), timeout=CALL_TIMEOUT)
             for i, p in enumerate(PROMPTS[:3])
         ]
-        decode.arm()
         failed = [consume(call, seen) for call, seen in doomed]
         assert {seen.code for seen in failed} == {grpc.StatusCode.INTERNAL}
         assert all(f"doomed-{i}" in seen.details for i, seen in enumerate(failed))
+        assert all(len(seen.token_ids) < 30 for seen in failed)
         assert_gauges_idle(server)
         after = [consume(stub.GenerateStream(greedy(p, 30), timeout=CALL_TIMEOUT)) for p in PROMPTS]
     for prompt, seen in zip(PROMPTS, after, strict=True):

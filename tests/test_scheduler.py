@@ -391,7 +391,7 @@ def test_cancel_frees_the_slot_within_one_step(make_engine: EngineFactory) -> No
         victim.cancel()  # idempotent
         with pytest.raises(Cancelled):
             await victim.__anext__()
-        await until(lambda: victim.state is RequestState.CANCELLED)
+        await until(lambda: scheduler.snapshot().outcomes.get("cancelled") == 1)
         assert (await collect(other)).finish_reason == "length"
         queued = scheduler.submit(request("queued", prompt_of(4), max_new=5))
         queued.cancel()
@@ -716,7 +716,7 @@ def test_a_request_that_does_not_stream_gets_the_same_text_decoded_once(tokenize
 def test_a_stream_that_falls_behind_takes_what_is_ready_in_one_go(tokenizer: Tokenizer) -> None:
     async def main() -> None:
         tracker = tracker_of(tokenizer)
-        handle = RequestHandle(tracker, asyncio.get_running_loop(), lambda: None)
+        handle = RequestHandle(tracker.request_id, asyncio.get_running_loop(), lambda: None)
         events = [TokenEvent([i], "x", []) for i in range(3)]
         finish = FinishEvent("length", 3, 3, 0, 0.0, 0.0, 0.0)
         for item in (*events, finish):

@@ -1,7 +1,8 @@
 """The gRPC service end to end: a real server with the tiny bundle on a loopback port, real channels.
 
-Tests that need a request to still be running when they act slow the engine's decode step down (test
-instrumentation on the real engine; the scheduler and the server are the product's).
+Both shapes of the server: the engine in a process of its own (the default) and an engine thread. Tests
+that need a request to still be running when they act slow the engine's decode step down while it runs
+(`engine_faults`: test instrumentation on the real engine; the scheduler and the server are the product's).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from engine_faults import InjectedFaults
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from running_server import RunningServer, loopback_settings, slow_decode
+from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, rpc_error
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
-from serve.errors import EngineFailure
+from serve.engine import Engine, EngineSettings
 from serve.server import CallRecord, scheduler_limits
 
 PROMPT = "the quick brown fox"
@@ -28,11 +30,17 @@ PROMPT = "the quick brown fox"
 BusyRow = tuple[pb_grpc.TextGenerationStub, Iterator[pb.GenerateStreamResponse]]
 
 
-@pytest.fixture(scope="module")
-def server(loop: LoopThread, tiny_bundle: Path) -> Iterator[RunningServer]:
-    running = RunningServer(
-        loop, loopback_settings(tiny_bundle, max_new_tokens=32, default_max_new_tokens=8, max_stop_strings=2)
+@pytest.fixture(scope="module", params=[True, False], ids=["engine process", "engine thread"])
+def server(loop: LoopThread, tiny_bundle: Path, request: pytest.FixtureRequest) -> Iterator[RunningServer]:
+    """The server in both its shapes; requests with ids "slow-..." run slowly, "doomed..." fail a step."""
+    settings = loopback_settings(
+        tiny_bundle,
+        max_new_tokens=32,
+        default_max_new_tokens=8,
+        max_stop_strings=2,
+        engine_process=request.param,
     )
+    running = RunningServer(loop, settings, InjectedFaults())
     yield running
     running.stop()
 
@@ -134,9 +142,10 @@ def test_prompt_logprobs_in_whole_and_streamed_replies(
 ) -> None:
     whole = stub.Generate(greedy(4, include_prompt_logprobs=True))
     parts = list(stub.GenerateStream(greedy(4, include_prompt_logprobs=True)))
-    prompt = server.model.engine.tokenizer.encode(PROMPT).ids
+    prompt = server.model.tokenizer.encode(PROMPT).ids
     assert len(whole.prompt_logprobs) == len(prompt) - 1
-    expected = server.model.engine.score_prompt(prompt).logprobs
+    engine = Engine.from_bundle(server.model.bundle, EngineSettings(max_batch_size=1))
+    expected = engine.score_prompt(prompt).logprobs
     assert list(whole.prompt_logprobs) == pytest.approx(expected, abs=1e-6)
     assert all(lp <= 0 for lp in whole.prompt_logprobs)
     assert list(parts[0].prompt_logprobs) == list(whole.prompt_logprobs)  # the first message carries them
@@ -158,7 +167,7 @@ def test_prompt_logprobs_in_whole_and_streamed_replies(
 def test_a_prompt_longer_than_the_context_is_served_when_truncated(
     stub: pb_grpc.TextGenerationStub, server: RunningServer
 ) -> None:
-    context = server.model.engine.context_length
+    context = server.model.info.context_length
     ids = [1 + i % 50 for i in range(context + 10)]
     assert rpc_error(lambda: stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids)))).code() == (
         grpc.StatusCode.INVALID_ARGUMENT
@@ -204,26 +213,27 @@ def test_model_info(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> 
     assert info.eos_token_id == manifest.eos_token_id
     assert (info.dtype, info.quantization) == (manifest.dtype, manifest.quantization)
     assert info.max_new_tokens_limit == min(32, info.context_length - 1)
-    assert info.max_batch_size == server.model.engine.max_batch_size
+    assert info.max_batch_size == server.model.info.max_batch_size == 16  # the default
     assert "CPUExecutionProvider" in info.execution_providers
     assert info.server_version
-    engine = server.model.engine
-    assert info.prefix_cache_rows == engine.prefix_cache_rows == 4  # the default
-    assert info.kv_cache_bytes == sum(buffer.value.numpy().nbytes for buffer in engine._kv)  # the real ones
+    assert info.prefix_cache_rows == 4  # the default
+    arch = manifest.architecture
+    row_bytes = arch.n_layers * 2 * arch.n_heads * arch.context_length * arch.head_dim * 4  # K, V; float32
+    assert info.kv_cache_bytes == (info.max_batch_size + info.prefix_cache_rows) * row_bytes
 
 
 def test_tokenize(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> None:
     response = stub.Tokenize(pb.TokenizeRequest(text=PROMPT))
-    encoding = server.model.engine.tokenizer.encode(PROMPT)
+    encoding = server.model.tokenizer.encode(PROMPT)
     assert list(response.ids) == encoding.ids and list(response.tokens) == encoding.tokens
-    assert server.model.engine.tokenizer.decode(list(response.ids)) == PROMPT
+    assert server.model.tokenizer.decode(list(response.ids)) == PROMPT
 
 
 def test_detokenize_is_tokenize_backwards(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> None:
     tokenized = stub.Tokenize(pb.TokenizeRequest(text=PROMPT + " é"))
     detokenized = stub.Detokenize(pb.DetokenizeRequest(ids=tokenized.ids))
     assert detokenized.text == PROMPT + " é" and list(detokenized.tokens) == list(tokenized.tokens)
-    tokenizer = server.model.engine.tokenizer
+    tokenizer = server.model.tokenizer
     assert list(detokenized.texts) == [tokenizer.decode([i]) for i in tokenized.ids]
     # The ids top_logprobs reports, spelled out.
     top = stub.Generate(greedy(1, include_logprobs=True, top_logprobs=3)).top_logprobs[0]
@@ -356,39 +366,23 @@ def test_bad_requests_leave_the_server_healthy(
 
 
 def test_engine_failure_is_internal_with_the_request_id_and_the_server_recovers(
-    stub: pb_grpc.TextGenerationStub, server: RunningServer, monkeypatch: pytest.MonkeyPatch
+    stub: pb_grpc.TextGenerationStub,
 ) -> None:
-    engine = server.model.engine
-    decode = engine.decode
-    failures = iter([True])
-
-    def failing_once() -> object:
-        if next(failures, False):
-            raise EngineFailure("injected decode failure")
-        return decode()
-
-    monkeypatch.setattr(engine, "decode", failing_once)
-    error = rpc_error(lambda: stub.Generate(greedy(4, request_id="doomed")))
+    error = rpc_error(lambda: stub.Generate(greedy(4, request_id="doomed")))  # its decode steps fail
     assert error.code() == grpc.StatusCode.INTERNAL
     assert "doomed" in error.details()
     assert stub.Generate(greedy(4)).usage.completion_tokens == 4
 
 
-def test_deadline_exceeded_frees_the_slot(
-    stub: pb_grpc.TextGenerationStub, server: RunningServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(server.model.engine, "decode", slow_decode(server.model.engine, 0.05))
-    error = rpc_error(lambda: stub.Generate(greedy(30), timeout=0.3))
+def test_deadline_exceeded_frees_the_slot(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> None:
+    error = rpc_error(lambda: stub.Generate(greedy(30, request_id="slow-deadline"), timeout=0.3))
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert server.wait_idle(2.0).running == 0
 
 
-def test_cancelling_a_stream_frees_its_slot(
-    stub: pb_grpc.TextGenerationStub, server: RunningServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(server.model.engine, "decode", slow_decode(server.model.engine, 0.05))
+def test_cancelling_a_stream_frees_its_slot(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> None:
     cancelled_before = server.snapshot().outcomes.get("cancelled", 0)
-    call = stub.GenerateStream(greedy(30))
+    call = stub.GenerateStream(greedy(30, request_id="slow-cancel"))
     next(call)
     assert server.snapshot().running == 1
     call.cancel()
@@ -427,20 +421,20 @@ def test_log_prompts_adds_the_texts() -> None:
 @pytest.fixture
 def small_server(loop: LoopThread, tiny_bundle: Path) -> Iterator[RunningServer]:
     running = RunningServer(
-        loop, loopback_settings(tiny_bundle, max_batch_size=1, max_queue=1, max_message_bytes=2048)
+        loop,
+        loopback_settings(tiny_bundle, max_batch_size=1, max_queue=1, max_message_bytes=2048),
+        InjectedFaults(slow_seconds=0.02),
     )
     yield running
     running.stop()
 
 
 @pytest.fixture
-def busy_row(small_server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[BusyRow]:
+def busy_row(small_server: RunningServer) -> Iterator[BusyRow]:
     """A stub, and a 40-token stream that holds the small server's only row for ~0.8 s (slowed decode)."""
-    engine = small_server.model.engine
-    monkeypatch.setattr(engine, "decode", slow_decode(engine, 0.02))
     with grpc.insecure_channel(small_server.target) as chan:
         stub = pb_grpc.TextGenerationStub(chan)
-        running = stub.GenerateStream(greedy(40))
+        running = stub.GenerateStream(greedy(40, request_id="slow-busy"))
         next(running)  # the row is taken
         yield stub, running
 
@@ -482,14 +476,13 @@ def test_oversized_message_is_refused_by_the_transport(small_server: RunningServ
 
 
 def test_stream_interval_sends_the_first_token_at_once_then_fuller_messages(
-    loop: LoopThread, tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
+    loop: LoopThread, tiny_bundle: Path
 ) -> None:
     # An interval longer than the whole generation: the first token goes out alone (time to first token is
     # not delayed), the other 11 travel together in the message that ends the generation. Slow decode steps
     # keep the first message from being merged with the rest by a stream that lags (the tiny model is fast).
-    running = RunningServer(loop, loopback_settings(tiny_bundle, stream_interval_ms=10_000))
-    engine = running.model.engine
-    monkeypatch.setattr(engine, "decode", slow_decode(engine, 0.02))
+    slow = InjectedFaults(slow_seconds=0.02, slow_prefix="")
+    running = RunningServer(loop, loopback_settings(tiny_bundle, stream_interval_ms=10_000), slow)
     try:
         with grpc.insecure_channel(running.target) as chan:
             stub = pb_grpc.TextGenerationStub(chan)

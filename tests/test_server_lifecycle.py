@@ -16,8 +16,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from engine_faults import InjectedFaults
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from running_server import RunningServer, loopback_settings, slow_decode
+from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, rpc_error
 
 import serve.server
@@ -27,6 +28,7 @@ from serve.metrics import Metrics
 from serve.server import TextgenServer
 
 REPO = Path(__file__).resolve().parent.parent
+SLOW_SERVER = Path(__file__).resolve().parent / "slow_server"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -72,11 +74,9 @@ def test_health_is_not_serving_until_the_model_is_loaded(
         loop.run(server.stop())
 
 
-def test_drain_finishes_running_streams_and_refuses_new_requests(
-    loop: LoopThread, tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    running = RunningServer(loop, loopback_settings(tiny_bundle, grace_seconds=30))
-    monkeypatch.setattr(running.model.engine, "decode", slow_decode(running.model.engine, 0.03))
+def test_drain_finishes_running_streams_and_refuses_new_requests(loop: LoopThread, tiny_bundle: Path) -> None:
+    slow = InjectedFaults(slow_seconds=0.03, slow_prefix="")
+    running = RunningServer(loop, loopback_settings(tiny_bundle, grace_seconds=30), slow)
     with grpc.insecure_channel(running.target) as channel:
         stub = pb_grpc.TextGenerationStub(channel)
         stream = stub.GenerateStream(long_request())
@@ -94,11 +94,9 @@ def test_drain_finishes_running_streams_and_refuses_new_requests(
         draining.result(30)
 
 
-def test_drain_fails_what_outlives_the_grace_period(
-    loop: LoopThread, tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    running = RunningServer(loop, loopback_settings(tiny_bundle, grace_seconds=0.2))
-    monkeypatch.setattr(running.model.engine, "decode", slow_decode(running.model.engine, 0.05))
+def test_drain_fails_what_outlives_the_grace_period(loop: LoopThread, tiny_bundle: Path) -> None:
+    slow = InjectedFaults(slow_seconds=0.05, slow_prefix="")
+    running = RunningServer(loop, loopback_settings(tiny_bundle, grace_seconds=0.2), slow)
     with grpc.insecure_channel(running.target) as channel:
         stream = pb_grpc.TextGenerationStub(channel).GenerateStream(long_request())
         next(stream)
@@ -110,36 +108,17 @@ def test_drain_fails_what_outlives_the_grace_period(
 
 # --- the process --------------------------------------------------------------------------------------------
 
-# Slows every decode step so streams are still running when the signal arrives (test instrumentation only).
-SLOW_SERVER = """
-import sys, time
-import serve.engine
-decode = serve.engine.Engine.decode
-def slow(self):
-    time.sleep(0.02)
-    return decode(self)
-serve.engine.Engine.decode = slow
-from serve.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 class ServerProcess:
+    """`python -m serve` with the given flags on loopback ports, its decode steps slowed by 20 ms
+    (tests/slow_server/sitecustomize.py) so streams are still running when a test acts."""
+
     def __init__(self, *args: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TEXTGEN_")}
+        env["PYTHONPATH"] = os.pathsep.join([str(SLOW_SERVER), *filter(None, [env.get("PYTHONPATH")])])
+        env["SLOW_DECODE_SECONDS"] = "0.02"
+        loopback = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                SLOW_SERVER,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--metrics-port",
-                "0",
-                *args,
-            ],
+            [sys.executable, "-m", "serve", *loopback, *args],
             cwd=REPO,
             env=env,
             stderr=subprocess.PIPE,

@@ -1,0 +1,46 @@
+"""Engine wrappers that make steps slow or fail on cue, for servers under test.
+
+They are picklable (a frozen dataclass of a module on the tests' path), so they reach the engine process
+(`serve.engine_process.EngineSpec.wrap`) as well as an engine thread in the test's own process. The cue is
+a running sequence's id, which is its request id: a test slows or fails exactly its own requests, and the
+others around them run at full speed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from serve.engine import Engine, NewSequence
+from serve.errors import EngineFailure
+
+
+@dataclass(frozen=True)
+class InjectedFaults:
+    slow_seconds: float = 0.05  # each decode step sleeps this long first ...
+    slow_prefix: str = "slow-"  # ... while a sequence whose id starts so runs ("": always)
+    fail_prefix: str = "doomed"  # a decode step fails while `fail_rows` sequences whose ids start so run
+    fail_rows: int = 1
+    fail_prefill_prefix: str = "fails-to-join"  # a prefill fails when one of its sequences' ids starts so
+
+    def __call__(self, engine: Engine) -> Engine:
+        decode, prefill = engine.decode, engine.prefill
+
+        def decode_with_faults() -> Any:
+            running = engine.running_ids
+            if sum(seq_id.startswith(self.fail_prefix) for seq_id in running) >= self.fail_rows:
+                raise EngineFailure("injected ONNX Runtime failure")
+            if any(seq_id.startswith(self.slow_prefix) for seq_id in running):
+                time.sleep(self.slow_seconds)
+            return decode()
+
+        def prefill_with_faults(new: Sequence[NewSequence], chunk: int = 0) -> Any:
+            if any(seq.seq_id.startswith(self.fail_prefill_prefix) for seq in new):
+                raise EngineFailure("injected ONNX Runtime failure")
+            return prefill(new, chunk)
+
+        engine.decode = decode_with_faults  # type: ignore[method-assign]
+        engine.prefill = prefill_with_faults  # type: ignore[method-assign]
+        return engine

@@ -1,0 +1,233 @@
+"""The engine in a process of its own (serve/engine_process.py): what only that shape of the server does.
+
+Both shapes run the whole gRPC suite (tests/test_server.py); here: the scheduler's guarantees across the
+process boundary (batch invariance, the queue bound, cancels), metrics recorded there and replayed here, and
+what happens when either process dies or the engine process will not stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+from engine_faults import InjectedFaults
+from grpc_health.v1 import health_pb2
+from running_server import RunningServer, loopback_settings
+from server_tools import LoopThread, rpc_error
+from test_server_lifecycle import ServerProcess, health_status
+
+import serve.engine_process
+from serve._proto.textgen.v1 import textgen_pb2 as pb
+from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.bundle import Bundle, load_bundle
+from serve.engine import Engine, EngineSettings
+from serve.engine_process import EngineSpec, MetricRecorder, ProcessScheduler, replay
+from serve.errors import Draining, EngineFailure, QueueFull
+from serve.metrics import Metrics, new_registry
+from serve.offline import generate
+from serve.request import Completion, GenerationRequest
+from serve.runtime import SessionConfig
+from serve.sampling import SamplingParams
+from serve.scheduler import RequestHandle, SchedulerLimits
+
+T = TypeVar("T")
+SESSION = SessionConfig(threads=1, spinning=False)
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny_bundle: Path) -> Bundle:
+    return load_bundle(tiny_bundle)
+
+
+def spec(bundle: Bundle, faults: InjectedFaults | None = None, **limits: Any) -> EngineSpec:
+    limits.setdefault("max_batch_size", 4)
+    engine = EngineSettings(max_batch_size=limits["max_batch_size"], session=SESSION)
+    return EngineSpec(bundle, engine, SchedulerLimits(**limits), "WARNING", faults)
+
+
+def request(rid: str, prompt: list[int], max_new: int = 8) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, SamplingParams(), max_new, ignore_eos=True)
+
+
+async def collect(handle: RequestHandle) -> Completion:
+    completion = Completion(handle.request_id)
+    async for event in handle:
+        completion.add(event)
+    return completion
+
+
+def run(main: Callable[[], Coroutine[Any, Any, T]], timeout: float = 60.0) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(main(), timeout)
+
+    return asyncio.run(bounded())
+
+
+def test_greedy_tokens_are_batch_invariant_across_the_process_boundary(bundle: Bundle) -> None:
+    prompts = [[3 + i + j for j in range(2 + 3 * i)] for i in range(6)]
+    alone = Engine.from_bundle(bundle, EngineSettings(max_batch_size=1, session=SESSION))
+    expected = [generate(alone, [p], max_new_tokens=12, ignore_eos=True)[0].token_ids for p in prompts]
+
+    async def main() -> list[list[int]]:
+        scheduler = ProcessScheduler(spec(bundle))
+        await scheduler.start()
+        try:
+            early = [scheduler.submit(request(f"r{i}", p, 12)) for i, p in enumerate(prompts[:4])]
+            while scheduler.snapshot().running == 0:  # the others join a running batch
+                await asyncio.sleep(0.001)
+            late = [scheduler.submit(request(f"r{i + 4}", p, 12)) for i, p in enumerate(prompts[4:])]
+            done = await asyncio.gather(*(collect(h) for h in [*early, *late]))
+            assert max(step.rows for step in scheduler.steps()) > 1
+            assert scheduler.snapshot().outcomes["finished"] == 6
+        finally:
+            await scheduler.drain(0.0)
+        return [c.token_ids for c in done]
+
+    assert run(main) == expected
+
+
+def test_the_queue_bound_holds_here_and_a_cancel_reaches_the_engine_process(bundle: Bundle) -> None:
+    async def main() -> None:
+        scheduler = ProcessScheduler(spec(bundle, InjectedFaults(0.02), max_batch_size=1, max_queue=2))
+        await scheduler.start()
+        try:
+            running = scheduler.submit(request("slow-running", [5, 6, 7], 40))
+            await running.__anext__()
+            queued = [scheduler.submit(request(f"queued-{i}", [5, 6], 2)) for i in range(2)]
+            # Refused at once, before the engine process has said anything about the two just sent.
+            with pytest.raises(QueueFull, match="queue is full"):
+                scheduler.submit(request("one-too-many", [5], 2))
+            assert scheduler.snapshot().waiting == 2 and scheduler.snapshot().outcomes["rejected"] == 1
+            running.cancel()
+            for handle in queued:  # the cancelled request's row goes to the queue
+                assert (await collect(handle)).finish_reason == "length"
+            assert scheduler.snapshot().outcomes["cancelled"] == 1
+            assert scheduler.snapshot().running == 0
+        finally:
+            await scheduler.drain(0.0)
+
+    run(main)
+
+
+def test_recorded_metric_calls_replay_as_the_same_exposition() -> None:
+    direct, replayed, recorder = Metrics(new_registry()), Metrics(new_registry()), MetricRecorder()
+    for metrics in (direct, recorder):
+        metrics.on_admitted(0.002)
+        metrics.on_first_token(0.05)
+        metrics.on_token(0.012)
+        metrics.on_finished("eos", 7, 9, 4)
+        metrics.on_step("decode", 3, 0.1, 0.01)
+        metrics.set_load(3, 1, 3, 8)
+    replay(replayed, recorder.take())
+    assert recorder.take() == []
+
+    def without_created(metrics: Metrics) -> list[str]:  # *_created: when each series was made
+        return [line for line in metrics.exposition().splitlines() if "_created" not in line]
+
+    assert without_created(replayed) == without_created(direct)
+
+
+def test_an_engine_process_that_will_not_stop_is_killed(
+    bundle: Bundle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(serve.engine_process, "STOP_TIMEOUT_SECONDS", 0.5)
+
+    async def main() -> None:
+        scheduler = ProcessScheduler(spec(bundle, InjectedFaults(slow_seconds=60)))
+        await scheduler.start()
+        stuck = scheduler.submit(request("slow-stuck", [5, 6, 7], 4))
+        await stuck.__anext__()  # its first decode step now sleeps for a minute
+        began = time.monotonic()
+        await scheduler.drain(0.0)
+        assert time.monotonic() - began < 10
+        with pytest.raises(Draining):
+            await collect(stuck)
+        assert scheduler.pid is not None and not Path(f"/proc/{scheduler.pid}").exists()
+
+    run(main)
+
+
+# --- the server ------------------------------------------------------------------------------------------
+
+
+def test_a_dead_engine_process_fails_its_requests_and_stops_serving(
+    loop: LoopThread, tiny_bundle: Path
+) -> None:
+    running = RunningServer(loop, loopback_settings(tiny_bundle), InjectedFaults(0.02))
+    scheduler = running.model.scheduler
+    assert isinstance(scheduler, ProcessScheduler) and scheduler.pid is not None
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            stub = pb_grpc.TextGenerationStub(channel)
+            stream = stub.GenerateStream(
+                pb.GenerateRequest(
+                    request_id="slow-victim", text="abc", stopping=pb.StoppingCriteria(max_new_tokens=40)
+                )
+            )
+            next(stream)
+            os.kill(scheduler.pid, signal.SIGKILL)
+            error = rpc_error(lambda: list(stream))
+            assert error.code() == grpc.StatusCode.INTERNAL
+            assert "slow-victim" in error.details()
+            assert "engine process exited unexpectedly" in error.details()
+            assert running.server.failed is not None
+            assert "exit code -9" in loop.run(asyncio.wait_for(asyncio.shield(running.server.failed), 10))
+            assert health_status(running.target) == health_pb2.HealthCheckResponse.NOT_SERVING
+            refused = rpc_error(lambda: stub.Generate(pb.GenerateRequest(text="abc")))
+            assert refused.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(EngineFailure, match="has exited"):
+            scheduler.submit(request("after", [5], 2))
+    finally:
+        running.stop()
+
+
+def engine_pid(server: ServerProcess, timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in list(server.lines):
+            if found := re.search(r"engine process (\d+) ready", line):
+                return int(found.group(1))
+        time.sleep(0.05)
+    raise AssertionError("".join(server.lines))
+
+
+def gone(pid: int, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}").exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_the_server_process_exits_1_when_its_engine_process_dies(tiny_bundle: Path) -> None:
+    server = ServerProcess("--bundle", str(tiny_bundle))
+    try:
+        server.wait_serving()
+        os.kill(engine_pid(server), signal.SIGKILL)
+        assert server.proc.wait(30) == 1
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    assert any("engine process exited unexpectedly" in line for line in server.lines), "".join(server.lines)
+
+
+def test_a_killed_server_leaves_no_engine_process_behind(tiny_bundle: Path) -> None:
+    server = ServerProcess("--bundle", str(tiny_bundle))
+    try:
+        server.wait_serving()
+        pid = engine_pid(server)
+        server.proc.kill()  # SIGKILL: no drain, no clean-up of its own
+        server.proc.wait(30)
+        assert gone(pid), f"engine process {pid} outlived its server"
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
