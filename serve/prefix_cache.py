@@ -25,6 +25,7 @@ class _Kept:
     row: int  # the engine's KV row that holds it
     tokens: np.ndarray  # int64 token ids whose keys and values fill the row's first len(tokens) positions
     used: int  # the cache's clock when last stored or matched
+    head: bytes = b""  # its first min_tokens token ids: a prompt can reuse the row only if it starts so
 
 
 class PrefixCache:
@@ -50,8 +51,10 @@ class PrefixCache:
         if not self.rows or not (self._kept or running):
             return None
         prompt = np.asarray(prompt_ids, dtype=np.int64)
+        head = prompt[: self.min_tokens].tobytes()
+        kept = ((k.row, k.tokens) for k in self._kept if k.head == head)
         best: tuple[int, int] | None = None
-        for row, tokens in [*((kept.row, kept.tokens) for kept in self._kept), *running]:
+        for row, tokens in [*kept, *running]:
             reusable = min(_common_prefix(tokens, prompt), len(prompt) - 1)
             if reusable >= self.min_tokens and (best is None or reusable > best[1]):
                 best = (row, reusable)
@@ -88,6 +91,7 @@ class PrefixCache:
             else:
                 target = min(self._kept, key=lambda kept: kept.used)
         target.tokens = np.array(tokens, dtype=np.int64)
+        target.head = target.tokens[: self.min_tokens].tobytes()
         target.used = self._tick()
         return target.row
 
