@@ -12,6 +12,8 @@ round by round (this machine is shared and noisy: compare the two within a round
   once): tokens/s. The cache only costs here: each leaving row is copied into a kept row.
 - **release**: what that copy costs, directly: `Engine.release` of each of 16 rows holding 32 + 128 tokens
   (median ms; the engine without a cache still moves the last row into the freed one).
+- **lookup**: what admission pays to learn that a waiting prompt shares nothing with 16 running rows and the
+  kept ones (`Engine.cached_tokens`, µs a call).
 
 Every prompt is fresh random token ids (a round never finds the previous round's answers kept). Greedy;
 both engines must produce the same tokens (checked). Everything runs through the offline API (the
@@ -100,18 +102,37 @@ def no_reuse(engine: Engine, rng: np.random.Generator) -> tuple[dict[str, float]
     return {"tok/s": BURST * 128 / seconds}, [c.token_ids for c in done]
 
 
-def release_cost(engine: Engine, rng: np.random.Generator) -> tuple[dict[str, float], list[list[int]]]:
+def running_burst(engine: Engine, rng: np.random.Generator) -> tuple[list[NewSequence], list[list[int]]]:
+    """BURST sequences of 32 random prompt tokens decoded to 160 tokens (less on a short context)."""
     seqs = [NewSequence(str(i), random_ids(rng, 32, engine.vocab_size), GREEDY) for i in range(BURST)]
     tokens = [[t.token_id] for t in engine.prefill(seqs)]
-    for _ in range(min(127, engine.capacity - 33)):  # a small model's context may be shorter
+    for _ in range(min(127, engine.capacity - 33)):
         for t in engine.decode():
             tokens[int(t.seq_id)].append(t.token_id)
+    return seqs, tokens
+
+
+def release_cost(engine: Engine, rng: np.random.Generator) -> tuple[dict[str, float], list[list[int]]]:
+    seqs, tokens = running_burst(engine, rng)
     seconds = []
     for seq in seqs:
         start = time.perf_counter()
         engine.release([seq.seq_id])
         seconds.append(time.perf_counter() - start)
     return {"median ms": 1e3 * statistics.median(seconds)}, tokens
+
+
+def miss_lookup_cost(engine: Engine, rng: np.random.Generator) -> tuple[dict[str, float], list[list[int]]]:
+    """`cached_tokens` of a prompt that shares nothing, beside BURST running rows (and the rows a previous
+    release kept): what admission pays for every waiting prompt it considers."""
+    seqs, tokens = running_burst(engine, rng)
+    prompt, calls = random_ids(rng, 32, engine.vocab_size), 1000
+    start = time.perf_counter()
+    for _ in range(calls):
+        assert engine.cached_tokens(prompt) == 0
+    seconds = time.perf_counter() - start
+    engine.release([seq.seq_id for seq in seqs])
+    return {"µs": 1e6 * seconds / calls}, tokens
 
 
 def compare(
@@ -158,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         f"no reuse: {BURST} x 32 prompt, 128 new tokens": no_reuse,
         f"release of one of {BURST} rows holding 32 + 128 tokens": release_cost,
+        f"a prompt that shares nothing, looked up beside {BURST} running rows": miss_lookup_cost,
     }
     generate(engines[f"{args.rows} rows"], [[5] * 8], max_new_tokens=4)  # warm-up, both engines
     generate(engines["0 rows"], [[5] * 8], max_new_tokens=4)

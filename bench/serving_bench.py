@@ -377,6 +377,7 @@ def run(args: argparse.Namespace) -> Results:
     hf = None if args.skip_hf else hf_generate(bundle, plan, threads, args.hf_venv)
 
     spin_flag = "--spinning" if args.spinning else "--no-spinning"
+    process_flag = "--engine-process" if args.engine_process else "--no-engine-process"
     port, metrics_port = free_port(), free_port()
     serve_cmd = [
         str(BIN / "textgen-serve"),
@@ -386,6 +387,7 @@ def run(args: argparse.Namespace) -> Results:
         *("--stream-interval-ms", f"{args.stream_interval_ms:g}"),
         *("--prefill-chunk-tokens", str(args.prefill_chunk_tokens)),
         spin_flag,
+        process_flag,
     ]
     server_loads = {
         c: closed_loop(f"127.0.0.1:{port}", c, c * plan.requests_per_client, plan) for c in plan.levels
@@ -543,6 +545,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=ServerSettings.model_fields["prefill_chunk_tokens"].default,
         help="textgen-serve --prefill-chunk-tokens (default: the server's)",
+    )
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=ServerSettings.model_fields["engine_process"].default,
+        help="textgen-serve --engine-process: the engine in a process of its own (default: the server's)",
     )
     p.add_argument(
         "--rpc",

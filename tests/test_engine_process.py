@@ -8,6 +8,7 @@ what happens when either process dies or the engine process will not stop.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -231,3 +232,16 @@ def test_a_killed_server_leaves_no_engine_process_behind(tiny_bundle: Path) -> N
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
+
+
+def test_the_ab_benchmark_alternates_server_configurations(tiny_bundle: Path, tmp_path: Path) -> None:
+    from bench.serve_ab import main
+
+    out = tmp_path / "ab.json"
+    flags = ["--config=--no-engine-process", "--config=--engine-process"]
+    args = ["--bundle", str(tiny_bundle), "--rounds", "2", "--clients", "2", "--requests", "4"]
+    assert main([*args, "--new-tokens", "5", "--threads", "1", *flags, "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())
+    assert list(runs) == ["--no-engine-process", "--engine-process"]
+    for rounds in runs.values():
+        assert len(rounds) == 2 and all(r["tokens_per_second"] > 0 for r in rounds)

@@ -134,7 +134,7 @@ def test_the_prefix_benchmark_runs_every_case_and_reuses_what_it_says(
         ]
     )
     cases = json.loads(out.read_text())["cases"]
-    assert len(cases) == 5
+    assert len(cases) == 6
     for figures in cases.values():
         for by_engine in figures.values():
             assert list(by_engine) == ["4 rows", "0 rows"] and all(len(v) == 2 for v in by_engine.values())

@@ -1,0 +1,105 @@
+"""Served throughput of textgen-serve configurations, alternated round by round under one load.
+
+    .venv/bin/python -m bench.serve_ab --bundle models/demo/bundle --threads 1 --rpc stream --rounds 6 \\
+        --config=--no-engine-process --config=--engine-process
+
+This machine's speed drifts by tens of percent within minutes (docs/benchmarks.md), so one run of each
+configuration says little about a difference of a few percent; rounds that run every configuration in turn,
+compared by their medians, do. Each round starts each configuration's server afresh, warms it up with a short
+load, then times `--requests` closed-loop requests from `--clients` clients (exactly `--new-tokens` tokens
+each, greedy). Prints one line per round and the medians; `--json` keeps every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from bench.loadgen import RPC_NAMES, LoadConfig, benchmark
+from bench.serving_bench import BIN, ROOT, free_port, server_process
+
+
+@dataclass(frozen=True)
+class Figures:
+    tokens_per_second: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+
+
+def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
+    port = free_port()
+    command = [
+        str(BIN / "textgen-serve"),
+        *("--bundle", str(args.bundle), "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"),
+        *("--max-batch-size", str(args.clients), "--log-level", "WARNING"),
+        *(("--threads", str(args.threads)) if args.threads else ()),
+        *shlex.split(config),
+    ]
+    load = LoadConfig(
+        target=f"127.0.0.1:{port}",
+        concurrency=args.clients,
+        num_requests=args.clients * 2,
+        input_len=args.input_len,
+        max_new_tokens=args.new_tokens,
+        ignore_eos=True,
+        percentiles=(50.0, 99.0),
+        progress=False,
+        rpc=args.rpc,
+    )
+    with server_process(command, log, load.target):
+        asyncio.run(benchmark(load))  # warm-up
+        summary = asyncio.run(benchmark(replace(load, num_requests=args.requests))).summary
+    itl: dict[str, float] = summary["itl_ms"]  # type: ignore[assignment]
+    rate = float(summary["output_throughput"])  # type: ignore[arg-type]
+    return Figures(rate, itl["median"], itl["p99"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="serve_ab", description=__doc__.splitlines()[0])
+    p.add_argument("--bundle", type=Path, required=True, help="model bundle")
+    p.add_argument(
+        "--config",
+        action="append",
+        required=True,
+        help="textgen-serve flags of one configuration (repeat: two or more; '' for the defaults)",
+    )
+    p.add_argument("--rounds", type=int, default=4, help="rounds; each runs every configuration once")
+    p.add_argument("--clients", type=int, default=16, help="closed-loop clients (and --max-batch-size)")
+    p.add_argument("--requests", type=int, default=256, help="timed requests per run")
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--threads", type=int, default=None, help="textgen-serve --threads")
+    p.add_argument("--rpc", choices=tuple(RPC_NAMES), default="stream", help="the clients' call")
+    p.add_argument("--json", type=Path, default=None, help="write every figure here")
+    args = p.parse_args(argv)
+    if len(args.config) < 2:
+        p.error("give at least two --config")
+    log = ROOT / "bench" / "results" / "serve_ab.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[Figures]] = {config: [] for config in args.config}
+    for round_ in range(1, args.rounds + 1):
+        for config in args.config:
+            runs[config].append(measure(config, args, log))
+        cells = "  ".join(f"[{c or 'defaults'}] {runs[c][-1].tokens_per_second:.0f}" for c in args.config)
+        print(f"round {round_}: {cells} tok/s", flush=True)
+    first = statistics.median(f.tokens_per_second for f in runs[args.config[0]])
+    print(f"medians over {args.rounds} rounds ({args.rpc}, {args.clients} clients, {args.bundle}):")
+    for config, figures in runs.items():
+        rate = statistics.median(f.tokens_per_second for f in figures)
+        p50 = statistics.median(f.itl_p50_ms for f in figures)
+        p99 = statistics.median(f.itl_p99_ms for f in figures)
+        name = config or "defaults"
+        print(f"  [{name}] {rate:.0f} tok/s ({rate / first:.2f}x), ITL p50 {p50:.1f} p99 {p99:.1f} ms")
+    if args.json is not None:
+        args.json.write_text(json.dumps({c: [asdict(f) for f in fs] for c, fs in runs.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
