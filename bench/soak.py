@@ -6,9 +6,10 @@
 Each round, `--clients` concurrent clients (more than the server's batch rows plus queue places) send a mix of
 streams, unary calls, streams cancelled after their first message, streams with deadlines too short to finish,
 invalid requests and small RPCs. After each round the soak waits for the server to go idle, then samples its
-RSS (from /proc) and its load gauges. It fails (exit 1) when a gauge does not return to 0, when a call ends
-with a status outside the expected set, or when RSS grows by more than the tolerance between the end of the
-first round (allocator pools, ONNX Runtime and gRPC buffers are warm by then) and any later round.
+RSS (from /proc: the server process and its engine process together) and its load gauges. It fails (exit 1)
+when a gauge does not return to 0, when a call ends with a status outside the expected set, or when RSS grows
+by more than the tolerance between the end of the first round (allocator pools, ONNX Runtime and gRPC buffers
+are warm by then) and any later round.
 """
 
 from __future__ import annotations
@@ -124,10 +125,27 @@ async def load(target: str, clients: int, seconds: float, seed: int) -> Counter[
 
 
 def rss_mib(pid: int) -> float:
+    """Resident memory of the server process and its children (the engine process) together."""
+    return sum(_own_rss_mib(p) for p in (pid, *_children(pid)))
+
+
+def _own_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[1]) == pid:  # the field after the state is the parent's pid
+            children.append(int(stat.parent.name))
+    return children
 
 
 def gauges(metrics_url: str) -> dict[str, float]:
