@@ -28,7 +28,7 @@ import queue
 import signal
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -37,7 +37,7 @@ from typing import Any
 from serve.bundle import Bundle
 from serve.config import configure_logging
 from serve.engine import Engine, EngineInfo, EngineSettings, open_engine
-from serve.errors import Draining, EngineFailure, TextgenError
+from serve.errors import EngineFailure, TextgenError
 from serve.request import FinishEvent, GenerationRequest, RequestTracker, validate_request
 from serve.scheduler import (
     BatchEngine,
@@ -50,6 +50,7 @@ from serve.scheduler import (
     SchedulerLimits,
     SchedulerSnapshot,
     StepRecord,
+    draining,
     draining_error,
     outcomes,
     queue_full,
@@ -245,7 +246,7 @@ class ProcessScheduler:
         self._metrics = metrics
         self._handles = HandleTable()
         self._steps: deque[StepRecord] = deque(maxlen=spec.limits.step_history)
-        self._rejected: Counter[str] = Counter()
+        self._rejected = 0  # refused here for a full queue (the engine process counts the rest)
         self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._sent = 0  # submit commands handed to the engine process
         self._received = 0  # of them, read by the engine process as of the latest output
@@ -323,11 +324,11 @@ class ProcessScheduler:
         if self.exited is not None and self.exited.done():
             raise EngineFailure(f"request {rid}: the engine process has exited; the server is stopping")
         if self._draining:
-            raise Draining(f"request {rid}: the server is shutting down; retry elsewhere")
+            raise draining(rid)
         self._handles.check_free(rid)
         validate_request(request, started.info.vocab_size, started.max_total_tokens)
         if self._waiting >= started.limits.max_queue:
-            self._rejected["rejected"] += 1
+            self._rejected += 1
             raise queue_full(rid, started.limits.max_queue)
         assert self._loop is not None
         self._post(("submit", request))
@@ -342,9 +343,10 @@ class ProcessScheduler:
     def snapshot(self) -> SchedulerSnapshot:
         """The engine process's scheduler after its latest step (the queue counts what was sent since)."""
         latest = self._ready.snapshot
-        return replace(
-            latest, waiting=self._waiting, outcomes=dict(Counter(latest.outcomes) + self._rejected)
-        )
+        outcomes = dict(latest.outcomes)
+        if self._rejected:
+            outcomes["rejected"] = outcomes.get("rejected", 0) + self._rejected
+        return replace(latest, waiting=self._waiting, outcomes=outcomes)
 
     def steps(self) -> list[StepRecord]:
         return list(self._steps)
@@ -369,7 +371,7 @@ class ProcessScheduler:
             log.error("the engine process did not stop within %.0f s; killing it", STOP_TIMEOUT_SECONDS)
             self._process.kill()
         await asyncio.to_thread(self._process.join)
-        self._handles.fail_all(lambda rid: Draining(f"request {rid}: the server is shutting down"))
+        self._handles.fail_all(draining)
 
     # -- the pipe ----------------------------------------------------------------------------------------
     def _post(self, command: tuple[Any, ...] | None) -> None:

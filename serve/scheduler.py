@@ -736,7 +736,7 @@ class Scheduler:
         if self._loop is None:
             raise RuntimeError("Scheduler.start() was not awaited")
         if self._draining:
-            raise Draining(f"request {request.request_id}: the server is shutting down; retry elsewhere")
+            raise draining(request.request_id)
         self._handles.check_free(request.request_id)
         tracker = self._runner.track(request)
         self._runner.enqueue(tracker)
@@ -798,8 +798,12 @@ def outcomes(deliveries: list[Delivery]) -> list[Outcome]:
     return [(tracker.request_id, item) for tracker, item in deliveries]
 
 
+def draining(request_id: str) -> Draining:
+    return Draining(f"request {request_id}: the server is shutting down; retry elsewhere")
+
+
 def draining_error(tracker: RequestTracker) -> TextgenError:
-    return Draining(f"request {tracker.request_id}: the server is shutting down; retry elsewhere")
+    return draining(tracker.request_id)
 
 
 def _internal_error(tracker: RequestTracker) -> TextgenError:

@@ -33,7 +33,7 @@ from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.auth import TokenAuthInterceptor, server_credentials
 from serve.bundle import Bundle, load_bundle
 from serve.config import ConfigError, ServerSettings
-from serve.engine import Engine, EngineInfo, EngineSettings, open_engine
+from serve.engine import EngineInfo, EngineSettings, open_engine
 from serve.engine_process import EngineSpec, EngineWrap, ProcessScheduler
 from serve.errors import Draining, InvalidRequest, grpc_status
 from serve.metrics import Metrics
@@ -136,7 +136,6 @@ class LoadedModel:
     info: EngineInfo
     scheduler: RequestScheduler
     limits: RequestLimits
-    engine: Engine | None = None  # the engine itself when it runs in this process (engine_process off)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -198,7 +197,7 @@ async def load_model(
     scheduler = Scheduler(wrap(engine) if wrap else engine, scheduler_limits(settings), metrics)
     await scheduler.start()
     checks = request_limits(settings, engine.info, scheduler.max_total_tokens)
-    return LoadedModel(bundle, engine.info, scheduler, checks, engine)
+    return LoadedModel(bundle, engine.info, scheduler, checks)
 
 
 # --- one RPC's accounting -----------------------------------------------------------------------------------
