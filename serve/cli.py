@@ -16,8 +16,9 @@ from serve.server import serve
 
 log = logging.getLogger("textgen.serve")
 
-# Start-up failures that are the operator's to fix: one clear line, no traceback.
-EXPECTED_STARTUP_ERRORS = (ConfigError, TextgenError, ValueError, OSError)
+# Start-up failures that are the operator's to fix: one clear line, no traceback (ImportError: an install
+# without ONNX Runtime, found when the engine is built).
+EXPECTED_STARTUP_ERRORS = (ConfigError, TextgenError, ValueError, OSError, ImportError)
 
 
 def main(argv: list[str] | None = None) -> int:

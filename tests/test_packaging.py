@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 SERVE_MODULES = [
     "serve.bundle",
@@ -33,9 +35,26 @@ def test_serve_never_imports_torch_or_export() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_missing_onnxruntime_is_one_clear_line() -> None:
-    # sys.modules[name] = None makes `import name` fail, as in an install without either extra.
-    result = run_python("import sys; sys.modules['onnxruntime'] = None; import serve.engine")
-    assert result.returncode != 0
-    last = result.stderr.strip().splitlines()[-1]
-    assert "install the 'cpu' extra" in last and "'gpu' extra" in last, last
+def test_the_server_process_loads_neither_onnxruntime_nor_onnx() -> None:
+    # Its engine runs in a process of its own; importing the whole server must not pull them in.
+    imports = "; ".join(f"import {m}" for m in SERVE_MODULES)
+    check = "import sys; loaded = [m for m in ('onnxruntime', 'onnx') if m in sys.modules]; assert not loaded"
+    result = run_python(f"{imports}; {check}")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_missing_onnxruntime_is_one_clear_line(tiny_bundle: Path, tmp_path: Path) -> None:
+    # A package named onnxruntime that cannot be imported, ahead of the real one in every process the server
+    # starts (its engine process too), stands for an install without either extra.
+    (tmp_path / "onnxruntime").mkdir()
+    (tmp_path / "onnxruntime" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TEXTGEN_")}
+    env["PYTHONPATH"] = str(tmp_path)
+    ports = ["--port", "0", "--metrics-port", "0"]
+    command = [sys.executable, "-m", "serve", "--bundle", str(tiny_bundle), *ports]
+    result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=120, env=env)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "start-up failed" in errors[0] and "install the 'cpu' extra" in errors[0]
+    assert "'gpu' extra" in errors[0]
