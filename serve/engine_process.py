@@ -38,7 +38,7 @@ from serve.bundle import Bundle
 from serve.config import configure_logging
 from serve.engine import Engine, EngineInfo, EngineSettings, open_engine
 from serve.errors import EngineFailure, TextgenError
-from serve.request import FinishEvent, GenerationRequest, RequestTracker, validate_request
+from serve.request import GenerationRequest, validate_request
 from serve.scheduler import (
     BatchEngine,
     BatchRunner,
@@ -164,7 +164,6 @@ class _EngineLoop:
         self._conn = conn
         self._runner = runner
         self._recorder = recorder
-        self._trackers: dict[str, RequestTracker] = {}
         self._received = 0
         self._last_step: StepRecord | None = None
 
@@ -189,16 +188,11 @@ class _EngineLoop:
             self._received += 1
             request: GenerationRequest = command[1]
             try:  # the server checked both already; this is the scheduler's own word
-                tracker = self._runner.track(request)
-                self._runner.enqueue(tracker)
+                self._runner.enqueue(self._runner.track(request))
             except TextgenError as exc:
                 self._send_now([(request.request_id, exc)])
-                return []
-            self._trackers[request.request_id] = tracker
         elif kind == "cancel":
-            tracker = self._trackers.get(command[1])
-            if tracker is not None:
-                tracker.request_cancel()
+            self._runner.request_cancel(command[1])
         elif kind == "reject_waiting":
             return self._runner.reject_waiting(draining_error)
         else:
@@ -206,9 +200,6 @@ class _EngineLoop:
         return []
 
     def _send(self, deliveries: list[Delivery]) -> None:
-        for tracker, item in deliveries:
-            if isinstance(item, FinishEvent | TextgenError):
-                self._trackers.pop(tracker.request_id, None)
         self._send_now(outcomes(deliveries))
 
     def _send_now(self, done: list[Outcome]) -> None:

@@ -252,6 +252,15 @@ class BatchRunner:
         self._fail_all(rejected, error, deliveries)
         return deliveries
 
+    def request_cancel(self, request_id: str) -> None:
+        """Mark a queued or running request cancelled: it leaves at the next step (no effect once ended)."""
+        with self._cv:
+            tracker = self._running.get(request_id) or next(
+                (t for t in self._waiting if t.request_id == request_id), None
+            )
+        if tracker is not None:
+            tracker.request_cancel()
+
     def wake(self) -> None:
         with self._cv:
             self._cv.notify_all()
