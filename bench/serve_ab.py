@@ -3,6 +3,9 @@
     .venv/bin/python -m bench.serve_ab --bundle models/demo/bundle --threads 1 --rpc stream --rounds 6 \\
         --config=--no-engine-process --config=--engine-process
 
+A configuration's leading `NAME=value` words are set in its server's environment, so code can be compared
+with code: `--config='PYTHONPATH=/tmp/old'` serves the `serve` package of a `git worktree` at /tmp/old.
+
 This machine's speed drifts by tens of percent within minutes (docs/benchmarks.md), so one run of each
 configuration says little about a difference of a few percent; rounds that run every configuration in turn,
 compared by their medians, do. Each round starts each configuration's server afresh, warms it up with a short
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import shlex
 import statistics
 import sys
@@ -25,6 +29,9 @@ from bench.loadgen import RPC_NAMES, LoadConfig, benchmark
 from bench.serving_bench import BIN, ROOT, free_port, server_process
 
 
+ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
+
+
 @dataclass(frozen=True)
 class Figures:
     tokens_per_second: float
@@ -32,14 +39,25 @@ class Figures:
     itl_p99_ms: float
 
 
+def split_config(config: str) -> tuple[dict[str, str], list[str]]:
+    """A configuration's leading NAME=value words (the server's environment) and its flags."""
+    words = shlex.split(config)
+    env: dict[str, str] = {}
+    while words and ENV_WORD.fullmatch(words[0]):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    return env, words
+
+
 def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
     port = free_port()
+    env, flags = split_config(config)
     command = [
         str(BIN / "textgen-serve"),
         *("--bundle", str(args.bundle), "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"),
         *("--max-batch-size", str(args.clients), "--log-level", "WARNING"),
         *(("--threads", str(args.threads)) if args.threads else ()),
-        *shlex.split(config),
+        *flags,
     ]
     load = LoadConfig(
         target=f"127.0.0.1:{port}",
@@ -52,7 +70,7 @@ def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
         progress=False,
         rpc=args.rpc,
     )
-    with server_process(command, log, load.target):
+    with server_process(command, log, load.target, env):
         asyncio.run(benchmark(load))  # warm-up
         summary = asyncio.run(benchmark(replace(load, num_requests=args.requests))).summary
     itl: dict[str, float] = summary["itl_ms"]  # type: ignore[assignment]

@@ -217,11 +217,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server_process(command: list[str], log_path: Path, target: str) -> Iterator[subprocess.Popen[bytes]]:
-    """A server subprocess, yielded once it answers GetModelInfo; SIGTERM (then SIGKILL) afterwards."""
-    print(f"$ {shlex.join(command)}", flush=True)
+def server_process(
+    command: list[str], log_path: Path, target: str, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A server subprocess (`env`: variables set for it on top of ours), yielded once it answers
+    GetModelInfo; SIGTERM (then SIGKILL) afterwards."""
+    assignments = [f"{name}={value}" for name, value in (env or {}).items()]
+    print(f"$ {shlex.join(assignments + command)}", flush=True)
     with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})}
+        )
         try:
             wait_ready(process, target, log_path)
             yield process

@@ -240,10 +240,19 @@ def test_the_ab_benchmark_alternates_server_configurations(tiny_bundle: Path, tm
     from bench.serve_ab import main
 
     out = tmp_path / "ab.json"
-    flags = ["--config=--no-engine-process", "--config=--engine-process"]
+    flags = ["--config=TEXTGEN_ENGINE_PROCESS=false", "--config=--engine-process"]
     args = ["--bundle", str(tiny_bundle), "--rounds", "2", "--clients", "2", "--requests", "4"]
     assert main([*args, "--new-tokens", "5", "--threads", "1", *flags, "--json", str(out)]) == 0
     runs = json.loads(out.read_text())
-    assert list(runs) == ["--no-engine-process", "--engine-process"]
+    assert list(runs) == ["TEXTGEN_ENGINE_PROCESS=false", "--engine-process"]
     for rounds in runs.values():
         assert len(rounds) == 2 and all(r["tokens_per_second"] > 0 for r in rounds)
+
+
+def test_an_ab_configuration_starts_with_the_servers_environment() -> None:
+    from bench.serve_ab import split_config
+
+    env, flags = split_config("PYTHONPATH=/tmp/old A_B='x y' --threads 1 --label=K=V")
+    assert env == {"PYTHONPATH": "/tmp/old", "A_B": "x y"}
+    assert flags == ["--threads", "1", "--label=K=V"]
+    assert split_config("") == ({}, [])
