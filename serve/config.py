@@ -75,8 +75,9 @@ class ServerSettings(BaseSettings):
         0,
         ge=0,
         le=1_000_000,
-        description="a lone prompt longer than this is prefilled this many tokens per step, with decode "
-        "steps of the running streams in between (0: in one step)",
+        description="while other requests decode, the most prompt tokens a prefill step computes: "
+        "arrivals are split over several steps and a longer prompt is prefilled in pieces of this many, "
+        "with decode steps of the running streams in between (0: no bound but max_prefill_tokens)",
     )
     max_wait_seconds: float = Field(
         0.0, ge=0, le=60, description="how long a partial prefill group may wait for company"

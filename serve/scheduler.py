@@ -12,8 +12,10 @@ Admission policy, evaluated between every two engine steps:
   (rows x longest prompt vs. the sum of lengths) stays within `max_padding_ratio` and the group's padded
   size within `max_prefill_tokens` (large arrivals are split over several steps; a single prompt larger
   than the budget is prefilled alone).
-- Chunked prefill (`prefill_chunk_tokens`): a lone prompt arriving while others decode is prefilled that
-  many tokens a step, with decode steps in between; the engine continues one sequence at a time.
+- Chunked prefill (`prefill_chunk_tokens`): while others decode, a prefill step computes at most that many
+  prompt tokens. Arrivals that fit go together and the rest wait for the next prefill step (which follows
+  a decode step); a prompt longer than that is prefilled alone, that many tokens a step, with decode
+  steps in between (the engine continues one sequence at a time).
 - KV budget: every request reserves prompt + max_new_tokens; the batch's padded footprint
   rows x largest reservation must stay within `max_batch_tokens`. Decode pads every row to the longest
   context, so this bounds every step; a long request gives its share back as soon as it leaves.
@@ -119,13 +121,14 @@ class SchedulerLimits(BaseModel):
     max_prefill_tokens: int = Field(
         default=512, ge=1, description="padded prompt tokens prefilled in one step"
     )
-    # A lone prompt arriving while others decode stalls them for its whole prefill; in pieces, each stall is
-    # one piece long and decode steps run in between (the arrival's first token comes later instead).
+    # A prefill while others decode stalls them for its whole duration; bounded, each stall is at most one
+    # piece long and decode steps run in between (the arrivals' first tokens come later instead).
     prefill_chunk_tokens: int = Field(
         default=0,
         ge=0,
-        description="a lone prompt longer than this is prefilled this many tokens a step while others "
-        "decode (0: in one step)",
+        description="while others decode, the most prompt tokens a prefill step computes: arrivals are "
+        "split over steps, a longer prompt prefilled in pieces of this many (0: no bound but "
+        "max_prefill_tokens)",
     )
     max_queue: int = Field(default=256, ge=0, description="waiting requests; more are refused at once")
     # No wait by default: grouping arrivals saves little on CPU (prefill cost follows tokens) and turns
@@ -370,11 +373,14 @@ class BatchRunner:
         if not self._fits_kv(running, group):
             return []  # FCFS: nobody overtakes the head; running requests leave until it fits
         left_out = False
+        # While others decode, the stall is bounded: the head alone (chunked if it is longer), or arrivals
+        # whose prefill fits the chunk together.
+        chunk = self.limits.prefill_chunk_tokens if self._running else 0
         for candidate in itertools.islice(self._waiting, 1, None):
             if len(group.members) == free_rows:
                 break
             bigger = self._group_plus(group, candidate)
-            if self._acceptable(running, bigger):
+            if self._acceptable(running, bigger) and not (chunk and bigger.prefill_tokens > chunk):
                 group = bigger
             else:
                 left_out = True

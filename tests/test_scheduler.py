@@ -852,6 +852,33 @@ def test_a_long_lone_prompt_is_prefilled_in_pieces_between_decode_steps(make_eng
     assert any(sorted(rows) == ["late", "r0", "r1"] for _, rows in engine.calls)  # then it decodes
 
 
+def test_arrivals_while_others_decode_are_split_to_fit_the_chunk(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=8, step_seconds=0.005)
+    limits = SchedulerLimits(prefill_chunk_tokens=8)
+    prompts = [prompt_of(6, 10 * i) for i in range(5)]
+
+    async def main() -> tuple[list[Completion], list[StepRecord]]:
+        scheduler = await started(engine, limits)
+        # Idle: no stall to bound, so two arrivals of 6 go together (12 tokens, above the chunk).
+        first = [scheduler.submit(request(f"r{i}", prompts[i], max_new=40)) for i in range(2)]
+        for handle in first:
+            await handle.__anext__()
+        # While r0 and r1 decode, three more arrive at once: 6 tokens each, one per prefill step.
+        late = [scheduler.submit(request(f"late{i}", prompts[2 + i], max_new=3)) for i in range(3)]
+        done = await asyncio.gather(*(collect(h) for h in [*first, *late]))
+        await scheduler.drain(1.0)
+        return done, scheduler.steps()
+
+    done, steps = run(main)
+    for completion, prompt in zip(done[2:], prompts[2:], strict=True):
+        assert completion.token_ids == engine.expected(prompt, 3)
+    prefills = [(s.rows, s.padded_tokens) for s in steps if s.phase == "prefill"]
+    assert prefills == [(2, 12), (1, 6), (1, 6), (1, 6)]
+    starts = [i for i, (phase, rows) in enumerate(engine.calls) if phase == "prefill"]
+    # Each of the late ones stalls the running streams once, with a decode step before the next one.
+    assert all(engine.calls[i + 1][0] == "decode" for i in starts[1:-1])
+
+
 def test_a_chunked_prefill_that_is_cancelled_frees_its_row(make_engine: EngineFactory) -> None:
     engine = make_engine(max_batch_size=2, step_seconds=0.01)
 
