@@ -28,7 +28,6 @@ from pathlib import Path
 from bench.loadgen import RPC_NAMES, LoadConfig, benchmark
 from bench.serving_bench import BIN, ROOT, free_port, server_process
 
-
 ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 
 
