@@ -35,7 +35,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from serve.bundle import Bundle
-from serve.config import configure_logging
+from serve.config import configure_logging, freeze_startup_objects
 from serve.engine import Engine, EngineInfo, EngineSettings, open_engine
 from serve.errors import EngineFailure, TextgenError
 from serve.request import GenerationRequest, validate_request
@@ -144,6 +144,7 @@ def engine_main(conn: Connection, spec: EngineSpec) -> None:
     except Exception as exc:
         conn.send(("failed", _picklable(exc)))
         return
+    log.info("engine process: froze %d start-up objects", freeze_startup_objects())
     conn.send(("ready", engine.info, runner.limits, runner.max_total_tokens, runner.snapshot()))
     try:
         _EngineLoop(conn, runner, recorder).run()

@@ -32,7 +32,7 @@ from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.auth import TokenAuthInterceptor, server_credentials
 from serve.bundle import Bundle, load_bundle
-from serve.config import ConfigError, ServerSettings
+from serve.config import ConfigError, ServerSettings, freeze_startup_objects
 from serve.engine import EngineInfo, EngineSettings, open_engine
 from serve.engine_process import EngineSpec, EngineWrap, ProcessScheduler
 from serve.errors import Draining, InvalidRequest, grpc_status
@@ -539,6 +539,7 @@ class TextgenServer:
             model.scheduler.exited.add_done_callback(self._engine_exited)
         self.service.model = model
         self._publish_model_info(model)
+        log.info("froze %d start-up objects", freeze_startup_objects())
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.metrics.set_ready(True)
         log.info("serving %s", model.bundle.manifest.model_name)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from pathlib import Path
 
 import pytest
 from server_tools import make_pki
 
-from serve.config import ConfigError, load_settings
+from serve.config import ConfigError, freeze_startup_objects, load_settings
 
 
 @pytest.fixture(autouse=True)
@@ -112,3 +114,21 @@ def test_other_textgen_variables_are_not_settings(tmp_path: Path, monkeypatch: p
     # TEXTGEN_HOME belongs to the exporter; a shared prefix must not break the server's start.
     monkeypatch.setenv("TEXTGEN_HOME", str(tmp_path))
     assert load_settings(["--bundle", str(tmp_path)]).bundle == tmp_path
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.peer: _Node = self
+
+
+def test_freezing_start_up_objects_collects_garbage_first() -> None:
+    kept, lost = _Node(), _Node()
+    gone = weakref.ref(lost)
+    del lost  # a reference cycle: only the collector can reclaim it
+    try:
+        frozen = freeze_startup_objects()
+        assert gone() is None, "garbage was frozen instead of collected"
+        assert frozen == gc.get_freeze_count() > 1000
+        assert not any(obj is kept for obj in gc.get_objects())  # out of the collector's reach
+    finally:
+        gc.unfreeze()

@@ -163,6 +163,10 @@ def test_sigterm_completes_streams_in_flight_and_exits_0(tiny_bundle: Path) -> N
         assert server.proc.wait(30) == 0, "".join(server.lines)
         log = "".join(server.lines)
         assert "draining" in log and '"code": "OK"' in log
+        # Both processes froze their start-up heaps before serving (a full collection skips them).
+        frozen = re.findall(r"(textgen\.\w+) (?:engine process: )?froze (\d+) start-up objects", log)
+        assert sorted(name for name, _ in frozen) == ["textgen.engine_process", "textgen.server"], log
+        assert all(int(count) > 1000 for _, count in frozen), frozen
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
