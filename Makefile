@@ -27,11 +27,13 @@ serve: $(STAMP)
 test: $(STAMP)
 	if [ -f .ci/system-deps.sh ]; then bash .ci/system-deps.sh; fi
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m export.demo
 	$(BIN)/pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 ## Regenerate the committed gRPC stubs (serve/_proto) from proto/; a test fails when they are stale.
 proto: $(STAMP)

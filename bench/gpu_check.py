@@ -62,9 +62,7 @@ def _parity(reference: Generation, candidate: Generation) -> dict[str, Any]:
     }
 
 
-def _decode_tokens_per_second(
-    bundle: Bundle, session: ort.InferenceSession, batch: int, steps: int
-) -> float:
+def _decode_tokens_per_second(bundle: Bundle, session: ort.InferenceSession, batch: int, steps: int) -> float:
     context = bundle.manifest.architecture.context_length
     prompts = [encode_prompts(bundle.tokenizer, context, steps)[0]] * batch
     step = session_step(session)

@@ -243,6 +243,7 @@ def itl_spread(output: BenchmarkOutput) -> float:
 def near(value: float, digits: int, target: float) -> str:
     """`value` rounded to `digits`, with more digits while rounding would put it on the target's other side
     (0.8996 is shown as 0.8996, not as 0.90 beside "missed")."""
+
     def side(x: float) -> int:
         return (x > target) - (x < target)
 
@@ -280,8 +281,7 @@ def targets(results: Results) -> list[str]:
         f"- served ÷ offline engine at batch {c}: **{near(vs_offline, 2, TARGET_VS_OFFLINE)}** "
         f"(target ≥ {TARGET_VS_OFFLINE}): " + verdict(vs_offline >= TARGET_VS_OFFLINE) + f" — {how}",
         f"- served ÷ naive server: **{near(vs_naive, 1, TARGET_VS_NAIVE)}×** "
-        f"(target ≥ {TARGET_VS_NAIVE:g}×): "
-        + verdict(vs_naive >= TARGET_VS_NAIVE),
+        f"(target ≥ {TARGET_VS_NAIVE:g}×): " + verdict(vs_naive >= TARGET_VS_NAIVE),
         f"- server ITL p99 ÷ median while requests keep arriving (the steady-arrivals run): "
         f"**{near(spread, 1, TARGET_ITL_SPREAD)}** "
         f"(target ≤ {TARGET_ITL_SPREAD:g}): "

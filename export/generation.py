@@ -23,7 +23,7 @@ DECODE_STEPS = 20
 PROMPTS = (
     "def __init__(self",
     "import os\nimport sys\n\n\ndef main(argv):\n    ",
-    "class Parser:\n    \"\"\"",
+    'class Parser:\n    """',
     "for i in range(10):\n    if i % 2:\n        print(i)\n    else:",
     "x",
 )
@@ -128,5 +128,3 @@ def greedy(
 def agreement_prefix(ref_tokens: np.ndarray, cand_tokens: np.ndarray) -> np.ndarray:
     """[B, T] True while row b's tokens up to and including step t all agree."""
     return np.cumprod(ref_tokens == cand_tokens, axis=1).astype(bool)
-
-

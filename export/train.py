@@ -92,9 +92,7 @@ def stdlib_sources(root: Path | None = None) -> tuple[Path, ...]:
     the alphabetical prefix (all of asyncio, none of xml). Cached: walking the stdlib takes a second.
     """
     root = root or stdlib_root()
-    files = [
-        p for p in root.rglob("*.py") if not EXCLUDED_DIRS.intersection(p.relative_to(root).parts)
-    ]
+    files = [p for p in root.rglob("*.py") if not EXCLUDED_DIRS.intersection(p.relative_to(root).parts)]
     if not files:
         raise FileNotFoundError(f"no Python source files under the standard library directory {root}")
     return tuple(sorted(files, key=lambda p: (_path_crc(p, root), p.relative_to(root).as_posix())))

@@ -30,6 +30,7 @@ def onnxruntime() -> Any:
         ) from exc
     return module
 
+
 # Best first: TensorRT builds whole-graph engines, CUDA runs what TensorRT leaves (e.g. GroupQueryAttention).
 PROVIDER_PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
 TENSORRT = PROVIDER_PREFERENCE[0]

@@ -12,8 +12,15 @@ from export.model import DecoderConfig
 from export.train import TrainConfig, TrainResult, train
 
 TINY = DecoderConfig(vocab_size=300, context_length=16, d_model=16, n_layers=1, n_heads=2, d_ff=32)
-TINY_TRAIN = TrainConfig(steps=2, batch_size=2, warmup_steps=1, corpus_bytes=60_000, heldout_percent=20,
-                         eval_every=2, eval_batches=1)
+TINY_TRAIN = TrainConfig(
+    steps=2,
+    batch_size=2,
+    warmup_steps=1,
+    corpus_bytes=60_000,
+    heldout_percent=20,
+    eval_every=2,
+    eval_batches=1,
+)
 
 
 @pytest.fixture

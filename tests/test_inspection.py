@@ -57,8 +57,9 @@ def _sharp_model(cfg: DecoderConfig, seed: int = 0) -> Decoder:
 
 
 def _tiny(tokenizer: Tokenizer, **changes: int) -> DecoderConfig:
-    cfg = DecoderConfig(vocab_size=tokenizer.get_vocab_size(), context_length=64, d_model=32, n_layers=2,
-                        n_heads=4, d_ff=64)
+    cfg = DecoderConfig(
+        vocab_size=tokenizer.get_vocab_size(), context_length=64, d_model=32, n_layers=2, n_heads=4, d_ff=64
+    )
     return dataclasses.replace(cfg, **changes)
 
 
@@ -96,8 +97,9 @@ def test_recorded_rows_sum_to_one_over_allowed_keys(model: Decoder, batch: TextB
     allowed = batch.allowed()[None, :, None]  # [1,B,1,S,S]
     real = batch.attention_mask.bool()[None, :, None, :]  # [1,B,1,S]
     sums = weights.sum(-1)
-    torch.testing.assert_close(sums[real.expand_as(sums)], torch.ones(int(real.expand_as(sums).sum())),
-                               atol=TOL, rtol=0)
+    torch.testing.assert_close(
+        sums[real.expand_as(sums)], torch.ones(int(real.expand_as(sums).sum())), atol=TOL, rtol=0
+    )
     assert weights.masked_select(~allowed).abs().max() == 0  # masked keys, padding query rows
     assert weights.triu(diagonal=1).abs().max() == 0  # the future
     assert sums[~real.expand_as(sums)].abs().max() == 0  # padding query rows are zeroed
@@ -246,8 +248,13 @@ def test_command_writes_pictures_and_page(
     path = save_checkpoint(tmp_path / "ckpt.pt", _sharp_model(_tiny(tokenizer)), tokenizer)
     out = tmp_path / "report"
     assert _inspect(path, CODE, out) == 0
-    pngs = ["attention_layer0.png", "attention_layer1.png", "attention_padded.png", "diversity.png",
-            "layers.png"]
+    pngs = [
+        "attention_layer0.png",
+        "attention_layer1.png",
+        "attention_padded.png",
+        "diversity.png",
+        "layers.png",
+    ]
     for name in pngs:
         _assert_png(out / name)
     page = (out / "index.html").read_text(encoding="utf-8")
@@ -268,8 +275,13 @@ def test_command_writes_pictures_and_page(
     ],
 )
 def test_command_errors_are_one_line(
-    tokenizer: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-    checkpoint: str | None, text: str, extra: list[str], message: str,
+    tokenizer: Tokenizer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    checkpoint: str | None,
+    text: str,
+    extra: list[str],
+    message: str,
 ) -> None:
     tiny = Decoder(_tiny(tokenizer, n_layers=1))
     ckpt = tmp_path / checkpoint if checkpoint else save_checkpoint(tmp_path / "c.pt", tiny, tokenizer)
@@ -281,13 +293,20 @@ def test_command_errors_are_one_line(
 def test_page_lists_problems_and_escapes_text(tmp_path: Path) -> None:
     jsd = np.zeros((2, 2))
     findings = Findings(
-        source="<b>ckpt</b>", texts=["<script>alert(1)</script>", "x"], truncated=[False, False],
-        recompute=[1e-7, 0.5], padding_weight=0.0,
-        diversity=[LayerDiversity(0, jsd, 0.0, 0.0, True)], min_jsd=0.01,
+        source="<b>ckpt</b>",
+        texts=["<script>alert(1)</script>", "x"],
+        truncated=[False, False],
+        recompute=[1e-7, 0.5],
+        padding_weight=0.0,
+        diversity=[LayerDiversity(0, jsd, 0.0, 0.0, True)],
+        min_jsd=0.01,
         heads=[HeadStats(0, 0, 1.0, 2.0), HeadStats(0, 1, 1.0, 2.0)],
-        layers=[LayerStats("embeddings", 0.0, 1.0, 2.0, 0, 0, None, ()),
-                LayerStats("block 0", math.nan, math.nan, math.nan, 3, 0, math.nan, ("3 NaN",))],
-        jump=8.0, neighbours=[Neighbours("␣self", 5, [("␣cls", 0.9)])],
+        layers=[
+            LayerStats("embeddings", 0.0, 1.0, 2.0, 0, 0, None, ()),
+            LayerStats("block 0", math.nan, math.nan, math.nan, 3, 0, math.nan, ("3 NaN",)),
+        ],
+        jump=8.0,
+        neighbours=[Neighbours("␣self", 5, [("␣cls", 0.9)])],
         images=Images([tmp_path / "a.png"], tmp_path / "p.png", tmp_path / "d.png", tmp_path / "l.png"),
     )
     assert findings.problems() == [

@@ -90,8 +90,9 @@ def test_positions_change_the_output() -> None:
     # Without position information "a b" and "a b a b" end in identical logits (the same mixture of
     # the same values); any of the three variants must tell them apart.
     for positions in ("learned", "sinusoidal", "rotary"):
-        cfg = DecoderConfig(vocab_size=11, context_length=8, d_model=16, n_layers=1, n_heads=2, d_ff=32,
-                            positions=positions)
+        cfg = DecoderConfig(
+            vocab_size=11, context_length=8, d_model=16, n_layers=1, n_heads=2, d_ff=32, positions=positions
+        )
         logits = _full(_model(cfg), torch.tensor([[3, 5, 3, 5]]))
         assert not torch.allclose(logits[0, 1], logits[0, 3]), positions
 
@@ -124,8 +125,9 @@ def test_unknown_config_key_is_rejected() -> None:
 
 
 def test_dropout_is_active_only_in_training() -> None:
-    cfg = DecoderConfig(vocab_size=11, context_length=8, d_model=16, n_layers=1, n_heads=2, d_ff=32,
-                        dropout=0.5)
+    cfg = DecoderConfig(
+        vocab_size=11, context_length=8, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.5
+    )
     model = _model(cfg)
     ids = torch.randint(0, 11, (2, 8))
     assert torch.equal(_full(model, ids), _full(model, ids))

@@ -108,6 +108,7 @@ def test_drain_fails_what_outlives_the_grace_period(loop: LoopThread, tiny_bundl
 
 # --- the process --------------------------------------------------------------------------------------------
 
+
 class ServerProcess:
     """`python -m serve` with the given flags on loopback ports, its decode steps slowed by 20 ms
     (tests/slow_server/sitecustomize.py) so streams are still running when a test acts."""

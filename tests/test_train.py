@@ -40,8 +40,15 @@ def small_corpus() -> Corpus:
 
 def test_training_lowers_the_loss(small_corpus: Corpus) -> None:
     cfg = DecoderConfig(vocab_size=320, context_length=32, d_model=32, n_layers=2, n_heads=2, d_ff=64)
-    tc = TrainConfig(steps=60, batch_size=8, learning_rate=1e-2, min_learning_rate=1e-3, warmup_steps=5,
-                     eval_every=30, eval_batches=2)
+    tc = TrainConfig(
+        steps=60,
+        batch_size=8,
+        learning_rate=1e-2,
+        min_learning_rate=1e-3,
+        warmup_steps=5,
+        eval_every=30,
+        eval_batches=2,
+    )
     result = train(cfg, tc, corpus=small_corpus, progress=False)
     meta = result.meta
     assert meta["train_loss"] < meta["first_train_loss"] - 1.0
@@ -50,8 +57,9 @@ def test_training_lowers_the_loss(small_corpus: Corpus) -> None:
 
 
 def test_training_is_deterministic(small_corpus: Corpus) -> None:
-    cfg = DecoderConfig(vocab_size=300, context_length=16, d_model=16, n_layers=1, n_heads=2, d_ff=32,
-                        dropout=0.1)
+    cfg = DecoderConfig(
+        vocab_size=300, context_length=16, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.1
+    )
     tc = TrainConfig(steps=4, batch_size=2, warmup_steps=1, eval_every=4, eval_batches=1, label_smoothing=0.1)
     a = train(cfg, tc, corpus=small_corpus, progress=False)
     b = train(cfg, tc, corpus=small_corpus, progress=False)

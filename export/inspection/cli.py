@@ -48,23 +48,44 @@ class Options:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True,
-                        help="checkpoint file, or 'demo' for the demo checkpoint (trained first if missing)")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="checkpoint file, or 'demo' for the demo checkpoint (trained first if missing)",
+    )
     parser.add_argument("--text", required=True, help="the text whose attention is drawn (at least 2 tokens)")
-    parser.add_argument("--padded-text", default=None,
-                        help="a second text run in the same batch, left-padded to the first; "
-                             "default: the first half of --text")
+    parser.add_argument(
+        "--padded-text",
+        default=None,
+        help="a second text run in the same batch, left-padded to the first; "
+        "default: the first half of --text",
+    )
     parser.add_argument("--out", required=True, type=Path, help="directory for index.html and the PNGs")
-    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                        help=f"cut each text to this many tokens (default {DEFAULT_MAX_TOKENS})")
-    parser.add_argument("--min-jsd", type=float, default=DEFAULT_MIN_JSD,
-                        help="flag a layer whose most different heads diverge less than this, in bits "
-                             f"(default {DEFAULT_MIN_JSD})")
-    parser.add_argument("--jump", type=float, default=DEFAULT_JUMP,
-                        help="flag a layer whose residual std changes by more than this factor "
-                             f"(default {DEFAULT_JUMP})")
-    parser.add_argument("--probes", type=int, default=Options.probes,
-                        help="how many distinct tokens of the text get embedding neighbours (default 8)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"cut each text to this many tokens (default {DEFAULT_MAX_TOKENS})",
+    )
+    parser.add_argument(
+        "--min-jsd",
+        type=float,
+        default=DEFAULT_MIN_JSD,
+        help="flag a layer whose most different heads diverge less than this, in bits "
+        f"(default {DEFAULT_MIN_JSD})",
+    )
+    parser.add_argument(
+        "--jump",
+        type=float,
+        default=DEFAULT_JUMP,
+        help=f"flag a layer whose residual std changes by more than this factor (default {DEFAULT_JUMP})",
+    )
+    parser.add_argument(
+        "--probes",
+        type=int,
+        default=Options.probes,
+        help="how many distinct tokens of the text get embedding neighbours (default 8)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,8 +96,10 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         if exc.name != "matplotlib":
             raise
-        print("textgen-export inspect: matplotlib is missing; install the extra: pip install -e '.[inspect]'",
-              file=sys.stderr)
+        print(
+            "textgen-export inspect: matplotlib is missing; install the extra: pip install -e '.[inspect]'",
+            file=sys.stderr,
+        )
         return 1
     except (CheckpointError, InspectionError, OSError) as exc:
         print(f"textgen-export inspect: {exc}", file=sys.stderr)
@@ -101,8 +124,9 @@ def load(spec: str) -> tuple[Checkpoint, str]:
 
 def _check(options: Options, context_length: int) -> None:
     if not 2 <= options.max_tokens <= context_length:
-        raise InspectionError(f"--max-tokens must lie in [2, {context_length}] (the model's context), "
-                              f"got {options.max_tokens}")
+        raise InspectionError(
+            f"--max-tokens must lie in [2, {context_length}] (the model's context), got {options.max_tokens}"
+        )
     if options.min_jsd < 0:
         raise InspectionError(f"--min-jsd must be >= 0, got {options.min_jsd}")
     if options.jump <= 1:
@@ -123,8 +147,14 @@ def texts_to_inspect(tokenizer: Tokenizer, text: str, padded_text: str | None, m
 
 
 def _draw(
-    weights: Tensor, batch: TextBatch, padding_weight: float, diversity: list[LayerDiversity],
-    heads: list[HeadStats], layers: list[LayerStats], options: Options, out: Path,
+    weights: Tensor,
+    batch: TextBatch,
+    padding_weight: float,
+    diversity: list[LayerDiversity],
+    heads: list[HeadStats],
+    layers: list[LayerStats],
+    options: Options,
+    out: Path,
 ) -> Images:
     """Heatmaps per layer of the first text, every layer of the most padded text, the two summaries."""
     # Imported here: matplotlib is the `inspect` extra; without it `textgen-export` must still start.
@@ -136,8 +166,9 @@ def _draw(
         for layer, w in enumerate(weights)
     ]
     row = batch.lengths.index(min(batch.lengths))
-    padded = plots.padding_heatmaps(weights[:, row], allowed[row], batch.labels[row], padding_weight,
-                                    out / "attention_padded.png")
+    padded = plots.padding_heatmaps(
+        weights[:, row], allowed[row], batch.labels[row], padding_weight, out / "attention_padded.png"
+    )
     summary = plots.diversity_summary(diversity, heads, options.min_jsd, out / "diversity.png")
     return Images(attention, padded, summary, plots.layer_stats_plot(layers, out / "layers.png"))
 
@@ -169,8 +200,9 @@ def inspect_checkpoint(
         heads=heads,
         layers=layers,
         jump=options.jump,
-        neighbours=nearest_neighbours(model, tokenizer, probe_tokens(first_text, tokenizer, options.probes),
-                                      NEIGHBOURS_PER_TOKEN),
+        neighbours=nearest_neighbours(
+            model, tokenizer, probe_tokens(first_text, tokenizer, options.probes), NEIGHBOURS_PER_TOKEN
+        ),
         images=images,
     )
     write_index(findings, out)

@@ -49,9 +49,9 @@ def pairwise_jsd(weights: Tensor, rows: Tensor) -> np.ndarray:
     # JSD(p, q) = H(m) - (H(p) + H(q)) / 2 with m = (p + q) / 2 and H the entropy; xlogy keeps 0·log 0 = 0.
     entropy = -_xlogx(p).sum(-1)  # [H,N]
     # One head against all at a time: [H,N,T] at most, not [H,H,N,T].
-    jsd = torch.stack([
-        -_xlogx((p[h] + p) / 2).sum(-1) - (entropy[h] + entropy) / 2 for h in range(p.shape[0])
-    ])  # [H,H,N]
+    jsd = torch.stack(
+        [-_xlogx((p[h] + p) / 2).sum(-1) - (entropy[h] + entropy) / 2 for h in range(p.shape[0])]
+    )  # [H,H,N]
     return (jsd.mean(-1) / math.log(2)).clamp(min=0).numpy()
 
 

@@ -83,8 +83,11 @@ def residual_stats(model: Decoder, batch: TextBatch, jump: float = DEFAULT_JUMP)
         nan, inf = int(values.isnan().sum()), int(values.isinf().sum())
         # Statistics of the finite entries, so one NaN does not hide the scale of the rest.
         finite = values[values.isfinite()]
-        mean, std, top = (float(finite.mean()), float(finite.std()), float(finite.abs().max())) \
-            if finite.numel() else (math.nan, math.nan, math.nan)
+        mean, std, top = (
+            (float(finite.mean()), float(finite.std()), float(finite.abs().max()))
+            if finite.numel()
+            else (math.nan, math.nan, math.nan)
+        )
         ratio = std / previous_std if previous_std else None
         judged = ratio if index >= FIRST_JUDGED else None
         result.append(LayerStats(name, mean, std, top, nan, inf, ratio, _flags(nan, inf, judged, jump)))

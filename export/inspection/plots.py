@@ -47,8 +47,12 @@ def _draw_weights(
 ) -> AxesImage:
     """One [S,T] map; masked (causal or padding) cells grey, the padding boundary as a red line."""
     cmap = colormaps["viridis"].with_extremes(bad=MASKED_COLOUR)
-    image = ax.imshow(np.ma.masked_where(~allowed, weights), cmap=cmap,
-                      norm=PowerNorm(WEIGHT_NORM_GAMMA, vmin=0.0, vmax=1.0), interpolation="nearest")
+    image = ax.imshow(
+        np.ma.masked_where(~allowed, weights),
+        cmap=cmap,
+        norm=PowerNorm(WEIGHT_NORM_GAMMA, vmin=0.0, vmax=1.0),
+        interpolation="nearest",
+    )
     ticks = np.arange(len(labels))
     fontsize = _tick_fontsize(len(labels))
     ax.set_xticks(ticks, labels, rotation=90, fontsize=fontsize)
@@ -88,8 +92,14 @@ def heatmap_grid(
     top, right, gap = 0.9, 1.2, 0.35  # suptitle; colour bar; panel titles
     width, height = margin + ncols * side + right, margin + nrows * side + (nrows - 1) * gap + top
     fig = Figure(figsize=(width, height))
-    fig.subplots_adjust(left=margin / width, right=1 - right / width, bottom=margin / height,
-                        top=1 - top / height, wspace=0.06, hspace=gap / side)
+    fig.subplots_adjust(
+        left=margin / width,
+        right=1 - right / width,
+        bottom=margin / height,
+        top=1 - top / height,
+        wspace=0.06,
+        hspace=gap / side,
+    )
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     mask = allowed.numpy()
     images = [
@@ -102,8 +112,12 @@ def heatmap_grid(
             ax.set_axis_off()
     colour_bar = fig.add_axes((1 - 0.85 * right / width, 0.25, 0.15 / width, 0.5))
     fig.colorbar(images[0], cax=colour_bar, label="attention weight (sqrt scale)")
-    fig.suptitle(f"{title}\ngrey: masked (future or padding); red dashed: end of padding", fontsize=11,
-                 y=1 - 0.1 / height, va="top")
+    fig.suptitle(
+        f"{title}\ngrey: masked (future or padding); red dashed: end of padding",
+        fontsize=11,
+        y=1 - 0.1 / height,
+        va="top",
+    )
     return save(fig, path)
 
 
@@ -173,11 +187,20 @@ def _entropy_distance(ax: Axes, heads: list[HeadStats]) -> None:
     colours = colormaps["tab10"]
     for layer in layers:
         mine = [h for h in heads if h.layer == layer]
-        ax.scatter([h.entropy for h in mine], [h.distance for h in mine], label=f"layer {layer}",
-                   color=colours(layer % 10))
+        ax.scatter(
+            [h.entropy for h in mine],
+            [h.distance for h in mine],
+            label=f"layer {layer}",
+            color=colours(layer % 10),
+        )
         for h in mine:
-            ax.annotate(f"L{h.layer}H{h.head}", (h.entropy, h.distance), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")
+            ax.annotate(
+                f"L{h.layer}H{h.head}",
+                (h.entropy, h.distance),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
     # Heads of an untrained model differ in the 4th decimal; without a minimum span matplotlib would
     # draw that as an offset axis with unreadable ticks.
     _min_span(ax.set_xlim, [h.entropy for h in heads], 0.5)
@@ -213,8 +236,16 @@ def layer_stats_plot(stats: list[LayerStats], path: Path) -> Path:
     for i, s in enumerate(stats):
         if s.flags:
             ax.axvspan(i - 0.4, i + 0.4, color=PAD_LINE, alpha=0.2)
-            ax.annotate(", ".join(s.flags), (i, 0.5), xycoords=("data", "axes fraction"), rotation=90,
-                        ha="center", va="center", fontsize=8, color=PAD_LINE)
+            ax.annotate(
+                ", ".join(s.flags),
+                (i, 0.5),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                ha="center",
+                va="center",
+                fontsize=8,
+                color=PAD_LINE,
+            )
     ax.set_yscale("log")
     ax.set_xticks(x, [s.name for s in stats], rotation=30)
     ax.set_ylabel("value")

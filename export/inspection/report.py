@@ -52,12 +52,18 @@ class Findings:
 
     def problems(self) -> list[str]:
         """Everything flagged, one line each; empty when the model looks healthy."""
-        found = [f"layer {i}: recomputed attention output differs by {e:.3g} (relative)"
-                 for i, e in enumerate(self.recompute) if not e <= RECOMPUTE_TOLERANCE]
+        found = [
+            f"layer {i}: recomputed attention output differs by {e:.3g} (relative)"
+            for i, e in enumerate(self.recompute)
+            if not e <= RECOMPUTE_TOLERANCE
+        ]
         if self.padding_weight > 0:  # masked scores underflow to exactly 0 after the softmax
             found.append(f"padding receives attention weight {self.padding_weight:.3g}")
-        found += [f"layer {d.layer}: all heads attend alike (max pairwise JSD {d.max_jsd:.3g} bits)"
-                  for d in self.diversity if d.flagged]
+        found += [
+            f"layer {d.layer}: all heads attend alike (max pairwise JSD {d.max_jsd:.3g} bits)"
+            for d in self.diversity
+            if d.flagged
+        ]
         found += [f"{s.name}: {', '.join(s.flags)}" for s in self.layers if s.flags]
         return found
 
@@ -94,16 +100,22 @@ def _texts(findings: Findings) -> str:
 
 
 def _attention(findings: Findings, out: Path) -> str:
-    errors = _table(["layer", "max |recomputed - real output| / max |real output|"],
-                    [[_td(i), _td(e, "" if e <= RECOMPUTE_TOLERANCE else "flag")]
-                     for i, e in enumerate(findings.recompute)])
+    errors = _table(
+        ["layer", "max |recomputed - real output| / max |real output|"],
+        [
+            [_td(i), _td(e, "" if e <= RECOMPUTE_TOLERANCE else "flag")]
+            for i, e in enumerate(findings.recompute)
+        ],
+    )
     pictures = "".join(
         _img(p, out, f"attention of layer {i}") for i, p in enumerate(findings.images.attention)
     )
     return (
         "<h2>Attention</h2>"
         "<p>Weights recorded from the model's own forward. Check: each layer's output recomputed from the "
-        "recorded weights and V against the output of the normal (fast) path:</p>" + errors + pictures
+        "recorded weights and V against the output of the normal (fast) path:</p>"
+        + errors
+        + pictures
         + "<h3>Padding</h3><p>The texts run as one left-padded batch. Rows of padding queries are all "
         "masked; the softmax would make them uniform, so they are zeroed here and shown grey. Most weight "
         f"any query puts on a padding key: <b>{findings.padding_weight:.3g}</b>.</p>"
@@ -112,25 +124,46 @@ def _attention(findings: Findings, out: Path) -> str:
 
 
 def _diversity(findings: Findings, out: Path) -> str:
-    layers = _table(["layer", "mean pairwise JSD (bits)", "max pairwise JSD (bits)", "all heads alike?"],
-                    [[_td(d.layer), _td(d.mean_jsd), _td(d.max_jsd),
-                      _td("yes" if d.flagged else "no", "flag" if d.flagged else "")]
-                     for d in findings.diversity])
-    heads = _table(["layer", "head", "mean entropy (bits)", "mean distance (tokens)"],
-                   [[_td(h.layer), _td(h.head), _td(h.entropy), _td(h.distance)] for h in findings.heads])
+    layers = _table(
+        ["layer", "mean pairwise JSD (bits)", "max pairwise JSD (bits)", "all heads alike?"],
+        [
+            [
+                _td(d.layer),
+                _td(d.mean_jsd),
+                _td(d.max_jsd),
+                _td("yes" if d.flagged else "no", "flag" if d.flagged else ""),
+            ]
+            for d in findings.diversity
+        ],
+    )
+    heads = _table(
+        ["layer", "head", "mean entropy (bits)", "mean distance (tokens)"],
+        [[_td(h.layer), _td(h.head), _td(h.entropy), _td(h.distance)] for h in findings.heads],
+    )
     return (
         "<h2>Head diversity</h2>"
         f"<p>A layer is flagged when even its most different pair of heads is below {findings.min_jsd:g} bit "
         "of Jensen–Shannon divergence. Only queries with at least two visible keys count.</p>"
-        + _img(findings.images.diversity, out, "head diversity") + layers + heads
+        + _img(findings.images.diversity, out, "head diversity")
+        + layers
+        + heads
     )
 
 
 def _layer_stats(findings: Findings, out: Path) -> str:
-    rows = [[_td(s.name), _td(s.mean), _td(s.std), _td(s.max_abs), _td(s.nan), _td(s.inf),
-             _td("" if s.ratio is None else s.ratio),
-             _td(", ".join(s.flags) or "-", "flag" if s.flags else "")]
-            for s in findings.layers]
+    rows = [
+        [
+            _td(s.name),
+            _td(s.mean),
+            _td(s.std),
+            _td(s.max_abs),
+            _td(s.nan),
+            _td(s.inf),
+            _td("" if s.ratio is None else s.ratio),
+            _td(", ".join(s.flags) or "-", "flag" if s.flags else ""),
+        ]
+        for s in findings.layers
+    ]
     return (
         "<h2>Residual stream per layer</h2>"
         "<p>Real tokens only. Flagged on NaN/Inf or when the std changes by more than "
@@ -141,8 +174,14 @@ def _layer_stats(findings: Findings, out: Path) -> str:
 
 
 def _neighbours(findings: Findings) -> str:
-    rows = [[_td(n.token, "text"), _td(n.token_id),
-             _td("   ".join(f"{t} ({s:.2f})" for t, s in n.neighbours), "text")] for n in findings.neighbours]
+    rows = [
+        [
+            _td(n.token, "text"),
+            _td(n.token_id),
+            _td("   ".join(f"{t} ({s:.2f})" for t, s in n.neighbours), "text"),
+        ]
+        for n in findings.neighbours
+    ]
     return (
         "<h2>Embedding neighbours</h2><p>Cosine similarity in the token-embedding table (the output head "
         "when the embeddings are tied); whitespace shown as ␣ ↵ →.</p>"
@@ -156,8 +195,13 @@ def write_index(findings: Findings, out: Path) -> Path:
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f"<title>textgen inspection: {escape(findings.source)}</title><style>{STYLE}</style></head><body>"
         f"<h1>Inspection of {escape(findings.source)}</h1>"
-        + _summary(findings) + _texts(findings) + _attention(findings, out) + _diversity(findings, out)
-        + _layer_stats(findings, out) + _neighbours(findings) + "</body></html>\n"
+        + _summary(findings)
+        + _texts(findings)
+        + _attention(findings, out)
+        + _diversity(findings, out)
+        + _layer_stats(findings, out)
+        + _neighbours(findings)
+        + "</body></html>\n"
     )
     path = out / "index.html"
     path.write_text(page, encoding="utf-8")
