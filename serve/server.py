@@ -468,11 +468,18 @@ class TextgenServer:
     """The whole server: `await start()`, then `await drain()`; `serve()` drives it from signals."""
 
     def __init__(
-        self, settings: ServerSettings, metrics: Metrics | None = None, engine_wrap: EngineWrap | None = None
+        self,
+        settings: ServerSettings,
+        metrics: Metrics | None = None,
+        engine_wrap: EngineWrap | None = None,
+        freeze_heap: bool = False,
     ) -> None:
-        """`engine_wrap` wraps the engine before the scheduler gets it (tests: a slow or failing step)."""
+        """`engine_wrap` wraps the engine before the scheduler gets it (tests: a slow or failing step).
+        `freeze_heap`: once loaded, freeze this process's start-up objects (`freeze_startup_objects`); for a
+        process that runs one server for its life, not for a test process that starts many."""
         self.settings = settings
         self._engine_wrap = engine_wrap
+        self._freeze_heap = freeze_heap
         # Made in start(); completes with the reason if the engine process dies: the server then stops.
         self.failed: asyncio.Future[str] | None = None
         self.metrics = metrics if metrics is not None else Metrics()
@@ -539,7 +546,8 @@ class TextgenServer:
             model.scheduler.exited.add_done_callback(self._engine_exited)
         self.service.model = model
         self._publish_model_info(model)
-        log.info("froze %d start-up objects", freeze_startup_objects())
+        if self._freeze_heap:
+            log.info("froze %d start-up objects", freeze_startup_objects())
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.metrics.set_ready(True)
         log.info("serving %s", model.bundle.manifest.model_name)
@@ -607,7 +615,7 @@ async def serve(settings: ServerSettings) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = TextgenServer(settings)
+    server = TextgenServer(settings, freeze_heap=True)
     starting = asyncio.create_task(server.start())
     signalled = asyncio.create_task(stop.wait())
     done, _pending = await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
