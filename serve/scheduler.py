@@ -373,14 +373,11 @@ class BatchRunner:
         if not self._fits_kv(running, group):
             return []  # FCFS: nobody overtakes the head; running requests leave until it fits
         left_out = False
-        # While others decode, the stall is bounded: the head alone (chunked if it is longer), or arrivals
-        # whose prefill fits the chunk together.
-        chunk = self.limits.prefill_chunk_tokens if self._running else 0
         for candidate in itertools.islice(self._waiting, 1, None):
             if len(group.members) == free_rows:
                 break
             bigger = self._group_plus(group, candidate)
-            if self._acceptable(running, bigger) and not (chunk and bigger.prefill_tokens > chunk):
+            if self._acceptable(running, bigger):
                 group = bigger
             else:
                 left_out = True
@@ -394,11 +391,16 @@ class BatchRunner:
         return group.plus(tracker, self.engine.cached_tokens(tracker.request.prompt_ids))
 
     def _acceptable(self, running: _Group, group: _Group) -> bool:
+        """Whether a group of two or more may prefill together (the head alone always may: a prompt longer
+        than the chunk is chunked instead)."""
         # A prefix-cache hit runs alone (one weight pass each): two in a step save nothing, and the second
         # would hold back the first one's first token and stall the running streams twice as long.
+        # While others decode, their stall is bounded by the chunk.
+        chunk = self.limits.prefill_chunk_tokens if running.members else 0
         return (
             group.hits <= 1
             and group.prefill_tokens <= self.limits.max_prefill_tokens
+            and not (chunk and group.prefill_tokens > chunk)
             and group.padding_ratio <= self.limits.max_padding_ratio
             and self._fits_kv(running, group)
         )
