@@ -559,7 +559,8 @@ class EngineSteps:
 
     @property
     def busy(self) -> float:
-        """Share of the run the engine spent inside steps."""
+        """Share of the run the engine spent inside steps (a prefill beside decode steps overlaps them and
+        counts too, so this can pass 1)."""
         return (self.decode_seconds + self.prefill_seconds) / self.duration
 
     @property

@@ -392,6 +392,7 @@ def run(args: argparse.Namespace) -> Results:
         *("--max-batch-size", str(max_batch), "--threads", str(threads), "--log-level", "WARNING"),
         *("--stream-interval-ms", f"{args.stream_interval_ms:g}"),
         *("--prefill-chunk-tokens", str(args.prefill_chunk_tokens)),
+        "--prefill-beside-decode" if args.prefill_beside_decode else "--no-prefill-beside-decode",
         spin_flag,
         process_flag,
     ]
@@ -551,6 +552,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=ServerSettings.model_fields["prefill_chunk_tokens"].default,
         help="textgen-serve --prefill-chunk-tokens (default: the server's)",
+    )
+    p.add_argument(
+        "--prefill-beside-decode",
+        action=argparse.BooleanOptionalAction,
+        default=ServerSettings.model_fields["prefill_beside_decode"].default,
+        help="textgen-serve --prefill-beside-decode (default: the server's)",
     )
     p.add_argument(
         "--engine-process",

@@ -80,6 +80,13 @@ class ServerSettings(BaseSettings):
         "arrivals are split over several steps and a longer prompt is prefilled in pieces of this many, "
         "with decode steps of the running streams in between (0: no bound but max_prefill_tokens)",
     )
+    prefill_beside_decode: bool = Field(
+        False,
+        description="while other requests decode, prefill arrivals on a thread of their own beside the "
+        "decode steps, so the running streams slow down a little instead of stalling, and the arrivals' "
+        "first tokens come later (prompts with a prefix-cache hit, and prompts chunked by "
+        "prefill_chunk_tokens, still run between decode steps)",
+    )
     max_wait_seconds: float = Field(
         0.0, ge=0, le=60, description="how long a partial prefill group may wait for company"
     )

@@ -163,6 +163,7 @@ def scheduler_limits(settings: ServerSettings) -> SchedulerLimits:
         max_batch_tokens=settings.max_batch_tokens,
         max_prefill_tokens=settings.max_prefill_tokens,
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
+        prefill_beside_decode=settings.prefill_beside_decode,
         max_wait_seconds=settings.max_wait_seconds,
         stream_interval_seconds=settings.stream_interval_ms / 1000,
     )

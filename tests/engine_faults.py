@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from serve.engine import Engine, NewSequence
@@ -37,10 +38,29 @@ class InjectedFaults:
             return decode()
 
         def prefill_with_faults(new: Sequence[NewSequence], chunk: int = 0) -> Any:
-            if any(seq.seq_id.startswith(self.fail_prefill_prefix) for seq in new):
+            if self._fails(new):
                 raise EngineFailure("injected ONNX Runtime failure")
             return prefill(new, chunk)
 
+        def begin_prefill_with_faults(new: Sequence[NewSequence]) -> None:
+            if not self._fails(new):
+                return begin_prefill(new)
+            session = engine.session  # the run on the prefill's own thread fails, as ONNX Runtime's would
+            engine.session = SimpleNamespace(io_binding=session.io_binding, run_with_iobinding=_fail)
+            try:
+                return begin_prefill(new)
+            finally:
+                engine.session = session
+
+        begin_prefill = engine.begin_prefill
         engine.decode = decode_with_faults  # type: ignore[method-assign]
         engine.prefill = prefill_with_faults  # type: ignore[method-assign]
+        engine.begin_prefill = begin_prefill_with_faults  # type: ignore[method-assign]
         return engine
+
+    def _fails(self, new: Sequence[NewSequence]) -> bool:
+        return any(seq.seq_id.startswith(self.fail_prefill_prefix) for seq in new)
+
+
+def _fail(binding: object) -> None:
+    raise EngineFailure("injected ONNX Runtime failure")

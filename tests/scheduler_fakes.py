@@ -47,6 +47,10 @@ class FakeEngine:
         self._context: dict[str, list[int]] = {}
         self._generated: dict[str, int] = {}
         self._staged: tuple[NewSequence, int, int] | None = None  # (sequence, chunk, prompt tokens done)
+        self._background: list[NewSequence] = []  # begun, not ended
+        self._released: set[str] = set()  # of them, released meanwhile
+        self.background_steps = 0  # decode steps a background prefill takes (0: done at once)
+        self._background_left = 0
         # A prefix cache in bookkeeping only: tokens are a function of the context, wherever its KV came from.
         self._kept: list[list[int]] | None = [] if keeps_prefixes else None
 
@@ -72,8 +76,8 @@ class FakeEngine:
         return min(max(shared, default=0), len(prompt_ids) - 1)
 
     def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]:
-        if self._staged is not None:
-            raise RuntimeError("a chunked prefill is in progress")
+        if self._staged is not None or self._background:
+            raise RuntimeError("a chunked or background prefill is in progress")
         if len(self._ids) + len(new) > self.max_batch_size:
             raise ValueError("more rows than KV slots")
         for seq in new:
@@ -87,6 +91,29 @@ class FakeEngine:
             self._context[seq.seq_id] = list(seq.prompt_ids)
             self._generated[seq.seq_id] = 0
         return [self._sample(s.seq_id) for s in new]
+
+    def begin_prefill(self, new: Sequence[NewSequence]) -> None:
+        if not self._ids or self.cached_tokens(new[0].prompt_ids):
+            raise ValueError("a background prefill needs running rows and no prefix-cache hit")
+        self.prefill([])  # the same checks as a prefill
+        if len(self._ids) + len(new) > self.max_batch_size:
+            raise ValueError("more rows than KV slots")
+        self._background, self._background_left = list(new), self.background_steps
+
+    @property
+    def background_ids(self) -> list[str]:
+        return [s.seq_id for s in self._background]
+
+    @property
+    def background_done(self) -> bool:
+        return bool(self._background) and self._background_left == 0
+
+    def end_prefill(self) -> tuple[list[TokenOut], float]:
+        new, self._background = self._background, []
+        released, self._released = self._released, set()
+        outs = self.prefill(new)
+        self.release(released)
+        return [o for o in outs if o.seq_id not in released], 0.001
 
     @property
     def staged_id(self) -> str | None:
@@ -112,10 +139,13 @@ class FakeEngine:
         for seq_id in self._ids:
             if len(self._context[seq_id]) >= self.capacity:
                 raise ValueError(f"{seq_id} overflowed its KV slot")
+        self._background_left = max(0, self._background_left - 1)
         return [self._sample(seq_id) for seq_id in self._ids]
 
     def release(self, seq_ids: Iterable[str]) -> None:
         for seq_id in seq_ids:
+            if seq_id in self.background_ids:
+                self._released.add(seq_id)
             if self._staged is not None and self._staged[0].seq_id == seq_id:
                 self._staged = None
             if seq_id in self._context:
@@ -201,6 +231,26 @@ class Instrumented:
     def continue_prefill(self) -> list[TokenOut]:
         self._enter("prefill", [])
         return self._leave(self.inner.continue_prefill())
+
+    def begin_prefill(self, new: Sequence[NewSequence]) -> None:
+        self._enter("prefill", [s.seq_id for s in new])
+        self.inner.begin_prefill(new)
+
+    @property
+    def background_ids(self) -> list[str]:
+        return self.inner.background_ids
+
+    @property
+    def background_done(self) -> bool:
+        return self.inner.background_done
+
+    def end_prefill(self) -> tuple[list[TokenOut], float]:
+        outs, seconds = self.inner.end_prefill()
+        if "end_prefill" in self.fail_next:  # the background run failed: its sequences are gone
+            self.fail_next.discard("end_prefill")
+            self.inner.release([o.seq_id for o in outs])
+            raise RuntimeError("injected end_prefill failure")
+        return self._leave(outs), seconds
 
     def decode(self) -> list[TokenOut]:
         self._enter("decode", self.inner.running_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -436,14 +437,61 @@ def test_chunked_prefill_equals_whole_and_lets_the_batch_decode_in_between(
         engine.continue_prefill()
 
 
+def test_a_background_prefill_equals_one_between_steps_and_joins_after_rows_left(
+    demo: tuple[Decoder, Engine],
+) -> None:
+    _, engine = demo
+    prompts = [encode(engine, text) for text in PROMPTS]  # 0-3 run, 4 and 5 arrive
+    alone = {i: run_alone(engine, p, 24) for i, p in enumerate(prompts)}
+    out: dict[str, list[int]] = {str(i): [] for i in range(6)}
+
+    def take(tokens: list[TokenOut]) -> None:
+        for t in tokens:
+            out[t.seq_id].append(t.token_id)
+
+    take(engine.prefill([NewSequence(str(i), p, GREEDY) for i, p in enumerate(prompts[:4])]))
+    take(engine.decode())
+    engine.begin_prefill([NewSequence(str(i), prompts[i], GREEDY) for i in (4, 5)])
+    assert engine.background_ids == ["4", "5"] and engine.batch_size == 4
+    with pytest.raises(RuntimeError, match="still being prefilled"):
+        engine.prefill([NewSequence("6", prompts[0], GREEDY)])
+    decoded = engine.decode()
+    assert sorted(t.seq_id for t in decoded) == ["0", "1", "2", "3"]  # the prefilling rows are left alone
+    take(decoded)
+    engine.release(["1", "3", "5"])  # two rows below the group leave, and one of the group, meanwhile
+    take(engine.decode())
+    joined, seconds = engine.end_prefill()
+    assert [t.seq_id for t in joined] == ["4"] and seconds > 0
+    take(joined)
+    assert engine.background_ids == [] and sorted(engine.running_ids) == ["0", "2", "4"]
+    while len(out["4"]) < 12:
+        take(engine.decode())
+    engine.release(engine.running_ids)
+    assert out["4"] == alone[4][:12]  # its rows moved down into the gap, cache and all
+    for i in (0, 1, 2, 3):
+        assert out[str(i)] == alone[i][: len(out[str(i)])]
+    assert out["5"] == []
+    with pytest.raises(RuntimeError):
+        engine.end_prefill()
+
+
+def test_a_background_prefill_refuses_a_prefix_cache_hit(cached: Engine) -> None:
+    prompt = encode(cached, PROMPTS[2] * 2)
+    cached.prefill([NewSequence("a", prompt, GREEDY)])
+    cached.decode()
+    with pytest.raises(ValueError, match="prefix-cache hit"):
+        cached.begin_prefill([NewSequence("b", prompt, GREEDY)])
+    assert cached.background_ids == [] and cached.running_ids == ["a"]
+
+
 def prefill_sizes(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """Record (rows, tokens per row) of every graph run from now on."""
     runs: list[tuple[int, int]] = []
     real = engine._run
 
-    def spy(rows: slice, input_ids: np.ndarray, *args: object) -> np.ndarray:
-        runs.append(input_ids.shape)
-        return real(rows, input_ids, *args)  # type: ignore[arg-type]
+    def spy(rows: slice, inputs: Any) -> np.ndarray:
+        runs.append(inputs.input_ids.shape)
+        return real(rows, inputs)
 
     monkeypatch.setattr(engine, "_run", spy)
     return runs
@@ -556,6 +604,16 @@ def test_the_scoring_benchmark_times_prefill_and_scoring_for_each_length(tiny_bu
     results = main(["--bundle", str(tiny_bundle), "--lengths", "4", "16", "--repeats", "2"])
     assert list(results) == [4, 16]
     assert all(r["prefill_s"] > 0 and r["scoring_s"] > 0 for r in results.values())
+
+
+def test_the_beside_benchmark_runs_both_ways(tiny_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.beside_bench import main
+
+    argv = ["--bundle", str(tiny_bundle), "--rows", "3", "--prompt", "5", "--every", "3", "--steps", "12"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [x.split(":")[0] for x in lines] == ["round 1", "round 2", "round 3"]
+    assert all(" between " in x and " | beside " in x and "tok/s" in x for x in lines)
 
 
 def test_the_scorer_runs_on_the_serving_providers_but_tensorrt() -> None:

@@ -297,9 +297,12 @@ def test_many_cancels_and_expiries_free_their_slots_and_spare_the_others(
 # --- engine failure ----------------------------------------------------------------------------------------
 
 
-def test_a_failing_engine_step_fails_only_its_requests(serving: Callable[..., RunningServer]) -> None:
+@pytest.mark.parametrize("beside", [False, True], ids=["between", "beside"])
+def test_a_failing_engine_step_fails_only_its_requests(
+    serving: Callable[..., RunningServer], beside: bool
+) -> None:
     faults = InjectedFaults(0.02, slow_prefix="", fail_prefill_prefix="joins-and-fails", fail_rows=3)
-    server = serving(faults, max_batch_size=4)
+    server = serving(faults, max_batch_size=4, prefill_beside_decode=beside)
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.TextGenerationStub(channel)
         expected = references(stub, 30)

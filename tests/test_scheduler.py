@@ -162,7 +162,7 @@ def test_continuous_batching_joins_between_decode_steps_and_leaves_at_once(
         long = scheduler.submit(request("long", prompt_of(4), max_new=40))
         first = await long.__anext__()
         assert isinstance(first, TokenEvent) and first.token_ids
-        short = scheduler.submit(request("short", prompt_of(6), max_new=3))
+        short = scheduler.submit(request("short", prompt_of(20), max_new=3))
         await collect(short)
         rest = await collect(long)
         assert len(rest.token_ids) == 39
@@ -894,6 +894,113 @@ def test_a_chunked_prefill_that_is_cancelled_frees_its_row(make_engine: EngineFa
         after = scheduler.submit(request("after", prompt_of(5), max_new=3))
         assert len((await collect(after)).token_ids) == 3
         await collect(running)
+        await scheduler.drain(1.0)
+
+    run(main)
+    assert engine.batch_size == 0
+
+
+@pytest.mark.parametrize("beside", [True, False])
+def test_an_arrival_prefills_beside_the_decode_steps_or_between_them(
+    tokenizer: Tokenizer, beside: bool
+) -> None:
+    engine = fake(tokenizer, 0.002, max_batch_size=4)
+    assert isinstance(engine.inner, FakeEngine)
+    engine.inner.background_steps = 2  # its run outlasts two decode steps of the running row
+    prompt = prompt_of(7, 41)
+
+    async def main() -> tuple[Completion, list[StepRecord]]:
+        scheduler = await started(engine, SchedulerLimits(prefill_beside_decode=beside))
+        long = scheduler.submit(request("long", prompt_of(4), max_new=30))
+        await long.__anext__()
+        new = scheduler.submit(request("new", prompt, max_new=5))
+        got = await collect(new)
+        await collect(long)
+        await scheduler.drain(1.0)
+        return got, scheduler.steps()
+
+    got, steps = run(main)
+    assert got.token_ids == engine.expected(prompt, 5)
+    start = engine.calls.index(("prefill", ["new"]))
+    after = [rows for _, rows in engine.calls[start + 1 : start + 4]]
+    if beside:  # the running row decodes while the arrival prefills, which then joins
+        assert after == [["long"], ["long"], ["long", "new"]]
+    else:  # the running row waited for the prefill
+        assert after[0] == ["long", "new"]
+    assert [(s.rows, s.real_tokens) for s in steps if s.phase == "prefill"] == [(1, 4), (1, 7)]
+
+
+def test_prompts_with_a_prefix_cache_hit_or_to_be_chunked_prefill_between_decode_steps(
+    tokenizer: Tokenizer,
+) -> None:
+    engine = fake(tokenizer, 0.002, max_batch_size=4, keeps_prefixes=True)
+    assert isinstance(engine.inner, FakeEngine)
+    engine.inner.background_steps = 1
+
+    async def main() -> None:
+        limits = SchedulerLimits(prefill_chunk_tokens=8, prefill_beside_decode=True)
+        scheduler = await started(engine, limits)
+        long = scheduler.submit(request("long", prompt_of(4, 10), max_new=60))
+        await long.__anext__()
+        await collect(scheduler.submit(request("first", prompt_of(6), max_new=2)))  # beside; kept
+        await collect(scheduler.submit(request("again", prompt_of(7), max_new=2)))  # hits "first"
+        await collect(scheduler.submit(request("chunked", prompt_of(20, 30), max_new=2)))
+        await collect(long)
+        await scheduler.drain(1.0)
+
+    run(main)
+    after = {
+        rows[0]: engine.calls[i + 1][1]
+        for i, (phase, rows) in enumerate(engine.calls)
+        if rows and phase == "prefill"
+    }
+    assert after["first"] == ["long"]  # the running row decoded beside it
+    assert "again" in after["again"]  # joined before the next decode step
+    assert "chunked" not in engine.calls[engine.calls.index(("prefill", ["chunked"])) + 1][1]
+
+
+def test_a_request_cancelled_while_it_prefills_beside_the_decode_steps_frees_its_row(
+    tokenizer: Tokenizer,
+) -> None:
+    engine = fake(tokenizer, 0.002, max_batch_size=2)
+    assert isinstance(engine.inner, FakeEngine)
+    engine.inner.background_steps = 1000  # until nothing else decodes
+
+    async def main() -> None:
+        scheduler = await started(engine, SchedulerLimits(prefill_beside_decode=True))
+        running = scheduler.submit(request("r", prompt_of(3), max_new=30))
+        await running.__anext__()
+        late = scheduler.submit(request("late", prompt_of(8), max_new=5))
+        await until(lambda: ("prefill", ["late"]) in engine.calls)
+        late.cancel()
+        with pytest.raises(Cancelled):
+            await collect(late)
+        assert len((await collect(running)).token_ids) == 29  # and its first
+        after = scheduler.submit(request("after", prompt_of(5), max_new=3))
+        assert (await collect(after)).token_ids == engine.expected(prompt_of(5), 3)
+        assert scheduler.snapshot().outcomes == {"cancelled": 1, "finished": 2}
+        await scheduler.drain(1.0)
+
+    run(main)
+    assert not any("late" in rows for phase, rows in engine.calls if phase == "decode")
+    assert engine.batch_size == 0
+
+
+def test_a_prefill_that_fails_beside_the_decode_steps_fails_only_its_requests(tokenizer: Tokenizer) -> None:
+    engine = fake(tokenizer, 0.002, max_batch_size=4)
+
+    async def main() -> None:
+        scheduler = await started(engine, SchedulerLimits(prefill_beside_decode=True))
+        running = scheduler.submit(request("r", prompt_of(3), max_new=20))
+        await running.__anext__()
+        engine.fail_next.add("end_prefill")
+        doomed = scheduler.submit(request("doomed", prompt_of(6), max_new=5))
+        with pytest.raises(EngineFailure, match=r"during prefill.*injected end_prefill"):
+            await collect(doomed)
+        rest = await collect(running)
+        assert [*rest.token_ids] == engine.expected(prompt_of(3), 20)[1:]
+        after = scheduler.submit(request("after", prompt_of(5), max_new=3))
+        assert (await collect(after)).token_ids == engine.expected(prompt_of(5), 3)
         await scheduler.drain(1.0)
 
     run(main)
