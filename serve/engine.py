@@ -469,13 +469,12 @@ class Engine:
         finally:  # over either way: its rows are free again until joined
             self._background = None
         n, k = self.batch_size, len(background.new)
-        for i in range(k):  # sequences that left meanwhile opened a gap below the group: close it
-            if background.first != n:
+        lens = np.array([len(s.prompt_ids) for s in background.new], np.int64)
+        if background.first != n:  # sequences that left meanwhile opened a gap below the group: close it
+            for i, length in enumerate(lens.tolist()):  # row by row upwards: a source is never overwritten
                 src, dst = background.first + i, n + i
-                length = len(background.new[i].prompt_ids)
                 self._copy_row(src, dst, length)
                 self._tokens[dst, :length] = self._tokens[src, :length]
-        lens = np.array([len(s.prompt_ids) for s in background.new], np.int64)
         outs = self._join(background.new, self._side_logits[:k], lens)
         gone = background.released
         if gone:

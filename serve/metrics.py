@@ -163,7 +163,7 @@ class Metrics:
         )
         self.step_duration = Histogram(
             "textgen_step_duration_seconds",
-            "Duration of one engine step.",
+            "Duration of one engine step (a prefill beside the decode steps overlaps them).",
             ["phase"],
             buckets=STEP_BUCKETS,
             registry=reg,
