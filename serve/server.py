@@ -351,9 +351,10 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         record.request_id = check_request_id(request.request_id) or uuid.uuid4().hex
         record.prompt = request.text if request.WhichOneof("input") == "text" else None
         encode = model.tokenizer.encode
-        prompt = await asyncio.to_thread(
-            prompt_ids, request, lambda text: encode(text).ids, model.limits.vocab_size
-        )
+        args = (request, lambda text: encode(text).ids, model.limits.vocab_size)
+        # Text is tokenized off the event loop (a long prompt takes milliseconds); token ids are only checked.
+        text = request.WhichOneof("input") == "text"
+        prompt = await asyncio.to_thread(prompt_ids, *args) if text else prompt_ids(*args)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         generation = generation_request(

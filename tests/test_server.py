@@ -7,11 +7,13 @@ that need a request to still be running when they act slow the engine's decode s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -97,6 +99,26 @@ def test_token_ids_input_and_logprobs(stub: pb_grpc.TextGenerationStub) -> None:
     assert list(by_ids.token_ids) == list(by_text.token_ids) and by_ids.usage.prompt_tokens == len(ids)
     assert len(by_ids.logprobs) == 6 and all(lp <= 0 and math.isfinite(lp) for lp in by_ids.logprobs)
     assert not by_text.logprobs  # only when asked for
+
+
+def test_only_text_is_tokenized_off_the_event_loop(
+    stub: pb_grpc.TextGenerationStub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handed_off: list[str] = []
+    to_thread = asyncio.to_thread
+
+    async def recording(func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        handed_off.append(getattr(func, "__name__", repr(func)))
+        return await to_thread(func, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", recording)
+    ids = list(stub.Tokenize(pb.TokenizeRequest(text=PROMPT)).ids)
+    stopping = pb.StoppingCriteria(max_new_tokens=3, ignore_eos=True)
+    by_ids = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), stopping=stopping))
+    assert handed_off.count("prompt_ids") == 0  # token ids are only checked, on the loop
+    by_text = stub.Generate(pb.GenerateRequest(text=PROMPT, stopping=stopping))
+    assert handed_off.count("prompt_ids") == 1
+    assert list(by_ids.token_ids) == list(by_text.token_ids)
 
 
 def test_stop_token_ids_min_new_tokens_and_the_openai_penalties(stub: pb_grpc.TextGenerationStub) -> None:
