@@ -8,9 +8,11 @@ with code: `--config='PYTHONPATH=/tmp/old'` serves the `serve` package of a `git
 
 This machine's speed drifts by tens of percent within minutes (docs/benchmarks.md), so one run of each
 configuration says little about a difference of a few percent; rounds that run every configuration in turn,
-compared by their medians, do. Each round starts each configuration's server afresh, warms it up with a short
-load, then times `--requests` closed-loop requests from `--clients` clients (exactly `--new-tokens` tokens
-each, greedy). Prints one line per round and the medians; `--json` keeps every figure.
+compared by their medians, do. Round r starts with configuration r mod k, so over a multiple of k rounds
+each goes first equally often (what runs first in a round may run slower or faster for it). Each round
+starts each configuration's server afresh, warms it up with a short load, then times `--requests`
+closed-loop requests from `--clients` clients (exactly `--new-tokens` tokens each, greedy). Prints one line
+per round and the medians; `--json` keeps every figure.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def split_config(config: str) -> tuple[dict[str, str], list[str]]:
         name, value = words.pop(0).split("=", 1)
         env[name] = value
     return env, words
+
+
+def round_order(configs: list[str], round_: int) -> list[str]:
+    """The configurations in the order round `round_` (from 1) runs them: each round starts one further on."""
+    shift = (round_ - 1) % len(configs)
+    return configs[shift:] + configs[:shift]
 
 
 def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
@@ -101,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     log.parent.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[Figures]] = {config: [] for config in args.config}
     for round_ in range(1, args.rounds + 1):
-        for config in args.config:
+        for config in round_order(args.config, round_):
             runs[config].append(measure(config, args, log))
         cells = "  ".join(f"[{c or 'defaults'}] {runs[c][-1].tokens_per_second:.0f}" for c in args.config)
         print(f"round {round_}: {cells} tok/s", flush=True)

@@ -249,6 +249,17 @@ def test_the_ab_benchmark_alternates_server_configurations(tiny_bundle: Path, tm
         assert len(rounds) == 2 and all(r["tokens_per_second"] > 0 for r in rounds)
 
 
+def test_each_ab_configuration_goes_first_in_turn() -> None:
+    from bench.serve_ab import round_order
+
+    assert [round_order(["a", "b", "c"], r) for r in (1, 2, 3, 4)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
+
+
 def test_an_ab_configuration_starts_with_the_servers_environment() -> None:
     from bench.serve_ab import split_config
 
