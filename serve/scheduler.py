@@ -138,7 +138,7 @@ class SchedulerLimits(BaseModel):
     )
     # A prefill between two decode steps stalls every stream for its whole length; beside them it shares the
     # cores and the streams slow down instead. Off by default: on 2 cores it took ITL p99 / p50 from ~3 to ~2
-    # at the same throughput, but the prefill itself ran 2x longer, and so the first tokens came 2-3x later.
+    # under arrivals, but the prefill ran 2x longer: first tokens 2-3x later, 0.84-1x tokens at saturation.
     prefill_beside_decode: bool = Field(
         default=False,
         description="while others decode, prefill arrivals on a thread of their own beside the decode steps "
