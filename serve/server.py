@@ -349,12 +349,12 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         model = self._ready_model()
         request: pb.GenerateRequest = checked(raw)
         record.request_id = check_request_id(request.request_id) or uuid.uuid4().hex
-        record.prompt = request.text if request.WhichOneof("input") == "text" else None
+        is_text = request.WhichOneof("input") == "text"
+        record.prompt = request.text if is_text else None
         encode = model.tokenizer.encode
         args = (request, lambda text: encode(text).ids, model.limits.vocab_size)
         # Text is tokenized off the event loop (a long prompt takes milliseconds); token ids are only checked.
-        text = request.WhichOneof("input") == "text"
-        prompt = await asyncio.to_thread(prompt_ids, *args) if text else prompt_ids(*args)
+        prompt = await asyncio.to_thread(prompt_ids, *args) if is_text else prompt_ids(*args)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         generation = generation_request(
