@@ -16,6 +16,10 @@ Admission policy, evaluated between every two engine steps:
   prompt tokens. Arrivals that fit go together and the rest wait for the next prefill step (which follows
   a decode step); a prompt longer than that is prefilled alone, that many tokens a step, with decode
   steps in between (the engine continues one sequence at a time).
+- Prefill beside the decode steps (`prefill_beside_decode`, off by default): while others decode, a group
+  with no prefix-cache hit and nothing to chunk is prefilled on the engine's own thread for it
+  (`Engine.begin_prefill`) and every step decodes the running rows meanwhile; the first step after its run
+  is over joins it (`end_prefill`) and may begin the next group. One such group at a time.
 - KV budget: every request reserves prompt + max_new_tokens; the batch's padded footprint
   rows x largest reservation must stay within `max_batch_tokens`. Decode pads every row to the longest
   context, so this bounds every step; a long request gives its share back as soon as it leaves.
