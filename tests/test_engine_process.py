@@ -14,6 +14,7 @@ import re
 import signal
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,7 +31,7 @@ from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.bundle import Bundle, load_bundle
 from serve.engine import Engine, EngineSettings
-from serve.engine_process import EngineSpec, MetricRecorder, ProcessScheduler, replay
+from serve.engine_process import EngineSpec, MetricRecorder, ProcessScheduler, StepOutput, replay
 from serve.errors import Draining, EngineFailure, QueueFull
 from serve.metrics import Metrics, new_registry
 from serve.offline import generate
@@ -114,6 +115,42 @@ def test_the_queue_bound_holds_here_and_a_cancel_reaches_the_engine_process(bund
             assert scheduler.snapshot().running == 0
         finally:
             await scheduler.drain(0.0)
+
+    run(main)
+
+
+def test_steps_without_outcomes_reach_the_server_together_and_none_is_lost(
+    bundle: Bundle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outputs: list[StepOutput] = []
+    receive = ProcessScheduler._receive
+
+    def counted(self: ProcessScheduler, output: StepOutput) -> None:
+        outputs.append(output)
+        receive(self, output)
+
+    monkeypatch.setattr(ProcessScheduler, "_receive", counted)
+    prompts = [[3 + i, 4, 5 + i] for i in range(4)]
+    metrics = Metrics(new_registry())
+
+    async def main() -> None:
+        scheduler = ProcessScheduler(spec(bundle), metrics)
+        await scheduler.start()
+        try:
+            unary = [replace(request(f"u{i}", p, 48), stream=False) for i, p in enumerate(prompts)]
+            handles = [scheduler.submit(r) for r in unary]
+            done = await asyncio.gather(*(collect(h) for h in handles))
+        finally:
+            await scheduler.drain(0.0)
+        assert all(len(c.token_ids) == 48 for c in done)
+        steps = scheduler.steps()
+        # Every token after each request's first came from one row of one decode step: no record was lost.
+        assert sum(s.rows for s in steps if s.phase == "decode") == 4 * 47
+        decode_steps = sum(s.phase == "decode" for s in steps)
+        series = f'textgen_step_duration_seconds_count{{phase="decode"}} {decode_steps}.0'
+        assert series in metrics.exposition()
+        # Nothing to deliver between the first tokens and the last: the records waited for company.
+        assert 2 * len([o for o in outputs if o.steps]) <= len(steps)
 
     run(main)
 
