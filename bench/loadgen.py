@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.cpus import check_cpus, parse_cpu_list, pinned
 
 Dataset = Literal["synthetic", "corpus"]
 Rpc = Literal["stream", "unary"]
@@ -71,6 +72,7 @@ class LoadConfig:
     percentiles: tuple[float, ...] = (99.0,)
     progress: bool = True
     rpc: Rpc = "stream"
+    cpus: tuple[int, ...] | None = None  # the load generator's CPUs (off the engine's); None: anywhere
 
     def __post_init__(self) -> None:
         if (self.num_requests is None) == (self.duration is None):
@@ -87,6 +89,7 @@ class LoadConfig:
             "timeout": self.timeout > 0,
             "percentiles": all(0.0 < p < 100.0 for p in self.percentiles),
             "rpc": self.rpc in RPC_NAMES,
+            "cpus": self.cpus is None or bool(self.cpus),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -639,6 +642,14 @@ class BenchmarkOutput:
 
 async def benchmark(config: LoadConfig, metrics_url: str | None = None) -> BenchmarkOutput:
     """Prepare the prompts, run the load, and (with `metrics_url`) compare with the server's metrics."""
+    cpus = None if config.cpus is None else frozenset(config.cpus)
+    if cpus is not None:
+        check_cpus(cpus, "cpus")
+    with pinned(cpus):
+        return await _benchmark(config, metrics_url)
+
+
+async def _benchmark(config: LoadConfig, metrics_url: str | None) -> BenchmarkOutput:
     async with grpc.aio.insecure_channel(config.target) as channel:
         stub = pb_grpc.TextGenerationStub(channel)
         info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
@@ -730,7 +741,20 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--output", type=Path, default=None, help="write summary and per-request records (JSON)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--cpus",
+        type=_cpu_list,
+        default=None,
+        help="run on these CPUs only (a Linux CPU list, 0-3,6): off a server's --engine-cpus on this machine",
+    )
     return p
+
+
+def _cpu_list(text: str) -> frozenset[int]:
+    try:
+        return parse_cpu_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
@@ -753,6 +777,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         percentiles=tuple(float(p) for p in args.percentiles.split(",") if p.strip()),
         progress=not args.no_progress,
         rpc=args.rpc,
+        cpus=None if args.cpus is None else tuple(sorted(args.cpus)),
     )
 
 
@@ -765,6 +790,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         config = config_from_args(args)
+        if config.cpus is not None:
+            check_cpus(frozenset(config.cpus), "--cpus")
     except ValueError as exc:
         parser().error(str(exc))
     try:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from bench.loadgen import RPC_NAMES, LoadConfig, benchmark
 from bench.serving_bench import BIN, ROOT, free_port, server_process
+from serve.cpus import beside, engine_cpus_flag
 
 ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 
@@ -59,6 +60,7 @@ def round_order(configs: list[str], round_: int) -> list[str]:
 def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
     port = free_port()
     env, flags = split_config(config)
+    engine_cpus = engine_cpus_flag(flags)
     command = [
         str(BIN / "textgen-serve"),
         *("--bundle", str(args.bundle), "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"),
@@ -76,6 +78,7 @@ def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
         percentiles=(50.0, 99.0),
         progress=False,
         rpc=args.rpc,
+        cpus=None if engine_cpus is None else beside(engine_cpus),  # off them, as the server's process
     )
     with server_process(command, log, load.target, env):
         asyncio.run(benchmark(load))  # warm-up

@@ -44,6 +44,7 @@ from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.bundle import Bundle, load_bundle
 from serve.config import ServerSettings
+from serve.cpus import beside, engine_cpus, format_cpu_list, read_engine_cpus
 from serve.engine import Engine, EngineSettings
 from serve.offline import OFFLINE_LIMITS, generate
 from serve.runtime import SessionConfig
@@ -67,6 +68,12 @@ class Plan:
     new_tokens: int
     rpc: Rpc = "stream"  # of the closed-loop levels; the steady-arrivals run always streams (it measures ITL)
     pairs: int = 0  # served runs at the target level, each between offline passes
+    # textgen-serve --engine-cpus; the load generator then runs on the other CPUs, like the server's process
+    engine_cpus: frozenset[int] | None = None
+
+    @property
+    def client_cpus(self) -> tuple[int, ...] | None:
+        return None if self.engine_cpus is None else beside(self.engine_cpus)
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
@@ -82,6 +89,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         new_tokens=args.new_tokens,
         rpc=args.rpc,
         pairs=args.pairs if args.pairs is not None else (2 if args.quick else 3),
+        engine_cpus=None if args.engine_cpus is None else engine_cpus(read_engine_cpus(args.engine_cpus)),
     )
 
 
@@ -271,7 +279,9 @@ def measure(name: str, config: LoadConfig, results: Path, metrics_url: str | Non
     return output
 
 
-def closed_loop(target: str, clients: int, requests: int, plan: Plan) -> LoadConfig:
+def closed_loop(
+    target: str, clients: int, requests: int, plan: Plan, cpus: tuple[int, ...] | None = None
+) -> LoadConfig:
     return LoadConfig(
         target=target,
         concurrency=clients,
@@ -282,6 +292,7 @@ def closed_loop(target: str, clients: int, requests: int, plan: Plan) -> LoadCon
         percentiles=PERCENTILES,
         progress=False,
         rpc=plan.rpc,
+        cpus=cpus,
     )
 
 
@@ -298,6 +309,7 @@ def steady_arrivals(target: str, rate: float, plan: Plan, clients: int) -> LoadC
         percentiles=PERCENTILES,
         progress=False,
         seed=1,
+        cpus=plan.client_cpus,
     )
 
 
@@ -320,6 +332,7 @@ def as_command(config: LoadConfig, target: str, metrics: bool) -> str:
         ("--percentiles", ",".join(f"{p:g}" for p in config.percentiles)),
         ("--metrics-url", "http://127.0.0.1:M/metrics" if metrics else None),
         ("--rpc", None if config.rpc == "stream" else config.rpc),
+        ("--cpus", None if config.cpus is None else format_cpu_list(config.cpus)),
     ]
     words = ["textgen-bench"] + [f"{flag} {value}" for flag, value in flags if value is not None]
     return " ".join([*words, "--ignore-eos"] if config.ignore_eos else words)
@@ -395,9 +408,11 @@ def run(args: argparse.Namespace) -> Results:
         "--prefill-beside-decode" if args.prefill_beside_decode else "--no-prefill-beside-decode",
         spin_flag,
         process_flag,
+        *(() if plan.engine_cpus is None else ("--engine-cpus", format_cpu_list(plan.engine_cpus))),
     ]
     server_loads = {
-        c: closed_loop(f"127.0.0.1:{port}", c, c * plan.requests_per_client, plan) for c in plan.levels
+        c: closed_loop(f"127.0.0.1:{port}", c, c * plan.requests_per_client, plan, plan.client_cpus)
+        for c in plan.levels
     }
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     with server_process(serve_cmd, results_dir / "server.log", f"127.0.0.1:{port}"):
@@ -564,6 +579,12 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=ServerSettings.model_fields["engine_process"].default,
         help="textgen-serve --engine-process: the engine in a process of its own (default: the server's)",
+    )
+    p.add_argument(
+        "--engine-cpus",
+        default=None,
+        help="textgen-serve --engine-cpus (auto, or a Linux CPU list); the load generator runs on the other "
+        "CPUs",
     )
     p.add_argument(
         "--rpc",

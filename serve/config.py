@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 from pydantic import Field, FilePath, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliApp, NoDecode, SettingsConfigDict, SettingsError
 
+from serve.cpus import read_engine_cpus
+
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 Port = Annotated[int, Field(ge=0, le=65535)]
 
@@ -55,6 +57,12 @@ class ServerSettings(BaseSettings):
         True,
         description="run the engine and its scheduler in a process of their own, beside the gRPC one, so "
         "neither waits for the other's Python (see docs/architecture.md); off: an engine thread here",
+    )
+    engine_cpus: Annotated[frozenset[int] | Literal["auto"] | None, NoDecode] = Field(
+        None,
+        description="CPUs of the engine process, as a Linux CPU list (0-3,6), or auto: all this process may "
+        "use but the first; the server's process runs on the others, so its threads never take the "
+        "engine's cores; threads defaults to their number (default: no pinning)",
     )
     max_batch_size: int = Field(16, ge=1, le=1024, description="rows in one engine step")
     max_queue: int = Field(256, ge=1, le=1_000_000, description="waiting requests before RESOURCE_EXHAUSTED")
@@ -128,6 +136,11 @@ class ServerSettings(BaseSettings):
             return [p.strip() for p in value.split(",") if p.strip()]
         return value
 
+    @field_validator("engine_cpus", mode="before")
+    @classmethod
+    def _parse_cpus(cls, value: object) -> object:
+        return read_engine_cpus(value) if isinstance(value, str) else value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper_log_level(cls, value: object) -> object:
@@ -144,6 +157,8 @@ class ServerSettings(BaseSettings):
                 f"default_max_new_tokens ({self.default_max_new_tokens}) must be <= "
                 f"max_new_tokens ({self.max_new_tokens})"
             )
+        if self.engine_cpus is not None and not self.engine_process:
+            raise ValueError("engine_cpus pins the engine process: it needs engine_process")
         if self.providers == []:
             raise ValueError("providers must name at least one execution provider when given")
         if self.auth_token is not None and not self.auth_token.get_secret_value().strip():

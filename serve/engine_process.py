@@ -37,6 +37,7 @@ from typing import Any
 
 from serve.bundle import Bundle
 from serve.config import configure_logging, freeze_startup_objects
+from serve.cpus import pin_process
 from serve.engine import Engine, EngineInfo, EngineSettings, open_engine
 from serve.errors import EngineFailure, TextgenError
 from serve.request import GenerationRequest, validate_request
@@ -80,6 +81,7 @@ class EngineSpec:
     log_level: str = "INFO"
     # Wraps the engine before the scheduler gets it (tests slow it down or make a step fail); picklable.
     wrap: EngineWrap | None = None
+    cpus: frozenset[int] | None = None  # where the engine process runs (serve/cpus.py); None: anywhere
 
 
 MetricCall = tuple[str, tuple[Any, ...]]
@@ -141,6 +143,8 @@ def engine_main(conn: Connection, spec: EngineSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(spec.log_level)
+    if spec.cpus is not None:
+        pin_process(spec.cpus)  # before ONNX Runtime starts its threads, which inherit it
     recorder = MetricRecorder()
     try:
         engine = open_engine(spec.bundle, spec.engine)

@@ -33,6 +33,7 @@ from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.auth import TokenAuthInterceptor, server_credentials
 from serve.bundle import Bundle, load_bundle
 from serve.config import ConfigError, ServerSettings, freeze_startup_objects
+from serve.cpus import allowed_cpus, beside, check_cpus, engine_cpus, format_cpu_list, pin_process
 from serve.engine import EngineInfo, EngineSettings, open_engine
 from serve.engine_process import EngineSpec, EngineWrap, ProcessScheduler
 from serve.errors import Draining, InvalidRequest, grpc_status
@@ -170,14 +171,37 @@ def scheduler_limits(settings: ServerSettings) -> SchedulerLimits:
 
 
 def engine_settings(settings: ServerSettings) -> EngineSettings:
-    session = SessionConfig(
-        providers=tuple(settings.providers or ()), threads=settings.threads or 0, spinning=settings.spinning
-    )
+    threads = settings.threads or len(engine_cpus(settings.engine_cpus) or ())  # 0: ONNX Runtime's choice
+    providers = tuple(settings.providers or ())
+    session = SessionConfig(providers=providers, threads=threads, spinning=settings.spinning)
     return EngineSettings(
         max_batch_size=settings.max_batch_size,
         session=session,
         prefix_cache_rows=settings.prefix_cache_rows,
         prefix_cache_min_tokens=settings.prefix_cache_min_tokens,
+    )
+
+
+def checked_engine_cpus(settings: ServerSettings) -> frozenset[int] | None:
+    """The engine process's CPUs (`engine_cpus` resolved); ConfigError for CPUs this process may not use."""
+    cpus = engine_cpus(settings.engine_cpus)
+    if cpus is not None:
+        try:
+            check_cpus(cpus, "engine_cpus")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return cpus
+
+
+def place_server(engine_cpus: frozenset[int]) -> None:
+    """Move this process off the engine process's CPUs onto the rest of those it may use (none left: stay)."""
+    rest = beside(engine_cpus)
+    if rest is not None:
+        pin_process(frozenset(rest))
+    log.info(
+        "engine process on CPUs %s; the server's process on %s",
+        format_cpu_list(engine_cpus),
+        format_cpu_list(rest or allowed_cpus()),
     )
 
 
@@ -188,10 +212,13 @@ async def load_model(
     bundle that cannot be served. `wrap` wraps the engine before the scheduler gets it (tests)."""
     bundle = await asyncio.to_thread(load_bundle, settings.bundle)
     if settings.engine_process:
+        cpus = checked_engine_cpus(settings)
         limits = scheduler_limits(settings)
-        spec = EngineSpec(bundle, engine_settings(settings), limits, settings.log_level, wrap)
+        spec = EngineSpec(bundle, engine_settings(settings), limits, settings.log_level, wrap, cpus)
         process = ProcessScheduler(spec, metrics)
         await process.start()
+        if cpus is not None:
+            place_server(cpus)
         checks = request_limits(settings, process.info, process.max_total_tokens)
         return LoadedModel(bundle, process.info, process, checks)
     engine = await asyncio.to_thread(open_engine, bundle, engine_settings(settings))

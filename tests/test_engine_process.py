@@ -8,12 +8,13 @@ what happens when either process dies or the engine process will not stop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import signal
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,12 +25,13 @@ from engine_faults import InjectedFaults
 from grpc_health.v1 import health_pb2
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, rpc_error
-from test_server_lifecycle import ServerProcess, health_status
+from test_server_lifecycle import ServerProcess, health_status, run_serve
 
 import serve.engine_process
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.bundle import Bundle, load_bundle
+from serve.cpus import allowed_cpus, format_cpu_list, pin_process
 from serve.engine import Engine, EngineSettings
 from serve.engine_process import EngineSpec, MetricRecorder, ProcessScheduler, StepOutput, replay
 from serve.errors import Draining, EngineFailure, QueueFull
@@ -39,6 +41,7 @@ from serve.request import Completion, GenerationRequest
 from serve.runtime import SessionConfig
 from serve.sampling import SamplingParams
 from serve.scheduler import RequestHandle, SchedulerLimits
+from serve.server import engine_settings
 
 T = TypeVar("T")
 SESSION = SessionConfig(threads=1, spinning=False)
@@ -153,6 +156,55 @@ def test_steps_without_outcomes_reach_the_server_together_and_none_is_lost(
         assert 2 * len([o for o in outputs if o.steps]) <= len(steps)
 
     run(main)
+
+
+def cpus_of(pid: int) -> set[str]:
+    """The CPU lists the threads of process `pid` may run on."""
+    lists = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            found = re.search(r"Cpus_allowed_list:\s*(\S+)", (task / "status").read_text())
+            assert found is not None
+            lists.add(found.group(1))
+    return lists
+
+
+@pytest.fixture
+def cpus_restored() -> Iterator[frozenset[int]]:
+    """This process's CPUs; they are given back afterwards (an in-process server moves its threads)."""
+    before = allowed_cpus()
+    yield before
+    pin_process(before)
+
+
+def test_the_engine_process_runs_on_its_cpus_and_the_server_on_the_others(
+    loop: LoopThread, tiny_bundle: Path, cpus_restored: frozenset[int]
+) -> None:
+    assert len(cpus_restored) >= 2, "this test needs a machine of two CPUs or more"
+    engine_cpu = min(cpus_restored)
+    settings = loopback_settings(tiny_bundle, engine_cpus=frozenset({engine_cpu}))
+    assert engine_settings(settings).session.threads == 1  # one intra-op thread per pinned CPU
+    assert engine_settings(settings.model_copy(update={"threads": 3})).session.threads == 3
+    server = RunningServer(loop, settings)
+    try:
+        scheduler = server.model.scheduler
+        assert isinstance(scheduler, ProcessScheduler) and scheduler.pid is not None
+        assert cpus_of(scheduler.pid) == {str(engine_cpu)}
+        assert cpus_of(os.getpid()) == {format_cpu_list(cpus_restored - {engine_cpu})}
+        with grpc.insecure_channel(server.target) as channel:
+            stub = pb_grpc.TextGenerationStub(channel)
+            stopping = pb.StoppingCriteria(max_new_tokens=4, ignore_eos=True)
+            reply = stub.Generate(pb.GenerateRequest(text="abc", stopping=stopping))
+        assert len(reply.token_ids) == 4
+    finally:
+        server.stop()
+
+
+def test_engine_cpus_this_process_may_not_use_fail_start_up(tiny_bundle: Path) -> None:
+    result = run_serve("--bundle", str(tiny_bundle), "--port", "0", "--engine-cpus", "4095")
+    assert result.returncode == 1
+    allowed = format_cpu_list(allowed_cpus())
+    assert f"start-up failed: engine_cpus 4095: this process may run on CPUs {allowed} only" in result.stderr
 
 
 def test_recorded_metric_calls_replay_as_the_same_exposition() -> None:
