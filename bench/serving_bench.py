@@ -69,11 +69,11 @@ class Plan:
     rpc: Rpc = "stream"  # of the closed-loop levels; the steady-arrivals run always streams (it measures ITL)
     pairs: int = 0  # served runs at the target level, each between offline passes
     # textgen-serve --engine-cpus; the load generator then runs on the other CPUs, like the server's process
-    engine_cpus: frozenset[int] | None = None
+    engine_cpus: tuple[int, ...] | None = None
 
     @property
     def client_cpus(self) -> tuple[int, ...] | None:
-        return None if self.engine_cpus is None else beside(self.engine_cpus)
+        return None if self.engine_cpus is None else beside(frozenset(self.engine_cpus))
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
@@ -89,8 +89,14 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         new_tokens=args.new_tokens,
         rpc=args.rpc,
         pairs=args.pairs if args.pairs is not None else (2 if args.quick else 3),
-        engine_cpus=None if args.engine_cpus is None else engine_cpus(read_engine_cpus(args.engine_cpus)),
+        engine_cpus=pinned_engine(args.engine_cpus),
     )
+
+
+def pinned_engine(flag: str | None) -> tuple[int, ...] | None:
+    """`--engine-cpus` resolved as the server will ("auto" on one CPU: no pinning)."""
+    cpus = None if flag is None else engine_cpus(read_engine_cpus(flag))
+    return None if cpus is None else tuple(sorted(cpus))
 
 
 # --- the machine -------------------------------------------------------------------------------------------

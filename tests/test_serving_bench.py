@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from bench.loadgen import BenchmarkOutput, EngineSteps, LoadConfig, RequestRecord, RunResult, summarize
-from bench.serving_bench import Pair, Plan, Results
+from bench.serving_bench import Pair, Plan, Results, pinned_engine, save_summary
 from bench.serving_report import DOC_BEGIN, DOC_END, near, plot_all, targets, update_doc
+from serve.cpus import allowed_cpus
 
 PLAN = Plan(levels=(1, 16), requests_per_client=2, naive_requests=4, repeats=1, input_len=4, new_tokens=10)
 
@@ -81,6 +83,18 @@ def results(tmp_path: Path, served_16: float, unary: bool = False) -> Results:
         commands=["textgen-serve --bundle B"],
         seconds=60.0,
     )
+
+
+def test_the_summary_records_where_the_engine_and_the_load_generator_ran(tmp_path: Path) -> None:
+    first = min(allowed_cpus())
+    assert pinned_engine(str(first)) == (first,) and pinned_engine(None) is None  # JSON's kind of sequence
+    pinned = dataclasses.replace(results(tmp_path, 900.0), plan=dataclasses.replace(PLAN, engine_cpus=(0,)))
+    arrivals = pinned.arrivals
+    pinned.arrivals = dataclasses.replace(arrivals, config=dataclasses.replace(arrivals.config, cpus=(1,)))
+    save_summary(pinned, tmp_path / "summary.json")
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["plan"]["engine_cpus"] == [0]
+    assert saved["arrivals"]["config"]["cpus"] == [1]
 
 
 def test_targets_compare_with_offline_and_naive_at_16_clients(tmp_path: Path) -> None:
