@@ -185,7 +185,9 @@ def engine_settings(settings: ServerSettings) -> EngineSettings:
 def checked_engine_cpus(settings: ServerSettings) -> frozenset[int] | None:
     """The engine process's CPUs (`engine_cpus` resolved); ConfigError for CPUs this process may not use."""
     cpus = engine_cpus(settings.engine_cpus)
-    if cpus is not None:
+    if cpus is None and settings.engine_cpus == "auto":
+        log.warning("engine_cpus auto: this process may run on one CPU only; nothing to keep apart")
+    elif cpus is not None:
         try:
             check_cpus(cpus, "engine_cpus")
         except ValueError as exc:

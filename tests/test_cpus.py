@@ -3,14 +3,16 @@ process's threads (the server's own placement is tested with a real engine proce
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from bench.loadgen import LoadConfig, main
-from serve.config import ConfigError, load_settings
+from serve.config import ConfigError, ServerSettings, load_settings
 from serve.cpus import (
     allowed_cpus,
     beside,
@@ -22,6 +24,7 @@ from serve.cpus import (
     pin_process,
     pinned,
 )
+from serve.server import checked_engine_cpus
 
 
 @pytest.fixture
@@ -80,6 +83,17 @@ def test_auto_engine_cpus_leave_the_lowest_cpu_to_the_server(cpus_restored: froz
     with pinned(frozenset({min(cpus_restored)})):
         assert engine_cpus("auto") is None  # one CPU: nothing to keep apart
     assert engine_cpus_flag(["--engine-cpus", "auto"]) == engine_cpus("auto")
+
+
+def test_auto_on_a_single_cpu_pins_nothing_and_says_so(
+    cpus_restored: frozenset[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    auto = ServerSettings(bundle=Path("b"), engine_cpus="auto")
+    with pinned(frozenset({min(cpus_restored)})), caplog.at_level(logging.WARNING, "textgen.server"):
+        assert checked_engine_cpus(auto) is None
+    assert "engine_cpus auto: this process may run on one CPU only" in caplog.text
+    with pytest.raises(ConfigError, match="engine_cpus 4095: this process may run on CPUs"):
+        checked_engine_cpus(ServerSettings(bundle=Path("b"), engine_cpus=frozenset({4095})))
 
 
 def test_cpus_beside_the_engine_and_cpus_this_process_may_not_use(cpus_restored: frozenset[int]) -> None:
