@@ -192,6 +192,12 @@ def checked_engine_cpus(settings: ServerSettings) -> frozenset[int] | None:
             check_cpus(cpus, "engine_cpus")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if settings.threads is not None and settings.threads > len(cpus):
+            log.warning(
+                "threads %d on %d engine CPUs: ONNX Runtime's threads will take turns (leave threads unset)",
+                settings.threads,
+                len(cpus),
+            )
     return cpus
 
 

@@ -85,13 +85,17 @@ def test_auto_engine_cpus_leave_the_lowest_cpu_to_the_server(cpus_restored: froz
     assert engine_cpus_flag(["--engine-cpus", "auto"]) == engine_cpus("auto")
 
 
-def test_auto_on_a_single_cpu_pins_nothing_and_says_so(
+def test_engine_cpus_that_cannot_do_what_was_asked_say_so(
     cpus_restored: frozenset[int], caplog: pytest.LogCaptureFixture
 ) -> None:
     auto = ServerSettings(bundle=Path("b"), engine_cpus="auto")
     with pinned(frozenset({min(cpus_restored)})), caplog.at_level(logging.WARNING, "textgen.server"):
         assert checked_engine_cpus(auto) is None
     assert "engine_cpus auto: this process may run on one CPU only" in caplog.text
+    one = frozenset({min(cpus_restored)})
+    with caplog.at_level(logging.WARNING, "textgen.server"):
+        assert checked_engine_cpus(ServerSettings(bundle=Path("b"), engine_cpus=one, threads=2)) == one
+    assert "threads 2 on 1 engine CPUs: ONNX Runtime's threads will take turns" in caplog.text
     with pytest.raises(ConfigError, match="engine_cpus 4095: this process may run on CPUs"):
         checked_engine_cpus(ServerSettings(bundle=Path("b"), engine_cpus=frozenset({4095})))
 
