@@ -9,6 +9,7 @@ import pytest
 from server_tools import LoopThread
 
 from export.model import DecoderConfig
+from serve.cpus import allowed_cpus, pin_process
 
 POSITIONS = ("learned", "sinusoidal", "rotary")
 
@@ -57,3 +58,12 @@ def loop() -> Iterator[LoopThread]:
     thread = LoopThread()
     yield thread
     thread.close()
+
+
+@pytest.fixture
+def cpus_restored() -> Iterator[frozenset[int]]:
+    """The CPUs this process may use; given back afterwards (an in-process server with engine_cpus moves
+    every thread of this process)."""
+    before = allowed_cpus()
+    yield before
+    pin_process(before)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,24 +13,15 @@ import pytest
 from bench.loadgen import LoadConfig, main
 from serve.config import ConfigError, ServerSettings, load_settings
 from serve.cpus import (
-    allowed_cpus,
     beside,
     check_cpus,
     engine_cpus,
     engine_cpus_flag,
     format_cpu_list,
     parse_cpu_list,
-    pin_process,
     pinned,
 )
 from serve.server import checked_engine_cpus
-
-
-@pytest.fixture
-def cpus_restored() -> Iterator[frozenset[int]]:
-    before = allowed_cpus()
-    yield before
-    pin_process(before)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,7 +31,7 @@ import serve.engine_process
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.bundle import Bundle, load_bundle
-from serve.cpus import allowed_cpus, format_cpu_list, pin_process
+from serve.cpus import allowed_cpus, format_cpu_list
 from serve.engine import Engine, EngineSettings
 from serve.engine_process import EngineSpec, MetricRecorder, ProcessScheduler, StepOutput, replay
 from serve.errors import Draining, EngineFailure, QueueFull
@@ -167,14 +167,6 @@ def cpus_of(pid: int) -> set[str]:
             assert found is not None
             lists.add(found.group(1))
     return lists
-
-
-@pytest.fixture
-def cpus_restored() -> Iterator[frozenset[int]]:
-    """This process's CPUs; they are given back afterwards (an in-process server moves its threads)."""
-    before = allowed_cpus()
-    yield before
-    pin_process(before)
 
 
 def test_the_engine_process_runs_on_its_cpus_and_the_server_on_the_others(
