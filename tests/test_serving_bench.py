@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
+
+from bench import serving_bench
 from bench.loadgen import BenchmarkOutput, EngineSteps, LoadConfig, RequestRecord, RunResult, summarize
-from bench.serving_bench import Pair, Plan, Results, pinned_engine, save_summary
+from bench.serving_bench import Pair, Plan, Results, offline_rate, pinned_engine, save_summary
 from bench.serving_report import DOC_BEGIN, DOC_END, near, plot_all, targets, update_doc
 from serve.cpus import allowed_cpus
 
@@ -95,6 +100,26 @@ def test_the_summary_records_where_the_engine_and_the_load_generator_ran(tmp_pat
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["plan"]["engine_cpus"] == [0]
     assert saved["arrivals"]["config"]["cpus"] == [1]
+
+
+def test_offline_passes_go_on_until_they_have_run_long_enough(monkeypatch: pytest.MonkeyPatch) -> None:
+    batches: list[int] = []
+
+    def generate(engine: object, work: list[list[int]], **options: object) -> None:
+        batches.append(len(work))
+        time.sleep(0.01)
+
+    monkeypatch.setattr(serving_bench, "generate", generate)
+    architecture = SimpleNamespace(vocab_size=50)
+    bundle = SimpleNamespace(manifest=SimpleNamespace(architecture=architecture, eos_token_id=0))
+    engine = SimpleNamespace(max_batch_size=16)
+    long_enough = dataclasses.replace(PLAN, offline_seconds=0.2)
+    rate = offline_rate(engine, bundle, long_enough, 4)(3)  # type: ignore[arg-type]
+    assert 3 < len(batches) <= 20 and set(batches) == {4}
+    assert rate <= 4 * PLAN.new_tokens / 0.01
+    batches.clear()
+    offline_rate(engine, bundle, PLAN, 4)(3)  # type: ignore[arg-type]
+    assert len(batches) == 3
 
 
 def test_targets_compare_with_offline_and_naive_at_16_clients(tmp_path: Path) -> None:
