@@ -331,6 +331,9 @@ def metric_checks(results: Results) -> list[str]:
 
 def section(results: Results, images: Sequence[Path], doc: Path, argv_used: Sequence[str]) -> str:
     m, model, plan = results.machine, results.model, results.plan
+    passes = f"{plan.repeats} pass{'' if plan.repeats == 1 else 'es'}" + (
+        f" or as many as run {plan.offline_seconds:g} s" if plan.offline_seconds else ""
+    )
     rel = [os.path.relpath(p, doc.parent) for p in images]
     hf = results.hf
     hf_line = (
@@ -382,10 +385,10 @@ def section(results: Results, images: Sequence[Path], doc: Path, argv_used: Sequ
         f"{arrivals.num_requests} requests: sequences join and leave the running batch all the time.",
         f"- textgen-serve runs with `--max-batch-size {results.max_batch}`; the offline engine is "
         "`serve.offline.generate` on an engine of the same size, at batch = clients "
-        f"(median of {plan.repeats}, after a warm-up), prefill included."
+        f"(median of {passes}, after a warm-up), prefill included."
         + (
             f" For the served ÷ offline target, {plan.pairs} more served runs at {cdf_level(plan.levels)} "
-            f"clients alternate with offline passes (median of {plan.repeats}; the server idle meanwhile), "
+            f"clients alternate with offline passes (median of {passes}; the server idle meanwhile), "
             "and each served run is compared with the mean of the offline passes just before and after it, "
             "so a steady drift of the machine cancels out."
             if results.pairs

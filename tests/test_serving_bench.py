@@ -165,6 +165,11 @@ def test_doc_section_is_replaced_in_place_and_the_rest_kept(tmp_path: Path) -> N
     assert "| 16 | 100 × 20.0 ms | 2.0 | 10 × 100.0 ms | 2.0 | 0.30 | 63.64 |" in text
     assert "| 1 | " not in text.split("### Inside the server")[1]
     assert "| 16 | 800 | 100 | 1000 | — | 0.80 | 8.0 |" in text
+    assert "(median of 1 pass, after a warm-up)" in text
+    timed = results(tmp_path, served_16=800.0)
+    timed = dataclasses.replace(timed, plan=dataclasses.replace(timed.plan, offline_seconds=2.0))
+    update_doc(timed, images, doc, argv_used=[])
+    assert "(median of 1 pass or as many as run 2 s, after a warm-up)" in doc.read_text()
 
 
 def test_plots_are_written(tmp_path: Path) -> None:
