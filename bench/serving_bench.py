@@ -91,7 +91,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         rpc=args.rpc,
         pairs=args.pairs if args.pairs is not None else (2 if args.quick else 3),
         offline_seconds=args.offline_seconds,
-        engine_cpus=pinned_engine(args.engine_cpus),
+        engine_cpus=args.engine_cpus,
     )
 
 
@@ -99,6 +99,13 @@ def pinned_engine(flag: str | None) -> tuple[int, ...] | None:
     """`--engine-cpus` resolved as the server will ("auto" on one CPU: no pinning)."""
     cpus = None if flag is None else engine_cpus(read_engine_cpus(flag))
     return None if cpus is None else tuple(sorted(cpus))
+
+
+def _engine_cpus_arg(text: str) -> tuple[int, ...] | None:
+    try:
+        return pinned_engine(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # --- the machine -------------------------------------------------------------------------------------------
@@ -601,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--engine-cpus",
+        type=_engine_cpus_arg,
         default=None,
         help="textgen-serve --engine-cpus (auto, or a Linux CPU list); the load generator runs on the other "
         "CPUs",

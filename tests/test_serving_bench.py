@@ -102,6 +102,13 @@ def test_the_summary_records_where_the_engine_and_the_load_generator_ran(tmp_pat
     assert saved["arrivals"]["config"]["cpus"] == [1]
 
 
+def test_a_bad_engine_cpu_list_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        serving_bench.main(["--engine-cpus", "x"])
+    assert exited.value.code == 2
+    assert "'x' is not a CPU list such as 0-3,6" in capsys.readouterr().err
+
+
 def test_offline_passes_go_on_until_they_have_run_long_enough(monkeypatch: pytest.MonkeyPatch) -> None:
     batches: list[int] = []
 
