@@ -32,7 +32,7 @@ import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import grpc
 import numpy as np
@@ -45,6 +45,7 @@ from serve.cpus import check_cpus, parse_cpu_list, pinned
 
 Dataset = Literal["synthetic", "corpus"]
 Rpc = Literal["stream", "unary"]
+T = TypeVar("T")
 # The server's name of each, as its request counter labels it.
 RPC_NAMES: dict[str, str] = {"stream": "GenerateStream", "unary": "Generate"}
 # Duration-bound runs cycle through this many prepared prompts.
@@ -743,18 +744,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--cpus",
-        type=_cpu_list,
+        type=usage_checked(parse_cpu_list),
         default=None,
         help="run on these CPUs only (a Linux CPU list, 0-3,6): off a server's --engine-cpus on this machine",
     )
     return p
 
 
-def _cpu_list(text: str) -> frozenset[int]:
-    try:
-        return parse_cpu_list(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def usage_checked(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """`parse` as an argparse type: its ValueError becomes a usage error that keeps the message (argparse
+    would say only "invalid value")."""
+
+    def checked(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return checked
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:

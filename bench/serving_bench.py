@@ -38,7 +38,16 @@ from pathlib import Path
 
 import grpc
 
-from bench.loadgen import RPC_NAMES, BenchmarkOutput, LoadConfig, Rpc, benchmark, synthetic_ids, write_json
+from bench.loadgen import (
+    RPC_NAMES,
+    BenchmarkOutput,
+    LoadConfig,
+    Rpc,
+    benchmark,
+    synthetic_ids,
+    usage_checked,
+    write_json,
+)
 from bench.serving_report import cdf_level, plot_all, update_doc
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
@@ -99,13 +108,6 @@ def pinned_engine(flag: str | None) -> tuple[int, ...] | None:
     """`--engine-cpus` resolved as the server will ("auto" on one CPU: no pinning)."""
     cpus = None if flag is None else engine_cpus(read_engine_cpus(flag))
     return None if cpus is None else tuple(sorted(cpus))
-
-
-def _engine_cpus_arg(text: str) -> tuple[int, ...] | None:
-    try:
-        return pinned_engine(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # --- the machine -------------------------------------------------------------------------------------------
@@ -608,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--engine-cpus",
-        type=_engine_cpus_arg,
+        type=usage_checked(pinned_engine),
         default=None,
         help="textgen-serve --engine-cpus (auto, or a Linux CPU list); the load generator runs on the other "
         "CPUs",

@@ -472,9 +472,7 @@ class Engine:
         lens = np.array([len(s.prompt_ids) for s in background.new], np.int64)
         if background.first != n:  # sequences that left meanwhile opened a gap below the group: close it
             for i, length in enumerate(lens.tolist()):  # row by row upwards: a source is never overwritten
-                src, dst = background.first + i, n + i
-                self._copy_row(src, dst, length)
-                self._tokens[dst, :length] = self._tokens[src, :length]
+                self._move_row(background.first + i, n + i, length)  # its length: set by _join
         outs = self._join(background.new, self._side_logits[:k], lens)
         gone = background.released
         if gone:
