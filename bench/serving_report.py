@@ -380,7 +380,7 @@ def section(results: Results, images: Sequence[Path], doc: Path, argv_used: Sequ
         f"{plan.naive_requests}) (its rate does not depend on the clients, and each of its requests waits "
         "for all before it).",
         f"- Steady arrivals: textgen-serve under Poisson arrivals at {rate:.2f} requests/s (80% of its "
-        f"closed-loop rate at {cdf_level(plan.levels)} clients), max_new_tokens uniform in "
+        f"streamed closed-loop rate at {cdf_level(plan.levels)} clients), max_new_tokens uniform in "
         f"{plan.new_tokens} × [{1 - arrivals.output_len_spread:g}, {1 + arrivals.output_len_spread:g}], "
         f"{arrivals.num_requests} requests: sequences join and leave the running batch all the time.",
         f"- textgen-serve runs with `--max-batch-size {results.max_batch}`; the offline engine is "

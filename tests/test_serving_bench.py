@@ -109,6 +109,22 @@ def test_a_bad_engine_cpu_list_is_a_usage_error(capsys: pytest.CaptureFixture[st
     assert "'x' is not a CPU list such as 0-3,6" in capsys.readouterr().err
 
 
+def test_the_arrivals_rate_comes_from_a_streamed_closed_loop() -> None:
+    streamed = output(16, 400.0, 0.02)  # 4 requests in 0.1 s: 40 requests/s
+    asked: list[LoadConfig] = []
+
+    def measure_streamed(load: LoadConfig) -> BenchmarkOutput:
+        asked.append(load)
+        return streamed
+
+    assert serving_bench.arrivals_rate(streamed, measure_streamed) == pytest.approx(0.8 * 40.0)
+    assert asked == []
+    unary = output(16, 800.0, 0.02, unary=True)
+    unary = dataclasses.replace(unary, config=dataclasses.replace(unary.config, rpc="unary"))
+    assert serving_bench.arrivals_rate(unary, measure_streamed) == pytest.approx(0.8 * 40.0)
+    assert asked == [dataclasses.replace(unary.config, rpc="stream")]
+
+
 def test_offline_passes_go_on_until_they_have_run_long_enough(monkeypatch: pytest.MonkeyPatch) -> None:
     batches: list[int] = []
 
