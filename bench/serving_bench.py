@@ -452,10 +452,13 @@ def run(args: argparse.Namespace) -> Results:
             c: measure(f"server-c{c}", load, results_dir, metrics_url) for c, load in server_loads.items()
         }
         reference = cdf_level(plan.levels)
-        rate = arrivals_rate(
-            server[reference],
-            lambda load: measure(f"server-c{reference}-stream", load, results_dir, metrics_url),
-        )
+        for_rate: list[LoadConfig] = []  # the streamed closed loop a unary run measures for the rate
+
+        def measure_streamed(load: LoadConfig) -> BenchmarkOutput:
+            for_rate.append(load)
+            return measure(f"server-c{reference}-stream", load, results_dir, metrics_url)
+
+        rate = arrivals_rate(server[reference], measure_streamed)
         arrivals_load = steady_arrivals(f"127.0.0.1:{port}", rate, plan, reference)
         arrivals = measure("server-arrivals", arrivals_load, results_dir, metrics_url)
         pairs = alternate(engine, bundle, plan, server_loads[reference], results_dir)
@@ -474,7 +477,7 @@ def run(args: argparse.Namespace) -> Results:
 
     commands = [
         shown(serve_cmd).replace(str(port), "P").replace(str(metrics_port), "M"),
-        *(as_command(load, "127.0.0.1:P", metrics=True) for load in server_loads.values()),
+        *(as_command(load, "127.0.0.1:P", metrics=True) for load in [*server_loads.values(), *for_rate]),
         as_command(arrivals_load, "127.0.0.1:P", metrics=True),
         shown(naive_cmd).replace(str(naive_port), "N"),
         *(as_command(load, "127.0.0.1:N", metrics=False) for load in naive_loads.values()),
