@@ -13,7 +13,9 @@ Definitions (those of vLLM's benchmark, so figures compare):
 Throughputs divide by the benchmark's wall time (first request sent to last stream ended).
 
 Load shapes: closed loop (`--concurrency` clients, each sends its next request when the last ends) or open
-loop (`--request-rate`, Poisson arrivals; `--concurrency` then caps requests in flight). Prompts are random
+loop (`--request-rate`, Poisson arrivals; `--concurrency` then caps requests in flight). A request is sent
+when the load shape lets it through (its arrival; with a cap, when a place frees), and a duration-bound run
+lets nothing through after its end. Prompts are random
 token ids (`--dataset synthetic`, sent as `token_ids`) or text windows from the Python stdlib sources
 (`--dataset corpus`, sent as `text`, cut to length with the server's Tokenize RPC).
 """
@@ -32,7 +34,7 @@ import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 import grpc
 import numpy as np
@@ -269,6 +271,14 @@ class RunResult:
     duration: float
 
 
+class _Issued(NamedTuple):
+    message: pb.GenerateRequest
+    at: float  # the time.perf_counter() the plan issued it at: before the end of a duration-bound run
+
+
+_Issue = Callable[[pb.GenerateRequest, float], "asyncio.Future[RequestRecord]"]
+
+
 class _Plan:
     """Hands out requests until the count is reached or the duration has passed."""
 
@@ -278,23 +288,22 @@ class _Plan:
         self._end = None if config.duration is None else origin + config.duration
         self._issued = 0
 
-    def next(self) -> pb.GenerateRequest | None:
+    def next(self) -> _Issued | None:
         if self._config.num_requests is not None and self._issued >= self._config.num_requests:
             return None
-        if self._end is not None and time.perf_counter() >= self._end:
+        now = time.perf_counter()  # a request's start is this check's time, never past the end
+        if self._end is not None and now >= self._end:
             return None
         prompt = self._prompts[self._issued % len(self._prompts)]
         self._issued += 1
-        return prompt.message(f"bench-{self._issued - 1}", self._config)
+        return _Issued(prompt.message(f"bench-{self._issued - 1}", self._config), now)
 
 
-async def _closed_loop(
-    plan: _Plan, clients: int, issue: Callable[[pb.GenerateRequest], asyncio.Future[RequestRecord]]
-) -> list[RequestRecord]:
+async def _closed_loop(plan: _Plan, clients: int, issue: _Issue) -> list[RequestRecord]:
     async def client() -> list[RequestRecord]:
         done = []
-        while (message := plan.next()) is not None:
-            done.append(await issue(message))
+        while (issued := plan.next()) is not None:
+            done.append(await issue(*issued))
         return done
 
     per_client = await asyncio.gather(*(client() for _ in range(clients)))
@@ -306,22 +315,22 @@ async def _open_loop(
     rate: float,
     cap: int | None,
     rng: random.Random,
-    issue: Callable[[pb.GenerateRequest], asyncio.Future[RequestRecord]],
+    issue: _Issue,
 ) -> list[RequestRecord]:
     limit = asyncio.Semaphore(cap) if cap is not None else None
 
-    async def bounded(message: pb.GenerateRequest) -> RequestRecord:
+    async def bounded(issued: _Issued) -> RequestRecord:
         if limit is None:
-            return await issue(message)
-        async with limit:
-            return await issue(message)
+            return await issue(*issued)
+        async with limit:  # a request waiting for a free place starts when it gets one
+            return await issue(issued.message, time.perf_counter())
 
     tasks = []
-    message = plan.next()
-    while message is not None:
-        tasks.append(asyncio.ensure_future(bounded(message)))
-        message = plan.next()
-        if message is not None:  # no gap after the last arrival: it would only lengthen the run
+    issued = plan.next()
+    while issued is not None:
+        tasks.append(asyncio.ensure_future(bounded(issued)))
+        issued = plan.next()
+        if issued is not None:  # no gap after the last arrival: it would only lengthen the run
             await asyncio.sleep(rng.expovariate(rate))
     return list(await asyncio.gather(*tasks))
 
@@ -332,8 +341,7 @@ async def run_load(config: LoadConfig, stub: pb_grpc.TextGenerationStub, prompts
     origin = time.perf_counter()
     plan = _Plan(config, prompts, origin)
 
-    def issue(message: pb.GenerateRequest) -> asyncio.Future[RequestRecord]:
-        sent = time.perf_counter()
+    def issue(message: pb.GenerateRequest, sent: float) -> asyncio.Future[RequestRecord]:
         future = asyncio.ensure_future(send(stub, message, origin, sent, config.timeout, config.rpc))
         future.add_done_callback(lambda _f: bar.update(1))
         return future

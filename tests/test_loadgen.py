@@ -14,7 +14,7 @@ import pytest
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread
 
-from bench import naive_server
+from bench import loadgen, naive_server
 from bench.loadgen import (
     LoadConfig,
     RequestRecord,
@@ -278,6 +278,40 @@ def test_open_loop_corpus_run_sends_text(server: RunningServer, tmp_path: Path) 
     assert saved["summary"]["successful_requests"] == 3
     for rec in saved["records"]:
         assert 1 <= rec["prompt_tokens"] <= 8 and 2 <= rec["output_tokens"] <= 4
+
+
+def test_an_open_loop_with_a_cap_starts_a_waiting_request_when_it_gets_a_place(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    out = tmp_path / "capped.json"
+    argv = ["--target", server.target, "--request-rate", "500", "--concurrency", "1", "--num-requests", "4",
+            "--max-new-tokens", "4", "--ignore-eos", "--no-progress", "--output", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    records = sorted(json.loads(out.read_text())["records"], key=lambda r: r["start"])
+    assert [r["success"] for r in records] == [True] * 4
+    # One place: each request went out once the one before had ended, and its start is then, not its arrival.
+    for before, after in itertools.pairwise(records):
+        assert after["start"] >= before["start"] + before["latency"]
+
+
+def test_a_request_starts_when_the_plan_lets_it_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The plan checks the clock at 0.299 of a 0.3 s run; building the message and getting to the send take
+    # time (the clock reads 0.301 after): the request's start is the check's, so none starts after the end.
+    ticks = [0.299, 0.301, 0.302, 0.303]
+    monkeypatch.setattr(loadgen.time, "perf_counter", lambda: ticks.pop(0) if len(ticks) > 1 else ticks[0])
+    config = LoadConfig(target="t", concurrency=1, num_requests=None, duration=0.3, progress=False)
+    plan = loadgen._Plan(config, [loadgen.Prompt(None, (5, 6), 2)], origin=0.0)
+    sent: list[float] = []
+
+    def issue(message: pb.GenerateRequest, at: float) -> asyncio.Future[RequestRecord]:
+        sent.append(at)
+        future: asyncio.Future[RequestRecord] = asyncio.get_running_loop().create_future()
+        future.set_result(RequestRecord(request_id=message.request_id, start=at))
+        return future
+
+    records = asyncio.run(loadgen._closed_loop(plan, 1, issue))
+    assert sent == [0.299]
+    assert [r.request_id for r in records] == ["bench-0"]
 
 
 def test_duration_bound_run_stops_sending_when_time_is_up(server: RunningServer) -> None:
