@@ -53,7 +53,7 @@ from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.bundle import Bundle, load_bundle
 from serve.config import ServerSettings
-from serve.cpus import beside, engine_cpus, format_cpu_list, read_engine_cpus
+from serve.cpus import beside, format_cpu_list, resolve_engine_cpus
 from serve.engine import Engine, EngineSettings
 from serve.offline import OFFLINE_LIMITS, generate
 from serve.runtime import SessionConfig
@@ -106,7 +106,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
 
 def pinned_engine(flag: str | None) -> tuple[int, ...] | None:
     """`--engine-cpus` resolved as the server will ("auto" on one CPU: no pinning)."""
-    cpus = None if flag is None else engine_cpus(read_engine_cpus(flag))
+    cpus = None if flag is None else resolve_engine_cpus(flag)
     return None if cpus is None else tuple(sorted(cpus))
 
 
@@ -317,15 +317,12 @@ def closed_loop(
     )
 
 
-def arrivals_rate(
-    closed: BenchmarkOutput, measure_streamed: Callable[[LoadConfig], BenchmarkOutput]
-) -> float:
-    """ARRIVALS_LOAD of a streamed closed loop's request rate, measured for it when `closed` was unary: the
-    arrivals stream, which costs the server more, and at 80% of the demo's unary rate (57 requests/s, where
-    a streamed closed loop served 44) they queued for seconds and their ITL was an overloaded server's."""
-    if closed.config.rpc != "stream":
-        closed = measure_streamed(dataclasses.replace(closed.config, rpc="stream"))
-    return ARRIVALS_LOAD * float(closed.summary["request_throughput"])  # type: ignore[arg-type]
+def streamed_reference(closed: LoadConfig) -> LoadConfig | None:
+    """The closed loop whose request rate sets the arrivals' when `closed` is unary (None: `closed` streams).
+    The arrivals stream, which costs the server more than a unary call: at 80% of the demo's unary rate
+    (57 requests/s, where a streamed closed loop served 44) they queued for seconds and their ITL was an
+    overloaded server's."""
+    return None if closed.rpc == "stream" else dataclasses.replace(closed, rpc="stream")
 
 
 def steady_arrivals(target: str, rate: float, plan: Plan, clients: int) -> LoadConfig:
@@ -452,13 +449,13 @@ def run(args: argparse.Namespace) -> Results:
             c: measure(f"server-c{c}", load, results_dir, metrics_url) for c, load in server_loads.items()
         }
         reference = cdf_level(plan.levels)
-        for_rate: list[LoadConfig] = []  # the streamed closed loop a unary run measures for the rate
-
-        def measure_streamed(load: LoadConfig) -> BenchmarkOutput:
-            for_rate.append(load)
-            return measure(f"server-c{reference}-stream", load, results_dir, metrics_url)
-
-        rate = arrivals_rate(server[reference], measure_streamed)
+        streamed = streamed_reference(server_loads[reference])
+        capacity = (
+            server[reference]
+            if streamed is None
+            else measure(f"server-c{reference}-stream", streamed, results_dir, metrics_url)
+        )
+        rate = ARRIVALS_LOAD * float(capacity.summary["request_throughput"])  # type: ignore[arg-type]
         arrivals_load = steady_arrivals(f"127.0.0.1:{port}", rate, plan, reference)
         arrivals = measure("server-arrivals", arrivals_load, results_dir, metrics_url)
         pairs = alternate(engine, bundle, plan, server_loads[reference], results_dir)
@@ -475,9 +472,10 @@ def run(args: argparse.Namespace) -> Results:
     with server_process(naive_cmd, results_dir / "naive.log", f"127.0.0.1:{naive_port}"):
         naive = {c: measure(f"naive-c{c}", load, results_dir) for c, load in naive_loads.items()}
 
+    closed_loops = [*server_loads.values(), *([] if streamed is None else [streamed])]
     commands = [
         shown(serve_cmd).replace(str(port), "P").replace(str(metrics_port), "M"),
-        *(as_command(load, "127.0.0.1:P", metrics=True) for load in [*server_loads.values(), *for_rate]),
+        *(as_command(load, "127.0.0.1:P", metrics=True) for load in closed_loops),
         as_command(arrivals_load, "127.0.0.1:P", metrics=True),
         shown(naive_cmd).replace(str(naive_port), "N"),
         *(as_command(load, "127.0.0.1:N", metrics=False) for load in naive_loads.values()),

@@ -63,6 +63,11 @@ def engine_cpus(setting: frozenset[int] | str | None) -> frozenset[int] | None:
     return frozenset(allowed[1:]) if len(allowed) > 1 else None
 
 
+def resolve_engine_cpus(text: str) -> frozenset[int] | None:
+    """An `--engine-cpus` value as written, resolved as the server resolves it; ValueError for a bad list."""
+    return engine_cpus(read_engine_cpus(text))
+
+
 def beside(engine_cpus: frozenset[int]) -> tuple[int, ...] | None:
     """The CPUs this process may use that `engine_cpus` leaves free, for the server's threads or a load
     generator on the same machine (None when none are left: they stay where they are)."""
@@ -112,7 +117,7 @@ def engine_cpus_flag(flags: Sequence[str]) -> frozenset[int] | None:
     generator off them)."""
     for index, flag in enumerate(flags):
         if flag == "--engine-cpus" and index + 1 < len(flags):
-            return engine_cpus(read_engine_cpus(flags[index + 1]))
+            return resolve_engine_cpus(flags[index + 1])
         if flag.startswith("--engine-cpus="):
-            return engine_cpus(read_engine_cpus(flag.split("=", 1)[1]))
+            return resolve_engine_cpus(flag.split("=", 1)[1])
     return None
