@@ -59,6 +59,8 @@ def run(engine: Engine, beside: bool, args: argparse.Namespace, seed: int) -> tu
         if step % args.every == args.every - 1:
             state.leave(min(engine.running_ids, key=lambda s: int(s[1:])))
             if beside:
+                if engine.background_ids:  # one group at a time, as the scheduler runs them: wait for it
+                    state.take(engine.end_prefill()[0])
                 engine.begin_prefill([state.new()])
             else:
                 state.take(engine.prefill([state.new()]))
