@@ -3,10 +3,16 @@
 `ensure_demo_checkpoint()` trains the demo decoder on the stdlib the first time and reuses the file after
 that. Several processes (the server, parallel test runs) may ask at once: a lock file makes one of them
 train while the others wait and then reuse its result.
+
+`$TEXTGEN_DEMO_CHECKPOINT` names a checkpoint to use as the demo model as it is (never retrained over the
+recipe's): `make test-other-seed` runs the suite against one trained with another seed and one thread, which
+shows that no test depends on what one training run happened to produce.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import fcntl
 import os
 import sys
@@ -53,7 +59,9 @@ def textgen_home() -> Path:
 
 
 def demo_checkpoint_path() -> Path:
-    return textgen_home() / "demo" / "checkpoint.pt"
+    """$TEXTGEN_DEMO_CHECKPOINT, or the recipe's checkpoint under $TEXTGEN_HOME."""
+    override = os.environ.get("TEXTGEN_DEMO_CHECKPOINT")
+    return Path(override) if override else textgen_home() / "demo" / "checkpoint.pt"
 
 
 def demo_bundle_path() -> Path:
@@ -87,6 +95,9 @@ def ensure_demo_checkpoint(progress: bool = True) -> Path:
     checkpoint behind: the next call simply trains again.
     """
     path = demo_checkpoint_path()
+    if os.environ.get("TEXTGEN_DEMO_CHECKPOINT"):
+        load_checkpoint(path)  # a CheckpointError names the file; a given checkpoint is never replaced
+        return path
     if path.exists() and is_current_demo(path):
         return path
     with _exclusive(path.with_name(".checkpoint.lock")):
@@ -100,6 +111,31 @@ def ensure_demo_checkpoint(progress: bool = True) -> Path:
     return path
 
 
+def train_variant(out: Path, seed: int, threads: int) -> Path:
+    """Train the demo recipe with another seed into `out` (kept if it is already that variant)."""
+    recipe = dataclasses.replace(DEMO_TRAIN, seed=seed)
+    try:
+        if load_checkpoint(out).meta.get("train_config") == recipe.to_dict():
+            return out
+    except CheckpointError:
+        pass
+    result = train(DEMO_CONFIG, recipe, progress=True, threads=threads)
+    save_checkpoint(out, result.model, result.tokenizer, result.meta)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m export.demo",
+        description="Build the demo checkpoint (once), or with --out a variant of it with another seed.",
+    )
+    parser.add_argument("--out", type=Path, help="train a variant into this file instead of the demo's")
+    parser.add_argument("--seed", type=int, default=DEMO_TRAIN.seed, help="with --out (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=2, help="with --out (default: %(default)s)")
+    args = parser.parse_args(argv)
+    print(train_variant(args.out, args.seed, args.threads) if args.out else ensure_demo_checkpoint())
+
+
 if __name__ == "__main__":
     # `python -m export.demo`: build the demo checkpoint ahead of the tests that share it.
-    print(ensure_demo_checkpoint())
+    main()

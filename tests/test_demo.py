@@ -1,4 +1,5 @@
-"""ensure_demo_checkpoint: trains once, reuses a current file, replaces a stale or damaged one."""
+"""ensure_demo_checkpoint: trains once, reuses a current file, replaces a stale or damaged one; a checkpoint
+given by $TEXTGEN_DEMO_CHECKPOINT is used as it is; variants of the recipe with another seed."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from export import demo
-from export.checkpoint import load_checkpoint
+from export.checkpoint import CheckpointError, load_checkpoint
 from export.model import DecoderConfig
 from export.train import TrainConfig, TrainResult, train
 
@@ -28,11 +29,14 @@ def tiny_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Point the demo at a temp home with a tiny recipe; returns a list that counts training runs."""
     runs: list[int] = []
 
-    def counting_train(cfg: DecoderConfig, tc: TrainConfig, progress: bool = True) -> TrainResult:
+    def counting_train(
+        cfg: DecoderConfig, tc: TrainConfig, progress: bool = True, threads: int = 2
+    ) -> TrainResult:
         runs.append(1)
-        return train(cfg, tc, progress=progress)
+        return train(cfg, tc, progress=progress, threads=threads)
 
     monkeypatch.setenv("TEXTGEN_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TEXTGEN_DEMO_CHECKPOINT", raising=False)
     monkeypatch.setattr(demo, "DEMO_CONFIG", TINY)
     monkeypatch.setattr(demo, "DEMO_TRAIN", TINY_TRAIN)
     monkeypatch.setattr(demo, "train", counting_train)
@@ -40,6 +44,7 @@ def tiny_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_paths_follow_textgen_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TEXTGEN_DEMO_CHECKPOINT", raising=False)
     monkeypatch.setenv("TEXTGEN_HOME", str(tmp_path))
     assert demo.demo_checkpoint_path() == tmp_path / "demo" / "checkpoint.pt"
     assert demo.demo_bundle_path() == tmp_path / "demo" / "bundle"
@@ -70,6 +75,33 @@ def test_stale_recipe_is_rebuilt(tiny_demo: list[int], monkeypatch: pytest.Monke
     demo.ensure_demo_checkpoint(progress=False)
     assert len(tiny_demo) == 2
     assert load_checkpoint(demo.demo_checkpoint_path()).meta["train_config"]["seed"] == 7
+
+
+def test_a_given_checkpoint_is_used_as_it_is(
+    tiny_demo: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    given = demo.train_variant(tmp_path / "other" / "checkpoint.pt", seed=99, threads=1)
+    assert len(tiny_demo) == 1 and load_checkpoint(given).meta["train_config"]["seed"] == 99
+    monkeypatch.setenv("TEXTGEN_DEMO_CHECKPOINT", str(given))
+    assert demo.demo_checkpoint_path() == given
+    assert demo.ensure_demo_checkpoint(progress=False) == given  # not the recipe's seed: kept all the same
+    assert len(tiny_demo) == 1
+    missing = tmp_path / "missing.pt"
+    monkeypatch.setenv("TEXTGEN_DEMO_CHECKPOINT", str(missing))
+    with pytest.raises(CheckpointError, match=r"missing\.pt"):
+        demo.ensure_demo_checkpoint(progress=False)
+    assert not missing.exists() and len(tiny_demo) == 1  # never trained over
+
+
+def test_a_variant_is_trained_once_and_retrained_for_another_seed(
+    tiny_demo: list[int], tmp_path: Path
+) -> None:
+    out = tmp_path / "variant.pt"
+    assert demo.train_variant(out, seed=5, threads=1) == out
+    demo.train_variant(out, seed=5, threads=1)
+    assert len(tiny_demo) == 1
+    demo.train_variant(out, seed=6, threads=1)
+    assert len(tiny_demo) == 2 and load_checkpoint(out).meta["train_config"]["seed"] == 6
 
 
 def test_the_demo_config_meets_the_server_needs() -> None:
