@@ -22,12 +22,14 @@ serve: $(STAMP)
 	$(BIN)/textgen-export demo --out $(BUNDLE)
 	$(BIN)/textgen-serve --bundle $(BUNDLE)
 
-## What CI runs: system packages the tests need, lint, the fast test suite. The shared demo checkpoint
-## is built before pytest (first run only, with a progress bar), so no single test's timeout absorbs it.
+## What CI runs: system packages the tests need, lint and types (ruff, mypy over serve/ and export/), the fast
+## test suite. The shared demo checkpoint is built before pytest (first run only, with a progress bar), so no
+## single test's timeout absorbs it.
 test: $(STAMP)
 	if [ -f .ci/system-deps.sh ]; then bash .ci/system-deps.sh; fi
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/python -m export.demo
 	$(BIN)/pytest -q
 
@@ -41,6 +43,7 @@ test-other-seed: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 ## Regenerate the committed gRPC stubs (serve/_proto) from proto/; a test fails when they are stale.
 proto: $(STAMP)

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from serve.bundle import load_bundle
-from serve.engine import Engine, EngineSettings, NewSequence, TokenOut, open_engine
-from serve.runtime import SessionConfig
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine, open_engine
+from serve.engine.sampling import SamplingParams
+from serve.engine.types import EngineSettings, NewSequence, SessionConfig, TokenOut
 
 
 class _Run:

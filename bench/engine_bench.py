@@ -1,4 +1,4 @@
-"""Engine speed on the bench-a workload, beside the peer stacks measured by ../shared/anchors in the same run.
+"""Engine speed on the bench-a workload, beside the peer stacks run from their folder (--anchors-dir).
 
 Workload (identical to the anchors'): bench-a shape (GPT-2: vocab 8192, context 1024, d_model 512, 8 layers,
 8 heads, d_ff 2048, tied head, random weights), 32 fixed random prompt tokens per row (the anchors' own ids),
@@ -6,8 +6,9 @@ exactly 128 new tokens, greedy, batch 1/4/16, 2 threads; one untimed warm-up, 3 
 tok/s = 128 x batch / wall time of the whole generation (prefill included). Each (variant, batch) cell runs in
 its own process so its peak RSS is its own.
 
-    python -m bench.engine_bench                       # textgen fp32 + int8, plus the machine roofline
-    python -m bench.engine_bench --anchors torch,optimum,ortgenai   # interleaved with the peer stacks
+    python -m bench.engine_bench                             # textgen fp32 + int8, plus the machine roofline
+    python -m bench.engine_bench --anchors-dir DIR           # and the default peer cells in the same pass
+    python -m bench.engine_bench --anchors-dir DIR --anchors "ortgenai B-llama fp32"   # chosen peer cells
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-ANCHORS = REPO.parent / "shared" / "anchors"
 PROMPT_LEN, NEW_TOKENS, SEED, VOCAB = 32, 128, 1234, 8192
 BATCHES = (1, 4, 16)
 PARAMS_BENCH_A = 29.94e6
@@ -46,9 +46,9 @@ def prompt_rows(batch: int) -> np.ndarray:
 
 def run_cell(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, object]:
     from serve.bundle import load_bundle
-    from serve.engine import Engine, EngineSettings, NewSequence
-    from serve.runtime import SessionConfig
-    from serve.sampling import SamplingParams
+    from serve.engine.engine import Engine
+    from serve.engine.sampling import SamplingParams
+    from serve.engine.types import EngineSettings, NewSequence, SessionConfig
 
     settings = EngineSettings(
         max_batch_size=batch, capacity=PROMPT_LEN + NEW_TOKENS, session=SessionConfig(threads=threads)
@@ -118,8 +118,9 @@ def cell_in_subprocess(bundle: Path, batch: int, threads: int, repeats: int) -> 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_anchors(cells: list[str], pass_no: int) -> Path:
-    """One pass of the peer stacks' cells (their own venv and models: ../shared/anchors/README.md).
+def run_anchors(anchors: Path, cells: list[str], pass_no: int) -> Path:
+    """One pass of the peer stacks' cells (their own venv and models, in the folder `anchors`, whose run.sh
+    runs them).
 
     `cells` are the anchors' cell labels without the batch, e.g. "optimum A-gpt2 int8-dyn".
     """
@@ -128,7 +129,7 @@ def run_anchors(cells: list[str], pass_no: int) -> Path:
     tools = sorted({cell.split()[0] for cell in cells})
     cmd = [
         "bash",
-        str(ANCHORS / "run.sh"),
+        str(anchors / "run.sh"),
         "--tools",
         ",".join(tools),
         "--pass",
@@ -160,7 +161,13 @@ def main() -> None:
     p.add_argument(
         "--anchors",
         default=",".join(DEFAULT_ANCHOR_CELLS),
-        help="the anchors' cells to run in the same pass (comma-separated; empty: none)",
+        help="the peer cells to run in the same pass, with --anchors-dir (comma-separated; empty: none)",
+    )
+    p.add_argument(
+        "--anchors-dir",
+        type=Path,
+        default=None,
+        help="the peer stacks' folder (its run.sh runs a cell); without it, textgen's cells alone",
     )
     p.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "engine.json")
     args = p.parse_args()
@@ -183,8 +190,8 @@ def main() -> None:
                 f"peak {cell['peak_rss_mb']:.0f} MB",
                 flush=True,
             )
-    if args.anchors:
-        record["anchors"] = anchor_rows(run_anchors(args.anchors.split(","), 1))
+    if args.anchors and args.anchors_dir is not None:
+        record["anchors"] = anchor_rows(run_anchors(args.anchors_dir, args.anchors.split(","), 1))
         for row in record["anchors"]:  # type: ignore[union-attr]
             ttft = 1000 * (row.get("ttft_s_median") or float("nan"))
             print(

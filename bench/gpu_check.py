@@ -31,9 +31,9 @@ import onnxruntime as ort
 from export.generation import Generation, Shape, encode_prompts, greedy, session_step
 from export.verify import max_logit_diff
 from serve.bundle import Bundle, load_bundle
-from serve.engine import Engine, EngineSettings, NewSequence
-from serve.runtime import SessionConfig
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine
+from serve.engine.sampling import SamplingParams
+from serve.engine.types import EngineSettings, NewSequence, SessionConfig
 
 GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
 

@@ -2,7 +2,7 @@
 
 A: the standard (traced) graph, left-padded batch, the graph concatenates past and new K/V every step
    (TGI's padded causal LM; export.generation.greedy drives it).
-B: the serving graph, GroupQueryAttention writing into preallocated slots in place (serve.engine).
+B: the serving graph, GroupQueryAttention writing into preallocated slots in place (serve.engine.engine).
 Same bundle, same prompts (32 tokens), greedy, 2 threads; tok/s of the whole generation, median of 3.
 
     python -m bench.kv_design_bench --bundle models/bench/bench-a-fp32
@@ -19,9 +19,10 @@ from pathlib import Path
 from bench.engine_bench import PROMPT_LEN, prompt_rows
 from export.generation import Shape, greedy, session_step
 from serve.bundle import load_bundle
-from serve.engine import Engine, EngineSettings, NewSequence
-from serve.runtime import SessionConfig, create_session
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine
+from serve.engine.runtime import create_session
+from serve.engine.sampling import SamplingParams
+from serve.engine.types import EngineSettings, NewSequence, SessionConfig
 
 
 def median_tok_s(run: Callable[[], None], tokens: int, repeats: int) -> float:

@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
-from serve.cpus import check_cpus, parse_cpu_list, pinned
+from serve.process import check_cpus, parse_cpu_list, pinned
 
 Dataset = Literal["synthetic", "corpus"]
 Rpc = Literal["stream", "unary"]

@@ -2,7 +2,7 @@
 
 One lock around a plain loop on an engine with one row: prefill the prompt, then decode one token at a time
 until the request stops, streaming each token; every other request waits for the lock. The stopping rules,
-text decoding and request validation are the real server's (`RequestTracker`, `serve.validation`), so the
+text decoding and request validation are the real server's (`RequestTracker`, `serve.api.validation`), so the
 two servers differ only in scheduling. A blocking gRPC server with a thread per call, as in grpc's examples.
 
     python -m bench.naive_server --bundle DIR --host 127.0.0.1 --port 50052
@@ -23,14 +23,15 @@ import grpc
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.api.config import ConfigError, ServerSettings, load_settings
+from serve.api.grpc_status import grpc_status
+from serve.api.server import generate_response, request_limits, stream_message
+from serve.api.validation import check_request_id, generation_request, prompt_ids
 from serve.bundle import Bundle, load_bundle
-from serve.config import ConfigError, ServerSettings, load_settings
-from serve.engine import Engine, EngineSettings, open_engine
-from serve.errors import TextgenError, grpc_status
-from serve.request import Completion, Event, GenerationRequest, RequestTracker, validate_request
-from serve.runtime import SessionConfig
-from serve.server import generate_response, request_limits, stream_message
-from serve.validation import check_request_id, generation_request, prompt_ids
+from serve.engine.engine import Engine, open_engine
+from serve.engine.types import EngineSettings, SessionConfig
+from serve.errors import TextgenError
+from serve.scheduling.request import Completion, Event, GenerationRequest, RequestTracker, validate_request
 
 log = logging.getLogger("textgen.naive")
 

@@ -33,10 +33,10 @@ from pathlib import Path
 import numpy as np
 
 from serve.bundle import load_bundle
-from serve.engine import Engine, EngineSettings, NewSequence
-from serve.offline import GREEDY, generate
-from serve.request import Completion
-from serve.runtime import SessionConfig
+from serve.engine.engine import Engine
+from serve.engine.types import EngineSettings, NewSequence, SessionConfig
+from serve.scheduling.offline import GREEDY, generate
+from serve.scheduling.request import Completion
 
 ANSWER, MESSAGE, QUESTION, BURST = 64, 32, 32, 16
 

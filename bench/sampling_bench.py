@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from serve.sampling import SamplingBatch, SamplingParams
+from serve.engine.sampling import SamplingBatch, SamplingParams
 
 CASES = {
     "greedy": SamplingParams(),

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from serve.bundle import load_bundle
-from serve.engine import Engine, EngineSettings, NewSequence
-from serve.offline import GREEDY
-from serve.runtime import SessionConfig
+from serve.engine.engine import Engine
+from serve.engine.types import EngineSettings, NewSequence, SessionConfig
+from serve.scheduling.offline import GREEDY
 
 
 def prefill_seconds(engine: Engine, prompt: list[int]) -> float:

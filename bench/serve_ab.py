@@ -4,7 +4,8 @@
         --config=--no-engine-process --config=--engine-process
 
 A configuration's leading `NAME=value` words are set in its server's environment, so code can be compared
-with code: `--config='PYTHONPATH=/tmp/old'` serves the `serve` package of a `git worktree` at /tmp/old.
+with code: `--config='PYTHONPATH=/tmp/old'` serves the `serve` package of a `git worktree` at /tmp/old (the
+server runs as `python -m serve` from that folder, so that folder's code runs, whatever its layout).
 
 This machine's speed drifts by tens of percent within minutes (docs/benchmarks.md), so one run of each
 configuration says little about a difference of a few percent; rounds that run every configuration in turn,
@@ -28,8 +29,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.loadgen import RPC_NAMES, LoadConfig, benchmark
-from bench.serving_bench import BIN, ROOT, free_port, server_process
-from serve.cpus import beside, engine_cpus_flag
+from bench.serving_bench import ROOT, free_port, server_process
+from serve.process import beside, engine_cpus_flag
 
 ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 
@@ -62,8 +63,9 @@ def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
     env, flags = split_config(config)
     engine_cpus = engine_cpus_flag(flags)
     command = [
-        str(BIN / "textgen-serve"),
-        *("--bundle", str(args.bundle), "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"),
+        sys.executable,
+        *("-m", "serve", "--bundle", str(args.bundle.resolve())),
+        *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"),
         *("--max-batch-size", str(args.clients), "--log-level", "WARNING"),
         *(("--threads", str(args.threads)) if args.threads else ()),
         *flags,
@@ -80,7 +82,7 @@ def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
         rpc=args.rpc,
         cpus=None if engine_cpus is None else beside(engine_cpus),  # off them, as the server's process
     )
-    with server_process(command, log, load.target, env):
+    with server_process(command, log, load.target, env, cwd=Path(env.get("PYTHONPATH", ROOT))):
         asyncio.run(benchmark(load))  # warm-up
         summary = asyncio.run(benchmark(replace(load, num_requests=args.requests))).summary
     itl: dict[str, float] = summary["itl_ms"]  # type: ignore[assignment]

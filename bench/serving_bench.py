@@ -5,7 +5,7 @@
 
 In one run, on one machine, with one workload (prompt of `--input-len` random token ids, exactly
 `--new-tokens` new tokens, greedy):
-1. the engine offline (`serve.offline.generate`, no server) at batch = clients: the ceiling;
+1. the engine offline (`serve.scheduling.offline.generate`, no server) at batch = clients: the ceiling;
 2. `textgen-serve` under closed-loop `textgen-bench` clients at each concurrency level, its Prometheus figures
    checked against the client's;
 3. the naive server (`bench/naive_server.py`: one request at a time) under the same load;
@@ -51,12 +51,12 @@ from bench.loadgen import (
 from bench.serving_report import cdf_level, plot_all, update_doc
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.api.config import ServerSettings
 from serve.bundle import Bundle, load_bundle
-from serve.config import ServerSettings
-from serve.cpus import beside, format_cpu_list, resolve_engine_cpus
-from serve.engine import Engine, EngineSettings
-from serve.offline import OFFLINE_LIMITS, generate
-from serve.runtime import SessionConfig
+from serve.engine.engine import Engine
+from serve.engine.types import EngineSettings, SessionConfig
+from serve.process import beside, format_cpu_list, resolve_engine_cpus
+from serve.scheduling.offline import OFFLINE_LIMITS, generate
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -170,7 +170,7 @@ def prompts(count: int, input_len: int, bundle: Bundle, seed: int = 0) -> list[l
 
 
 def offline_engine(engine: Engine, bundle: Bundle, plan: Plan) -> dict[int, float]:
-    """Output tokens/s of `serve.offline.generate` at batch = each level (prefill included), median."""
+    """Output tokens/s of the offline `generate` at batch = each level (prefill included), median."""
     rates = {}
     for batch in plan.levels:
         rate = offline_rate(engine, bundle, plan, batch)
@@ -247,15 +247,15 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def server_process(
-    command: list[str], log_path: Path, target: str, env: dict[str, str] | None = None
+    command: list[str], log_path: Path, target: str, env: dict[str, str] | None = None, cwd: Path = ROOT
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """A server subprocess (`env`: variables set for it on top of ours), yielded once it answers
-    GetModelInfo; SIGTERM (then SIGKILL) afterwards."""
+    """A server subprocess (`env`: variables set for it on top of ours; run in `cwd`), yielded once it
+    answers GetModelInfo; SIGTERM (then SIGKILL) afterwards."""
     assignments = [f"{name}={value}" for name, value in (env or {}).items()]
     print(f"$ {shlex.join(assignments + command)}", flush=True)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})}
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env={**os.environ, **(env or {})}
         )
         try:
             wait_ready(process, target, log_path)

@@ -384,7 +384,7 @@ def section(results: Results, images: Sequence[Path], doc: Path, argv_used: Sequ
         f"{plan.new_tokens} × [{1 - arrivals.output_len_spread:g}, {1 + arrivals.output_len_spread:g}], "
         f"{arrivals.num_requests} requests: sequences join and leave the running batch all the time.",
         f"- textgen-serve runs with `--max-batch-size {results.max_batch}`; the offline engine is "
-        "`serve.offline.generate` on an engine of the same size, at batch = clients "
+        "`serve.scheduling.offline.generate` on an engine of the same size, at batch = clients "
         f"(median of {passes}, after a warm-up), prefill included."
         + (
             f" For the served ÷ offline target, {plan.pairs} more served runs at {cdf_level(plan.levels)} "

@@ -31,7 +31,8 @@ from export.pipeline import (
     random_bundle,
 )
 from export.verify import VerificationFailed, format_report, verify_bundle
-from serve.bundle import Bundle, BundleError, load_bundle
+from serve.bundle import Bundle, load_bundle
+from serve.errors import BundleError
 
 USER_ERRORS = (CheckpointError, BundleError, FileExistsError, FileNotFoundError, ValueError)
 

@@ -1,7 +1,7 @@
 """The serving graph: the decoder written directly as ONNX, with an in-place KV cache.
 
 Why not the traced graph: its attention concatenates past and new keys/values, so every decode step copies the
-whole cache (measured in ../shared/notes/kv-cache.md: 42% of a batch-16, 512-token decode). ONNX Runtime's
+whole cache (measured: 42% of a batch-16, 512-token decode). ONNX Runtime's
 `GroupQueryAttention` (com.microsoft) instead writes the new keys/values into a preallocated
 `[batch, heads, capacity, head_dim]` buffer; binding one OrtValue as both the past input and the present
 output makes the update in place. The graph is written from the state dict, as ONNX Runtime GenAI's builder

@@ -31,15 +31,8 @@ from export.quantize import quantize_int8
 from export.tokenizer import EOS_ID, PAD_ID, tokenizer_to_json, train_tokenizer
 from export.train import load_corpus
 from export.verify import VerificationFailed, verify_bundle
-from serve.bundle import (
-    Bundle,
-    BundleError,
-    ShapeRange,
-    TensorRTProfile,
-    TensorRTSettings,
-    load_bundle,
-    sha256_file,
-)
+from serve.bundle import Bundle, ShapeRange, TensorRTProfile, TensorRTSettings, load_bundle, sha256_file
+from serve.errors import BundleError
 
 STANDARD_FILE = "model.onnx"
 INPLACE_FILE = "model_inplace.onnx"

@@ -8,7 +8,7 @@ prompt set: a prefill, then `DECODE_STEPS` decode steps.
   tokens so every step compares logits of the same inputs; max |logits diff| over real (non-padding)
   positions, greedy tokens identical, all outputs finite (padded rows included), and batch invariance
   (each prompt generated alone gives the tokens it got in the batch).
-- Serving graph: through `serve.engine.Engine` (right-padded slots, in-place cache); `last_logits` of each
+- Serving graph: through the serving `Engine` (right-padded slots, in-place cache); `last_logits` of each
   step against the reference, while the engine's own greedy tokens still agree with it.
 """
 
@@ -38,9 +38,10 @@ from export.generation import (
 from export.model import Decoder
 from export.quantize import count_weight_matmuls, int8_accuracy
 from serve.bundle import Bundle
-from serve.engine import Engine, EngineSettings, NewSequence
-from serve.runtime import SessionConfig, create_session
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine
+from serve.engine.runtime import create_session
+from serve.engine.sampling import SamplingParams
+from serve.engine.types import EngineSettings, NewSequence, SessionConfig
 
 FP32_TOLERANCE = 1e-4
 FP16_TOLERANCE = 5e-2

@@ -2,7 +2,7 @@
 
 import sys
 
-from serve.cli import main
+from serve.api.cli import main
 
 # Guarded: the engine process (spawned) imports the parent's main module again.
 if __name__ == "__main__":

@@ -1,60 +1,73 @@
-"""Domain exceptions and their one mapping to gRPC status codes.
+"""Domain exceptions, each of a protocol-neutral kind.
 
-Every layer raises these; only the API layer turns them into gRPC statuses, through `grpc_status`.
+Every layer raises these; each front end maps a kind to its protocol's status in one place
+(serve/api/grpc_status.py for gRPC), so nothing below the front end knows any protocol.
 """
 
 from __future__ import annotations
 
-import grpc
+import enum
+
+
+class ErrorKind(enum.Enum):
+    """What went wrong, as a client would act on it."""
+
+    INVALID_REQUEST = "invalid_request"  # fix the request; retrying it as it is fails again
+    OVERLOADED = "overloaded"  # the queue is full: retry later
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    CANCELLED = "cancelled"
+    UNAVAILABLE = "unavailable"  # the server is shutting down: retry elsewhere
+    UNAUTHENTICATED = "unauthenticated"
+    INTERNAL = "internal"  # the server's fault; the message carries the request id
 
 
 class TextgenError(Exception):
     """Base class: the message is shown to the client, so it says what was wrong and what is allowed."""
 
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    kind: ErrorKind = ErrorKind.INTERNAL
 
 
 class InvalidRequest(TextgenError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    kind = ErrorKind.INVALID_REQUEST
 
 
 class QueueFull(TextgenError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    kind = ErrorKind.OVERLOADED
 
 
 class DeadlineExceeded(TextgenError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    kind = ErrorKind.DEADLINE_EXCEEDED
 
 
 class Cancelled(TextgenError):
-    code = grpc.StatusCode.CANCELLED
+    kind = ErrorKind.CANCELLED
 
 
 class Draining(TextgenError):
-    code = grpc.StatusCode.UNAVAILABLE
+    kind = ErrorKind.UNAVAILABLE
 
 
 class Unauthenticated(TextgenError):
-    code = grpc.StatusCode.UNAUTHENTICATED
+    kind = ErrorKind.UNAUTHENTICATED
 
 
 class EngineFailure(TextgenError):
-    code = grpc.StatusCode.INTERNAL
+    kind = ErrorKind.INTERNAL
 
 
 class BundleError(TextgenError):
     """A bundle that cannot be served: the message names the file and the problem."""
 
 
-def grpc_status(exc: BaseException, request_id: str | None = None) -> tuple[grpc.StatusCode, str]:
-    """The status and message a client sees for an exception raised while serving its request.
+def describe(exc: BaseException, request_id: str | None = None) -> tuple[ErrorKind, str]:
+    """The kind and message a client sees for an exception raised while serving its request.
 
     INTERNAL messages carry the request id so an operator can find the request in the server's logs.
     """
     if isinstance(exc, TextgenError):
-        code, message = exc.code, str(exc)
+        kind, message = exc.kind, str(exc)
     else:
-        code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
-    if code is grpc.StatusCode.INTERNAL and request_id and request_id not in message:
+        kind, message = ErrorKind.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    if kind is ErrorKind.INTERNAL and request_id and request_id not in message:
         message = f"{message} (request_id {request_id})"
-    return code, message
+    return kind, message

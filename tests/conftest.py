@@ -9,7 +9,7 @@ import pytest
 from server_tools import LoopThread
 
 from export.model import DecoderConfig
-from serve.cpus import allowed_cpus, pin_process
+from serve.process import allowed_cpus, pin_process
 
 POSITIONS = ("learned", "sinusoidal", "rotary")
 

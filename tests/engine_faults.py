@@ -1,9 +1,9 @@
 """Engine wrappers that make steps slow or fail on cue, for servers under test.
 
 They are picklable (a frozen dataclass of a module on the tests' path), so they reach the engine process
-(`serve.engine_process.EngineSpec.wrap`) as well as an engine thread in the test's own process. The cue is
-a running sequence's id, which is its request id: a test slows or fails exactly its own requests, and the
-others around them run at full speed.
+(`EngineSpec.wrap`, serve/scheduling/messages.py) as well as an engine thread in the test's own process.
+The cue is a running sequence's id, which is its request id: a test slows or fails exactly its own requests,
+and the others around them run at full speed.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from serve.engine import Engine, NewSequence
+from serve.engine.engine import Engine
+from serve.engine.types import NewSequence
 from serve.errors import EngineFailure
 
 

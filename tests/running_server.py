@@ -9,11 +9,11 @@ from typing import Any
 
 from server_tools import LoopThread
 
-from serve.config import ServerSettings
-from serve.engine_process import EngineWrap
-from serve.metrics import Metrics
-from serve.scheduler import SchedulerSnapshot
-from serve.server import LoadedModel, TextgenServer
+from serve.api.config import ServerSettings
+from serve.api.metrics import Metrics
+from serve.api.server import LoadedModel, TextgenServer
+from serve.scheduling.messages import EngineWrap
+from serve.scheduling.runner import SchedulerSnapshot
 
 
 def loopback_settings(bundle: Path, **overrides: Any) -> ServerSettings:

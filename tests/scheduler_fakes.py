@@ -1,9 +1,10 @@
 """Engines for scheduling tests: a small deterministic fake, and test controls around any engine.
 
-`FakeEngine` honours serve.engine.Engine's interface; each sequence's next token is a pure function of its
-own context (so any batching gives the same tokens), drawn from the ids of single ASCII letters so that
-text is easy to reason about. `Instrumented` wraps a fake or a real engine: it can slow steps down, hold
-them on a gate, make the next prefill/decode raise, and logs every call with the rows it ran on.
+`FakeEngine` honours the engine's interface (BatchEngine, the planner's EngineView with it); each sequence's
+next token is a pure function of its own context (so any batching gives the same tokens), drawn from the ids
+of single ASCII letters so that text is easy to reason about. `Instrumented` wraps a fake or a real engine:
+it can slow steps down, hold them on a gate, make the next prefill/decode raise, and logs every call with the
+rows it ran on.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from export.tokenizer import EOS_ID, train_tokenizer
-from serve.engine import Engine, NewSequence, TokenOut
+from serve.engine.engine import Engine
+from serve.engine.types import NewSequence, TokenOut
 
 LETTERS = string.ascii_lowercase[:12]
 

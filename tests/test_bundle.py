@@ -10,15 +10,8 @@ from typing import Any
 
 import pytest
 
-from serve.bundle import (
-    MANIFEST_FILE,
-    Bundle,
-    BundleError,
-    Manifest,
-    ShapeRange,
-    load_bundle,
-    sha256_file,
-)
+from serve.bundle import MANIFEST_FILE, Bundle, Manifest, ShapeRange, load_bundle, sha256_file
+from serve.errors import BundleError
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, Pki, make_pki
 
-from serve.client import build_parser, generate_request, main
+from serve.api.client import build_parser, generate_request, main
 
 TOKEN = "client-test-token"
 

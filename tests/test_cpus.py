@@ -1,4 +1,4 @@
-"""CPU placement (serve/cpus.py): the CPU lists `--engine-cpus` and `textgen-bench --cpus` take, and moving a
+"""CPU placement (serve.process): the CPU lists `--engine-cpus` and `textgen-bench --cpus` take, and moving a
 process's threads (the server's own placement is tested with a real engine process in test_engine_process)."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from bench.loadgen import LoadConfig, main
-from serve.config import ConfigError, ServerSettings, load_settings
-from serve.cpus import (
+from serve.api.config import ConfigError, ServerSettings, load_settings
+from serve.api.server import checked_engine_cpus
+from serve.process import (
     beside,
     check_cpus,
     engine_cpus,
@@ -21,7 +22,6 @@ from serve.cpus import (
     parse_cpu_list,
     pinned,
 )
-from serve.server import checked_engine_cpus
 
 
 @pytest.mark.parametrize(

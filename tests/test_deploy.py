@@ -27,7 +27,7 @@ from metric_refs import REPO, missing_metrics
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from serve.config import ServerSettings
+from serve.api.config import ServerSettings
 
 DOCKER = REPO / "deploy" / "docker"
 K8S = REPO / "deploy" / "k8s"
@@ -202,7 +202,9 @@ def test_serving_lock_installs_and_serves_in_a_fresh_venv(tmp_path: Path, tiny_b
     context = build_context(DOCKER / "Dockerfile.cpu", tmp_path / "src")
     subprocess.run([*pip, "--no-deps", str(context)], check=True)
     python = str(venv / "bin" / "python")
-    imports = "import serve.server, serve.cli, serve.client, serve.engine, serve.metrics"
+    imports = (
+        "import serve.api.server, serve.api.cli, serve.api.client, serve.engine.engine, serve.api.metrics"
+    )
     subprocess.run([python, "-c", imports], check=True, cwd=tmp_path)
     no_torch = subprocess.run([python, "-c", "import torch"], capture_output=True, cwd=tmp_path, check=False)
     assert no_torch.returncode != 0 and b"No module named 'torch'" in no_torch.stderr

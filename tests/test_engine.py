@@ -15,11 +15,12 @@ from export.checkpoint import load_checkpoint
 from export.model import Decoder
 from export.onnx_inplace import build_inplace_graph
 from serve.bundle import load_bundle
-from serve.engine import Engine, EngineSettings, ModelSpec, NewSequence, TokenOut
-from serve.offline import generate
-from serve.prompt_scoring import scoring_session
-from serve.runtime import Device, SessionConfig, allocate, copy_graph, create_copy_session, kv_device
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine
+from serve.engine.prompt_scoring import scoring_session
+from serve.engine.runtime import Device, SessionConfig, allocate, copy_graph, create_copy_session, kv_device
+from serve.engine.sampling import SamplingParams
+from serve.engine.types import EngineSettings, ModelSpec, NewSequence, TokenOut
+from serve.scheduling.offline import generate
 
 GREEDY = SamplingParams()
 PROMPTS = [
@@ -337,7 +338,7 @@ def test_kv_buffers_are_ort_values_on_the_sessions_device(demo: tuple[Decoder, E
 def test_info_reports_the_real_kv_buffers(cached: Engine) -> None:
     info = cached.info
     assert (info.max_batch_size, info.prefix_cache_rows, info.kv_device) == (8, 3, "cpu")
-    assert info.kv_bytes == cached.kv_bytes == sum(buffer.value.numpy().nbytes for buffer in cached._kv)
+    assert info.kv_bytes == cached.kv_bytes == sum(b.value.numpy().nbytes for b in cached._kv.buffers)
     assert info.vocab_size == cached.vocab_size and info.providers == tuple(cached.providers)
 
 
@@ -348,7 +349,7 @@ COPIES = ["host views", "copy graph"]
 
 def copy_with(engine: Engine, copies: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if copies == "copy graph":
-        monkeypatch.setattr(engine, "_host_views", None)
+        monkeypatch.setattr(engine._kv, "_host_views", None)
 
 
 @pytest.mark.parametrize("copies", COPIES)

@@ -1,4 +1,5 @@
-"""The engine in a process of its own (serve/engine_process.py): what only that shape of the server does.
+"""The engine in a process of its own (serve/scheduling/engine_core.py and engine_client.py): what only that
+shape of the server does.
 
 Both shapes run the whole gRPC suite (tests/test_server.py); here: the scheduler's guarantees across the
 process boundary (batch invariance, the queue bound, cancels), metrics recorded there and replayed here, and
@@ -27,21 +28,24 @@ from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, rpc_error
 from test_server_lifecycle import ServerProcess, health_status, run_serve
 
-import serve.engine_process
+import serve.scheduling.engine_client
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.api.metrics import Metrics, new_registry
+from serve.api.server import engine_settings
 from serve.bundle import Bundle, load_bundle
-from serve.cpus import allowed_cpus, format_cpu_list
-from serve.engine import Engine, EngineSettings
-from serve.engine_process import EngineSpec, MetricRecorder, ProcessScheduler, StepOutput, replay
+from serve.engine.engine import Engine
+from serve.engine.sampling import SamplingParams
+from serve.engine.types import EngineSettings, SessionConfig
 from serve.errors import Draining, EngineFailure, QueueFull
-from serve.metrics import Metrics, new_registry
-from serve.offline import generate
-from serve.request import Completion, GenerationRequest
-from serve.runtime import SessionConfig
-from serve.sampling import SamplingParams
-from serve.scheduler import RequestHandle, SchedulerLimits
-from serve.server import engine_settings
+from serve.process import allowed_cpus, format_cpu_list
+from serve.scheduling.engine_client import ProcessScheduler, replay
+from serve.scheduling.engine_core import MetricRecorder
+from serve.scheduling.handles import RequestHandle
+from serve.scheduling.limits import SchedulerLimits
+from serve.scheduling.messages import EngineSpec, StepOutput
+from serve.scheduling.offline import generate
+from serve.scheduling.request import Completion, GenerationRequest
 
 T = TypeVar("T")
 SESSION = SessionConfig(threads=1, spinning=False)
@@ -222,7 +226,7 @@ def test_recorded_metric_calls_replay_as_the_same_exposition() -> None:
 def test_an_engine_process_that_will_not_stop_is_killed(
     bundle: Bundle, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(serve.engine_process, "STOP_TIMEOUT_SECONDS", 0.5)
+    monkeypatch.setattr(serve.scheduling.engine_client, "STOP_TIMEOUT_SECONDS", 0.5)
 
     async def main() -> None:
         scheduler = ProcessScheduler(spec(bundle, InjectedFaults(slow_seconds=60)))

@@ -33,7 +33,7 @@ from bench.loadgen import (
 )
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
-from serve.config import ServerSettings
+from serve.api.config import ServerSettings
 
 # --- statistics on hand-made records ---------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""serve.metrics: values read back from the registry, naming conventions, promtool, the HTTP endpoint."""
+"""serve.api.metrics: values read back from the registry, naming conventions, promtool, the HTTP endpoint."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve.metrics import (
+from serve.api.metrics import (
     INTER_TOKEN_BUCKETS,
     QUEUEING_LATENCY_BUCKETS,
     TOKEN_COUNT_BUCKETS,

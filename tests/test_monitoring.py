@@ -1,5 +1,5 @@
 """Operator-facing monitoring files: Prometheus rules (promtool), the Grafana dashboard, and that every metric
-they name exists in what `serve.metrics.Metrics` exposes."""
+they name exists in what `serve.api.metrics.Metrics` exposes."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from metric_refs import (
     rules,
 )
 
-from serve.metrics import Metrics
+from serve.api.metrics import Metrics
 
 RULE_TESTS = REPO / "deploy" / "prometheus" / "tests" / "textgen-rules.test.yml"
 PROMETHEUS_RULE = REPO / "deploy" / "k8s" / "base" / "prometheusrule.yaml"

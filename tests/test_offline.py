@@ -6,10 +6,10 @@ import pytest
 from scheduler_fakes import fake, letter_tokenizer
 from tokenizers import Tokenizer
 
+from serve.engine.sampling import SamplingParams
 from serve.errors import EngineFailure, InvalidRequest
-from serve.offline import generate
-from serve.sampling import SamplingParams
-from serve.scheduler import SchedulerLimits
+from serve.scheduling.limits import SchedulerLimits
+from serve.scheduling.offline import generate
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ from pathlib import Path
 
 SERVE_MODULES = [
     "serve.bundle",
-    "serve.cli",
-    "serve.client",
-    "serve.engine",
-    "serve.metrics",
-    "serve.offline",
-    "serve.scheduler",
-    "serve.server",
+    "serve.api.cli",
+    "serve.api.client",
+    "serve.engine.engine",
+    "serve.api.metrics",
+    "serve.scheduling.offline",
+    "serve.scheduling.scheduler",
+    "serve.api.server",
 ]
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scheduler_fakes import shared_prefix
 
-from serve.prefix_cache import PrefixCache
+from serve.engine.prefix_cache import PrefixCache
 
 
 def ids(*tokens: int) -> np.ndarray:

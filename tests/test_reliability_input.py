@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, rpc_error
 
-import serve.auth
+import serve.api.auth
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 
@@ -284,8 +284,8 @@ def test_the_bearer_token_is_compared_in_constant_time(
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(serve.auth.hmac, "compare_digest", spy)
-    interceptor = serve.auth.TokenAuthInterceptor("s3cret")
+    monkeypatch.setattr(serve.api.auth.hmac, "compare_digest", spy)
+    interceptor = serve.api.auth.TokenAuthInterceptor("s3cret")
     handler = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
 
     async def continuation(_details: object) -> grpc.RpcMethodHandler:

@@ -1,5 +1,5 @@
 """Two server replicas behind one round_robin channel with a retry policy for UNAVAILABLE
-(`serve.client.connect`): one is killed (SIGKILL) mid-load. Streams in flight on it fail UNAVAILABLE, the
+(`serve.api.client.connect`): one is killed (SIGKILL) mid-load. Streams in flight on it fail UNAVAILABLE, the
 survivor's log accounts for every other one, requests sent after the kill are retried onto the survivor, and
 nothing hangs."""
 
@@ -19,8 +19,8 @@ from test_server_lifecycle import ServerProcess
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
-from serve.client import connect
-from serve.client import main as client_main
+from serve.api.client import connect
+from serve.api.client import main as client_main
 
 IN_FLIGHT = 6
 AFTER_KILL = 6

@@ -12,8 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from serve.errors import InvalidRequest
-from serve.sampling import (
+from serve.engine.sampling import (
     SamplingBatch,
     SamplingParams,
     apply_frequency_presence,
@@ -24,6 +23,7 @@ from serve.sampling import (
     apply_top_k,
     apply_top_p,
 )
+from serve.errors import InvalidRequest
 
 # ---------------------------------------------------------------- references: one row at a time, float64
 

@@ -13,12 +13,17 @@ import pytest
 from scheduler_fakes import EOS_ID, FakeEngine, Instrumented, fake, letter_tokenizer
 from tokenizers import Tokenizer
 
+from serve.api.metrics import Metrics, new_registry
 from serve.bundle import Bundle, load_bundle
-from serve.engine import Engine, EngineSettings, NewSequence
+from serve.engine.engine import Engine
+from serve.engine.runtime import SessionConfig
+from serve.engine.sampling import SamplingParams
+from serve.engine.types import EngineSettings, NewSequence
 from serve.errors import Cancelled, DeadlineExceeded, Draining, EngineFailure, InvalidRequest, QueueFull
-from serve.metrics import Metrics, new_registry
-from serve.offline import generate
-from serve.request import (
+from serve.scheduling.handles import RequestHandle
+from serve.scheduling.limits import SchedulerLimits
+from serve.scheduling.offline import generate
+from serve.scheduling.request import (
     Completion,
     FinishEvent,
     GenerationRequest,
@@ -27,9 +32,8 @@ from serve.request import (
     TokenEvent,
     validate_request,
 )
-from serve.runtime import SessionConfig
-from serve.sampling import SamplingParams
-from serve.scheduler import RequestHandle, Scheduler, SchedulerLimits, StepRecord
+from serve.scheduling.runner import StepRecord
+from serve.scheduling.scheduler import Scheduler
 
 T = TypeVar("T")
 Reference = Callable[[Sequence[int], int], list[int]]
@@ -559,7 +563,7 @@ def test_metrics_hooks_and_load_snapshot(make_engine: EngineFactory) -> None:
 
 
 def test_illegal_state_transitions_are_refused(tokenizer: Tokenizer) -> None:
-    from serve.request import RequestTracker
+    from serve.scheduling.request import RequestTracker
 
     tracker = RequestTracker(request("x", prompt_of(3)), tokenizer, 0, 64, arrival=0.0)
     with pytest.raises(RuntimeError, match="illegal transition queued -> finished"):
@@ -735,7 +739,7 @@ def test_stream_interval_through_the_scheduler_keeps_every_token(make_engine: En
     engine = make_engine(max_batch_size=2)
 
     async def main() -> list[list[TokenEvent | FinishEvent]]:
-        scheduler = await started(engine, SchedulerLimits(stream_interval_seconds=10.0))
+        scheduler = await started(engine, SchedulerLimits(stream_interval_ms=10_000))
         handles = [scheduler.submit(request(f"r{i}", prompt_of(4 + i), max_new=10)) for i in range(2)]
 
         async def events(handle: RequestHandle) -> list[TokenEvent | FinishEvent]:
@@ -1005,3 +1009,28 @@ def test_a_prefill_that_fails_beside_the_decode_steps_fails_only_its_requests(to
 
     run(main)
     assert engine.batch_size == 0
+
+
+def test_a_prefill_that_fails_to_start_beside_the_decode_steps_fails_only_its_requests(
+    tokenizer: Tokenizer,
+) -> None:
+    engine = fake(tokenizer, 0.002, max_batch_size=4)
+
+    async def main() -> Scheduler:
+        scheduler = await started(engine, SchedulerLimits(prefill_beside_decode=True))
+        running = scheduler.submit(request("r", prompt_of(3), max_new=20))
+        await running.__anext__()
+        engine.fail_next.add("prefill")  # begin_prefill raises: its run never starts
+        doomed = scheduler.submit(request("doomed", prompt_of(6), max_new=5))
+        with pytest.raises(EngineFailure, match=r"request doomed: the engine failed during prefill"):
+            await collect(doomed)
+        assert (await collect(running)).token_ids == engine.expected(prompt_of(3), 20)[1:]
+        await expect_later_requests_succeed(scheduler, engine)
+        return scheduler
+
+    scheduler = run(main)
+    assert ("prefill", ["doomed"]) in engine.calls
+    assert not any("doomed" in rows for phase, rows in engine.calls if phase == "decode")
+    # Nothing was joined for it: the prefill records are r's and the later request's.
+    assert [(s.rows, s.real_tokens) for s in scheduler.steps() if s.phase == "prefill"] == [(1, 3), (1, 4)]
+    assert scheduler.snapshot().outcomes == {"failed": 1, "finished": 2}

@@ -24,8 +24,9 @@ from server_tools import LoopThread, rpc_error
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
-from serve.engine import Engine, EngineSettings
-from serve.server import CallRecord, scheduler_limits
+from serve.api.server import CallRecord, scheduler_limits
+from serve.engine.engine import Engine
+from serve.engine.types import EngineSettings
 
 PROMPT = "the quick brown fox"
 # A stub, and the stream holding the small server's only row.

@@ -16,8 +16,8 @@ from server_tools import LoopThread, Pki, make_pki, rpc_error
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
-from serve.auth import TokenAuthInterceptor, server_credentials
-from serve.config import ServerSettings
+from serve.api.auth import TokenAuthInterceptor, server_credentials
+from serve.api.config import ServerSettings
 
 TOKEN = "correct horse battery staple"
 Serve = Callable[[ServerSettings], int]

@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 from server_tools import make_pki
 
-from serve.config import ConfigError, freeze_startup_objects, load_settings
+from serve.api.config import ConfigError, ServerSettings, load_settings
+from serve.api.server import scheduler_limits
+from serve.process import freeze_startup_objects
+from serve.scheduling.limits import BatchingKnobs, SchedulerLimits
 
 
 @pytest.fixture(autouse=True)
@@ -26,6 +29,31 @@ def test_defaults(tmp_path: Path) -> None:
     assert (settings.port, settings.metrics_port) == (50051, 8000)
     assert settings.log_prompts is False
     assert settings.auth_token is None and not settings.tls_enabled
+
+
+def test_the_batching_knobs_are_defined_once_for_the_flags_and_the_scheduler(tmp_path: Path) -> None:
+    for name, knob in BatchingKnobs.model_fields.items():
+        same = {repr(model.model_fields[name]) for model in (ServerSettings, SchedulerLimits)}
+        assert same == {repr(knob)}, name
+    flags = [
+        "--max-padding-ratio",
+        "0.5",
+        "--max-queue",
+        "3",
+        "--stream-interval-ms",
+        "20",
+        "--max-batch-size",
+        "4",
+    ]
+    settings = load_settings(["--bundle", str(tmp_path), *flags])
+    limits = scheduler_limits(settings)
+    assert limits.model_dump(include=set(BatchingKnobs.model_fields)) == settings.model_dump(
+        include=set(BatchingKnobs.model_fields)
+    )
+    assert (limits.max_padding_ratio, limits.max_queue, limits.max_batch_size) == (0.5, 3, 4)
+    assert limits.stream_interval_seconds == pytest.approx(0.02)
+    with pytest.raises(ConfigError, match="max_padding_ratio"):
+        load_settings(["--bundle", str(tmp_path), "--max-padding-ratio", "1.5"])
 
 
 def test_flags_and_environment_map_to_the_same_fields(

@@ -21,11 +21,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, rpc_error
 
-import serve.server
+import serve.api.server
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
-from serve.metrics import Metrics
-from serve.server import TextgenServer
+from serve.api.metrics import Metrics
+from serve.api.server import TextgenServer
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW_SERVER = Path(__file__).resolve().parent / "slow_server"
@@ -48,13 +48,13 @@ def test_health_is_not_serving_until_the_model_is_loaded(
     loop: LoopThread, tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = asyncio.Event()
-    load_model = serve.server.load_model
+    load_model = serve.api.server.load_model
 
-    async def gated_load(*args: object) -> serve.server.LoadedModel:
+    async def gated_load(*args: object) -> serve.api.server.LoadedModel:
         await gate.wait()
         return await load_model(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(serve.server, "load_model", gated_load)
+    monkeypatch.setattr(serve.api.server, "load_model", gated_load)
     server = TextgenServer(loopback_settings(tiny_bundle), Metrics())
     starting = loop.submit(server.start())
     deadline = time.monotonic() + 10

@@ -8,8 +8,7 @@ import math
 import pytest
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
-from serve.errors import InvalidRequest
-from serve.validation import (
+from serve.api.validation import (
     RequestLimits,
     check_request_id,
     generation_request,
@@ -17,6 +16,7 @@ from serve.validation import (
     prompt_ids,
     reject_unknown_fields,
 )
+from serve.errors import InvalidRequest
 
 LIMITS = RequestLimits(
     vocab_size=100,

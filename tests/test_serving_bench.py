@@ -14,7 +14,7 @@ from bench import serving_bench
 from bench.loadgen import BenchmarkOutput, EngineSteps, LoadConfig, RequestRecord, RunResult, summarize
 from bench.serving_bench import Pair, Plan, Results, offline_rate, pinned_engine, save_summary
 from bench.serving_report import DOC_BEGIN, DOC_END, near, plot_all, targets, update_doc
-from serve.cpus import allowed_cpus
+from serve.process import allowed_cpus
 
 PLAN = Plan(levels=(1, 16), requests_per_client=2, naive_requests=4, repeats=1, input_len=4, new_tokens=10)
 

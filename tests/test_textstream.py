@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from export.tokenizer import EOS_ID, train_tokenizer
-from serve.textstream import MAX_UNREAD_TOKENS, REPLACEMENT, TextDelta, TextStream
+from serve.scheduling.textstream import MAX_UNREAD_TOKENS, REPLACEMENT, TextDelta, TextStream
 
 CORPUS = [
     "hello world, the quick brown fox jumps over the lazy dog",

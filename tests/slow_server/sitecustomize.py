@@ -10,12 +10,12 @@ _SECONDS = float(os.environ.get("SLOW_DECODE_SECONDS", "0"))
 if _SECONDS > 0:
     import time
 
-    import serve.engine
+    import serve.engine.engine
 
-    _decode = serve.engine.Engine.decode
+    _decode = serve.engine.engine.Engine.decode
 
-    def _slow_decode(self: serve.engine.Engine) -> list[serve.engine.TokenOut]:
+    def _slow_decode(self: serve.engine.engine.Engine) -> list[serve.engine.engine.TokenOut]:
         time.sleep(_SECONDS)
         return _decode(self)
 
-    serve.engine.Engine.decode = _slow_decode  # type: ignore[method-assign]
+    serve.engine.engine.Engine.decode = _slow_decode  # type: ignore[method-assign]

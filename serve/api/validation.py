@@ -13,9 +13,9 @@ from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
+from serve.engine.sampling import SamplingParams
 from serve.errors import InvalidRequest
-from serve.request import GenerationRequest
-from serve.sampling import SamplingParams
+from serve.scheduling.request import GenerationRequest
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_TOKEN_IDS = 64  # a ban list, checked per step while min_new_tokens holds: keep it short
@@ -170,8 +170,8 @@ def generation_request(
 ) -> GenerationRequest:
     """The scheduler's request for an already tokenized prompt; raises InvalidRequest on a bad value of the
     wire message. What relates fields to each other or to the model (min_new_tokens <= max_new_tokens,
-    top_logprobs, token id ranges) is checked once for every caller by `serve.request.validate_request`,
-    which `Scheduler.submit` runs."""
+    top_logprobs, token id ranges) is checked once for every caller by
+    `serve.scheduling.request.validate_request`, which `Scheduler.submit` runs."""
     stopping = request.stopping
     prompt = truncated(prompt, request.truncate_prompt_tokens, limits)
     most = max_new_tokens(stopping.max_new_tokens, len(prompt), limits)

@@ -10,9 +10,10 @@ import asyncio
 import logging
 import sys
 
-from serve.config import ConfigError, configure_logging, load_settings
+from serve.api.config import ConfigError, load_settings
+from serve.api.server import serve
 from serve.errors import TextgenError
-from serve.server import serve
+from serve.process import configure_logging
 
 log = logging.getLogger("textgen.serve")
 

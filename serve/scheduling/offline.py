@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from serve.engine.sampling import SamplingParams
 from serve.errors import EngineFailure, InvalidRequest, TextgenError
-from serve.request import Completion, GenerationRequest, RequestTracker
-from serve.sampling import SamplingParams
-from serve.scheduler import BatchEngine, BatchRunner, SchedulerLimits
+from serve.scheduling.engine_protocol import BatchEngine
+from serve.scheduling.limits import SchedulerLimits
+from serve.scheduling.request import Completion, GenerationRequest, RequestTracker
+from serve.scheduling.runner import BatchRunner
 
 # Offline callers hand over all their work at once: nothing is gained by waiting for more arrivals.
 OFFLINE_LIMITS = SchedulerLimits(max_wait_seconds=0.0)

@@ -6,17 +6,15 @@ Precedence: CLI flag > environment variable > default. Every field `x_y` is the 
 
 from __future__ import annotations
 
-import gc
-import logging
 import ssl
-import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, FilePath, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliApp, NoDecode, SettingsConfigDict, SettingsError
 
-from serve.cpus import read_engine_cpus
+from serve.process import read_engine_cpus
+from serve.scheduling.limits import BatchingKnobs
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 Port = Annotated[int, Field(ge=0, le=65535)]
@@ -26,7 +24,9 @@ class ConfigError(ValueError):
     """Invalid configuration; the message lists every bad setting."""
 
 
-class ServerSettings(BaseSettings):
+class ServerSettings(BaseSettings, BatchingKnobs):
+    """Every setting of textgen-serve; the batching knobs come from `BatchingKnobs`, defined once there."""
+
     model_config = SettingsConfigDict(
         env_prefix="TEXTGEN_",
         env_ignore_empty=True,
@@ -65,11 +65,6 @@ class ServerSettings(BaseSettings):
         "engine's cores; threads defaults to their number (default: no pinning)",
     )
     max_batch_size: int = Field(16, ge=1, le=1024, description="rows in one engine step")
-    max_queue: int = Field(256, ge=1, le=1_000_000, description="waiting requests before RESOURCE_EXHAUSTED")
-    max_batch_tokens: int | None = Field(
-        None, ge=1, description="KV slots (including padding) for the running batch; default: all the cache"
-    )
-    max_prefill_tokens: int = Field(512, ge=1, description="padded prompt tokens prefilled per engine step")
     prefix_cache_rows: int = Field(
         4,
         ge=0,
@@ -79,31 +74,6 @@ class ServerSettings(BaseSettings):
     )
     prefix_cache_min_tokens: int = Field(
         16, ge=1, description="the shortest shared prefix the prefix cache keeps or reuses"
-    )
-    prefill_chunk_tokens: int = Field(
-        0,
-        ge=0,
-        le=1_000_000,
-        description="while other requests decode, the most prompt tokens a prefill step computes: "
-        "arrivals are split over several steps and a longer prompt is prefilled in pieces of this many, "
-        "with decode steps of the running streams in between (0: no bound but max_prefill_tokens)",
-    )
-    prefill_beside_decode: bool = Field(
-        False,
-        description="while other requests decode, prefill arrivals on a thread of their own beside the "
-        "decode steps, so the running streams slow down a little instead of stalling, and the arrivals' "
-        "first tokens come later (prompts with a prefix-cache hit, and prompts chunked by "
-        "prefill_chunk_tokens, still run between decode steps)",
-    )
-    max_wait_seconds: float = Field(
-        0.0, ge=0, le=60, description="how long a partial prefill group may wait for company"
-    )
-    stream_interval_ms: float = Field(
-        0.0,
-        ge=0,
-        le=10_000,
-        description="a stream's tokens go out at most once per this many ms (0: every engine step); "
-        "fewer, fuller messages for fast models",
     )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="longest prompt in tokens; default and upper bound: the context length - 1"
@@ -210,22 +180,3 @@ def load_settings(argv: list[str]) -> ServerSettings:
         raise ConfigError(_describe(exc)) from None
     except SettingsError as exc:
         raise ConfigError(f"invalid configuration: {exc}") from None
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
-
-
-def freeze_startup_objects() -> int:
-    """Collect, then move every object alive now (modules, the tokenizer, ONNX Runtime's and gRPC's Python
-    objects) out of the garbage collector's reach, as vLLM does after start-up: its full collections then
-    walk only what serving allocated since. On the demo engine a full collection took up to 39 ms before
-    and 3 ms after (docs/benchmarks.md), a stall every running stream sees. Returns the objects frozen."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()

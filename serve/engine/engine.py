@@ -1,22 +1,13 @@
 """The generation engine: one prefill or one decode step at a time over a slot-based, in-place KV cache.
 
-Rows [0, n) of preallocated `[max_batch_size + prefix_cache_rows, heads, capacity, head_dim]` buffers (one K
-and one V per layer) hold the running sequences, right-padded: row r's valid cache entries are
-[0, lengths[r]). A prefill group is written straight into rows [n, n + k), a contiguous range, so joining
-copies nothing; a sequence that leaves is replaced by the last row (swap-remove), which copies that row. The
-rows past max_batch_size are the prefix cache's (serve/prefix_cache.py). The buffers are bound as both
-the past input and the present output of the serving graph, so GroupQueryAttention appends each step's keys
-and values in place (see export/onnx_inplace.py for the graph's semantics).
-
-The buffers are OrtValues that ONNX Runtime allocates on the device the session runs on (runtime.kv_device:
-CUDA memory under the CUDA/TensorRT providers, host memory on CPU), so on a GPU the cache never leaves the
-device between steps. One code path for every device, which differs only in the device name: row ranges are
-bound by pointer (buffer start + first row * row bytes; rows are contiguous along the leading axis). Row
-copies (swap-remove, the prefix cache) differ: on a device they run a tiny Identity graph on whole rows
-(runtime.copy_graph); in host memory numpy copies only each head's filled positions, through views of the
-same buffers — a row is mostly empty, and a whole bench-a row (32 MiB) took ~5 ms a copy on this machine.
-Small inputs are bound from host arrays and logits are written into a host array (ONNX Runtime copies them
-from the device): sampling is numpy.
+The cache (serve/engine/kv_cache.py: its buffers on the session's device, how a run binds rows and how a row
+is copied) has `max_batch_size + prefix_cache_rows` rows of `capacity` tokens. Rows [0, n) hold the running
+sequences, right-padded: row r's valid cache entries are [0, lengths[r]). A prefill group is written straight
+into rows [n, n + k), a contiguous range, so joining copies nothing; a sequence that leaves is replaced by the
+last row (swap-remove), which copies that row. The rows past max_batch_size are the prefix cache's
+(serve/engine/prefix_cache.py). A run's rows are bound as both the past input and the present output of the
+serving graph, so each step appends its keys and values in place. Small inputs are bound from host arrays
+and logits are written into a host array (ONNX Runtime copies them from the device): sampling is numpy.
 
 Not thread-safe: the scheduler calls it from its one engine thread.
 """
@@ -33,21 +24,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from tokenizers import Tokenizer
 
+from serve.engine.kv_cache import KvCache
+from serve.engine.prefix_cache import PrefixCache
+from serve.engine.prompt_scoring import PromptScorer, scoring_session
+from serve.engine.runtime import Device, create_session, kv_device, ortvalue, session_device_id
+from serve.engine.sampling import Alternatives, PromptScores, SamplingBatch, SamplingParams
+from serve.engine.types import EngineInfo, EngineSettings, ModelSpec, NewSequence, TokenOut
 from serve.errors import BundleError
-from serve.prefix_cache import PrefixCache
-from serve.prompt_scoring import PromptScorer, scoring_session
-from serve.runtime import (
-    Device,
-    SessionConfig,
-    allocate,
-    copy_graph,
-    create_copy_session,
-    create_session,
-    kv_device,
-    ortvalue,
-    session_device_id,
-)
-from serve.sampling import Alternatives, PromptScores, SamplingBatch, SamplingParams
 
 if TYPE_CHECKING:
     from serve.bundle import Bundle
@@ -61,77 +44,6 @@ _NUMPY_TYPES = {
     "tensor(int64)": np.int64,
     "tensor(int32)": np.int32,
 }
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    n_layers: int
-    n_heads: int
-    head_dim: int
-    vocab_size: int
-    context_length: int
-    eos_token_id: int
-    pad_token_id: int
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    max_batch_size: int = 16
-    capacity: int | None = None  # tokens per slot; default: the model's context length
-    session: SessionConfig = field(default_factory=SessionConfig)
-    # Extra KV rows that keep finished sequences for prompts that start the same way (serve/prefix_cache.py).
-    prefix_cache_rows: int = 0
-    prefix_cache_min_tokens: int = 16  # the shortest prefix kept or reused
-
-
-@dataclass(frozen=True)
-class NewSequence:
-    seq_id: str
-    prompt_ids: Sequence[int]
-    sampling: SamplingParams
-    logprobs: bool = False  # report each token's logprob (TokenOut.logprob is NaN otherwise)
-    banned: tuple[int, ...] = ()  # token ids its first `banned_for` tokens may not be
-    banned_for: int = 0
-    top_logprobs: int = 0  # report this many most likely tokens of each step (TokenOut.top)
-    prompt_logprobs: bool = False  # score the prompt (the first TokenOut's `prompt`)
-    prompt_top_logprobs: int = 0  # and list this many most likely tokens at each of its positions
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the server reports of an engine and checks requests against; it crosses to the server's
-    process when the engine runs in one of its own (serve/engine_process.py)."""
-
-    vocab_size: int
-    context_length: int
-    max_batch_size: int
-    capacity: int
-    eos_token_id: int
-    providers: tuple[str, ...]
-    kv_device: str  # "cpu", "cuda"
-    prefix_cache_rows: int
-    kv_bytes: int
-
-
-class TokenOut(NamedTuple):
-    """One sequence's new token. A tuple: the engine makes one per row per step."""
-
-    seq_id: str
-    token_id: int
-    logprob: float  # NaN unless the sequence asked for logprobs
-    top: Alternatives | None = None  # unless the sequence asked for top_logprobs
-    prompt: PromptScores | None = None  # on a sequence's first token, if it asked for prompt logprobs
-
-
-@dataclass(frozen=True)
-class _KvBuffer:
-    name: str  # "key.{layer}" / "value.{layer}": the graph's past_{name} input and present_{name} output
-    value: Any  # ort.OrtValue of [max_batch_size, heads, capacity, head_dim] on the engine's device
-    dtype: Any  # numpy type of the elements
-    row_bytes: int  # bytes of one row [heads, capacity, head_dim]
-
-    def row_ptr(self, row: int) -> int:
-        return int(self.value.data_ptr()) + row * self.row_bytes
 
 
 class _RunInputs(NamedTuple):
@@ -195,24 +107,16 @@ class Engine:
         self.providers: list[str] = self.session.get_providers()
         self.kv_device: Device = kv_device(self.providers, session_device_id(self.session))
         rows = settings.max_batch_size + settings.prefix_cache_rows
-        shape = (rows, spec.n_heads, capacity, spec.head_dim)
-        self._row_shape = shape[1:]
         # The graph decides the precision (an fp16 bundle has fp16 caches and logits).
         types = {
             t.name: _NUMPY_TYPES[t.type] for t in [*self.session.get_inputs(), *self.session.get_outputs()]
         }
-        self._kv: list[_KvBuffer] = []
-        for layer in range(spec.n_layers):
-            for kind in ("key", "value"):
-                dtype = types[f"past_{kind}.{layer}"]
-                row_bytes = int(np.prod(self._row_shape)) * np.dtype(dtype).itemsize
-                value = allocate(shape, dtype, self.kv_device)
-                self._kv.append(_KvBuffer(f"{kind}.{layer}", value, dtype, row_bytes))
-        self._copy_session = create_copy_session(
-            copy_graph([b.dtype for b in self._kv], self._row_shape), self.kv_device
-        )
-        # OrtValue.numpy() of host memory is a view of it (of device memory, a copy: no use).
-        self._host_views = [b.value.numpy() for b in self._kv] if self.kv_device.type == "cpu" else None
+        kv_types = {
+            f"{kind}.{layer}": types[f"past_{kind}.{layer}"]
+            for layer in range(spec.n_layers)
+            for kind in ("key", "value")
+        }
+        self._kv = KvCache(rows, (spec.n_heads, capacity, spec.head_dim), kv_types, self.kv_device)
         self._lengths = np.zeros(settings.max_batch_size, np.int64)  # tokens in each row's cache
         self._pending = np.zeros(settings.max_batch_size, np.int64)  # sampled, not yet in the cache
         self._tokens = np.zeros((settings.max_batch_size, capacity), np.int64)  # each row's cached token ids
@@ -233,7 +137,6 @@ class Engine:
         self._background: _Background | None = None
         self.last_logits = self._logits[:0]
         self._bindings: dict[tuple[int, int, bool], Any] = {}  # (first row, end row, side) -> its binding
-        self._copy_bindings: dict[tuple[int, int], Any] = {}  # (source row, target row) -> copy binding
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, settings: EngineSettings) -> Engine:
@@ -291,12 +194,12 @@ class Engine:
 
     def kv_shape(self) -> tuple[int, ...]:
         """Shape of the live KV view the graph runs on: (rows, heads, capacity, head_dim)."""
-        return (self.batch_size, *self._row_shape)
+        return (self.batch_size, *self._kv.row_shape)
 
     @property
     def kv_bytes(self) -> int:
         """Memory of every KV row, running and prefix cache, on the engine's device."""
-        return (self.max_batch_size + self.prefix_cache_rows) * sum(b.row_bytes for b in self._kv)
+        return self._kv.kv_bytes
 
     @property
     def info(self) -> EngineInfo:
@@ -314,14 +217,12 @@ class Engine:
 
     def kv_buffer_devices(self) -> list[str]:
         """The device ONNX Runtime reports for each KV buffer ("cpu", "cuda"), K and V per layer."""
-        return [b.value.device_name() for b in self._kv]
+        return self._kv.kv_buffer_devices()
 
     def kv_host(self, layer: int, kind: str) -> np.ndarray:
         """A host copy of the live rows [0, n) of one layer's "key" or "value" buffer, for tests and checks.
         Copies on every call (on a GPU the whole buffer, device to host); the engine never calls it."""
-        index = 2 * layer + ("key", "value").index(kind)
-        # OrtValue.numpy() is a view of a CPU tensor's memory (a copy from a GPU): copy the rows out.
-        return self._kv[index].value.numpy()[: self.batch_size].copy()
+        return self._kv.kv_host(layer, kind, self.batch_size)
 
     def lengths(self) -> dict[str, int]:
         """Tokens in each running sequence's cache."""
@@ -562,7 +463,7 @@ class Engine:
         if hit is None:
             return 0
         source, reused = hit
-        self._copy_row(source, row, reused)
+        self._kv.copy_row(source, row, reused)
         self._prefix.use(source)
         self._tokens[row, :reused] = seq.prompt_ids[:reused]
         return reused
@@ -619,7 +520,7 @@ class Engine:
 
     def _bound(self, rows: slice, run: _RunInputs, side: bool = False) -> tuple[Any, dict[str, np.ndarray]]:
         """A row range's binding with these inputs bound, and the arrays to keep alive until it has run."""
-        inputs = {
+        inputs: dict[str, np.ndarray] = {
             "input_ids": np.ascontiguousarray(run.input_ids, np.int64),
             "position_ids": np.ascontiguousarray(run.position_ids, np.int64),
             "seqlens_k": run.seqlens_k.astype(np.int32),
@@ -641,13 +542,13 @@ class Engine:
         target = self._prefix.store(self._tokens[row, :length])
         if target is not None:
             try:
-                self._copy_row(row, target, length)
+                self._kv.copy_row(row, target, length)
             except Exception:  # the row now holds neither its old tokens nor the new ones
                 self._prefix.clear()
                 raise
 
     def _move_row(self, src: int, dst: int, length: int) -> None:
-        self._copy_row(src, dst, length)
+        self._kv.copy_row(src, dst, length)
         self._lengths[dst] = self._lengths[src]
         self._tokens[dst, :length] = self._tokens[src, :length]
 
@@ -660,34 +561,9 @@ class Engine:
             binding = self.session.io_binding()
             logits = self._side_logits if side else self._logits
             binding.bind_ortvalue_output("logits", ortvalue(logits[: rows.stop - rows.start]))
-            device = self.kv_device
-            shape = (rows.stop - rows.start, *self._row_shape)
-            for buf in self._kv:
-                ptr = buf.row_ptr(rows.start)  # rows of the leading axis are contiguous: a sub-buffer
-                binding.bind_input(f"past_{buf.name}", device.type, device.id, buf.dtype, shape, ptr)
-                binding.bind_output(f"present_{buf.name}", device.type, device.id, buf.dtype, shape, ptr)
+            self._kv.bind(binding, rows)
             self._bindings[key] = binding
         return binding
-
-    def _copy_row(self, src: int, dst: int, length: int) -> None:
-        """Copy row `src` of every KV buffer over row `dst`: its first `length` positions in host memory,
-        the whole row (contiguous) on a device. A run finishes before it returns (ONNX Runtime synchronizes
-        the device at the end of a run), so the serving session's next step sees the copy. Bindings are kept
-        per row pair (binding costs ~10 µs a buffer in Python; a pair is a running row and the last one, or
-        a running row and a prefix-cache row, so there are at most (max_batch_size + prefix_cache_rows)²)."""
-        if self._host_views is not None:
-            for rows in self._host_views:
-                rows[dst, :, :length] = rows[src, :, :length]
-            return
-        binding = self._copy_bindings.get((src, dst))
-        if binding is None:
-            binding = self._copy_session.io_binding()
-            device, shape = self.kv_device, self._row_shape
-            for i, buf in enumerate(self._kv):
-                binding.bind_input(f"src.{i}", device.type, device.id, buf.dtype, shape, buf.row_ptr(src))
-                binding.bind_output(f"dst.{i}", device.type, device.id, buf.dtype, shape, buf.row_ptr(dst))
-            self._copy_bindings[(src, dst)] = binding
-        self._copy_session.run_with_iobinding(binding)
 
     def _emit(
         self, first_row: int, tokens: np.ndarray, logprobs: np.ndarray, top: dict[int, Alternatives]

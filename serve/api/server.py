@@ -4,7 +4,7 @@ Start-up order: metrics endpoint, gRPC port (health answers NOT_SERVING while th
 engine and its warm-up, scheduler, then SERVING. SIGTERM/SIGINT: NOT_SERVING, new requests UNAVAILABLE,
 running requests get `grace_seconds` to finish, then the process exits 0.
 
-Every failure a client sees goes through `serve.errors.grpc_status`; nothing else picks status codes.
+Every failure a client sees goes through `serve.api.grpc_status`; nothing else picks status codes.
 """
 
 from __future__ import annotations
@@ -30,19 +30,11 @@ from tokenizers import Tokenizer
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
-from serve.auth import TokenAuthInterceptor, server_credentials
-from serve.bundle import Bundle, load_bundle
-from serve.config import ConfigError, ServerSettings, freeze_startup_objects
-from serve.cpus import allowed_cpus, beside, check_cpus, engine_cpus, format_cpu_list, pin_process
-from serve.engine import EngineInfo, EngineSettings, open_engine
-from serve.engine_process import EngineSpec, EngineWrap, ProcessScheduler
-from serve.errors import Draining, InvalidRequest, grpc_status
-from serve.metrics import Metrics
-from serve.request import Completion, Event, FinishEvent, TokenEvent
-from serve.runtime import SessionConfig
-from serve.sampling import Alternatives
-from serve.scheduler import RequestHandle, RequestScheduler, Scheduler, SchedulerLimits
-from serve.validation import (
+from serve.api.auth import TokenAuthInterceptor, server_credentials
+from serve.api.config import ConfigError, ServerSettings
+from serve.api.grpc_status import grpc_status
+from serve.api.metrics import Metrics
+from serve.api.validation import (
     RequestLimits,
     check_request_id,
     generation_request,
@@ -50,6 +42,25 @@ from serve.validation import (
     reject_unknown_fields,
     token_ids,
 )
+from serve.bundle import Bundle, load_bundle
+from serve.engine.sampling import Alternatives
+from serve.engine.types import EngineInfo, EngineSettings, SessionConfig
+from serve.errors import Draining, InvalidRequest
+from serve.process import (
+    allowed_cpus,
+    beside,
+    check_cpus,
+    engine_cpus,
+    format_cpu_list,
+    freeze_startup_objects,
+    pin_process,
+)
+from serve.scheduling.engine_client import ProcessScheduler
+from serve.scheduling.handles import RequestHandle
+from serve.scheduling.limits import SchedulerLimits
+from serve.scheduling.messages import EngineSpec, EngineWrap
+from serve.scheduling.request import Completion, Event, FinishEvent, TokenEvent
+from serve.scheduling.scheduler import RequestScheduler, open_in_thread
 
 log = logging.getLogger("textgen.server")
 request_log = logging.getLogger("textgen.requests")
@@ -158,16 +169,7 @@ def request_limits(settings: ServerSettings, info: EngineInfo, max_total_tokens:
 
 
 def scheduler_limits(settings: ServerSettings) -> SchedulerLimits:
-    return SchedulerLimits(
-        max_batch_size=settings.max_batch_size,
-        max_queue=settings.max_queue,
-        max_batch_tokens=settings.max_batch_tokens,
-        max_prefill_tokens=settings.max_prefill_tokens,
-        prefill_chunk_tokens=settings.prefill_chunk_tokens,
-        prefill_beside_decode=settings.prefill_beside_decode,
-        max_wait_seconds=settings.max_wait_seconds,
-        stream_interval_seconds=settings.stream_interval_ms / 1000,
-    )
+    return SchedulerLimits.of(settings, settings.max_batch_size)
 
 
 def engine_settings(settings: ServerSettings) -> EngineSettings:
@@ -219,21 +221,21 @@ async def load_model(
     """Bundle, warmed-up engine (in its own process, or here), started scheduler; raises BundleError for a
     bundle that cannot be served. `wrap` wraps the engine before the scheduler gets it (tests)."""
     bundle = await asyncio.to_thread(load_bundle, settings.bundle)
-    if settings.engine_process:
-        cpus = checked_engine_cpus(settings)
-        limits = scheduler_limits(settings)
-        spec = EngineSpec(bundle, engine_settings(settings), limits, settings.log_level, wrap, cpus)
-        process = ProcessScheduler(spec, metrics)
-        await process.start()
-        if cpus is not None:
-            place_server(cpus)
-        checks = request_limits(settings, process.info, process.max_total_tokens)
-        return LoadedModel(bundle, process.info, process, checks)
-    engine = await asyncio.to_thread(open_engine, bundle, engine_settings(settings))
-    scheduler = Scheduler(wrap(engine) if wrap else engine, scheduler_limits(settings), metrics)
-    await scheduler.start()
-    checks = request_limits(settings, engine.info, scheduler.max_total_tokens)
-    return LoadedModel(bundle, engine.info, scheduler, checks)
+    cpus = checked_engine_cpus(settings) if settings.engine_process else None
+    spec = EngineSpec(
+        bundle, engine_settings(settings), scheduler_limits(settings), settings.log_level, wrap, cpus
+    )
+    if not settings.engine_process:
+        scheduler, info = await open_in_thread(spec, metrics)
+        return LoadedModel(
+            bundle, info, scheduler, request_limits(settings, info, scheduler.max_total_tokens)
+        )
+    process = ProcessScheduler(spec, metrics)
+    await process.start()
+    if cpus is not None:
+        place_server(cpus)
+    checks = request_limits(settings, process.info, process.max_total_tokens)
+    return LoadedModel(bundle, process.info, process, checks)
 
 
 # --- one RPC's accounting -----------------------------------------------------------------------------------
@@ -669,7 +671,8 @@ async def serve(settings: ServerSettings) -> int:
         await server.stop()
         raise
     assert server.failed is not None
-    await asyncio.wait({signalled, server.failed}, return_when=asyncio.FIRST_COMPLETED)
+    ended: set[asyncio.Future[Any]] = {signalled, server.failed}
+    await asyncio.wait(ended, return_when=asyncio.FIRST_COMPLETED)
     if server.failed.done():
         signalled.cancel()
         log.error("%s; the server stops", server.failed.result())

@@ -46,7 +46,7 @@ class Alternatives:
 
 class PromptScores(NamedTuple):
     """Of prompt tokens 2..n (the first has nothing before it): each one's logprob after those before it,
-    and, if asked for, the most likely tokens at its position (serve/prompt_scoring.py)."""
+    and, if asked for, the most likely tokens at its position (serve/engine/prompt_scoring.py)."""
 
     logprobs: list[float]
     top: list[Alternatives]

@@ -8,8 +8,9 @@ from typing import Any
 
 import grpc
 
-from serve.config import ServerSettings
-from serve.errors import TextgenError, Unauthenticated, grpc_status
+from serve.api.config import ServerSettings
+from serve.api.grpc_status import grpc_status
+from serve.errors import TextgenError, Unauthenticated
 
 HEALTH_EXEMPT_PREFIX = "/grpc.health.v1.Health/"  # kubelet gRPC probes cannot send an authorization header
 

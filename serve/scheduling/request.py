@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import tokenizers
 
+from serve.engine.sampling import MAX_TOP_LOGPROBS, Alternatives, PromptScores, SamplingParams
 from serve.errors import InvalidRequest
-from serve.sampling import MAX_TOP_LOGPROBS, Alternatives, PromptScores, SamplingParams
-from serve.textstream import TextStream
+from serve.scheduling.textstream import TextStream
 
 if TYPE_CHECKING:
-    from serve.engine import NewSequence
+    from serve.engine.types import NewSequence
 
 _NO_SCORES = PromptScores([], [])
 
@@ -232,7 +232,7 @@ class RequestTracker:
     def new_sequence(self) -> NewSequence:
         """What the engine needs to prefill this request: its sampling, and the tokens that would end it
         (EOS unless ignored, the stop token ids) banned until `min_new_tokens`."""
-        from serve.engine import NewSequence  # the real engine module imports ONNX Runtime
+        from serve.engine.types import NewSequence
 
         request = self.request
         ends = request.stop_token_ids if request.ignore_eos else (self._eos, *request.stop_token_ids)

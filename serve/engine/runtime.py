@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from serve.engine.types import SessionConfig
 from serve.errors import BundleError
 
 if TYPE_CHECKING:
@@ -39,14 +40,6 @@ SHORT_NAMES = {
     "cuda": PROVIDER_PREFERENCE[1],
     "cpu": PROVIDER_PREFERENCE[2],
 }
-
-
-@dataclass(frozen=True)
-class SessionConfig:
-    providers: tuple[str, ...] = ()  # empty: best available; else short (cpu/cuda/tensorrt) or full names
-    threads: int = 0  # intra-op threads; 0 lets ONNX Runtime use every core
-    spinning: bool = True  # busy-wait between ops: faster steps, but burns the cores the event loop needs
-    tensorrt_options: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_providers(requested: tuple[str, ...]) -> list[str]:

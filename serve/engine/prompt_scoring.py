@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from serve.runtime import TENSORRT, SessionConfig, create_session
-from serve.sampling import PromptScores, score_tokens
+from serve.engine.runtime import TENSORRT, create_session
+from serve.engine.sampling import PromptScores, score_tokens
+from serve.engine.types import SessionConfig
 
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 

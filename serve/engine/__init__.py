@@ -1,0 +1,4 @@
+"""The only code that touches ONNX Runtime: the engine's steps (engine.py) over its KV cache (kv_cache.py:
+buffers, bindings, row copies), the prefix cache (prefix_cache.py), sampling (sampling.py), prompt scoring
+(prompt_scoring.py), sessions and devices (runtime.py), and the types that cross into and out of it
+(types.py)."""

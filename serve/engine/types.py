@@ -1,0 +1,78 @@
+"""The types that cross into and out of the engine: what a model is, how an engine is set up, a sequence that
+joins it, how its ONNX Runtime sessions are set up, what a step returns, and what the server reports of it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from serve.engine.sampling import Alternatives, PromptScores, SamplingParams
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    providers: tuple[str, ...] = ()  # empty: best available; else short (cpu/cuda/tensorrt) or full names
+    threads: int = 0  # intra-op threads; 0 lets ONNX Runtime use every core
+    spinning: bool = True  # busy-wait between ops: faster steps, but burns the cores the event loop needs
+    tensorrt_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    eos_token_id: int
+    pad_token_id: int
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    max_batch_size: int = 16
+    capacity: int | None = None  # tokens per slot; default: the model's context length
+    session: SessionConfig = field(default_factory=SessionConfig)
+    # Extra KV rows that keep finished sequences for prompts that start the same way (prefix_cache.py).
+    prefix_cache_rows: int = 0
+    prefix_cache_min_tokens: int = 16  # the shortest prefix kept or reused
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    seq_id: str
+    prompt_ids: Sequence[int]
+    sampling: SamplingParams
+    logprobs: bool = False  # report each token's logprob (TokenOut.logprob is NaN otherwise)
+    banned: tuple[int, ...] = ()  # token ids its first `banned_for` tokens may not be
+    banned_for: int = 0
+    top_logprobs: int = 0  # report this many most likely tokens of each step (TokenOut.top)
+    prompt_logprobs: bool = False  # score the prompt (the first TokenOut's `prompt`)
+    prompt_top_logprobs: int = 0  # and list this many most likely tokens at each of its positions
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server reports of an engine and checks requests against; it crosses to the server's
+    process when the engine runs in one of its own (serve/scheduling/engine_core.py)."""
+
+    vocab_size: int
+    context_length: int
+    max_batch_size: int
+    capacity: int
+    eos_token_id: int
+    providers: tuple[str, ...]
+    kv_device: str  # "cpu", "cuda"
+    prefix_cache_rows: int
+    kv_bytes: int
+
+
+class TokenOut(NamedTuple):
+    """One sequence's new token. A tuple: the engine makes one per row per step."""
+
+    seq_id: str
+    token_id: int
+    logprob: float  # NaN unless the sequence asked for logprobs
+    top: Alternatives | None = None  # unless the sequence asked for top_logprobs
+    prompt: PromptScores | None = None  # on a sequence's first token, if it asked for prompt logprobs

@@ -1,0 +1,255 @@
+"""The server's side of an engine process: `ProcessScheduler`, a `RequestScheduler` whose engine runs in a
+child process (serve/scheduling/engine_core.py), spoken to over one pipe (serve/scheduling/messages.py).
+
+If the child dies (killed, out of memory), every request in flight fails with a clear error and `exited`
+tells the server, which stops: a half-working server would only hide it from its supervisor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+from serve.engine.types import EngineInfo
+from serve.errors import EngineFailure
+from serve.scheduling.engine_core import engine_main
+from serve.scheduling.engine_protocol import EngineMetrics
+from serve.scheduling.handles import HandleTable, RequestHandle
+from serve.scheduling.limits import SchedulerLimits
+from serve.scheduling.messages import (
+    Cancel,
+    Command,
+    EngineSpec,
+    Failed,
+    MetricCall,
+    Ready,
+    RejectWaiting,
+    StepOutput,
+    Stop,
+    Submit,
+)
+from serve.scheduling.request import GenerationRequest, validate_request
+from serve.scheduling.runner import SchedulerSnapshot, StepRecord, draining, queue_full
+
+log = logging.getLogger("textgen.engine_process")
+
+# How long a stopping engine process may take to send its last outcomes and exit before it is killed.
+STOP_TIMEOUT_SECONDS = 10.0
+
+
+def replay(metrics: EngineMetrics, calls: list[MetricCall]) -> None:
+    for name, args in calls:
+        getattr(metrics, name)(*args)
+
+
+@dataclass
+class _Started:
+    info: EngineInfo
+    limits: SchedulerLimits
+    max_total_tokens: int
+    snapshot: SchedulerSnapshot  # the engine process's latest
+
+
+class ProcessScheduler:
+    """The server's side of an engine process: a `RequestScheduler` whose engine runs in a child process.
+
+    `submit` checks a request here (InvalidRequest, QueueFull, Draining at once, as `Scheduler` does) and
+    hands it over; outcomes come back after every engine step and feed the request handles on the event
+    loop. `exited` completes if the engine process ends without being told to.
+    """
+
+    def __init__(self, spec: EngineSpec, metrics: EngineMetrics | None = None) -> None:
+        self._spec = spec
+        self._metrics = metrics
+        self._handles = HandleTable()
+        self._steps: deque[StepRecord] = deque(maxlen=spec.limits.step_history)
+        self._rejected = 0  # refused here for a full queue (the engine process counts the rest)
+        self._outbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+        self._sent = 0  # submit commands handed to the engine process
+        self._received = 0  # of them, read by the engine process as of the latest output
+        self._draining = False
+        self._stopping = False
+        self._started: _Started | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._closed = asyncio.Event()
+        self.exited: asyncio.Future[str] | None = None
+
+    # -- start -------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Spawn the engine process and wait until its engine is warmed up; raises what building it raised
+        (BundleError, ValueError for providers, ...)."""
+        if self._process is not None:
+            raise RuntimeError("the scheduler is already started")
+        self._loop = asyncio.get_running_loop()
+        self.exited = self._loop.create_future()
+        # spawn, not fork: the server's process runs gRPC threads, which a forked child must not inherit.
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=engine_main, args=(child, self._spec), name="textgen-engine", daemon=True
+        )
+        self._process.start()
+        child.close()
+        try:
+            hello = await asyncio.to_thread(self._conn.recv)
+        except EOFError:
+            await asyncio.to_thread(self._process.join)
+            raise EngineFailure(
+                f"the engine process exited while starting (exit code {self._process.exitcode})"
+            ) from None
+        except BaseException:  # cancelled (a signal during start-up): the half-built engine goes too
+            self._process.kill()
+            raise
+        if isinstance(hello, Failed):
+            await asyncio.to_thread(self._process.join)
+            raise hello.error
+        assert isinstance(hello, Ready), hello
+        self._started = _Started(hello.info, hello.limits, hello.max_total_tokens, hello.snapshot)
+        log.info("engine process %d ready", self._process.pid)
+        threading.Thread(target=self._read, name="textgen-engine-reader", daemon=True).start()
+        threading.Thread(target=self._write, name="textgen-engine-writer", daemon=True).start()
+
+    @property
+    def _ready(self) -> _Started:
+        if self._started is None:
+            raise RuntimeError("ProcessScheduler.start() was not awaited")
+        return self._started
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._ready.info
+
+    @property
+    def limits(self) -> SchedulerLimits:
+        return self._ready.limits
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self._ready.max_total_tokens
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    # -- requests ----------------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Hand a request to the engine process; raises InvalidRequest, QueueFull, Draining or
+        EngineFailure at once. Call on the event loop."""
+        started = self._ready
+        rid = request.request_id
+        if self.exited is not None and self.exited.done():
+            raise EngineFailure(f"request {rid}: the engine process has exited; the server is stopping")
+        if self._draining:
+            raise draining(rid)
+        self._handles.check_free(rid)
+        validate_request(request, started.info.vocab_size, started.max_total_tokens)
+        if self._waiting >= started.limits.max_queue:
+            self._rejected += 1
+            raise queue_full(rid, started.limits.max_queue)
+        assert self._loop is not None
+        self._post(Submit(request))
+        self._sent += 1
+        return self._handles.open(rid, self._loop, lambda: self._post(Cancel(rid)))
+
+    @property
+    def _waiting(self) -> int:
+        """Requests queued in the engine process as of its latest output, and those sent since."""
+        return self._ready.snapshot.waiting + self._sent - self._received
+
+    def snapshot(self) -> SchedulerSnapshot:
+        """The engine process's scheduler after its latest step (the queue counts what was sent since)."""
+        latest = self._ready.snapshot
+        outcomes = dict(latest.outcomes)
+        if self._rejected:
+            outcomes["rejected"] = outcomes.get("rejected", 0) + self._rejected
+        return replace(latest, waiting=self._waiting, outcomes=outcomes)
+
+    def steps(self) -> list[StepRecord]:
+        return list(self._steps)
+
+    # -- stop --------------------------------------------------------------------------------------------
+    async def drain(self, grace_seconds: float) -> None:
+        """Stop admitting, let running requests finish within the grace period, fail the rest, stop the
+        engine process (killed if it does not exit within STOP_TIMEOUT_SECONDS)."""
+        self._draining = True
+        if self._process is None:
+            return
+        self._post(RejectWaiting())
+        deadline = time.monotonic() + grace_seconds
+        while len(self._handles) and time.monotonic() < deadline and not self._closed.is_set():
+            await asyncio.sleep(0.01)
+        self._stopping = True
+        self._post(Stop())
+        self._post(None)
+        try:
+            await asyncio.wait_for(self._closed.wait(), STOP_TIMEOUT_SECONDS)
+        except TimeoutError:
+            log.error("the engine process did not stop within %.0f s; killing it", STOP_TIMEOUT_SECONDS)
+            self._process.kill()
+        await asyncio.to_thread(self._process.join)
+        self._handles.fail_all(draining)
+
+    # -- the pipe ----------------------------------------------------------------------------------------
+    def _post(self, command: Command | None) -> None:
+        """Queue a command for the writer thread: a full pipe (the engine busy with a long step) must not
+        block the event loop."""
+        self._outbox.put(command)
+
+    def _write(self) -> None:
+        assert self._conn is not None
+        while (command := self._outbox.get()) is not None:
+            try:
+                self._conn.send(command)
+            except OSError:  # the engine process is gone; the reader reports it
+                return
+
+    def _read(self) -> None:
+        assert self._conn is not None and self._loop is not None
+        while True:
+            try:
+                output = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if not self._call_soon(self._receive, output):
+                return
+        self._call_soon(self._on_closed)
+
+    def _call_soon(self, callback: Callable[..., None], *args: Any) -> bool:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop closed without draining us
+            return False
+        return True
+
+    def _receive(self, output: StepOutput) -> None:
+        if self._metrics is not None:
+            replay(self._metrics, output.metric_calls)
+        self._steps.extend(output.steps)
+        self._ready.snapshot = output.snapshot
+        self._received = output.received
+        self._handles.deliver(output.outcomes)
+
+    def _on_closed(self) -> None:
+        self._closed.set()
+        self._post(None)
+        if self._stopping:
+            return
+        assert self._process is not None and self.exited is not None
+        self._process.join(1.0)
+        reason = f"the engine process exited unexpectedly (exit code {self._process.exitcode})"
+        log.error("%s; failing %d requests in flight", reason, len(self._handles))
+        self._handles.fail_all(lambda rid: EngineFailure(f"request {rid}: {reason}"))
+        if not self.exited.done():
+            self.exited.set_result(reason)

@@ -1,0 +1,166 @@
+"""The engine process's side: build the engine, then run `BatchRunner` over it in a plain loop, serving the
+commands that come over the pipe (serve/scheduling/messages.py). serve/scheduling/engine_client.py is the
+server's side; together they are vLLM v1's engine core.
+
+In one process, the engine thread's Python between two ONNX Runtime calls (sampling, stopping,
+detokenization, step records) and the event loop's (a gRPC message per stream and token, tokenizing
+prompts) take turns on one GIL, so every message the server writes can hold the next engine step back. Here
+the child process runs the runner as the offline API does; the server's process keeps what faces the
+clients: validation, the request handles, metrics. The child ignores SIGINT and SIGTERM (the server drains
+it) and exits when the pipe closes, so it never outlives the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import signal
+import time
+from multiprocessing.connection import Connection
+
+from serve.engine.engine import open_engine
+from serve.errors import TextgenError
+from serve.process import configure_logging, freeze_startup_objects, pin_process
+from serve.scheduling.handles import Outcome
+from serve.scheduling.messages import (
+    Cancel,
+    Command,
+    EngineSpec,
+    Failed,
+    MetricCall,
+    Ready,
+    RejectWaiting,
+    StepOutput,
+    Stop,
+    Submit,
+)
+from serve.scheduling.runner import BatchRunner, Delivery, StepRecord, draining_error, outcomes
+
+log = logging.getLogger("textgen.engine_process")
+
+# The longest step records and metric calls wait to go with outcomes. A small model's decode step takes
+# ~1 ms, and unary requests have nothing to deliver in most steps: a message per step cost the engine
+# process ~8% of its time (pickling, the pipe) and woke the server's event loop a thousand times a second.
+FLUSH_SECONDS = 0.01
+
+
+class MetricRecorder:
+    """`EngineMetrics` that only records the calls, for the server's process to replay on its `Metrics`:
+    a call costs a tuple here instead of a lock and a histogram bucket search between engine steps."""
+
+    def __init__(self) -> None:
+        self.calls: list[MetricCall] = []
+
+    def on_admitted(self, queue_seconds: float) -> None:
+        self.calls.append(("on_admitted", (queue_seconds,)))
+
+    def on_first_token(self, ttft_seconds: float) -> None:
+        self.calls.append(("on_first_token", (ttft_seconds,)))
+
+    def on_token(self, inter_token_seconds: float) -> None:
+        self.calls.append(("on_token", (inter_token_seconds,)))
+
+    def on_finished(
+        self, reason: str, prompt_tokens: int, generation_tokens: int, cached_prompt_tokens: int
+    ) -> None:
+        self.calls.append(("on_finished", (reason, prompt_tokens, generation_tokens, cached_prompt_tokens)))
+
+    def on_step(self, phase: str, batch_size: int, padding_ratio: float, seconds: float) -> None:
+        self.calls.append(("on_step", (phase, batch_size, padding_ratio, seconds)))
+
+    def set_load(self, running: int, waiting: int, kv_used: int, kv_capacity: int) -> None:
+        self.calls.append(("set_load", (running, waiting, kv_used, kv_capacity)))
+
+    def take(self) -> list[MetricCall]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def engine_main(conn: Connection, spec: EngineSpec) -> None:
+    """The child's entry point: build the engine, say so, then serve commands until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    configure_logging(spec.log_level)
+    if spec.cpus is not None:
+        pin_process(spec.cpus)  # before ONNX Runtime starts its threads, which inherit it
+    recorder = MetricRecorder()
+    try:
+        engine = open_engine(spec.bundle, spec.engine)
+        scheduled = spec.wrap(engine) if spec.wrap else engine
+        runner = BatchRunner(scheduled, spec.limits.resolve(engine), recorder)
+    except Exception as exc:
+        conn.send(Failed(_picklable(exc)))
+        return
+    log.info("engine process: froze %d start-up objects", freeze_startup_objects())
+    conn.send(Ready(engine.info, runner.limits, runner.max_total_tokens, runner.snapshot()))
+    try:
+        _EngineLoop(conn, runner, recorder).run()
+    except (EOFError, BrokenPipeError):  # the server's process is gone: nobody is left to serve
+        log.warning("the server closed the engine pipe; the engine process exits")
+
+
+def _picklable(exc: Exception) -> Exception:
+    try:
+        pickle.dumps(exc)
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+class _EngineLoop:
+    def __init__(self, conn: Connection, runner: BatchRunner, recorder: MetricRecorder) -> None:
+        self._conn = conn
+        self._runner = runner
+        self._recorder = recorder
+        self._received = 0
+        self._last_step: StepRecord | None = None
+        self._steps: list[StepRecord] = []  # run since the last output
+        self._sent_at = 0.0
+
+    def run(self) -> None:
+        while True:
+            if self._runner.idle:
+                self._conn.poll(None)  # nothing to step: sleep until the server sends something
+            deliveries: list[Delivery] = []
+            while self._conn.poll():
+                command: Command = self._conn.recv()
+                if isinstance(command, Stop):
+                    self._send_now(outcomes(self._runner.abort(draining_error)))
+                    return
+                deliveries += self._command(command)
+            if not self._runner.idle:
+                deliveries += self._runner.safe_step()
+            self._send(deliveries)
+
+    def _command(self, command: Command) -> list[Delivery]:
+        if isinstance(command, Submit):
+            self._received += 1
+            request = command.request
+            try:  # the server checked both already; this is the scheduler's own word
+                self._runner.enqueue(self._runner.track(request))
+            except TextgenError as exc:
+                self._send_now([(request.request_id, exc)])
+        elif isinstance(command, Cancel):
+            self._runner.request_cancel(command.request_id)
+        elif isinstance(command, RejectWaiting):
+            return self._runner.reject_waiting(draining_error)
+        else:
+            raise ValueError(f"unknown engine process command {command!r}")
+        return []
+
+    def _send(self, deliveries: list[Delivery]) -> None:
+        step = self._runner.last_step
+        if step is not None and step is not self._last_step:
+            self._steps.append(step)
+            self._last_step = step
+        done = outcomes(deliveries)
+        if done or self._runner.idle or time.monotonic() - self._sent_at >= FLUSH_SECONDS:
+            self._send_now(done)
+
+    def _send_now(self, done: list[Outcome]) -> None:
+        calls = self._recorder.take()
+        if not (done or calls or self._steps):
+            return
+        steps, self._steps = tuple(self._steps), []
+        self._conn.send(StepOutput(done, calls, self._runner.snapshot(), steps, self._received))
+        self._sent_at = time.monotonic()

@@ -1,0 +1,69 @@
+"""What the scheduling layer needs of an engine and of a metrics sink: `serve.engine.engine.Engine` and
+`serve.api.metrics.Metrics` satisfy them, and the tests' fakes do too, so the scheduler is tested without a
+model. The planner reads only `EngineView`, so the admission policy is tested without an engine at all."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import tokenizers
+
+if TYPE_CHECKING:
+    from serve.engine.types import NewSequence, TokenOut
+
+
+@runtime_checkable  # so tests can check that fakes and stand-ins honour it
+class EngineView(Protocol):
+    """What the planner (serve/scheduling/planner.py) reads of the engine to decide a step: its prefix cache,
+    and the prefills it has in progress. Reads only: planning never changes the engine."""
+
+    def cached_tokens(self, prompt_ids: Sequence[int]) -> int: ...
+    @property
+    def staged_id(self) -> str | None: ...  # the sequence prefilled in chunks (None: none)
+    @property
+    def staged_done(self) -> int: ...  # its prompt tokens prefilled so far
+    @property
+    def background_ids(self) -> list[str]: ...  # the group prefilling beside the decode steps
+    @property
+    def background_done(self) -> bool: ...  # its run is over: joining it will not wait
+
+
+@runtime_checkable
+class BatchEngine(EngineView, Protocol):
+    """What the scheduler needs from `serve.engine.engine.Engine`: the view the planner decides on, the sizes
+    that validate requests and report load, and the calls that run a plan."""
+
+    @property
+    def max_batch_size(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_token_id(self) -> int: ...
+    @property
+    def tokenizer(self) -> tokenizers.Tokenizer: ...
+    def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]: ...
+    def continue_prefill(self) -> list[TokenOut]: ...
+    def begin_prefill(self, new: Sequence[NewSequence]) -> None: ...
+    def end_prefill(self) -> tuple[list[TokenOut], float]: ...
+    def decode(self) -> list[TokenOut]: ...
+    def release(self, seq_ids: Iterable[str]) -> None: ...
+    @property
+    def batch_size(self) -> int: ...
+    def kv_shape(self) -> tuple[int, ...]: ...
+
+
+class EngineMetrics(Protocol):
+    """The metric hooks the engine's side calls (serve.api.metrics.Metrics; in an engine process, a recorder
+    whose calls the server's process replays)."""
+
+    def on_admitted(self, queue_seconds: float) -> None: ...
+    def on_first_token(self, ttft_seconds: float) -> None: ...
+    def on_token(self, inter_token_seconds: float) -> None: ...
+    def on_finished(
+        self, reason: str, prompt_tokens: int, generation_tokens: int, cached_prompt_tokens: int
+    ) -> None: ...
+    def on_step(self, phase: str, batch_size: int, padding_ratio: float, seconds: float) -> None: ...
+    def set_load(self, running: int, waiting: int, kv_used: int, kv_capacity: int) -> None: ...

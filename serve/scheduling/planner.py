@@ -1,0 +1,285 @@
+"""`Planner`: what the next engine step does, decided without calling the engine.
+
+The planning half of a runner step, as vLLM v1's `Scheduler.schedule()` or ONNX Runtime GenAI's PlanStep: it
+reads the runner's state (`RunnerState`) and what the engine reports (`EngineView`: prefix-cache hits, the
+prefill in progress) and returns a frozen `StepPlan`. `BatchRunner` (runner.py) then makes the plan's engine
+call and takes its tokens (`update_from_output`, CommitStep). Nothing here calls the engine, so the admission
+policy is tested against a stand-in for the view alone.
+
+Admission policy, evaluated between every two engine steps:
+- FCFS: the oldest waiting request heads the next prefill group; when it does not fit, nobody overtakes it,
+  so the running batch drains until it does (a long prompt cannot be starved by a stream of short ones).
+- Padding-aware grouping: younger requests join the head's group while the group's padding
+  (rows x longest prompt vs. the sum of lengths) stays within `max_padding_ratio` and the group's padded
+  size within `max_prefill_tokens` (large arrivals are split over several steps; a single prompt larger
+  than the budget is prefilled alone).
+- Chunked prefill (`prefill_chunk_tokens`): while others decode, a prefill step computes at most that many
+  prompt tokens. Arrivals that fit go together and the rest wait for the next prefill step (which follows
+  a decode step); a prompt longer than that is prefilled alone, that many tokens a step, with decode
+  steps in between (the engine continues one sequence at a time).
+- Prefill beside the decode steps (`prefill_beside_decode`, off by default): while others decode, a group
+  with no prefix-cache hit and nothing to chunk is prefilled on the engine's own thread for it
+  (`Engine.begin_prefill`) and every step decodes the running rows meanwhile; the first step after its run
+  is over joins it (`end_prefill`) and may begin the next group. One such group at a time.
+- KV budget: every request reserves prompt + max_new_tokens; the batch's padded footprint
+  rows x largest reservation must stay within `max_batch_tokens`. Decode pads every row to the longest
+  context, so this bounds every step; a long request gives its share back as soon as it leaves.
+- Running streams are never stalled by two prefills in a row, and a partial group waits up to
+  `max_wait_seconds` for company while others are decoding (no wait when the engine is idle).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from serve.scheduling.engine_protocol import EngineView
+from serve.scheduling.limits import SchedulerLimits
+from serve.scheduling.request import RequestTracker
+
+
+class StepKind(enum.Enum):
+    """What a planned step asks of the engine."""
+
+    IDLE = "idle"  # nothing: no row decodes and nobody may be admitted
+    DECODE = "decode"  # one token for every row past its prefill
+    PREFILL = "prefill"  # admit a group, prefill it between decode steps (a lone long prompt: its 1st piece)
+    CONTINUE_PREFILL = "continue_prefill"  # the next piece of the prompt the engine prefills in chunks
+    BEGIN_BACKGROUND = "begin_background"  # admit a group, prefill it beside the decode steps, and decode
+    END_BACKGROUND = "end_background"  # join the group prefilled beside the decode steps
+
+
+class StepShape(NamedTuple):
+    """A step record's sizes: its rows, the token slots computed (padding included), the tokens among them."""
+
+    rows: int
+    padded_tokens: int
+    real_tokens: int
+
+
+NO_STEP = StepShape(0, 0, 0)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's decision. `group`: the rows prefilled (PREFILL and BEGIN_BACKGROUND: admitted now, with
+    `cached` prompt tokens each from the prefix cache; CONTINUE_PREFILL: the staged one; END_BACKGROUND: those
+    still running of the group joined); `decoded`: the rows decoded (DECODE, BEGIN_BACKGROUND)."""
+
+    kind: StepKind
+    group: tuple[RequestTracker, ...] = ()
+    cached: tuple[int, ...] = ()
+    chunk: int = 0  # PREFILL: the engine prefills a lone longer prompt this many tokens a step (0: whole)
+    prefill_sizes: StepShape = NO_STEP  # its prefill's record (BEGIN_BACKGROUND: written by END_BACKGROUND)
+    decoded: tuple[RequestTracker, ...] = ()
+    decode_sizes: StepShape = NO_STEP
+
+    @property
+    def admitted(self) -> tuple[RequestTracker, ...]:
+        """The waiting requests this plan moves into the running set."""
+        return self.group if self.kind in (StepKind.PREFILL, StepKind.BEGIN_BACKGROUND) else ()
+
+
+IDLE = StepPlan(StepKind.IDLE)
+
+
+@dataclass(frozen=True)
+class RunnerState:
+    """What the planner reads of the runner, taken after the step's sweep of cancelled and expired ones."""
+
+    running: tuple[RequestTracker, ...]  # admitted and not ended, in admission order
+    last_phase: str  # of the latest prefill or decode call: prefill | decode | "" (none yet)
+    now: float  # time.monotonic() at the step's start
+    waiting: tuple[RequestTracker, ...] = ()  # oldest first
+    background: StepShape = NO_STEP  # the record of the group prefilling beside the decode steps
+
+
+class Planner:
+    """The admission policy (module docstring) over a runner's state and its engine's reports."""
+
+    def __init__(self, limits: SchedulerLimits, engine: EngineView) -> None:
+        self.limits = limits
+        self.engine = engine
+
+    def join(self, state: RunnerState) -> StepPlan | None:
+        """The plan that joins the group prefilled beside the decode steps, first in a step, once its run is
+        over or when nothing else decodes (the join then waits for it); None: nothing to join now. Apart from
+        `plan` because a step may do both: the joined rows decode, and the next group may begin, at once."""
+        ids = self.engine.background_ids
+        if not ids or not (self.engine.background_done or not self._decoding(state)):
+            return None
+        running = {t.request_id: t for t in state.running}
+        group = tuple(running[i] for i in ids if i in running)  # the cancelled ones left already
+        return StepPlan(StepKind.END_BACKGROUND, group, prefill_sizes=state.background)
+
+    def plan(self, state: RunnerState) -> StepPlan:
+        """This step's plan, after any join (`join`); never END_BACKGROUND."""
+        decoding = self._decoding(state)
+        staged = self._staged(state)
+        if staged is not None:
+            if decoding and state.last_phase == "prefill":
+                return self._decode(state)  # the decoders are not stalled by two prefill pieces in a row
+            return self._continue(staged)
+        group = None if self.engine.background_ids else self._select(state)
+        if group is not None:
+            return self._begin(state, group) if self._beside(group, decoding) else self._prefill(state, group)
+        return self._decode(state) if decoding else IDLE
+
+    # -- which rows are where -----------------------------------------------------------------------------
+    def _staged(self, state: RunnerState) -> RequestTracker | None:
+        """The request the engine is prefilling in chunks: it holds a row but does not decode yet."""
+        staged = self.engine.staged_id
+        return next((t for t in state.running if t.request_id == staged), None)
+
+    def _decoding(self, state: RunnerState) -> bool:
+        """Some running request is past its prefill."""
+        prefilling = (self._staged(state) is not None) + len(self.engine.background_ids)
+        return len(state.running) > prefilling
+
+    # -- admission ------------------------------------------------------------------------------------------
+    def _select(self, state: RunnerState) -> _Group | None:
+        """The next prefill group (None: decode instead)."""
+        free_rows = self.limits.batch_size - len(state.running)
+        if not state.waiting or free_rows <= 0 or (state.running and state.last_phase == "prefill"):
+            return None
+        running = _Group.of(state.running)
+        group = self._group_plus(_Group(), state.waiting[0])
+        if not self._fits_kv(running, group):
+            return None  # FCFS: nobody overtakes the head; running requests leave until it fits
+        left_out = False
+        for candidate in itertools.islice(state.waiting, 1, None):
+            if len(group.members) == free_rows:
+                break
+            bigger = self._group_plus(group, candidate)
+            if self._acceptable(running, bigger):
+                group = bigger
+            else:
+                left_out = True
+        partial = len(group.members) < free_rows and not left_out
+        waited = state.now - group.members[0].times.arrival
+        if state.running and partial and waited < self.limits.max_wait_seconds:
+            return None  # let more arrivals share this prefill instead of stalling the decoders again soon
+        return group
+
+    def _group_plus(self, group: _Group, tracker: RequestTracker) -> _Group:
+        """`group` and `tracker`, whose prefill computes only what the engine's prefix cache lacks."""
+        return group.plus(tracker, self.engine.cached_tokens(tracker.request.prompt_ids))
+
+    def _acceptable(self, running: _Group, group: _Group) -> bool:
+        """Whether a group of two or more may prefill together (the head alone always may: a prompt longer
+        than the chunk is chunked instead)."""
+        # A prefix-cache hit runs alone (one weight pass each): two in a step save nothing, and the second
+        # would hold back the first one's first token and stall the running streams twice as long.
+        # While others decode, their stall is bounded by the chunk.
+        chunk = self.limits.prefill_chunk_tokens if running.members else 0
+        return (
+            group.hits <= 1
+            and group.prefill_tokens <= self.limits.max_prefill_tokens
+            and not (chunk and group.prefill_tokens > chunk)
+            and group.padding_ratio <= self.limits.max_padding_ratio
+            and self._fits_kv(running, group)
+        )
+
+    def _fits_kv(self, running: _Group, group: _Group) -> bool:
+        rows = len(running.members) + len(group.members)
+        return rows * max(running.reserved, group.reserved) <= self.limits.batch_tokens
+
+    def _beside(self, group: _Group, decoding: bool) -> bool:
+        """Whether `group` prefills beside the decode steps: some run, no prompt has a prefix-cache hit, and
+        none is to be chunked."""
+        chunk = self.limits.prefill_chunk_tokens
+        lone = group.members[0]
+        return (
+            self.limits.prefill_beside_decode
+            and decoding
+            and not (chunk and len(group.members) == 1 and lone.prompt_len > chunk)
+            and not group.hits
+        )
+
+    # -- the plans ----------------------------------------------------------------------------------------
+    def _prefill(self, state: RunnerState, group: _Group) -> StepPlan:
+        # In pieces only while others decode: nobody is stalled when nothing else runs.
+        chunk = self.limits.prefill_chunk_tokens if state.running else 0
+        if chunk and len(group.members) == 1:  # the engine chunks a lone prompt only; the record: one piece
+            piece = min(chunk, group.members[0].prompt_len - group.cached[0])
+            sizes = StepShape(1, piece, piece)
+        else:
+            sizes = group.computed
+        return StepPlan(StepKind.PREFILL, group.members, group.cached, chunk, sizes)
+
+    def _begin(self, state: RunnerState, group: _Group) -> StepPlan:
+        # The rows decoding now decode beside it: the group joins them only at its END_BACKGROUND.
+        decode = self._decode(state)
+        return StepPlan(
+            StepKind.BEGIN_BACKGROUND,
+            group.members,
+            group.cached,
+            prefill_sizes=group.computed,
+            decoded=decode.decoded,
+            decode_sizes=decode.decode_sizes,
+        )
+
+    def _continue(self, staged: RequestTracker) -> StepPlan:
+        piece = min(self.limits.prefill_chunk_tokens, staged.prompt_len - self.engine.staged_done)
+        return StepPlan(StepKind.CONTINUE_PREFILL, (staged,), prefill_sizes=StepShape(1, piece, piece))
+
+    def _decode(self, state: RunnerState) -> StepPlan:
+        prefilling = {*self.engine.background_ids, self.engine.staged_id}
+        rows = tuple(t for t in state.running if t.request_id not in prefilling)
+        contexts = [t.context for t in rows]
+        sizes = StepShape(len(rows), len(rows) * max(contexts), sum(contexts))
+        return StepPlan(StepKind.DECODE, decoded=rows, decode_sizes=sizes)
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Requests considered together, with the sizes admission checks (kept incrementally). The engine
+    prefills the members that start from its prefix cache one at a time, only their uncached tokens, and
+    the others as one right-padded run."""
+
+    members: tuple[RequestTracker, ...] = ()
+    cached: tuple[int, ...] = ()  # each member's prompt tokens in the prefix cache (0: a miss)
+    padded_rows: int = 0  # members prefilled together
+    longest: int = 0  # their longest prompt
+    tokens: int = 0  # their prompt tokens, summed
+    hits: int = 0  # members that start from the prefix cache
+    alone: int = 0  # their uncached prompt tokens
+    reserved: int = 0  # the largest prompt + max_new_tokens
+
+    @classmethod
+    def of(cls, trackers: Iterable[RequestTracker]) -> _Group:
+        """For the KV budget only (`reserved`): prefix cache hits are not looked up."""
+        group = cls()
+        for tracker in trackers:
+            group = group.plus(tracker, 0)
+        return group
+
+    def plus(self, tracker: RequestTracker, cached: int) -> _Group:
+        members, reserved = (*self.members, tracker), max(self.reserved, tracker.reserved_tokens)
+        held = (*self.cached, cached)
+        if cached:
+            alone = self.alone + tracker.prompt_len - cached
+            return _Group(
+                members, held, self.padded_rows, self.longest, self.tokens, self.hits + 1, alone, reserved
+            )
+        longest, tokens = max(self.longest, tracker.prompt_len), self.tokens + tracker.prompt_len
+        return _Group(members, held, self.padded_rows + 1, longest, tokens, self.hits, self.alone, reserved)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Token slots the prefill computes, padding included."""
+        return self.padded_rows * self.longest + self.alone
+
+    @property
+    def padding_ratio(self) -> float:
+        padded = self.padded_rows * self.longest
+        return 1.0 - self.tokens / padded if padded else 0.0
+
+    @property
+    def computed(self) -> StepShape:
+        """The record of a prefill of the whole group: the misses padded together, each hit's uncached part
+        alone."""
+        return StepShape(len(self.members), self.prefill_tokens, self.tokens + self.alone)

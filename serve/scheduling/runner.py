@@ -1,0 +1,436 @@
+"""`BatchRunner`: the synchronous core of continuous batching, one engine step at a time.
+
+A step drops cancelled and expired requests, asks the planner (planner.py, where the admission policy is
+described) what to do, makes the plan's engine call, and takes its tokens: stopping through
+`RequestTracker`, failure isolation (a failed call fails exactly the plan's requests), step records. The
+split follows vLLM v1's `schedule()` / `update_from_output()`: the policy is tested without an engine.
+The offline API drives the runner in a plain loop; `Scheduler` runs it on ONE dedicated thread (ONNX
+Runtime releases the GIL while it computes) and hands events to the event loop with
+`loop.call_soon_threadsafe`, one call per step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+from serve.errors import Cancelled, DeadlineExceeded, Draining, EngineFailure, QueueFull, TextgenError
+from serve.scheduling.engine_protocol import BatchEngine, EngineMetrics
+from serve.scheduling.handles import Outcome
+from serve.scheduling.limits import SchedulerLimits
+from serve.scheduling.planner import NO_STEP, Planner, RunnerState, StepKind, StepPlan, StepShape
+from serve.scheduling.request import (
+    Event,
+    FinishEvent,
+    GenerationRequest,
+    RequestState,
+    RequestTracker,
+    validate_request,
+)
+
+if TYPE_CHECKING:
+    from serve.engine.types import NewSequence, TokenOut
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step. `padded_tokens`: token slots it computed, padding included (decode: rows x longest
+    context; prefill: rows prefilled together x their longest prompt, plus the uncached tokens of each
+    prefix-cache hit, which runs alone); `real_tokens`: the tokens among them."""
+
+    phase: str  # prefill | decode
+    rows: int
+    padded_tokens: int
+    real_tokens: int
+    seconds: float
+
+    @property
+    def padding_ratio(self) -> float:
+        return 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    running: int
+    waiting: int
+    kv_slots_used: int
+    kv_slots_capacity: int
+    kv_tokens_reserved: int  # sum of running requests' prompt + max_new_tokens
+    batch_size: int  # the engine's rows in use after the last step
+    kv_shape: tuple[int, ...]  # the engine's live KV view after the last step
+    outcomes: dict[str, int]  # finished / cancelled / expired / failed / rejected
+
+
+Delivery = tuple[RequestTracker, "Event | TextgenError"]
+
+
+class BatchRunner:
+    """Admission and engine steps; every method but `enqueue`, `reject_waiting`, `wake` runs on one thread."""
+
+    def __init__(
+        self, engine: BatchEngine, limits: SchedulerLimits, metrics: EngineMetrics | None = None
+    ) -> None:
+        self.engine = engine
+        self.limits = limits
+        self._metrics = metrics
+        self._cv = threading.Condition()  # guards _waiting; wakes the engine thread
+        self._stats_lock = threading.Lock()  # guards _steps and _outcomes (read by other threads)
+        self._waiting: deque[RequestTracker] = deque()
+        self._running: dict[str, RequestTracker] = {}  # insertion order is not the engine's row order
+        self._steps: deque[StepRecord] = deque(maxlen=limits.step_history)
+        self._outcomes: Counter[str] = Counter()
+        self._planner = Planner(limits, engine)
+        self._last_phase = ""  # of the latest prefill or decode call: no two prefills in a row
+        self._background = NO_STEP  # the record the prefill beside the decode steps writes once joined
+        self._partial: list[Delivery] = []
+        self._load = _Load(0, engine.batch_size, engine.kv_shape(), 0)
+        self.last_step: StepRecord | None = None  # the latest step's record (replaced, never mutated)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most KV tokens one request may occupy: its slot, and the whole batch budget at most."""
+        return min(self.engine.capacity, self.limits.batch_tokens)
+
+    def track(self, request: GenerationRequest, *, stop_at_context: bool = False) -> RequestTracker:
+        """Validate a request (InvalidRequest) and start its state machine."""
+        validate_request(
+            request, self.engine.vocab_size, self.max_total_tokens, stop_at_context=stop_at_context
+        )
+        return RequestTracker(
+            request, self.engine.tokenizer, self.engine.eos_token_id, self.max_total_tokens, time.monotonic()
+        )
+
+    # -- called from any thread -------------------------------------------------------------------------
+    def enqueue(self, tracker: RequestTracker) -> None:
+        with self._cv:
+            if len(self._waiting) >= self.limits.max_queue:
+                self.count("rejected")
+                raise queue_full(tracker.request_id, self.limits.max_queue)
+            self._waiting.append(tracker)
+            self._cv.notify()
+
+    def reject_waiting(self, error: Callable[[RequestTracker], TextgenError]) -> list[Delivery]:
+        """Fail every queued request (used when draining: they can be retried elsewhere at once)."""
+        with self._cv:
+            rejected = list(self._waiting)
+            self._waiting.clear()
+        deliveries: list[Delivery] = []
+        self._fail_all(rejected, error, deliveries)
+        return deliveries
+
+    def request_cancel(self, request_id: str) -> None:
+        """Mark a queued or running request cancelled: it leaves at the next step (no effect once ended)."""
+        with self._cv:
+            tracker = self._running.get(request_id) or next(
+                (t for t in self._waiting if t.request_id == request_id), None
+            )
+        if tracker is not None:
+            tracker.request_cancel()
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def wait_for_work(self, stop: Callable[[], bool]) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: bool(self._running or self._waiting) or stop())
+
+    @property
+    def idle(self) -> bool:
+        return not self._running and not self._waiting
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def count(self, outcome: str) -> None:
+        with self._stats_lock:
+            self._outcomes[outcome] += 1
+
+    def steps(self) -> list[StepRecord]:
+        with self._stats_lock:
+            return list(self._steps)
+
+    def snapshot(self) -> SchedulerSnapshot:
+        load = self._load  # one object, replaced whole by the engine thread after every step
+        with self._stats_lock:
+            outcomes = dict(self._outcomes)
+        return SchedulerSnapshot(
+            running=load.running,
+            waiting=len(self._waiting),
+            kv_slots_used=load.batch_size,
+            kv_slots_capacity=self.engine.max_batch_size,
+            kv_tokens_reserved=load.reserved,
+            batch_size=load.batch_size,
+            kv_shape=load.kv_shape,
+            outcomes=outcomes,
+        )
+
+    # -- the engine thread ---------------------------------------------------------------------------------
+    def step(self) -> list[Delivery]:
+        """Drop cancelled/expired requests, join a prefill beside the decode steps once due, then run the
+        step's plan: one prefill (admission) or one decode step."""
+        deliveries: list[Delivery] = []
+        self._partial = deliveries  # what `abort` still owes the callers should this step raise
+        now = time.monotonic()
+        self._leave(self._sweep(list(self._running.values()), now, deliveries))
+        joining = self._planner.join(self._state(now))  # reads no queue: the lock is not needed yet
+        if joining is not None:
+            self._execute(joining, deliveries)  # the next group may begin beside this step's decode at once
+        with self._cv:
+            self._drop_waiting(self._sweep(list(self._waiting), now, deliveries))
+            plan = self._planner.plan(self._state(now, tuple(self._waiting)))
+            self._drop_waiting(plan.admitted)
+        self._execute(plan, deliveries)
+        self._publish_load()
+        self._partial = []
+        return deliveries
+
+    def safe_step(self) -> list[Delivery]:
+        """`step`; a scheduler bug fails every request in flight instead of leaving its callers waiting."""
+        try:
+            return self.step()
+        except Exception:
+            log.exception("scheduler step failed; failing every request in flight")
+            return self.abort(_internal_error)
+
+    def abort(self, error: Callable[[RequestTracker], TextgenError]) -> list[Delivery]:
+        """Fail everything queued or running (draining past its grace, or a scheduler bug)."""
+        deliveries = [*self._partial, *self.reject_waiting(error)]
+        self._partial = []
+        running = list(self._running.values())
+        self._fail_all(running, error, deliveries)
+        self._leave(running)
+        self._publish_load()
+        return deliveries
+
+    def _sweep(self, trackers: list[RequestTracker], now: float, out: list[Delivery]) -> list[RequestTracker]:
+        gone: list[RequestTracker] = []
+        for tracker in trackers:
+            if tracker.cancel_requested:
+                tracker.end(RequestState.CANCELLED, now)
+                out.append((tracker, Cancelled(f"request {tracker.request_id} was cancelled")))
+            elif tracker.expired(now):
+                tracker.end(RequestState.EXPIRED, now)
+                out.append((tracker, DeadlineExceeded(_deadline_message(tracker))))
+            else:
+                continue
+            self.count(tracker.state.value)
+            gone.append(tracker)
+        return gone
+
+    def _drop_waiting(self, trackers: Sequence[RequestTracker]) -> None:
+        if trackers:
+            taken = {id(t) for t in trackers}
+            self._waiting = deque(t for t in self._waiting if id(t) not in taken)
+
+    def _state(self, now: float, waiting: tuple[RequestTracker, ...] = ()) -> RunnerState:
+        """What the planner decides on; `waiting` is read under the lock (other threads enqueue)."""
+        running = tuple(self._running.values())
+        return RunnerState(running, self._last_phase, now, waiting, self._background)
+
+    def _execute(self, plan: StepPlan, deliveries: list[Delivery]) -> None:
+        """Make the plan's engine call(s) and take their tokens."""
+        match plan.kind:
+            case StepKind.PREFILL:
+                self._prefill(plan, deliveries)
+            case StepKind.CONTINUE_PREFILL:
+                call = self.engine.continue_prefill
+                self._run_step("prefill", plan.group, plan.prefill_sizes, call, deliveries)
+            case StepKind.BEGIN_BACKGROUND:
+                if self._begin_background(plan, deliveries):
+                    self._decode(plan, deliveries)
+            case StepKind.END_BACKGROUND:
+                self._end_background(plan, deliveries)
+            case StepKind.DECODE:
+                self._decode(plan, deliveries)
+            case StepKind.IDLE:
+                pass
+
+    def _admit(self, plan: StepPlan) -> list[NewSequence]:
+        now = time.monotonic()
+        for tracker, cached in zip(plan.group, plan.cached, strict=True):
+            queued = tracker.admit(now, cached)
+            self._running[tracker.request_id] = tracker
+            if self._metrics is not None:
+                self._metrics.on_admitted(queued)
+        return [t.new_sequence() for t in plan.group]
+
+    def _prefill(self, plan: StepPlan, deliveries: list[Delivery]) -> None:
+        new = self._admit(plan)
+        call = functools.partial(self.engine.prefill, new, plan.chunk)
+        self._run_step("prefill", plan.group, plan.prefill_sizes, call, deliveries)
+
+    def _begin_background(self, plan: StepPlan, deliveries: list[Delivery]) -> bool:
+        """Start the plan's group prefilling beside the decode steps; False: it failed (and so did they)."""
+        new = self._admit(plan)
+        try:
+            self.engine.begin_prefill(new)
+        except Exception as exc:
+            log.exception("engine prefill failed to start for %d requests", len(plan.group))
+            self._fail(plan.group, "the engine failed during prefill", exc, deliveries)
+            return False
+        self._background = plan.prefill_sizes
+        return True
+
+    def _end_background(self, plan: StepPlan, deliveries: list[Delivery]) -> None:
+        """Join the group prefilled beside the decode steps (waits for it if nothing else runs)."""
+        try:
+            outs, seconds = self.engine.end_prefill()
+        except Exception as exc:
+            log.exception("engine prefill failed for %d requests", len(plan.group))
+            self._fail(plan.group, "the engine failed during prefill", exc, deliveries)
+            return
+        self._record("prefill", plan.prefill_sizes, seconds)
+        self._accept(outs, deliveries)
+
+    def _decode(self, plan: StepPlan, deliveries: list[Delivery]) -> None:
+        self._run_step("decode", plan.decoded, plan.decode_sizes, self.engine.decode, deliveries)
+
+    def _run_step(
+        self,
+        phase: str,
+        trackers: Sequence[RequestTracker],
+        sizes: StepShape,
+        call: Callable[[], list[TokenOut]],
+        deliveries: list[Delivery],
+    ) -> None:
+        self._last_phase = phase
+        start = time.perf_counter()
+        try:
+            outs = call()
+        except Exception as exc:  # ONNX Runtime errors: fail exactly this step's requests, keep serving
+            log.exception("engine %s step failed for %d requests", phase, len(trackers))
+            self._fail(trackers, f"the engine failed during {phase}", exc, deliveries)
+            return
+        self._record(phase, sizes, time.perf_counter() - start)
+        self._accept(outs, deliveries)
+
+    def _record(self, phase: str, sizes: StepShape, seconds: float) -> None:
+        record = StepRecord(phase, *sizes, seconds)
+        with self._stats_lock:
+            self._steps.append(record)
+        self.last_step = record
+        if self._metrics is not None:
+            self._metrics.on_step(phase, record.rows, record.padding_ratio, record.seconds)
+
+    def _accept(self, outs: list[TokenOut], deliveries: list[Delivery]) -> None:
+        now = time.monotonic()
+        finished: list[RequestTracker] = []
+        for out in outs:
+            tracker = self._running[out.seq_id]
+            previous = tracker.times.last_token
+            try:
+                token, finish = tracker.accept(out.token_id, out.logprob, now, out.top, out.prompt)
+            except Exception as exc:  # e.g. a token the tokenizer cannot decode: only this request fails
+                log.exception("request %s: could not process token %d", tracker.request_id, out.token_id)
+                self._fail([tracker], "its output could not be processed", exc, deliveries)
+                continue
+            if self._metrics is not None:
+                if previous is None:
+                    self._metrics.on_first_token(now - tracker.times.arrival)
+                else:
+                    self._metrics.on_token(now - previous)
+            token = tracker.pace(token, now, self.limits.stream_interval_seconds, flush=finish is not None)
+            if token is not None:
+                deliveries.append((tracker, token))
+            if finish is not None:
+                deliveries.append((tracker, finish))
+                finished.append(tracker)
+                self._on_finished(finish)
+        self._leave(finished)
+
+    def _on_finished(self, finish: FinishEvent) -> None:
+        self.count("finished")
+        if self._metrics is not None:
+            self._metrics.on_finished(
+                finish.finish_reason,
+                finish.prompt_tokens,
+                finish.completion_tokens,
+                finish.cached_prompt_tokens,
+            )
+
+    def _fail(
+        self, trackers: Sequence[RequestTracker], reason: str, exc: Exception, out: list[Delivery]
+    ) -> None:
+        def error(tracker: RequestTracker) -> TextgenError:
+            return EngineFailure(f"request {tracker.request_id}: {reason}: {type(exc).__name__}: {exc}")
+
+        self._fail_all(trackers, error, out)
+        self._leave(trackers)
+
+    def _fail_all(
+        self,
+        trackers: Sequence[RequestTracker],
+        error: Callable[[RequestTracker], TextgenError],
+        out: list[Delivery],
+    ) -> None:
+        now = time.monotonic()
+        for tracker in trackers:
+            if tracker.done:  # it ended earlier in this step; its outcome was already delivered
+                continue
+            tracker.end(RequestState.FAILED, now)
+            self.count("failed")
+            out.append((tracker, error(tracker)))
+
+    def _leave(self, trackers: Sequence[RequestTracker]) -> None:
+        joined = [t.request_id for t in trackers if self._running.pop(t.request_id, None) is not None]
+        if not joined:
+            return
+        try:
+            self.engine.release(joined)
+        except Exception:  # nothing left to fail: the requests already ended; keep serving the others
+            log.exception("engine release failed for %s", joined)
+
+    def _publish_load(self) -> None:
+        running = self._running.values()
+        self._load = _Load(
+            len(running),
+            self.engine.batch_size,
+            self.engine.kv_shape(),
+            sum(t.reserved_tokens for t in running),
+        )
+        if self._metrics is not None:
+            self._metrics.set_load(
+                self._load.running, len(self._waiting), self._load.batch_size, self.engine.max_batch_size
+            )
+
+
+class _Load(NamedTuple):
+    running: int
+    batch_size: int
+    kv_shape: tuple[int, ...]
+    reserved: int
+
+
+def _deadline_message(tracker: RequestTracker) -> str:
+    where = "while queued" if tracker.times.admitted is None else "while generating"
+    return f"request {tracker.request_id}: deadline exceeded {where}"
+
+
+def queue_full(request_id: str, max_queue: int) -> QueueFull:
+    return QueueFull(f"request {request_id}: the queue is full ({max_queue} waiting); retry later")
+
+
+def outcomes(deliveries: list[Delivery]) -> list[Outcome]:
+    return [(tracker.request_id, item) for tracker, item in deliveries]
+
+
+def draining(request_id: str) -> Draining:
+    return Draining(f"request {request_id}: the server is shutting down; retry elsewhere")
+
+
+def draining_error(tracker: RequestTracker) -> TextgenError:
+    return draining(tracker.request_id)
+
+
+def _internal_error(tracker: RequestTracker) -> TextgenError:
+    return EngineFailure(f"request {tracker.request_id}: internal scheduler error; see the server log")

@@ -1,0 +1,98 @@
+"""The layering of serve/: api -> scheduling -> engine -> onnxruntime, one direction only.
+
+Every import of every module counts, the ones inside functions and under TYPE_CHECKING too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SERVE = Path(__file__).resolve().parent.parent / "serve"
+PROTOCOLS = (
+    "grpc",
+    "grpc_health",
+    "grpc_reflection",
+    "google.protobuf",
+    "serve._proto",
+    "fastapi",
+    "starlette",
+)
+ONNX = ("onnxruntime", "onnx")
+# The engine's public value types, which the front end builds requests from and reports.
+ENGINE_TYPES = ("serve.engine.types", "serve.engine.sampling")
+
+
+def imports_of(source: str) -> set[str]:
+    """Every module a source imports (for `from a import b`: `a` and `a.b`, since b may be a module)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def is_under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def modules(room: str) -> dict[str, set[str]]:
+    """Each module of a room (a folder of serve/, or "" for the modules every layer shares: errors, bundle,
+    process) and what it imports. serve/__main__.py is the front end's entry point (`python -m serve`)."""
+    files = (
+        (SERVE / room).rglob("*.py") if room else (f for f in SERVE.glob("*.py") if f.name != "__main__.py")
+    )
+    return {
+        str(f.relative_to(SERVE.parent)): imports_of(f.read_text()) for f in files if "_proto" not in f.parts
+    }
+
+
+def offenders(room: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    found = {
+        path: sorted(m for m in imported if is_under(m, forbidden))
+        for path, imported in modules(room).items()
+    }
+    return {path: bad for path, bad in found.items() if bad}
+
+
+def test_the_checker_sees_every_kind_of_import() -> None:
+    source = (
+        "import grpc\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from serve.api import server\n"
+        "def f():\n    import onnxruntime as ort\n"
+    )
+    imported = imports_of(source)
+    assert {"grpc", "serve.api", "serve.api.server", "onnxruntime"} <= imported
+    assert is_under("serve.api.server", ("serve.api",)) and not is_under("serve.apix", ("serve.api",))
+
+
+@pytest.mark.parametrize("room", ["", "api", "scheduling", "engine"])
+def test_serve_never_imports_torch_or_export(room: str) -> None:
+    assert offenders(room, ("torch", "transformers", "export")) == {}
+
+
+@pytest.mark.parametrize("room", ["", "api", "scheduling"])
+def test_only_the_engine_imports_onnx_runtime(room: str) -> None:
+    assert offenders(room, ONNX) == {}
+
+
+@pytest.mark.parametrize("room", ["", "scheduling", "engine"])
+def test_nothing_below_the_front_end_knows_a_protocol_or_the_front_end(room: str) -> None:
+    assert offenders(room, (*PROTOCOLS, "serve.api")) == {}
+
+
+def test_the_engine_never_imports_the_layers_above_it() -> None:
+    assert offenders("engine", ("serve.scheduling", "serve.api")) == {}
+
+
+def test_the_front_end_reaches_the_engine_only_through_its_public_types() -> None:
+    reached = {
+        path: sorted(m for m in imported if is_under(m, ("serve.engine",)) and not is_under(m, ENGINE_TYPES))
+        for path, imported in modules("api").items()
+    }
+    assert {path: bad for path, bad in reached.items() if bad} == {}
+    assert modules("api"), "no front-end modules found: the test would pass on nothing"

@@ -1,0 +1,252 @@
+"""The admission policy on its own: plans from trackers and a hand-set stand-in for the engine's reports.
+
+No engine runs here; `View` is all the planner reads of one (serve/scheduling/engine_protocol.py's
+`EngineView`), so each test sets exactly the engine state it is about.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from scheduler_fakes import EOS_ID, FakeEngine, fake, letter_tokenizer
+from tokenizers import Tokenizer
+
+from serve.engine.sampling import SamplingParams
+from serve.scheduling.engine_protocol import BatchEngine, EngineView
+from serve.scheduling.limits import SchedulerLimits
+from serve.scheduling.planner import Planner, RunnerState, StepKind, StepPlan, StepShape
+from serve.scheduling.request import GenerationRequest, RequestState, RequestTracker
+
+
+@dataclass
+class View:
+    """What the planner reads of an engine, set by hand: prefix-cache hits by prompt, and the prefills in
+    progress (a chunked one, `staged_*`; one beside the decode steps, `background_*`)."""
+
+    hits: dict[tuple[int, ...], int] = field(default_factory=dict)
+    staged_id: str | None = None
+    staged_done: int = 0
+    background_ids: list[str] = field(default_factory=list)
+    background_done: bool = False
+    looked_up: list[tuple[int, ...]] = field(default_factory=list)
+
+    def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
+        self.looked_up.append(tuple(prompt_ids))
+        return self.hits.get(tuple(prompt_ids), 0)
+
+
+@functools.cache
+def tokenizer() -> Tokenizer:
+    return letter_tokenizer()
+
+
+def prompt_of(length: int, start: int = 40) -> list[int]:
+    return [start + (i % 50) for i in range(length)]
+
+
+def queued(rid: str, length: int, max_new: int = 8, arrival: float = 0.0, start: int = 40) -> RequestTracker:
+    request = GenerationRequest(rid, prompt_of(length, start), SamplingParams(), max_new, ignore_eos=True)
+    return RequestTracker(request, tokenizer(), EOS_ID, 10_000, arrival)
+
+
+def decoding(rid: str, length: int, max_new: int = 30, produced: int = 1) -> RequestTracker:
+    """A running request past its prefill, with `produced` tokens (its context: length + produced)."""
+    tracker = queued(rid, length, max_new)
+    tracker.admit(0.0)
+    letter = tokenizer().encode("a").ids[0]
+    for _ in range(produced):
+        tracker.accept(letter, -0.5, 0.0)
+    return tracker
+
+
+def limits(**kw: Any) -> SchedulerLimits:
+    kw.setdefault("max_batch_size", 4)
+    kw.setdefault("max_batch_tokens", 10_000)
+    return SchedulerLimits(**kw)
+
+
+def plan(
+    view: View,
+    running: Sequence[RequestTracker] = (),
+    waiting: Sequence[RequestTracker] = (),
+    last_phase: str = "decode",
+    now: float = 0.0,
+    **kw: Any,
+) -> StepPlan:
+    state = RunnerState(tuple(running), last_phase, now, tuple(waiting))
+    return Planner(limits(**kw), view).plan(state)
+
+
+def ids(trackers: Sequence[RequestTracker]) -> list[str]:
+    return [t.request_id for t in trackers]
+
+
+def test_nothing_to_do_is_an_idle_plan() -> None:
+    got = plan(View())
+    assert got.kind is StepKind.IDLE and got.admitted == () and got.decoded == ()
+
+
+def test_a_plan_changes_nothing_it_reads() -> None:
+    view = View()
+    waiting = [queued("a", 5), queued("b", 6)]
+    got = plan(view, waiting=waiting)
+    assert got.kind is StepKind.PREFILL and got.admitted == tuple(waiting)
+    assert all(t.state is RequestState.QUEUED for t in waiting)  # the runner admits them, not the planner
+    assert view == View(looked_up=[tuple(prompt_of(5)), tuple(prompt_of(6))])
+
+
+def test_decode_pads_every_row_to_the_longest_context() -> None:
+    rows = [decoding("r1", 3, produced=2), decoding("r2", 9, produced=1)]
+    got = plan(View(), running=rows)
+    assert got.kind is StepKind.DECODE and got.decoded == tuple(rows)
+    assert got.decode_sizes == StepShape(2, 2 * 10, 5 + 10)
+
+
+def test_an_fcfs_head_that_does_not_fit_the_kv_budget_blocks_younger_ones() -> None:
+    running = [decoding("r", 10, max_new=30)]  # reserves 40 slots
+    head, young = queued("long", 40, max_new=20), queued("short", 4, max_new=4)  # 60 and 8
+    # Two rows x the largest reservation: 2 x 60 > 100, while the short one alone would fit (2 x 40).
+    got = plan(View(), running, [head, young], max_batch_tokens=100)
+    assert got.kind is StepKind.DECODE and got.admitted == ()
+    # Once the running one has left, the head goes first (the short one would need 2 x 60 as well).
+    got = plan(View(), (), [head, young], max_batch_tokens=100)
+    assert got.kind is StepKind.PREFILL and ids(got.group) == ["long"]
+
+
+def test_padding_ratio_bounds_the_group() -> None:
+    waiting = [queued(r, n) for r, n in (("a", 10), ("b", 20), ("c", 11), ("d", 18), ("e", 12))]
+    got = plan(View(), waiting=waiting, max_padding_ratio=0.2)
+    assert ids(got.group) == ["a", "c", "e"]  # b (2 x 20 for 30 tokens) and d would pad more than 20%
+    assert got.prefill_sizes == StepShape(3, 3 * 12, 10 + 11 + 12)
+    assert ids(plan(View(), waiting=waiting, max_padding_ratio=1.0).group) == ["a", "b", "c", "d"]
+
+
+def test_max_prefill_tokens_splits_a_burst_and_a_larger_prompt_goes_alone() -> None:
+    burst = [queued(f"q{i}", 8) for i in range(6)]
+    first = plan(View(), waiting=burst, max_batch_size=8, max_prefill_tokens=24)
+    assert first.kind is StepKind.PREFILL and ids(first.group) == ["q0", "q1", "q2"]
+    assert first.prefill_sizes == StepShape(3, 24, 24)
+    big = plan(View(), waiting=[queued("big", 40), *burst], max_prefill_tokens=24)
+    assert ids(big.group) == ["big"] and big.prefill_sizes == StepShape(1, 40, 40)
+
+
+def test_no_two_prefills_in_a_row_while_others_decode() -> None:
+    running, waiting = [decoding("r", 4)], [queued("a", 5)]
+    after_prefill = plan(View(), running, waiting, last_phase="prefill")
+    assert after_prefill.kind is StepKind.DECODE and ids(after_prefill.decoded) == ["r"]
+    assert plan(View(), running, waiting, last_phase="decode").kind is StepKind.PREFILL
+    # Nobody is stalled when nothing else runs: prefills follow each other.
+    assert plan(View(), (), waiting, last_phase="prefill").kind is StepKind.PREFILL
+
+
+def test_a_lone_long_prompt_is_prefilled_in_pieces_while_others_decode() -> None:
+    r, late, other = decoding("r", 3), queued("late", 14), queued("other", 4)
+    first = plan(View(), [r], [late, other], prefill_chunk_tokens=4)
+    assert first.kind is StepKind.PREFILL and ids(first.group) == ["late"]  # 14 + 4 exceed the chunk
+    assert (first.chunk, first.prefill_sizes) == (4, StepShape(1, 4, 4))  # the record shows one piece
+    # The engine now holds it staged: the others decode between its pieces, and nobody else is admitted.
+    view = View(staged_id="late", staged_done=4)
+    between = plan(view, [r, late], [other], last_phase="prefill", prefill_chunk_tokens=4)
+    assert between.kind is StepKind.DECODE and ids(between.decoded) == ["r"]
+    piece = plan(view, [r, late], [other], last_phase="decode", prefill_chunk_tokens=4)
+    assert piece.kind is StepKind.CONTINUE_PREFILL and ids(piece.group) == ["late"]
+    assert piece.prefill_sizes == StepShape(1, 4, 4) and piece.admitted == ()
+    view.staged_done = 12
+    last = plan(view, [r, late], [other], prefill_chunk_tokens=4)
+    assert last.prefill_sizes == StepShape(1, 2, 2)
+    # Alone, the same prompt goes whole: there is no stall to bound.
+    idle = plan(View(), (), [late], prefill_chunk_tokens=4)
+    assert (idle.chunk, idle.prefill_sizes) == (0, StepShape(1, 14, 14))
+
+
+def test_a_staged_prompt_continues_at_once_when_nothing_else_decodes() -> None:
+    late = decoding("late", 14, produced=0)  # admitted, still prefilling
+    got = plan(View(staged_id="late", staged_done=4), [late], last_phase="prefill", prefill_chunk_tokens=4)
+    assert got.kind is StepKind.CONTINUE_PREFILL
+
+
+def test_arrivals_while_others_decode_are_split_to_fit_the_chunk() -> None:
+    arrivals = [queued(f"a{i}", 6, start=10 * i) for i in range(3)]
+    busy = plan(View(), [decoding("r", 3)], arrivals, prefill_chunk_tokens=8)
+    assert ids(busy.group) == ["a0"] and busy.prefill_sizes == StepShape(1, 6, 6)
+    idle = plan(View(), (), arrivals, prefill_chunk_tokens=8)
+    assert ids(idle.group) == ["a0", "a1", "a2"] and idle.chunk == 0
+
+
+def test_max_wait_holds_a_partial_group_while_others_decode() -> None:
+    running = [decoding("r", 3)]
+    b = queued("b", 4, arrival=1.0)
+    held = plan(View(), running, [b], now=1.05, max_wait_seconds=0.1)
+    assert held.kind is StepKind.DECODE and held.admitted == ()
+    assert ids(plan(View(), running, [b], now=1.1, max_wait_seconds=0.1).group) == ["b"]  # waited enough
+    assert ids(plan(View(), (), [b], now=1.05, max_wait_seconds=0.1).group) == ["b"]  # nobody to stall
+    full = [b, queued("c", 4, arrival=1.04), queued("d", 4, arrival=1.04)]  # fills the free rows
+    assert ids(plan(View(), running, full, now=1.05, max_wait_seconds=0.1).group) == ["b", "c", "d"]
+    # Company that cannot join (padding) is no reason to wait: the group is as large as it gets.
+    split = [b, queued("long", 40, arrival=1.04)]
+    assert ids(plan(View(), running, split, now=1.05, max_wait_seconds=0.1).group) == ["b"]
+
+
+def test_prefill_beside_decode_only_while_decoding_without_a_hit_or_a_chunk() -> None:
+    r, a = decoding("r", 4, produced=2), queued("a", 6)
+    on: dict[str, Any] = {"prefill_beside_decode": True, "prefill_chunk_tokens": 8}
+    beside = plan(View(), [r], [a], **on)
+    assert beside.kind is StepKind.BEGIN_BACKGROUND and beside.admitted == (a,)
+    assert beside.prefill_sizes == StepShape(1, 6, 6)  # written when it is joined
+    assert beside.decoded == (r,) and beside.decode_sizes == StepShape(1, 6, 6)  # r's context
+    assert plan(View(), (), [a], **on).kind is StepKind.PREFILL  # nothing decodes: nothing to go beside
+    hit = View(hits={tuple(a.request.prompt_ids): 3})
+    assert plan(hit, [r], [a], **on).kind is StepKind.PREFILL
+    chunked = plan(View(), [r], [queued("long", 20)], **on)
+    assert chunked.kind is StepKind.PREFILL and chunked.chunk == 8
+    assert plan(View(), [r], [a], prefill_chunk_tokens=8).kind is StepKind.PREFILL  # off by default
+
+
+def test_a_prefix_cache_hit_runs_alone() -> None:
+    h1, miss, h2 = queued("h1", 16), queued("m", 8, start=20), queued("h2", 16, start=41)
+    view = View(hits={tuple(h1.request.prompt_ids): 13, tuple(h2.request.prompt_ids): 13})
+    got = plan(view, waiting=[h1, miss, h2], max_prefill_tokens=12)
+    # 3 uncached tokens beside an 8-token miss fit 12 (whole prompts would not); the second hit waits.
+    assert ids(got.group) == ["h1", "m"] and got.cached == (13, 0)
+    assert got.prefill_sizes == StepShape(2, 8 + 3, 8 + 3)
+    assert ids(plan(view, waiting=[h1, h2]).group) == ["h1"]  # two hits never share a step
+
+
+def test_a_prefill_beside_the_decode_steps_is_joined_when_its_run_is_over() -> None:
+    r, a, waiting = decoding("r", 4), decoding("a", 6, produced=0), [queued("w", 5)]
+    view = View(background_ids=["a"])
+    began = StepShape(1, 6, 6)
+    state = RunnerState((r, a), "decode", 0.0, tuple(waiting), began)
+    planner = Planner(limits(prefill_beside_decode=True), view)
+    assert planner.join(state) is None  # still running, and r decodes meanwhile
+    meanwhile = planner.plan(state)
+    assert meanwhile.kind is StepKind.DECODE and ids(meanwhile.decoded) == ["r"]  # one group at a time
+    view.background_done = True
+    assert planner.join(state) == StepPlan(StepKind.END_BACKGROUND, (a,), prefill_sizes=began)
+    # With nothing else decoding the join waits for the run rather than idle.
+    alone = RunnerState((a,), "decode", 0.0, (), began)
+    view.background_done = False
+    joined = planner.join(alone)
+    assert joined is not None and joined.group == (a,)
+    # A member that left meanwhile (cancelled) is not in the group it fails should the join fail.
+    view.background_ids = ["gone", "a"]
+    joined = planner.join(RunnerState((r, a), "decode", 0.0, (), began))
+    assert joined is not None and ids(joined.group) == ["a"]
+    assert Planner(limits(), View()).join(state) is None  # the engine has nothing beside the decode steps
+
+
+def test_the_planner_needs_only_the_view_and_the_fakes_are_whole_engines() -> None:
+    assert isinstance(View(), EngineView) and not isinstance(View(), BatchEngine)
+    engine = FakeEngine(tokenizer())
+    assert isinstance(engine, BatchEngine) and isinstance(fake(tokenizer()), BatchEngine)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_no_admission_beyond_the_free_rows(rows: int) -> None:
+    running = [decoding(f"r{i}", 3) for i in range(rows)]
+    got = plan(View(), running, [queued(f"q{i}", 3) for i in range(4)])
+    assert len(got.admitted) == 4 - rows and (rows < 4 or got.kind is StepKind.DECODE)
