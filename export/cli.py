@@ -1,6 +1,7 @@
 """`textgen-export`: checkpoint -> verified, servable bundle, and the tools around it.
 
     textgen-export onnx --checkpoint CKPT --out DIR [--int8 | --fp16] [--opset N] [--name NAME]
+                   [--chat-template FILE]        a Jinja chat template (transformers') for chat requests
     textgen-export demo [--out DIR]                  train the demo model if missing, then export it
     textgen-export verify DIR [--checkpoint CKPT]    rerun the checks on a bundle, print the report
     textgen-export random --preset bench-a --out DIR random weights, for speed benchmarks
@@ -49,6 +50,7 @@ def cmd_onnx(args: argparse.Namespace) -> int:
         int8=args.int8,
         fp16=args.fp16,
         source=checkpoint_source(args.checkpoint) if args.checkpoint.is_file() else None,
+        chat_template=args.chat_template.read_text(encoding="utf-8") if args.chat_template else None,
     )
     _print_result(export_checkpoint(args.checkpoint, args.out, options))
     return 0
@@ -118,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--fp16", action="store_true", help="float16 graphs (CUDA/TensorRT)")
     onnx.add_argument("--opset", type=_opset, default=DEFAULT_OPSET, help=f"default {DEFAULT_OPSET}")
     onnx.add_argument("--name", help="model name in the manifest (default: the checkpoint's file name)")
+    onnx.add_argument(
+        "--chat-template",
+        type=Path,
+        help="a file with the Jinja chat template chat requests are rendered with (default: none, no chat)",
+    )
     onnx.set_defaults(handler=cmd_onnx)
 
     demo = sub.add_parser("demo", help="build the demo checkpoint if missing, then export it")

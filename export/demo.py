@@ -53,6 +53,17 @@ DEMO_TRAIN = TrainConfig(
 )
 
 
+# The demo bundle's chat template (ChatML's layout, written as plain text: the demo tokenizer has no ChatML
+# tokens and the model never saw a chat, so its replies are code-shaped, not answers). Rendered as
+# transformers' apply_chat_template(add_generation_prompt=True) would; serve/api/chat.py.
+DEMO_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
 def textgen_home() -> Path:
     """$TEXTGEN_HOME, or ./models relative to the working directory."""
     return Path(os.environ.get("TEXTGEN_HOME") or "models")

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from export.bundle_writer import BundleStage, check_replaceable
 from export.checkpoint import load_checkpoint
-from export.demo import _exclusive, demo_bundle_path, ensure_demo_checkpoint
+from export.demo import DEMO_CHAT_TEMPLATE, _exclusive, demo_bundle_path, ensure_demo_checkpoint
 from export.fp16 import convert_fp16
 from export.model import Decoder, DecoderConfig
 from export.onnx_inplace import OPSET as INPLACE_OPSET
@@ -57,6 +57,7 @@ class ExportOptions:
     fp16: bool = False
     progress: bool = True
     source: dict[str, str] | None = None  # where the weights came from (checkpoint, preset), for the report
+    chat_template: str | None = None  # the manifest's chat_template (Jinja); None: the bundle serves no chat
 
     def __post_init__(self) -> None:
         if self.int8 and self.fp16:
@@ -109,6 +110,7 @@ def _manifest_fields(cfg: DecoderConfig, options: ExportOptions, graphs: dict[st
         "pad_token_id": PAD_ID,
         "execution_providers": _providers(options),
         "tensorrt": tensorrt_settings(cfg, options.fp16),
+        **({"chat_template": options.chat_template} if options.chat_template is not None else {}),
     }
 
 
@@ -200,30 +202,33 @@ def export_checkpoint(checkpoint: Path, out: Path, options: ExportOptions) -> Bu
     return export_bundle(ckpt.model, ckpt.tokenizer, out, options)
 
 
-def _up_to_date(out: Path, source: dict[str, str]) -> Bundle | None:
+def _up_to_date(out: Path, source: dict[str, str], chat_template: str | None) -> Bundle | None:
     try:
         bundle = load_bundle(out)
     except BundleError:
         return None
     report = bundle.manifest.verification
     current = report.get("passed") and report.get("export", {}).get("source") == source
-    return bundle if current else None
+    return bundle if current and bundle.manifest.chat_template == chat_template else None
 
 
 def ensure_demo_bundle(out: Path | None = None, progress: bool = True) -> tuple[Bundle, bool]:
     """The demo bundle (training the checkpoint first if missing); exported only if missing or stale.
 
-    Returns the bundle and whether it was exported now. Stale: exported from another checkpoint file.
+    Returns the bundle and whether it was exported now. Stale: exported from another checkpoint file, or
+    without the demo's chat template (a bundle written before it had one).
     """
     out = out or demo_bundle_path()
     checkpoint = ensure_demo_checkpoint(progress=progress)
     source = checkpoint_source(checkpoint)
     # Parallel test sessions and a user may ask at once: one exports, the others wait and reuse it.
     with _exclusive(out.parent / f".{out.name}.lock"):
-        bundle = _up_to_date(out, source)
+        bundle = _up_to_date(out, source, DEMO_CHAT_TEMPLATE)
         if bundle is not None:
             return bundle, False
-        options = ExportOptions(model_name="textgen-demo", source=source, progress=progress)
+        options = ExportOptions(
+            model_name="textgen-demo", source=source, progress=progress, chat_template=DEMO_CHAT_TEMPLATE
+        )
         return export_checkpoint(checkpoint, out, options), True
 
 
@@ -245,5 +250,6 @@ def random_bundle(preset: str, out: Path, seed: int = 0, int8: bool = False, pro
         int8=int8,
         progress=progress,
         source={"preset": preset, "seed": str(seed)},
+        chat_template=DEMO_CHAT_TEMPLATE,  # so the chat API can be tested and measured on random weights
     )
     return export_bundle(model, tokenizer, out, options)

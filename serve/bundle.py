@@ -159,6 +159,9 @@ class Manifest(_Strict):
     execution_providers: list[str] = Field(min_length=1)  # recommended, best first
     tensorrt: TensorRTSettings
     verification: dict[str, Any] = Field(default_factory=dict)  # export.verify's report, as written
+    # Jinja source that renders chat messages as the prompt (transformers' chat_template); None: the bundle
+    # serves no chat (bundles written before this field keep loading without it).
+    chat_template: str | None = Field(None, min_length=1)
     checksums: dict[str, str]  # file name -> sha256 hex, for every file but the manifest
 
     @model_validator(mode="after")

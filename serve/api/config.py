@@ -40,6 +40,15 @@ class ServerSettings(BaseSettings, BatchingKnobs):
     bundle: Path = Field(description="model bundle directory (written by textgen-export)")
     host: str = Field("0.0.0.0", description="gRPC listen address")
     port: Port = Field(50051, description="gRPC port (0: any free port, logged at start)")
+    http_host: str = Field("0.0.0.0", description="OpenAI-compatible HTTP API listen address")
+    http_port: Port = Field(
+        8080,
+        description="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, "
+        "/health) in the same process, beside gRPC (0: off)",
+    )
+    max_n: int = Field(
+        8, ge=1, le=128, description="the most choices (OpenAI's n) one HTTP request may ask for"
+    )
     metrics_host: str = Field("0.0.0.0", description="Prometheus /metrics listen address")
     metrics_port: Port = Field(
         8000, description="Prometheus /metrics port (0: any free port, logged at start)"
@@ -83,18 +92,24 @@ class ServerSettings(BaseSettings, BatchingKnobs):
     max_stop_strings: int = Field(8, ge=0, le=1024, description="stop strings per request")
     max_stop_length: int = Field(64, ge=1, le=65536, description="characters per stop string")
     max_message_bytes: int = Field(
-        4 * 1024 * 1024, ge=1024, le=2**31 - 1, description="largest gRPC message received or sent"
+        4 * 1024 * 1024,
+        ge=1024,
+        le=2**31 - 1,
+        description="largest gRPC message received or sent, and largest HTTP request body",
     )
     grace_seconds: float = Field(
         30.0, ge=0, le=3600, description="drain time for running requests on SIGTERM"
     )
-    tls_cert: FilePath | None = Field(None, description="PEM server certificate chain (enables TLS)")
+    tls_cert: FilePath | None = Field(
+        None, description="PEM server certificate chain (enables TLS on the gRPC and the HTTP port)"
+    )
     tls_key: FilePath | None = Field(None, description="PEM private key of tls_cert")
     tls_client_ca: FilePath | None = Field(
         None, description="PEM CA that client certificates must chain to (mTLS)"
     )
     auth_token: SecretStr | None = Field(
-        None, description="bearer token clients must send (authorization header)"
+        None,
+        description="bearer token clients must send (authorization header, gRPC and HTTP; health exempt)",
     )
     log_level: LogLevel = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_prompts: bool = Field(False, description="include prompt and completion text in request logs")

@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
-import json
 import logging
 import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from wsgiref.simple_server import WSGIServer
 
@@ -31,18 +30,14 @@ from tokenizers import Tokenizer
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.api.auth import TokenAuthInterceptor, server_credentials
+from serve.api.common import CallRecord, LoadedModel, account, chat_template
 from serve.api.config import ConfigError, ServerSettings
+from serve.api.grpc_requests import generation_request, prompt_ids, reject_unknown_fields
 from serve.api.grpc_status import grpc_status
 from serve.api.metrics import Metrics
-from serve.api.validation import (
-    RequestLimits,
-    check_request_id,
-    generation_request,
-    prompt_ids,
-    reject_unknown_fields,
-    token_ids,
-)
-from serve.bundle import Bundle, load_bundle
+from serve.api.openai_api import HttpServer, http_api
+from serve.api.validation import RequestLimits, check_request_id, token_ids
+from serve.bundle import load_bundle
 from serve.engine.sampling import Alternatives
 from serve.engine.types import EngineInfo, EngineSettings, SessionConfig
 from serve.errors import Draining, InvalidRequest
@@ -60,10 +55,11 @@ from serve.scheduling.handles import RequestHandle
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.messages import EngineSpec, EngineWrap
 from serve.scheduling.request import Completion, Event, FinishEvent, TokenEvent
-from serve.scheduling.scheduler import RequestScheduler, open_in_thread
+from serve.scheduling.scheduler import open_in_thread
 
 log = logging.getLogger("textgen.server")
-request_log = logging.getLogger("textgen.requests")
+
+__all__ = ["CallRecord", "LoadedModel", "TextgenServer", "chat_template", "serve"]
 
 M = TypeVar("M", bound=Message)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
@@ -140,18 +136,6 @@ def stream_message(request_id: str, event: Event) -> pb.GenerateStreamResponse:
 
 
 # --- the loaded model ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class LoadedModel:
-    bundle: Bundle
-    info: EngineInfo
-    scheduler: RequestScheduler
-    limits: RequestLimits
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.bundle.tokenizer
 
 
 def request_limits(settings: ServerSettings, info: EngineInfo, max_total_tokens: int) -> RequestLimits:
@@ -238,41 +222,6 @@ async def load_model(
     return LoadedModel(bundle, process.info, process, checks)
 
 
-# --- one RPC's accounting -----------------------------------------------------------------------------------
-
-
-@dataclass
-class CallRecord:
-    """What the one log line and the request metric of an RPC say."""
-
-    rpc: str
-    started: float = field(default_factory=time.perf_counter)
-    request_id: str = ""
-    code: grpc.StatusCode = grpc.StatusCode.OK
-    error: str = ""
-    finish: FinishEvent | None = None
-    prompt: str | None = None
-    text: str | None = None
-
-    def fields(self, log_prompts: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {"rpc": self.rpc, "request_id": self.request_id, "code": self.code.name}
-        if self.error:
-            out["error"] = self.error
-        if self.finish is not None:
-            out.update(
-                finish_reason=self.finish.finish_reason,
-                prompt_tokens=self.finish.prompt_tokens,
-                cached_prompt_tokens=self.finish.cached_prompt_tokens,
-                completion_tokens=self.finish.completion_tokens,
-                queue_s=round(self.finish.queue_seconds, 6),
-                ttft_s=round(self.finish.ttft_seconds, 6),
-            )
-        out["total_s"] = round(time.perf_counter() - self.started, 6)
-        if log_prompts:
-            out.update(prompt=self.prompt, text=self.text)
-        return out
-
-
 # --- requests that are not valid protobuf ------------------------------------------------------------------
 
 
@@ -336,7 +285,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         self.model: LoadedModel | None = None
         self.draining = False
 
-    def _ready_model(self) -> LoadedModel:
+    def ready_model(self) -> LoadedModel:
         if self.draining:
             raise Draining("the server is shutting down: retry on another replica")
         if self.model is None:
@@ -355,26 +304,25 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         except asyncio.CancelledError:
             remaining = context.time_remaining()
             expired = remaining is not None and remaining <= 0
-            record.code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            record.code = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
             self._account(record)
             raise
         except GeneratorExit:  # a stream whose client vanished mid-write: gRPC closes it without cancelling
-            record.code = grpc.StatusCode.CANCELLED
+            record.code = "CANCELLED"
             self._account(record)
             raise
         except Exception as exc:
-            record.code, record.error = grpc_status(exc, record.request_id or None)
-            if record.code is grpc.StatusCode.INTERNAL:
+            code, record.error = grpc_status(exc, record.request_id or None)
+            record.code = code.name
+            if code is grpc.StatusCode.INTERNAL:
                 log.exception("request %s failed", record.request_id)
             self._account(record)
-            await context.abort(record.code, record.error)
+            await context.abort(code, record.error)
         else:
             self._account(record)
 
     def _account(self, record: CallRecord) -> None:
-        request_log.info(json.dumps(record.fields(self._settings.log_prompts), ensure_ascii=False))
-        if self._metrics is not None:
-            self._metrics.on_request_done(record.rpc, record.code.name, time.perf_counter() - record.started)
+        account(record, self._settings.log_prompts, self._metrics)
 
     async def _submit(
         self,
@@ -383,15 +331,17 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         record: CallRecord,
         stream: bool,
     ) -> RequestHandle:
-        model = self._ready_model()
+        model = self.ready_model()
         request: pb.GenerateRequest = checked(raw)
         record.request_id = check_request_id(request.request_id) or uuid.uuid4().hex
-        is_text = request.WhichOneof("input") == "text"
-        record.prompt = request.text if is_text else None
+        which = request.WhichOneof("input")
+        record.prompt = request.text if which == "text" else None
         encode = model.tokenizer.encode
-        args = (request, lambda text: encode(text).ids, model.limits.vocab_size)
-        # Text is tokenized off the event loop (a long prompt takes milliseconds); token ids are only checked.
-        prompt = await asyncio.to_thread(prompt_ids, *args) if is_text else prompt_ids(*args)
+        args = (request, lambda text: encode(text).ids, model.limits.vocab_size, model.chat_prompt)
+        # Text and chats are tokenized off the event loop (a long prompt takes milliseconds); token ids are
+        # only checked.
+        on_loop = which not in ("text", "messages")
+        prompt = prompt_ids(*args) if on_loop else await asyncio.to_thread(prompt_ids, *args)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         generation = generation_request(
@@ -448,7 +398,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         self, request: pb.GetModelInfoRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
         async with self._call("GetModelInfo", context):
-            model = self._ready_model()
+            model = self.ready_model()
             checked(request)
             manifest = model.bundle.manifest
             return pb.ModelInfo(
@@ -470,16 +420,19 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         self, request: pb.TokenizeRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         async with self._call("Tokenize", context):
-            model = self._ready_model()
+            model = self.ready_model()
             tokenize: pb.TokenizeRequest = checked(request)
-            encoding = await asyncio.to_thread(model.tokenizer.encode, tokenize.text)
+            special = not tokenize.HasField("add_special_tokens") or tokenize.add_special_tokens
+            encoding = await asyncio.to_thread(
+                model.tokenizer.encode, tokenize.text, add_special_tokens=special
+            )
             return pb.TokenizeResponse(ids=encoding.ids, tokens=encoding.tokens)
 
     async def Detokenize(
         self, request: pb.DetokenizeRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
         async with self._call("Detokenize", context):
-            model = self._ready_model()
+            model = self.ready_model()
             detokenize: pb.DetokenizeRequest = checked(request)
             ids = token_ids(detokenize.ids, model.info.vocab_size, "ids")
             return await asyncio.to_thread(_detokenized, model.tokenizer, ids)
@@ -525,6 +478,8 @@ class TextgenServer:
         self.service = TextGenerationService(settings, self.metrics)
         self.health = health.aio.HealthServicer()
         self.port = 0
+        self.http_port = 0  # 0: the HTTP API is off (http_port 0)
+        self._http: HttpServer | None = None
         self.metrics_port = 0
         self._metrics_server: WSGIServer | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -579,6 +534,13 @@ class TextgenServer:
         log.info(
             "listening on %s (tls=%s)", _address(self.settings.host, self.port), self.settings.tls_enabled
         )
+        if self.settings.http_port:
+            self._http = http_api(self.service, self.settings, self.metrics)
+            self.http_port = await self._http.start()
+            scheme = "https" if self.settings.tls_enabled else "http"
+            log.info(
+                "OpenAI-compatible API on %s://%s", scheme, _address(self.settings.http_host, self.http_port)
+            )
         model = await load_model(self.settings, self.metrics, self._engine_wrap)
         if isinstance(model.scheduler, ProcessScheduler):
             assert model.scheduler.exited is not None
@@ -618,7 +580,8 @@ class TextgenServer:
         self.metrics.set_model_info(manifest.model_name, manifest.dtype, manifest.quantization, provider)
 
     async def drain(self) -> None:
-        """NOT_SERVING, refuse new work, let running requests finish within grace_seconds, stop."""
+        """NOT_SERVING (gRPC health, HTTP /health 503), refuse new work (UNAVAILABLE, HTTP 503), let running
+        requests (streams of either front end) finish within grace_seconds, stop."""
         log.info("draining: up to %.1f s for running requests", self.settings.grace_seconds)
         self.service.draining = True
         self.metrics.set_ready(False)
@@ -636,6 +599,9 @@ class TextgenServer:
         await self._stop_server(None)
 
     async def _stop_server(self, grace: float | None) -> None:
+        if self._http is not None:
+            http, self._http = self._http, None
+            await http.stop(grace)
         if self._server is not None:
             await self._server.stop(grace)
         await self._stop_metrics()

@@ -1,19 +1,19 @@
-"""Turns a `textgen.v1.GenerateRequest` into a `GenerationRequest`, or raises InvalidRequest.
+"""Plain values → a `GenerationRequest`, or InvalidRequest: the protocol-neutral core both front ends use.
 
-Every message names the field, the value received and the allowed range, so a client can fix its request
-without reading the server's source. Nothing here blocks on the engine: it runs before the request is queued.
+gRPC (`serve.api.grpc_requests`) and the OpenAI-compatible HTTP API (`serve.api.openai_api`) read their wire
+formats into `GenerationOptions` and a prompt of token ids; `build_request` checks them against the server's
+`RequestLimits` and makes the scheduler's request. Every message names the field, the value received and the
+allowed range, so a client can fix its request without reading the server's source (`Fields` holds the names
+each protocol gives them). Nothing here blocks on the engine: it runs before the request is queued.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from google.protobuf.message import Message
-from google.protobuf.unknown_fields import UnknownFieldSet
-
-from serve._proto.textgen.v1 import textgen_pb2 as pb
-from serve.engine.sampling import SamplingParams
+from serve.engine.sampling import MAX_SEED, SamplingParams
 from serve.errors import InvalidRequest
 from serve.scheduling.request import GenerationRequest
 
@@ -34,18 +34,41 @@ class RequestLimits:
     max_stop_length: int
 
 
-def reject_unknown_fields(message: Message) -> None:
-    """Fields this server does not know would be silently ignored (a newer sampling option): refuse them."""
-    unknown = UnknownFieldSet(message)
-    if len(unknown):
-        numbers = sorted({field.field_number for field in unknown})
-        raise InvalidRequest(
-            f"{message.DESCRIPTOR.name} has unknown field number(s) {numbers}: "
-            f"this server speaks {message.DESCRIPTOR.file.package} without them"
-        )
-    for field, value in message.ListFields():
-        if field.message_type is not None and not field.is_repeated:
-            reject_unknown_fields(value)
+@dataclass(frozen=True)
+class Fields:
+    """What a protocol calls the fields whose messages name them."""
+
+    max_new_tokens: str = "max_new_tokens"
+    truncate_prompt_tokens: str = "truncate_prompt_tokens"
+    stop: str = "stop"
+    stop_token_ids: str = "stop_token_ids"
+    min_new_tokens: str = "min_new_tokens"
+
+
+GRPC_FIELDS = Fields()
+OPENAI_FIELDS = Fields(max_new_tokens="max_tokens", min_new_tokens="min_tokens")
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Everything of a request but its prompt, as plain values read from either wire format.
+
+    `max_new_tokens` 0 asks for the server's default; with `score_only` the request generates nothing and
+    returns only its prompt's logprobs (`prompt_logprobs` must be set)."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 0
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+    stop_token_ids: Sequence[int] = ()
+    min_new_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    include_logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+    prompt_top_logprobs: int = 0
+    truncate_prompt_tokens: int = 0  # keep the prompt's last N tokens (0: all of it)
+    score_only: bool = False
 
 
 def check_request_id(request_id: str) -> str:
@@ -58,76 +81,57 @@ def check_request_id(request_id: str) -> str:
 
 def token_ids(ids: Sequence[int], vocab_size: int, field: str) -> list[int]:
     for position, token in enumerate(ids):
-        if token >= vocab_size:
+        if not 0 <= token < vocab_size:
             raise InvalidRequest(
                 f"{field}[{position}] = {token} is outside the vocabulary: allowed 0..{vocab_size - 1}"
             )
     return list(ids)
 
 
-def prompt_ids(
-    request: pb.GenerateRequest, encode: Callable[[str], Sequence[int]], vocab_size: int
-) -> list[int]:
-    """The prompt as token ids; `encode` is the bundle tokenizer's."""
-    which = request.WhichOneof("input")
-    if which is None:
-        raise InvalidRequest("input is required: set either text or token_ids")
-    if which == "text":
-        if not request.text:
-            raise InvalidRequest("text is empty: give at least one character")
-        ids = list(encode(request.text))
-        if not ids:
-            raise InvalidRequest("text encodes to no tokens: give at least one token of text")
-        return ids
-    if not request.token_ids.ids:
-        raise InvalidRequest("token_ids is empty: give at least one token id")
-    return token_ids(request.token_ids.ids, vocab_size, "token_ids")
+def text_prompt(text: str, encode: Callable[[str], Sequence[int]], field: str = "text") -> list[int]:
+    """A text prompt's token ids; `encode` is the bundle tokenizer's."""
+    if not text:
+        raise InvalidRequest(f"{field} is empty: give at least one character")
+    ids = list(encode(text))
+    if not ids:
+        raise InvalidRequest(f"{field} encodes to no tokens: give at least one token of text")
+    return ids
 
 
-def sampling_params(sampling: pb.SamplingParams) -> SamplingParams:
-    params = SamplingParams(
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        repetition_penalty=sampling.repetition_penalty,
-        seed=sampling.seed if sampling.HasField("seed") else None,
-        min_p=sampling.min_p,
-        frequency_penalty=sampling.frequency_penalty,
-        presence_penalty=sampling.presence_penalty,
-        logit_bias=tuple(sorted(sampling.logit_bias.items())),
-    )
-    params.validate()
-    return params
+def token_prompt(ids: Sequence[int], vocab_size: int, field: str = "token_ids") -> list[int]:
+    if not ids:
+        raise InvalidRequest(f"{field} is empty: give at least one token id")
+    return token_ids(ids, vocab_size, field)
 
 
-def stop_strings(stop: Sequence[str], limits: RequestLimits) -> tuple[str, ...]:
+def stop_strings(stop: Sequence[str], limits: RequestLimits, field: str = "stop") -> tuple[str, ...]:
     if len(stop) > limits.max_stop_strings:
         raise InvalidRequest(f"{len(stop)} stop strings given; at most {limits.max_stop_strings} are allowed")
     for index, text in enumerate(stop):
         if not text:
             raise InvalidRequest(
-                f"stop[{index}] is empty: stop strings need 1..{limits.max_stop_length} characters"
+                f"{field}[{index}] is empty: stop strings need 1..{limits.max_stop_length} characters"
             )
         if len(text) > limits.max_stop_length:
             raise InvalidRequest(
-                f"stop[{index}] has {len(text)} characters; allowed 1..{limits.max_stop_length}"
+                f"{field}[{index}] has {len(text)} characters; allowed 1..{limits.max_stop_length}"
             )
     return tuple(stop)
 
 
 def stop_token_ids(ids: Sequence[int]) -> tuple[int, ...]:
-    """Capped where the wire message is read; their range is checked by `validate_request`."""
+    """Capped where the request is read; their range is checked by `validate_request`."""
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"{len(ids)} stop token ids given; at most {MAX_STOP_TOKEN_IDS} are allowed")
     return tuple(ids)
 
 
-def truncated(prompt: list[int], keep: int, limits: RequestLimits) -> list[int]:
+def truncated(
+    prompt: list[int], keep: int, limits: RequestLimits, field: str = "truncate_prompt_tokens"
+) -> list[int]:
     """The prompt's last `keep` tokens (0: all of it): TGI's `truncate`, vLLM's `truncate_prompt_tokens`."""
-    if keep > limits.max_prompt_tokens:
-        raise InvalidRequest(
-            f"truncate_prompt_tokens = {keep}; allowed 0..{limits.max_prompt_tokens} (0 = off)"
-        )
+    if not 0 <= keep <= limits.max_prompt_tokens:
+        raise InvalidRequest(f"{field} = {keep}; allowed 0..{limits.max_prompt_tokens} (0 = off)")
     return prompt[-keep:] if keep else prompt
 
 
@@ -139,7 +143,9 @@ def check_prompt_length(prompt_tokens: int, limits: RequestLimits) -> None:
         )
 
 
-def max_new_tokens(requested: int, prompt_tokens: int, limits: RequestLimits) -> int:
+def max_new_tokens(
+    requested: int, prompt_tokens: int, limits: RequestLimits, field: str = "max_new_tokens"
+) -> int:
     """0 asks for the server's default, shortened to what the context leaves; an explicit value must fit."""
     check_prompt_length(prompt_tokens, limits)
     room = limits.context_length - prompt_tokens
@@ -147,48 +153,68 @@ def max_new_tokens(requested: int, prompt_tokens: int, limits: RequestLimits) ->
         return min(limits.default_max_new_tokens, room)
     if requested > limits.max_new_tokens:
         raise InvalidRequest(
-            f"max_new_tokens = {requested} is above the server's cap: allowed 1..{limits.max_new_tokens} "
+            f"{field} = {requested} is above the server's cap: allowed 1..{limits.max_new_tokens} "
             f"(0 = default {limits.default_max_new_tokens})"
         )
     if requested > room:
         raise InvalidRequest(
-            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({requested}) = {prompt_tokens + requested} "
+            f"prompt ({prompt_tokens} tokens) + {field} ({requested}) = {prompt_tokens + requested} "
             f"exceeds the context length {limits.context_length}: "
-            f"allowed max_new_tokens 1..{room} for this prompt"
+            f"allowed {field} 1..{room} for this prompt"
         )
     return requested
 
 
-def generation_request(
-    request: pb.GenerateRequest,
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request with `seed` (n > 1): choice 0 keeps it, so n = 1 and the first
+    of n choices agree; the others get a seed derived from (seed, index), so the same seed gives the same n
+    choices whatever else is batched. None stays None (each choice draws from OS entropy)."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.sha256(f"textgen-choice:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & MAX_SEED
+
+
+def build_request(
+    options: GenerationOptions,
     *,
     request_id: str,
     prompt: list[int],
     limits: RequestLimits,
     deadline: float | None,
     stream: bool = True,
+    fields: Fields = GRPC_FIELDS,
 ) -> GenerationRequest:
-    """The scheduler's request for an already tokenized prompt; raises InvalidRequest on a bad value of the
-    wire message. What relates fields to each other or to the model (min_new_tokens <= max_new_tokens,
-    top_logprobs, token id ranges) is checked once for every caller by
-    `serve.scheduling.request.validate_request`, which `Scheduler.submit` runs."""
-    stopping = request.stopping
-    prompt = truncated(prompt, request.truncate_prompt_tokens, limits)
-    most = max_new_tokens(stopping.max_new_tokens, len(prompt), limits)
+    """The scheduler's request for an already tokenized prompt; raises InvalidRequest on a bad value. What
+    relates fields to each other or to the model (min_new_tokens <= max_new_tokens, top_logprobs, token id
+    ranges) is checked once for every caller by `serve.scheduling.request.validate_request`, which
+    `Scheduler.submit` runs."""
+    prompt = truncated(prompt, options.truncate_prompt_tokens, limits, fields.truncate_prompt_tokens)
+    if options.score_only:
+        if not options.prompt_logprobs:
+            raise InvalidRequest(f"{fields.max_new_tokens} = 0 scores the prompt only: ask for its logprobs")
+        check_prompt_length(len(prompt), limits)
+        most = 0
+    else:
+        most = max_new_tokens(options.max_new_tokens, len(prompt), limits, fields.max_new_tokens)
+    if not 0 <= options.min_new_tokens <= most:
+        minimum, maximum = fields.min_new_tokens, fields.max_new_tokens
+        raise InvalidRequest(f"{minimum} is {options.min_new_tokens}; allowed 0..{most} ({maximum})")
+    options.sampling.validate()
     return GenerationRequest(
         request_id=request_id,
         prompt_ids=prompt,
-        sampling=sampling_params(request.sampling),
+        sampling=options.sampling,
         max_new_tokens=most,
-        stop=stop_strings(stopping.stop, limits),
-        ignore_eos=stopping.ignore_eos,
-        include_logprobs=request.include_logprobs,
+        stop=stop_strings(options.stop, limits, fields.stop),
+        ignore_eos=options.ignore_eos,
+        include_logprobs=options.include_logprobs,
         deadline=deadline,
         stream=stream,
-        stop_token_ids=stop_token_ids(stopping.stop_token_ids),
-        min_new_tokens=stopping.min_new_tokens,
-        top_logprobs=request.top_logprobs,
-        include_stop_str_in_output=stopping.include_stop_str_in_output,
-        prompt_logprobs=request.include_prompt_logprobs,
-        prompt_top_logprobs=request.prompt_top_logprobs,
+        stop_token_ids=stop_token_ids(options.stop_token_ids),
+        min_new_tokens=options.min_new_tokens,
+        top_logprobs=options.top_logprobs,
+        include_stop_str_in_output=options.include_stop_str_in_output,
+        prompt_logprobs=options.prompt_logprobs,
+        prompt_top_logprobs=options.prompt_top_logprobs,
     )

@@ -46,6 +46,7 @@ class GenerationRequest:
     # The matched stop string ends the text instead of being cut off with what follows.
     include_stop_str_in_output: bool = False
     # Each prompt token's logprob after those before it, in the first TokenEvent (vLLM's prompt_logprobs).
+    # With max_new_tokens 0 the request only scores its prompt: the token its prefill samples is dropped.
     prompt_logprobs: bool = False
     # With prompt_logprobs: this many most likely tokens at each prompt position, with their logprobs.
     prompt_top_logprobs: int = 0
@@ -131,8 +132,11 @@ def validate_request(
     rid = request.request_id
     if not request.prompt_ids:
         raise InvalidRequest(f"request {rid}: the prompt is empty; give at least one token")
-    if request.max_new_tokens < 1:
-        raise InvalidRequest(f"request {rid}: max_new_tokens is {request.max_new_tokens}; it must be >= 1")
+    if request.max_new_tokens < 1 and not (request.max_new_tokens == 0 and request.prompt_logprobs):
+        raise InvalidRequest(
+            f"request {rid}: max_new_tokens is {request.max_new_tokens}; it must be >= 1 "
+            "(0 only to score the prompt: with prompt_logprobs)"
+        )
     if not 0 <= request.min_new_tokens <= request.max_new_tokens:
         raise InvalidRequest(
             f"request {rid}: min_new_tokens is {request.min_new_tokens}; "
@@ -284,6 +288,8 @@ class RequestTracker:
             self._prompt_scores = prompt or _NO_SCORES
         self.times.last_token = now
         self.produced += 1
+        if self.request.max_new_tokens == 0:  # scoring only: the prompt's logprobs, no token
+            return self._event([], "", [], []), self._finish("length", now)
         if token_id == self._eos and not self.request.ignore_eos:
             return self._event([], self._text.flush(), [], []), self._finish("eos", now)
         if token_id in self._stop_ids:

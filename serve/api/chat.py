@@ -1,0 +1,185 @@
+"""Chat messages → the prompt text of the bundle's chat template, as transformers renders it.
+
+`ChatTemplate` compiles the manifest's `chat_template` (Jinja) the way transformers' `apply_chat_template`
+does: jinja2's `ImmutableSandboxedEnvironment` with `trim_blocks` and `lstrip_blocks`, the loop-control
+extension and the `{% generation %}` tag, a `tojson` filter that does not escape HTML, and the globals
+`raise_exception`, `strftime_now`, `dict` and `namespace`; it is rendered with `messages`,
+`add_generation_prompt=True`, `tools` and `documents` (None) and the tokenizer's special tokens
+(`bos_token`, `eos_token`, `pad_token`, ... those the bundle has). The rendered text is tokenized WITHOUT
+adding special tokens again: the template writes those it wants. Both front ends use it (gRPC's `messages`
+input and the HTTP API's /v1/chat/completions).
+
+A template is code from whoever exported the bundle: the sandbox keeps it from reaching Python's internals,
+and a message it refuses (`raise_exception`) or cannot render is the client's InvalidRequest.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from serve.errors import BundleError, InvalidRequest
+
+ROLES = ("system", "user", "assistant")
+# The special tokens transformers hands a template (its special_tokens_map), and the manifest field or
+# tokenizer id each one comes from here.
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's tokens with it (for
+    training masks); rendering a prompt keeps the body as it is."""
+
+    tags = {"generation"}  # noqa: RUF012  (jinja2's own class attribute)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return str(caller())
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _TemplateDict:
+    """`dict(...)` inside a template, without the class itself (no attribute access to type internals)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """jinja2's namespace that refuses underscore-prefixed attributes (as transformers' does)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: object) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}"
+            )
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _Namespace
+    return env
+
+
+def special_tokens(tokenizer: Tokenizer, ids: Mapping[str, int | None]) -> dict[str, str]:
+    """`{"eos_token": "<|endoftext|>", ...}` for the special tokens whose id is given (None: absent)."""
+    out: dict[str, str] = {}
+    for name, token_id in ids.items():
+        token = None if token_id is None else tokenizer.id_to_token(token_id)
+        if token is not None:
+            out[name] = token
+    return out
+
+
+class ChatTemplate:
+    """A bundle's chat template, compiled once; `render` and `prompt_ids` are safe to call from any thread."""
+
+    def __init__(self, source: str, tokens: Mapping[str, str], *, where: str = "chat_template") -> None:
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.exceptions.TemplateSyntaxError as exc:
+            raise BundleError(
+                f"{where}: not a valid Jinja template: line {exc.lineno}: {exc.message}"
+            ) from None
+        self.source = source
+        self.tokens = dict(tokens)
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text; InvalidRequest if the template refuses the messages or fails on them."""
+        if not messages:
+            raise InvalidRequest("messages is empty: give at least one message")
+        chat = [{key: value for key, value in m.items() if value is not None} for m in messages]
+        try:
+            return self._template.render(
+                **self.tokens,
+                messages=chat,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except jinja2.exceptions.TemplateError as exc:  # raise_exception, a sandbox refusal, an undefined
+            raise InvalidRequest(f"the chat template refused the messages: {exc}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            raise InvalidRequest(
+                f"the chat template failed on the messages: {type(exc).__name__}: {exc}"
+            ) from None
+
+    def prompt_ids(self, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The rendered chat's token ids; special tokens are not added again (apply_chat_template's way)."""
+        text = self.render(messages)
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        if not ids:
+            raise InvalidRequest("the chat template rendered the messages as no tokens")
+        return list(ids)
+
+
+def check_messages(messages: Sequence[tuple[str, str]]) -> Iterator[dict[str, str]]:
+    """(role, content) pairs → the template's messages; InvalidRequest for a role the API does not take."""
+    if not messages:
+        raise InvalidRequest("messages is empty: give at least one message")
+    for index, (role, content) in enumerate(messages):
+        if role not in ROLES:
+            raise InvalidRequest(f"messages[{index}].role is {role!r}; allowed: {', '.join(ROLES)}")
+        yield {"role": role, "content": content}

@@ -1,0 +1,985 @@
+"""The OpenAI-compatible HTTP API: FastAPI on uvicorn, on the server's own event loop, beside gRPC.
+
+    GET  /v1/models              the served model (its bundle's name) and its max_model_len
+    POST /v1/completions         prompt(s) as text or token ids; echo, logprobs, n, stream, ...
+    POST /v1/chat/completions    messages rendered with the bundle's chat template (serve/api/chat.py)
+    GET  /health                 200 while serving, 503 while loading or draining (no token needed)
+
+It shares the gRPC front end's request core (serve/api/validation.py), error kinds (serve/api/http_status.py
+maps them), bearer token (`Authorization: Bearer ...`), metrics (the route is the `rpc` label) and drain.
+Handlers submit to the same scheduler directly, on the event loop. `X-Request-Id` is taken (or made) and
+echoed; it is the request id of the log line and of an INTERNAL error's message. A client that goes away
+cancels its request at the next engine step, streamed or not.
+
+n > 1 is served as n requests with seeds derived from (seed, index) (`validation.choice_seed`): the same seed
+gives the same n choices whatever else is batched. Arriving together, the n prompts are usually prefilled as
+one group (the prompt computed n times in one step); the engine does not fork one prefilled row into n.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import ssl
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve.api.common import CallRecord, LoadedModel, account
+from serve.api.config import ConfigError, ServerSettings
+from serve.api.http_status import NOT_FOUND, TOO_LARGE, HttpError, http_error
+from serve.api.metrics import Metrics
+from serve.api.openai_protocol import (
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Vocabulary,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    message_text,
+    refuse_unsupported,
+)
+from serve.api.validation import (
+    OPENAI_FIELDS,
+    GenerationOptions,
+    build_request,
+    check_request_id,
+    choice_seed,
+    text_prompt,
+    token_prompt,
+)
+from serve.engine.sampling import SamplingParams
+from serve.errors import Cancelled, Draining, InvalidRequest, Unauthenticated
+from serve.scheduling.handles import RequestHandle
+from serve.scheduling.request import Completion, Event, FinishEvent, GenerationRequest, TokenEvent
+
+log = logging.getLogger("textgen.http")
+
+COMPLETIONS, CHAT, MODELS, HEALTH = "/v1/completions", "/v1/chat/completions", "/v1/models", "/health"
+ROUTES = frozenset({COMPLETIONS, CHAT, MODELS})  # the `rpc` label values (health is not counted)
+REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID_KEY = "textgen.request_id"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ServingState(Protocol):
+    """What the front ends share of the server's state (the gRPC service holds it)."""
+
+    draining: bool
+
+    def ready_model(self) -> LoadedModel: ...
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body exceeds the server's limit of {limit} bytes")
+
+
+class NotFound(Exception):
+    """An unknown model (404)."""
+
+
+def _error_response(error: HttpError, request_id: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error.body(param), status_code=error.status, headers={"X-Request-Id": request_id})
+
+
+# --- the front door: request id, bearer token, body size ----------------------------------------------------
+
+
+class FrontDoor:
+    """Pure ASGI, outermost: takes (or makes) the request id and echoes it, refuses a call without the bearer
+    token (401) and a body over the limit (413), before any routing or parsing."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        token: str | None,
+        max_body: int,
+        on_refused: Callable[[str, str, str], None],
+    ) -> None:
+        self._app = app
+        self._expected = None if token is None else f"Bearer {token}".encode()
+        self._max_body = max_body
+        self._on_refused = on_refused  # (route, code, request id)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        supplied = headers.get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
+        request_id = supplied or uuid.uuid4().hex
+        path = scope["path"]
+        refusal: tuple[HttpError, str | None] | None = None
+        try:
+            check_request_id(request_id)
+        except InvalidRequest as exc:
+            request_id = uuid.uuid4().hex
+            refusal = http_error(exc), "X-Request-Id"
+        scope[REQUEST_ID_KEY] = request_id
+        if refusal is None and self._expected is not None and path != HEALTH:
+            auth = headers.get(b"authorization")
+            if auth is None:
+                refused = Unauthenticated(
+                    "missing credentials: send the header 'Authorization: Bearer <token>'"
+                )
+                refusal = http_error(refused), "Authorization"
+            elif not hmac.compare_digest(auth, self._expected):  # constant time: no timing oracle
+                refusal = (
+                    http_error(Unauthenticated("invalid bearer token in the Authorization header")),
+                    None,
+                )
+        length = headers.get(b"content-length")
+        if refusal is None and length is not None and length.isdigit() and int(length) > self._max_body:
+            status, kind, code = TOO_LARGE
+            message = f"the request body ({int(length)} bytes) exceeds the server's limit of {self._max_body}"
+            refusal = HttpError(status, kind, code, message), None
+        if refusal is not None:
+            error, param = refusal
+            if path in ROUTES:
+                self._on_refused(path, error.code, request_id)
+            await _error_response(error, request_id, param)(scope, receive, send)
+            return
+        await self._app(scope, self._counting(receive), self._echoing(send, request_id))
+
+    def _counting(self, receive: Receive) -> Receive:
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self._max_body:
+                    raise BodyTooLarge(self._max_body)
+            return message
+
+        return counted
+
+    @staticmethod
+    def _echoing(send: Send, request_id: str) -> Send:
+        header = (b"x-request-id", request_id.encode("latin-1", "replace"))
+
+        async def echoed(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, header]}
+            await send(message)
+
+        return echoed
+
+
+# --- one request's choices ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str  # what echo returns
+
+
+@dataclass
+class Plan:
+    """What one HTTP request submits: a request per (prompt, choice), index = prompt x n + choice."""
+
+    prompts: list[Prompt]
+    requests: list[GenerationRequest]
+    n: int
+
+
+def _submit_all(model: LoadedModel, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
+    handles: list[RequestHandle] = []
+    try:
+        for request in requests:
+            handles.append(model.scheduler.submit(request))
+    except BaseException:
+        for handle in handles:
+            handle.cancel()
+        raise
+    return handles
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away (the body is read already: the next message is the end)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise Cancelled("the client went away")
+
+
+async def _complete(handle: RequestHandle) -> Completion:
+    completion = Completion(handle.request_id)
+    async for event in handle:
+        completion.add(event)
+    return completion
+
+
+async def _until_done(
+    tasks: Sequence[asyncio.Future[Any]], request: Request, handles: Sequence[RequestHandle]
+) -> None:
+    """Waits for every task; the first error (or the client going away) cancels the rest and is raised."""
+    watcher = asyncio.ensure_future(_disconnected(request))
+    pending: set[asyncio.Future[Any]] = {*tasks, watcher}
+    try:
+        while any(not t.done() for t in tasks):
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                if future.exception() is not None:
+                    raise future.exception()  # type: ignore[misc]
+    finally:
+        watcher.cancel()
+        for handle in handles:
+            handle.cancel()  # no effect once finished
+        for task in tasks:
+            task.cancel()
+
+
+async def _merged(handles: Sequence[RequestHandle]) -> AsyncIterator[tuple[int, Event]]:
+    """Every choice's events as they come, tagged with its index; a stream that fell behind the engine gets
+    what arrived meanwhile in one event."""
+    queue: asyncio.Queue[tuple[int, Event | Exception]] = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        try:
+            async for event in handle:
+                if isinstance(event, TokenEvent):
+                    event = TokenEvent.join([event, *handle.ready_tokens()])
+                queue.put_nowait((index, event))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+
+    if len(handles) == 1:  # the usual case, without a task
+        handle = handles[0]
+        async for event in handle:
+            if isinstance(event, TokenEvent):
+                event = TokenEvent.join([event, *handle.ready_tokens()])
+            yield 0, event
+        return
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        left = len(handles)
+        while left:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if isinstance(item, FinishEvent):
+                left -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _merged_finish(finishes: Sequence[FinishEvent], prompt_tokens: int, cached: int) -> FinishEvent:
+    """One log line's finish for all of a request's choices."""
+    first = finishes[0]
+    return FinishEvent(
+        finish_reason=first.finish_reason,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=sum(f.completion_tokens for f in finishes),
+        cached_prompt_tokens=cached,
+        queue_seconds=min(f.queue_seconds for f in finishes),
+        ttft_seconds=min(f.ttft_seconds for f in finishes),
+        total_seconds=max(f.total_seconds for f in finishes),
+    )
+
+
+def _usage(plan: Plan, finishes: Sequence[FinishEvent | None]) -> tuple[dict[str, Any], FinishEvent | None]:
+    done = [f for f in finishes if f is not None]
+    prompt = sum(len(p.ids) for p in plan.prompts)
+    # The prompt is counted once per prompt, not once per choice (as OpenAI does).
+    cached = (
+        sum((finishes[i * plan.n] or done[0]).cached_prompt_tokens for i in range(len(plan.prompts)))
+        if done
+        else 0
+    )
+    completion = sum(f.completion_tokens for f in done)
+    usage = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+    return usage, (_merged_finish(done, prompt, cached) if done else None)
+
+
+# --- the API ------------------------------------------------------------------------------------------------
+
+
+class OpenAIApi:
+    """The handlers, on the server's event loop; `app` is the ASGI application uvicorn serves."""
+
+    def __init__(self, state: ServingState, settings: ServerSettings, metrics: Metrics | None) -> None:
+        self._state = state
+        self._settings = settings
+        self._metrics = metrics
+        self._vocabularies: dict[int, Vocabulary] = {}
+        self.fastapi = self._build()
+        token = settings.auth_token.get_secret_value() if settings.auth_token is not None else None
+        self.app = FrontDoor(self.fastapi, token, settings.max_message_bytes, self._refused)
+
+    # -- accounting -----------------------------------------------------------------------------------------
+    def _refused(self, route: str, code: str, request_id: str) -> None:
+        record = CallRecord(rpc=route, request_id=request_id, code=code, status=None)
+        account(record, self._settings.log_prompts, self._metrics)
+
+    def _account(self, record: CallRecord) -> None:
+        account(record, self._settings.log_prompts, self._metrics)
+
+    def _failed(self, record: CallRecord, exc: BaseException, param: str | None = None) -> JSONResponse:
+        error = http_error(exc, record.request_id or None)
+        code = None
+        if isinstance(exc, NotFound):
+            status, kind, label = NOT_FOUND
+            error, code = HttpError(status, kind, label, str(exc)), "model_not_found"
+        record.code, record.status, record.error = error.code, error.status, error.message
+        if error.code == "INTERNAL":
+            log.error("request %s failed", record.request_id, exc_info=exc)
+        self._account(record)
+        return JSONResponse(
+            error.body(param, code), status_code=error.status, headers={"X-Request-Id": record.request_id}
+        )
+
+    # -- the application ------------------------------------------------------------------------------------
+    def _build(self) -> FastAPI:
+        app = FastAPI(
+            title="textgen",
+            summary="OpenAI-compatible completions and chat completions of a textgen model bundle",
+            docs_url=None,
+            redoc_url=None,
+        )
+        app.add_exception_handler(RequestValidationError, self._invalid_body)  # type: ignore[arg-type]
+        app.add_exception_handler(HTTPException, self._http_exception)  # type: ignore[arg-type]
+        app.add_exception_handler(Exception, self._unexpected)
+
+        @app.get(HEALTH, summary="200 while serving, 503 while loading or draining")
+        async def health() -> Response:
+            serving = not self._state.draining and self._ready() is not None
+            body = {"status": "serving" if serving else "not serving"}
+            return JSONResponse(body, status_code=200 if serving else 503)
+
+        @app.get(MODELS, summary="the served model")
+        async def models(request: Request) -> Response:
+            record = CallRecord(rpc=MODELS, request_id=request.scope[REQUEST_ID_KEY])
+            try:
+                model = self._state.ready_model()
+            except Exception as exc:
+                return self._failed(record, exc)
+            record.status = 200
+            self._account(record)
+            return JSONResponse({"object": "list", "data": [self._model_card(model)]})
+
+        @app.post(COMPLETIONS, summary="completions of one or more prompts")
+        async def completions(body: CompletionRequest, request: Request) -> Response:
+            return await self._completions(body, request)
+
+        @app.post(CHAT, summary="the assistant's next message in a chat")
+        async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+            return await self._chat(body, request)
+
+        return app
+
+    def _ready(self) -> LoadedModel | None:
+        try:
+            return self._state.ready_model()
+        except Draining:
+            return None
+
+    def _model_card(self, model: LoadedModel) -> dict[str, Any]:
+        return {
+            "id": model.name,
+            "object": "model",
+            "created": int(model.bundle.root.stat().st_mtime),
+            "owned_by": "textgen",
+            "max_model_len": model.limits.context_length,
+        }
+
+    async def _invalid_body(self, request: Request, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
+        first: dict[str, Any] = dict(errors[0]) if errors else {"loc": (), "msg": "invalid request body"}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        where = ".".join(loc)
+        if first.get("type") == "json_invalid":
+            message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+            loc, where = [], ""
+        else:
+            got = f" (got {json.dumps(first['input'])[:80]})" if "input" in first and loc else ""
+            message = f"{where or 'body'}: {first['msg']}{got}"
+        record = CallRecord(rpc=request.url.path, request_id=request.scope.get(REQUEST_ID_KEY, ""))
+        if record.rpc not in ROUTES:
+            return _error_response(http_error(InvalidRequest(message)), record.request_id, where or None)
+        return self._failed(record, InvalidRequest(message), where or None)
+
+    async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
+        request_id = request.scope.get(REQUEST_ID_KEY, "")
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}: see GET /openapi.json"
+        else:
+            message = str(exc.detail)
+        error = HttpError(exc.status_code, "invalid_request_error", "INVALID_ARGUMENT", message)
+        if request.url.path in ROUTES:
+            code = TOO_LARGE[2] if exc.status_code == 413 else error.code
+            self._refused(request.url.path, code, request_id)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    async def _unexpected(self, request: Request, exc: Exception) -> Response:
+        request_id = request.scope.get(REQUEST_ID_KEY, "")
+        log.error("request %s failed", request_id, exc_info=exc)
+        return _error_response(http_error(exc, request_id or None), request_id)
+
+    # -- shared by both generation routes --------------------------------------------------------------------
+    def _vocabulary(self, model: LoadedModel) -> Vocabulary:
+        vocab = self._vocabularies.get(id(model.tokenizer))
+        if vocab is None:
+            vocab = self._vocabularies[id(model.tokenizer)] = Vocabulary(model.tokenizer)
+        return vocab
+
+    def _begin(self, body: CompletionRequest | ChatCompletionRequest) -> LoadedModel:
+        model = self._state.ready_model()
+        if body.model is not None and body.model != model.name:
+            raise NotFound(f"the model {body.model!r} does not exist: this server serves {model.name!r}")
+        refuse_unsupported(body)
+        n = body.n or 1
+        if n > self._settings.max_n:
+            raise InvalidRequest(f"n = {n}; allowed 1..{self._settings.max_n} (the server's max_n)")
+        return model
+
+    def _options(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+        *,
+        logprobs: bool,
+        top_logprobs: int,
+        echo: bool = False,
+    ) -> GenerationOptions:
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+        score_only = echo and max_tokens == 0
+        if max_tokens == 0 and not score_only:
+            raise InvalidRequest(
+                "max_tokens = 0 generates nothing: give 1 or more (or leave it out for the server's "
+                "default); with echo, /v1/completions returns the prompt and scores it"
+            )
+        return GenerationOptions(
+            sampling=_sampling(body),
+            max_new_tokens=max_tokens or 0,
+            stop=stop,
+            ignore_eos=bool(body.ignore_eos),
+            stop_token_ids=list(body.stop_token_ids or ()),
+            min_new_tokens=body.min_tokens or 0,
+            include_stop_str_in_output=bool(body.include_stop_str_in_output),
+            include_logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            prompt_logprobs=echo and (logprobs or score_only),
+            prompt_top_logprobs=top_logprobs if echo and logprobs else 0,
+            truncate_prompt_tokens=body.truncate_prompt_tokens or 0,
+            score_only=score_only,
+        )
+
+    def _plan(
+        self,
+        prompts: list[Prompt],
+        options: GenerationOptions,
+        n: int,
+        model: LoadedModel,
+        request_id: str,
+        stream: bool,
+    ) -> Plan:
+        requests = []
+        total = len(prompts) * n
+        for p, prompt in enumerate(prompts):
+            for c in range(n):
+                index = p * n + c
+                sampling = replace(options.sampling, seed=choice_seed(options.sampling.seed, c))
+                requests.append(
+                    build_request(
+                        replace(options, sampling=sampling),
+                        request_id=request_id if total == 1 else f"{request_id}-{index}",
+                        prompt=prompt.ids,
+                        limits=model.limits,
+                        deadline=None,
+                        stream=stream,
+                        fields=OPENAI_FIELDS,
+                    )
+                )
+        # What truncate_prompt_tokens kept is what was served (and what echo returns).
+        for p, prompt in enumerate(prompts):
+            kept = requests[p * n].prompt_ids
+            if len(kept) != len(prompt.ids):
+                prompts[p] = Prompt(kept, model.tokenizer.decode(kept, skip_special_tokens=False))
+        return Plan(prompts, requests, n)
+
+    async def _run(
+        self,
+        plan: Plan,
+        model: LoadedModel,
+        request: Request,
+        record: CallRecord,
+        stream: bool,
+        render: Callable[[Plan, list[Completion]], dict[str, Any]],
+        chunks: Callable[
+            [Plan, AsyncIterator[tuple[int, Event]], list[FinishEvent | None]], AsyncIterator[str]
+        ],
+    ) -> Response:
+        if self._state.draining:  # the drain may have begun while the prompt was being tokenized
+            raise Draining("the server is shutting down: retry on another replica")
+        handles = _submit_all(model, plan.requests)
+        headers = {"X-Request-Id": record.request_id}
+        if not stream:
+            tasks = [asyncio.ensure_future(_complete(h)) for h in handles]
+            await _until_done(tasks, request, handles)
+            completions = [t.result() for t in tasks]
+            body = render(plan, completions)
+            _usage_of, record.finish = _usage(plan, [c.finish for c in completions])
+            record.text = completions[0].text
+            record.status = 200
+            self._account(record)
+            return JSONResponse(body, headers=headers)
+        events = _merged(handles)
+        # The response starts with the first event, so a request refused before it (a drain, a failed
+        # prefill) gets its HTTP status, and one whose client leaves while queued is cancelled.
+        try:
+            first = await _first(events, request)
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            await events.aclose()  # type: ignore[attr-defined]  # an async generator
+            raise
+        finishes: list[FinishEvent | None] = [None] * len(handles)
+        sse = self._sse(chunks(plan, _prepend(first, events), finishes), handles, record, plan, finishes)
+        return StreamingResponse(sse, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+    async def _sse(
+        self,
+        chunks: AsyncIterator[str],
+        handles: Sequence[RequestHandle],
+        record: CallRecord,
+        plan: Plan,
+        finishes: list[FinishEvent | None],
+    ) -> AsyncIterator[str]:
+        record.status = 200
+        try:
+            async for chunk in chunks:
+                yield chunk
+            yield "data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away: starlette cancels the stream
+            record.code = "CANCELLED"
+            raise
+        except Exception as exc:  # after the response began: an error event, then the end of the stream
+            error = http_error(exc, record.request_id)
+            record.code, record.error = error.code, error.message
+            if error.code == "INTERNAL":
+                log.error("request %s failed", record.request_id, exc_info=exc)
+            yield f"data: {json.dumps(error.body())}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for handle in handles:
+                handle.cancel()  # frees the rows of a stream whose client went away; no effect once finished
+            _, record.finish = _usage(plan, finishes)
+            self._account(record)
+
+    # -- /v1/completions ------------------------------------------------------------------------------------
+    async def _completions(self, body: CompletionRequest, request: Request) -> Response:
+        record = CallRecord(rpc=COMPLETIONS, request_id=request.scope[REQUEST_ID_KEY])
+        try:
+            model = self._begin(body)
+            k = body.logprobs
+            options = self._options(
+                body, body.max_tokens, logprobs=k is not None, top_logprobs=k or 0, echo=bool(body.echo)
+            )
+            prompts = await self._prompts(body.prompt, model)
+            record.prompt = prompts[0].text
+            plan = self._plan(prompts, options, body.n or 1, model, record.request_id, bool(body.stream))
+            created = int(time.time())
+            vocab = self._vocabulary(model)
+            echo, include_usage = bool(body.echo), _include_usage(body)
+            ident = f"cmpl-{record.request_id}"
+
+            def render(plan: Plan, done: list[Completion]) -> dict[str, Any]:
+                choices = [
+                    _completion_choice(i, plan.prompts[i // plan.n], c, echo, k, vocab)
+                    for i, c in enumerate(done)
+                ]
+                usage, _ = _usage(plan, [c.finish for c in done])
+                return _completion_object(ident, created, model.name, choices) | {"usage": usage}
+
+            async def chunks(
+                plan: Plan, events: AsyncIterator[tuple[int, Event]], finishes: list[FinishEvent | None]
+            ) -> AsyncIterator[str]:
+                offsets = [0] * len(plan.requests)
+                started = [False] * len(plan.requests)
+                async for index, event in events:
+                    if isinstance(event, FinishEvent):
+                        finishes[index] = event
+                        choice = {"index": index, "text": "", "logprobs": None}
+                        choice["finish_reason"] = finish_reason(event.finish_reason)
+                        yield _sse_data(
+                            _completion_object(ident, created, model.name, [choice]), include_usage
+                        )
+                        continue
+                    text, logprobs = event.text, None
+                    prompt = plan.prompts[index // plan.n]
+                    if not started[index] and echo:
+                        text = prompt.text + text
+                    if k is not None:
+                        logprobs, offsets[index] = _event_completion_logprobs(
+                            vocab, event, prompt if echo and not started[index] else None, offsets[index]
+                        )
+                    started[index] = True
+                    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
+                    yield _sse_data(_completion_object(ident, created, model.name, [choice]), include_usage)
+                if include_usage:
+                    usage, _ = _usage(plan, finishes)
+                    yield _sse_data(_completion_object(ident, created, model.name, []) | {"usage": usage})
+
+            return await self._run(plan, model, request, record, bool(body.stream), render, chunks)
+        except Exception as exc:
+            return self._failed(record, exc)
+
+    async def _prompts(
+        self, prompt: str | list[str] | list[int] | list[list[int]], model: LoadedModel
+    ) -> list[Prompt]:
+        vocab_size = model.limits.vocab_size
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise InvalidRequest("prompt is empty: give a string, a list of strings or of token ids")
+        if len(prompt) > MAX_PROMPTS and not isinstance(prompt[0], int):
+            raise InvalidRequest(f"{len(prompt)} prompts given; at most {MAX_PROMPTS} in one request")
+        if isinstance(prompt[0], int):
+            ids = token_prompt([int(t) for t in prompt], vocab_size, "prompt")
+            return [Prompt(ids, model.tokenizer.decode(ids, skip_special_tokens=False))]
+        if isinstance(prompt[0], list):
+            out = []
+            for i, item in enumerate(prompt):
+                ids = token_prompt(item, vocab_size, f"prompt[{i}]")
+                out.append(Prompt(ids, model.tokenizer.decode(ids, skip_special_tokens=False)))
+            return out
+        texts: list[str] = prompt
+        encode = model.tokenizer.encode
+
+        def tokenized() -> list[Prompt]:
+            field = "prompt" if len(texts) == 1 else "prompt[{}]"
+            return [
+                Prompt(text_prompt(t, lambda s: encode(s).ids, field.format(i)), t)
+                for i, t in enumerate(texts)
+            ]
+
+        return await asyncio.to_thread(tokenized)  # a long prompt takes milliseconds: off the event loop
+
+    # -- /v1/chat/completions --------------------------------------------------------------------------------
+    async def _chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        record = CallRecord(rpc=CHAT, request_id=request.scope[REQUEST_ID_KEY])
+        try:
+            model = self._begin(body)
+            if body.top_logprobs and not body.logprobs:
+                raise InvalidRequest("top_logprobs needs logprobs: true")
+            top = body.top_logprobs or 0
+            max_tokens = (
+                body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            )
+            options = self._options(body, max_tokens, logprobs=bool(body.logprobs), top_logprobs=top)
+            if not body.messages:
+                raise InvalidRequest("messages is empty: give at least one message")
+            messages = []
+            for index, message in enumerate(body.messages):
+                if message.role not in ("system", "user", "assistant"):
+                    raise InvalidRequest(
+                        f"messages[{index}].role is {message.role!r}; allowed: system, user, assistant"
+                    )
+                messages.append({"role": message.role, "content": message_text(index, message)})
+            ids = await asyncio.to_thread(model.chat_prompt, messages)
+            record.prompt = json.dumps(messages, ensure_ascii=False)
+            plan = self._plan(
+                [Prompt(ids, "")], options, body.n or 1, model, record.request_id, bool(body.stream)
+            )
+            created = int(time.time())
+            vocab = self._vocabulary(model)
+            want_logprobs, include_usage = bool(body.logprobs), _include_usage(body)
+            ident = f"chatcmpl-{record.request_id}"
+
+            def render(plan: Plan, done: list[Completion]) -> dict[str, Any]:
+                choices = []
+                for index, completion in enumerate(done):
+                    assert completion.finish is not None
+                    logprobs = (
+                        {
+                            "content": chat_logprobs(
+                                vocab, completion.token_ids, completion.logprobs, completion.top_logprobs
+                            )
+                        }
+                        if want_logprobs
+                        else None
+                    )
+                    choices.append(
+                        {
+                            "index": index,
+                            "message": {"role": "assistant", "content": completion.text},
+                            "logprobs": logprobs,
+                            "finish_reason": finish_reason(completion.finish.finish_reason),
+                        }
+                    )
+                usage, _ = _usage(plan, [c.finish for c in done])
+                return _chat_object(ident, created, model.name, choices, "chat.completion") | {"usage": usage}
+
+            async def chunks(
+                plan: Plan, events: AsyncIterator[tuple[int, Event]], finishes: list[FinishEvent | None]
+            ) -> AsyncIterator[str]:
+                started = [False] * len(plan.requests)
+                kind = "chat.completion.chunk"
+                async for index, event in events:
+                    if isinstance(event, FinishEvent):
+                        finishes[index] = event
+                        choice = {
+                            "index": index,
+                            "delta": {},
+                            "logprobs": None,
+                            "finish_reason": finish_reason(event.finish_reason),
+                        }
+                        yield _sse_data(
+                            _chat_object(ident, created, model.name, [choice], kind), include_usage
+                        )
+                        continue
+                    delta: dict[str, Any] = {"content": event.text}
+                    if not started[index]:
+                        delta = {"role": "assistant", **delta}
+                        started[index] = True
+                    logprobs = (
+                        {"content": chat_logprobs(vocab, event.token_ids, event.logprobs, event.top_logprobs)}
+                        if want_logprobs
+                        else None
+                    )
+                    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+                    yield _sse_data(_chat_object(ident, created, model.name, [choice], kind), include_usage)
+                if include_usage:
+                    usage, _ = _usage(plan, finishes)
+                    yield _sse_data(_chat_object(ident, created, model.name, [], kind) | {"usage": usage})
+
+            return await self._run(plan, model, request, record, bool(body.stream), render, chunks)
+        except Exception as exc:
+            return self._failed(record, exc)
+
+
+# --- helpers of the two routes ------------------------------------------------------------------------------
+
+
+def _sampling(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    bias: list[tuple[int, float]] = []
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest(
+                f"logit_bias keys are token ids (integers, as strings); got {key!r}"
+            ) from None
+        bias.append((token, value))
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 0.0 if body.top_p is None or body.top_p == 1.0 else body.top_p
+    if body.top_p == 0.0:  # OpenAI's top_p 0 keeps only the most likely token: greedy
+        temperature, top_p = 0.0, 0.0
+    return SamplingParams(
+        temperature=temperature,
+        top_k=max(body.top_k or 0, 0),
+        top_p=top_p,
+        repetition_penalty=body.repetition_penalty or 0.0,
+        seed=None if body.seed is None else body.seed % 2**64,
+        min_p=body.min_p or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        logit_bias=tuple(sorted(bias)),
+    )
+
+
+def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    return bool(body.stream and body.stream_options is not None and body.stream_options.include_usage)
+
+
+def _sse_data(obj: dict[str, Any], usage_field: bool = False) -> str:
+    if usage_field:
+        obj["usage"] = None  # OpenAI: every chunk but the last has "usage": null when usage is asked for
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _completion_object(ident: str, created: int, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": ident, "object": "text_completion", "created": created, "model": model, "choices": choices}
+
+
+def _chat_object(
+    ident: str, created: int, model: str, choices: list[dict[str, Any]], kind: str
+) -> dict[str, Any]:
+    return {
+        "id": ident,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": choices,
+    }
+
+
+def _prompt_scores(
+    prompt: Prompt, logprobs: list[float], tops: list[Any]
+) -> tuple[list[float | None], list[Any]]:
+    """The prompt's logprobs as echo shows them: the first token has none."""
+    top_list: list[Any] = [None, *tops] if tops else [None] * len(prompt.ids)
+    return [None, *logprobs], top_list
+
+
+def _event_completion_logprobs(
+    vocab: Vocabulary, event: TokenEvent, prompt: Prompt | None, offset: int
+) -> tuple[dict[str, Any], int]:
+    ids: list[int] = []
+    lps: list[float | None] = []
+    tops: list[Any] = []
+    if prompt is not None:
+        plp, ptop = _prompt_scores(prompt, event.prompt_logprobs, event.prompt_top_logprobs)
+        ids, lps, tops = list(prompt.ids), plp, ptop
+    ids += event.token_ids
+    lps += event.logprobs
+    tops += event.top_logprobs or [None] * len(event.token_ids)
+    return completion_logprobs(vocab, ids, lps, tops, offset)
+
+
+def _completion_choice(
+    index: int, prompt: Prompt, completion: Completion, echo: bool, k: int | None, vocab: Vocabulary
+) -> dict[str, Any]:
+    assert completion.finish is not None
+    text = (prompt.text if echo else "") + completion.text
+    logprobs = None
+    if k is not None:
+        event = TokenEvent(
+            completion.token_ids,
+            completion.text,
+            completion.logprobs,
+            completion.top_logprobs,
+            completion.prompt_logprobs,
+            completion.prompt_top_logprobs,
+        )
+        logprobs, _ = _event_completion_logprobs(vocab, event, prompt if echo else None, 0)
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(completion.finish.finish_reason),
+    }
+
+
+async def _first(events: AsyncIterator[tuple[int, Event]], request: Request) -> tuple[int, Event]:
+    """The first event, unless the client goes away first (Cancelled)."""
+    nxt = asyncio.ensure_future(events.__anext__())
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not nxt.done():
+            nxt.cancel()
+            watcher.result()  # raises Cancelled
+        return nxt.result()
+    finally:
+        watcher.cancel()
+
+
+async def _prepend(
+    first: tuple[int, Event], rest: AsyncIterator[tuple[int, Event]]
+) -> AsyncIterator[tuple[int, Event]]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+# --- the HTTP server on the event loop ----------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its signal handlers: textgen-serve's own drive the drain."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen for HTTP on {host}:{port}: {exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+class HttpServer:
+    """uvicorn serving the API on the running loop: `await start()` (its port), `await stop(grace)`."""
+
+    def __init__(self, api: OpenAIApi, settings: ServerSettings) -> None:
+        self._settings = settings
+        tls: dict[str, Any] = {}
+        if settings.tls_cert is not None and settings.tls_key is not None:
+            tls = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
+            if settings.tls_client_ca is not None:
+                tls |= {"ssl_ca_certs": str(settings.tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        self._config = uvicorn.Config(
+            api.app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            http="h11",
+            ws="none",
+            server_header=False,
+            timeout_graceful_shutdown=None,
+            **tls,
+        )
+        self._server = _Server(self._config)
+        self._task: asyncio.Task[None] | None = None
+        self._socket: socket.socket | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        self._socket = _bind(self._settings.http_host, self._settings.http_port)
+        self.port = int(self._socket.getsockname()[1])
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what start-up raised
+                raise ConfigError("the HTTP server stopped during start-up")
+            await asyncio.sleep(0.005)
+        return self.port
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop listening; open responses get `grace` seconds (None: none) to end."""
+        if self._task is None:
+            return
+        self._config.timeout_graceful_shutdown = None if grace is None else max(int(grace), 1)
+        self._server.should_exit = True
+        if grace is None:
+            self._server.force_exit = True
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(asyncio.shield(self._task), timeout=(grace or 0) + 5)
+        if not self._task.done():
+            self._task.cancel()
+        if self._socket is not None:
+            self._socket.close()
+        self._task = None
+
+
+def http_api(state: ServingState, settings: ServerSettings, metrics: Metrics | None) -> HttpServer:
+    return HttpServer(OpenAIApi(state, settings, metrics), settings)
+
+
+__all__ = ["HttpServer", "OpenAIApi", "ServingState", "http_api"]
