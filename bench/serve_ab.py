@@ -65,7 +65,7 @@ def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
     command = [
         sys.executable,
         *("-m", "serve", "--bundle", str(args.bundle.resolve())),
-        *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"),
+        *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--http-port", "0"),
         *("--max-batch-size", str(args.clients), "--log-level", "WARNING"),
         *(("--threads", str(args.threads)) if args.threads else ()),
         *flags,

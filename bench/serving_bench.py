@@ -430,7 +430,7 @@ def run(args: argparse.Namespace) -> Results:
     serve_cmd = [
         str(BIN / "textgen-serve"),
         *("--bundle", str(bundle_dir), "--host", "127.0.0.1", "--port", str(port)),
-        *("--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port)),
+        *("--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port), "--http-port", "0"),
         *("--max-batch-size", str(max_batch), "--threads", str(threads), "--log-level", "WARNING"),
         *("--stream-interval-ms", f"{args.stream_interval_ms:g}"),
         *("--prefill-chunk-tokens", str(args.prefill_chunk_tokens)),

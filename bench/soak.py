@@ -184,6 +184,7 @@ def soak(args: argparse.Namespace, bundle: Path, log_path: Path) -> list[Round]:
     command = [
         *(sys.executable, "-m", "serve", "--bundle", str(bundle), "--host", "127.0.0.1"),
         *("--port", str(port), "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port)),
+        *("--http-port", "0"),
         *("--max-batch-size", str(args.max_batch_size), "--max-queue", str(args.max_queue)),
     ]
     rounds: list[Round] = []

@@ -17,11 +17,14 @@ from serve.scheduling.runner import SchedulerSnapshot
 
 
 def loopback_settings(bundle: Path, **overrides: Any) -> ServerSettings:
-    """Settings for a test server: loopback only, any free ports."""
+    """Settings for a test server: loopback only, any free ports; the HTTP API off unless `http_port` is
+    given (0 turns it off: `free_port()` picks one)."""
     fields: dict[str, Any] = {
         "bundle": bundle,
         "host": "127.0.0.1",
         "port": 0,
+        "http_host": "127.0.0.1",
+        "http_port": 0,
         "metrics_host": "127.0.0.1",
         "metrics_port": 0,
         **overrides,

@@ -147,3 +147,12 @@ def make_pki() -> Pki:
         stranger_ca=stranger_ca,
         stranger_client=_leaf("client", stranger_key, stranger_name),
     )
+
+
+def free_port() -> int:
+    """A port free on the loopback interface now (the HTTP API's port 0 means off, not any port)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -272,6 +272,7 @@ def serving(venv: Path, bundle: Path) -> Iterator[tuple[int, int]]:
         "TEXTGEN_HOST": "127.0.0.1",
         "TEXTGEN_PORT": str(ports[0]),
         "TEXTGEN_METRICS_PORT": str(ports[1]),
+        "TEXTGEN_HTTP_PORT": "0",
     }
     process = subprocess.Popen([str(venv / "bin" / "textgen-serve")], env=env)
     try:

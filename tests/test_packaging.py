@@ -50,7 +50,7 @@ def test_missing_onnxruntime_is_one_clear_line(tiny_bundle: Path, tmp_path: Path
     (tmp_path / "onnxruntime" / "__init__.py").write_text("raise ImportError('not installed')\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TEXTGEN_")}
     env["PYTHONPATH"] = str(tmp_path)
-    ports = ["--port", "0", "--metrics-port", "0"]
+    ports = ["--port", "0", "--metrics-port", "0", "--http-port", "0"]
     command = [sys.executable, "-m", "serve", "--bundle", str(tiny_bundle), *ports]
     result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=120, env=env)
     assert result.returncode == 1

@@ -117,7 +117,9 @@ class ServerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TEXTGEN_")}
         env["PYTHONPATH"] = os.pathsep.join([str(SLOW_SERVER), *filter(None, [env.get("PYTHONPATH")])])
         env["SLOW_DECODE_SECONDS"] = "0.02"
-        loopback = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
+        loopback = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-host", "127.0.0.1"]
+        if "--http-port" not in args:
+            loopback += ["--http-port", "0"]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "serve", *loopback, *args],
             cwd=REPO,
@@ -175,7 +177,8 @@ def test_sigterm_completes_streams_in_flight_and_exits_0(tiny_bundle: Path) -> N
 
 def run_serve(*args: str) -> subprocess.CompletedProcess[str]:
     """`python -m serve` on loopback (any metrics port) until it exits."""
-    command = [sys.executable, "-m", "serve", "--host", "127.0.0.1", "--metrics-port", "0", *args]
+    loopback = ["--host", "127.0.0.1", "--metrics-port", "0", "--http-port", "0"]
+    command = [sys.executable, "-m", "serve", *loopback, *args]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
 
 

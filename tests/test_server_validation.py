@@ -8,14 +8,8 @@ import math
 import pytest
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
-from serve.api.validation import (
-    RequestLimits,
-    check_request_id,
-    generation_request,
-    max_new_tokens,
-    prompt_ids,
-    reject_unknown_fields,
-)
+from serve.api.grpc_requests import generation_request, prompt_ids, reject_unknown_fields
+from serve.api.validation import RequestLimits, check_request_id, max_new_tokens
 from serve.errors import InvalidRequest
 
 LIMITS = RequestLimits(

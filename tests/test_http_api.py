@@ -1,0 +1,497 @@
+"""The OpenAI-compatible HTTP API end to end: a real server (tiny bundle) with gRPC and HTTP on loopback ports,
+called with the official `openai` SDK (and httpx for what the SDK does not send). What HTTP returns is checked
+against what gRPC returns for the same request, on the same server."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+from engine_faults import InjectedFaults
+from running_server import RunningServer, loopback_settings
+from server_tools import LoopThread, free_port
+
+from serve._proto.textgen.v1 import textgen_pb2 as pb
+from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+
+PROMPT = "the quick brown fox"
+MESSAGES = [
+    {"role": "system", "content": "You complete Python."},
+    {"role": "user", "content": "def add(a, b):"},
+]
+
+
+@pytest.fixture(scope="module")
+def server(loop: LoopThread, tiny_bundle: Path) -> Iterator[RunningServer]:
+    """Requests with ids "slow-..." decode slowly, "doomed..." fail a decode step."""
+    settings = loopback_settings(
+        tiny_bundle,
+        http_port=free_port(),
+        max_new_tokens=32,
+        default_max_new_tokens=8,
+        max_stop_strings=2,
+        max_n=4,
+        engine_process=False,
+        max_message_bytes=64 * 1024,
+    )
+    running = RunningServer(loop, settings, InjectedFaults())
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def base(server: RunningServer) -> str:
+    return f"http://127.0.0.1:{server.server.http_port}"
+
+
+@pytest.fixture(scope="module")
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def stub(server: RunningServer) -> Iterator[pb_grpc.TextGenerationStub]:
+    with grpc.insecure_channel(server.target) as channel:
+        yield pb_grpc.TextGenerationStub(channel)
+
+
+@pytest.fixture(scope="module")
+def model(server: RunningServer) -> str:
+    return server.model.name
+
+
+def grpc_greedy(stub: pb_grpc.TextGenerationStub, n: int, **fields: Any) -> pb.GenerateResponse:
+    return stub.Generate(
+        pb.GenerateRequest(stopping=pb.StoppingCriteria(max_new_tokens=n, ignore_eos=True), **fields)
+    )
+
+
+GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+# --- the happy paths ----------------------------------------------------------------------------------------
+
+
+def test_models_lists_the_bundle(client: openai.OpenAI, server: RunningServer) -> None:
+    (card,) = client.models.list().data
+    assert card.id == server.model.name and card.owned_by == "textgen"
+    assert (
+        card.model_extra is not None
+        and card.model_extra["max_model_len"] == server.model.limits.context_length
+    )
+
+
+def test_completion_equals_grpc_generate_streamed_or_not(
+    client: openai.OpenAI, stub: pb_grpc.TextGenerationStub, model: str
+) -> None:
+    expected = grpc_greedy(stub, 12, text=PROMPT)
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, **GREEDY)
+    (choice,) = whole.choices
+    assert choice.text == expected.text and choice.finish_reason == "length"
+    assert whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (expected.usage.prompt_tokens, 12)
+    assert whole.usage.total_tokens == expected.usage.prompt_tokens + 12
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    *body, usage = chunks
+    assert "".join(c.choices[0].text for c in body) == expected.text
+    assert body[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in body[:-1])
+    assert usage.choices == [] and usage.usage is not None and usage.usage.completion_tokens == 12
+    assert all(c.usage is None for c in body)
+
+
+def test_token_id_prompts_and_lists_of_prompts(
+    client: openai.OpenAI, stub: pb_grpc.TextGenerationStub, model: str
+) -> None:
+    ids = list(stub.Tokenize(pb.TokenizeRequest(text=PROMPT)).ids)
+    by_text = grpc_greedy(stub, 5, text=PROMPT).text
+    other = grpc_greedy(stub, 5, text="import os").text
+    assert (
+        client.completions.create(model=model, prompt=ids, max_tokens=5, **GREEDY).choices[0].text == by_text
+    )
+    many = client.completions.create(model=model, prompt=[PROMPT, "import os"], max_tokens=5, **GREEDY)
+    assert [c.text for c in many.choices] == [by_text, other] and [c.index for c in many.choices] == [0, 1]
+    batch = client.completions.create(model=model, prompt=[ids, ids[:3]], max_tokens=5, **GREEDY)
+    assert batch.choices[0].text == by_text and batch.usage is not None
+    assert batch.usage.prompt_tokens == len(ids) + 3
+
+
+def test_chat_equals_grpc_messages_streamed_or_not(
+    client: openai.OpenAI, stub: pb_grpc.TextGenerationStub, model: str, server: RunningServer
+) -> None:
+    messages = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in MESSAGES])
+    expected = grpc_greedy(stub, 10, messages=messages)
+    rendered = server.model.chat.render(MESSAGES)  # type: ignore[union-attr]
+    tokens = server.model.tokenizer.encode(rendered, add_special_tokens=False).ids
+    assert expected.usage.prompt_tokens == len(tokens)
+    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=10, **GREEDY)  # type: ignore[arg-type]
+    (choice,) = reply.choices
+    assert choice.message.role == "assistant" and choice.message.content == expected.text
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(tokens)
+    parts = [{"type": "text", "text": "def add"}, {"type": "text", "text": "(a, b):"}]
+    as_parts = client.chat.completions.create(
+        model=model,
+        messages=[MESSAGES[0], {"role": "user", "content": parts}],  # type: ignore[list-item]
+        max_completion_tokens=10,
+        **GREEDY,
+    )
+    joined = [MESSAGES[0], {"role": "user", "content": "def add\n(a, b):"}]
+    assert (
+        as_parts.choices[0].message.content
+        == grpc_greedy(
+            stub, 10, messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in joined])
+        ).text
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    *body, usage = chunks
+    assert body[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in body) == expected.text
+    assert body[-1].choices[0].finish_reason == "length"
+    assert usage.usage is not None and usage.usage.completion_tokens == 10
+
+
+def test_logprobs_and_top_logprobs(
+    client: openai.OpenAI, stub: pb_grpc.TextGenerationStub, model: str
+) -> None:
+    expected = grpc_greedy(stub, 5, text=PROMPT, include_logprobs=True, top_logprobs=3)
+    legacy = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, logprobs=3, **GREEDY)
+    logprobs = legacy.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert logprobs.token_logprobs == pytest.approx(list(expected.logprobs), abs=1e-5)
+    assert all(len(top) <= 3 for top in logprobs.top_logprobs)
+    assert "".join(logprobs.tokens or []) == legacy.choices[0].text
+    chat = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY,  # type: ignore[arg-type]
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 5
+    for entry in content:
+        assert entry.logprob <= 0 and math.isfinite(entry.logprob) and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)  # greedy: the top one
+        assert entry.bytes is not None
+    streamed = [
+        e
+        for c in client.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            max_tokens=5,
+            logprobs=True,
+            stream=True,
+            **GREEDY,  # type: ignore[arg-type]
+        )
+        for e in ((c.choices[0].logprobs.content or []) if c.choices and c.choices[0].logprobs else [])
+    ]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-6)
+
+
+def test_echo_logprobs_equal_grpc_prompt_logprobs_and_score_without_generating(
+    client: openai.OpenAI, stub: pb_grpc.TextGenerationStub, model: str
+) -> None:
+    expected = grpc_greedy(stub, 3, text=PROMPT, include_prompt_logprobs=True, include_logprobs=True)
+    prompt_len = expected.usage.prompt_tokens
+    echoed = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=3, echo=True, logprobs=1, **GREEDY
+    )
+    (choice,) = echoed.choices
+    assert choice.text == PROMPT + expected.text
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+    lps = choice.logprobs.token_logprobs
+    assert lps[0] is None and len(lps) == prompt_len + 3
+    assert lps[1:prompt_len] == pytest.approx(list(expected.prompt_logprobs), abs=1e-5)
+    assert lps[prompt_len:] == pytest.approx(list(expected.logprobs), abs=1e-5)
+    scored = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0, **GREEDY
+    )
+    assert (
+        scored.choices[0].text == PROMPT and scored.usage is not None and scored.usage.completion_tokens == 0
+    )
+    only = scored.choices[0].logprobs
+    assert only is not None and only.token_logprobs is not None
+    assert only.token_logprobs[1:] == pytest.approx(list(expected.prompt_logprobs), abs=1e-5)
+    streamed = list(
+        client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in streamed) == PROMPT
+
+
+def test_n_choices_with_a_seed(client: openai.OpenAI, model: str, base: str) -> None:
+    def ask(**kwargs: Any) -> list[str]:
+        reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, **kwargs)
+        return [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    first = ask(n=3, seed=11)
+    # Other requests in the batch meanwhile change nothing: each choice draws from its own seeded stream.
+    busy = threading.Thread(target=lambda: ask(n=2, seed=99))
+    busy.start()
+    again = ask(n=3, seed=11)
+    busy.join()
+    assert first == again and len(set(first)) > 1
+    assert ask(n=1, seed=11) == first[:1]  # choice 0 keeps the seed
+    chat = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=6,
+        n=2,
+        seed=5,
+        stream=True,  # type: ignore[arg-type]
+    )
+    texts = ["", ""]
+    for chunk in chat:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, n=2, seed=5)  # type: ignore[arg-type]
+    assert texts == [c.message.content for c in whole.choices]
+
+
+def test_stop_strings_penalties_and_vllm_fields(
+    client: openai.OpenAI, stub: pb_grpc.TextGenerationStub, model: str
+) -> None:
+    (the,) = stub.Tokenize(pb.TokenizeRequest(text=" the")).ids
+    bias = {str(the): 100}
+    stopped = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=8, logit_bias=bias, stop="he t"
+    )
+    assert stopped.choices[0].text == " t" and stopped.choices[0].finish_reason == "stop"
+    kept = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=8, logit_bias=bias, stop=["he t"],
+        extra_body={"include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert kept.choices[0].text == " the t"
+    plain = grpc_greedy(stub, 12, text=PROMPT).token_ids
+    at = next(i for i in range(12) if plain[i] not in plain[:i])
+    extra = {"ignore_eos": True, "stop_token_ids": [plain[at]], "min_tokens": 0, "top_k": -1}
+    cut = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, temperature=0, extra_body=extra
+    )
+    assert (
+        cut.choices[0].finish_reason == "stop" and cut.usage is not None and cut.usage.completion_tokens == at
+    )
+    penalized = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, frequency_penalty=2.0, presence_penalty=0.5, **GREEDY
+    )
+    expected = grpc_greedy(
+        stub, 12, text=PROMPT, sampling=pb.SamplingParams(frequency_penalty=2.0, presence_penalty=0.5)
+    )
+    assert penalized.choices[0].text == expected.text
+
+
+def test_request_id_is_echoed_logged_and_named_in_internal_errors(
+    base: str, server: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    with caplog.at_level(logging.INFO, logger="textgen.requests"):
+        ok = httpx.post(f"{base}/v1/completions", json=body, headers={"X-Request-Id": "http-id-1"})
+        made = httpx.post(f"{base}/v1/completions", json=body)
+        failed = httpx.post(
+            f"{base}/v1/completions", json={**body, "max_tokens": 4}, headers={"X-Request-Id": "doomed-7"}
+        )
+    assert ok.status_code == 200 and ok.headers["x-request-id"] == "http-id-1"
+    assert ok.json()["id"] == "cmpl-http-id-1"
+    assert made.headers["x-request-id"] and made.headers["x-request-id"] != "http-id-1"
+    assert failed.status_code == 500
+    error = failed.json()["error"]
+    assert (
+        error["type"] == "server_error" and "doomed-7" in error["message"] and "Traceback" not in failed.text
+    )
+    lines = [r.getMessage() for r in caplog.records if r.name == "textgen.requests"]
+    line = json.loads(next(line for line in lines if "http-id-1" in line))
+    assert line["rpc"] == "/v1/completions" and line["code"] == "OK" and line["status"] == 200
+    assert any('"doomed-7"' in line and '"INTERNAL"' in line for line in lines)
+    scrape = server.server.metrics.exposition()
+    assert 'textgen_requests_total{code="OK",rpc="/v1/completions"}' in scrape
+    assert 'textgen_requests_total{code="INTERNAL",rpc="/v1/completions"}' in scrape
+
+
+# --- errors -----------------------------------------------------------------------------------------------
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+ERRORS: list[tuple[str, Any, int, str]] = [
+    (C, b"{not json", 400, "not valid JSON"),
+    (C, {"prompt": PROMPT, "temperature": 2.5}, 400, "temperature: Input should be less than or equal to 2"),
+    (C, {"prompt": PROMPT, "top_p": 1.5}, 400, "top_p"),
+    (C, {"prompt": PROMPT, "presence_penalty": -3}, 400, "presence_penalty"),
+    (C, {"prompt": PROMPT, "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    (C, {"prompt": PROMPT, "n": 0}, 400, "n: Input should be greater than or equal to 1"),
+    (C, {"prompt": PROMPT, "n": 5}, 400, "n = 5; allowed 1..4 (the server's max_n)"),
+    (C, {"prompt": PROMPT, "max_tokens": -1}, 400, "max_tokens"),
+    (C, {"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens = 0 generates nothing"),
+    (
+        C,
+        {"prompt": PROMPT, "max_tokens": 33},
+        400,
+        "max_tokens = 33 is above the server's cap: allowed 1..32",
+    ),
+    (C, {"prompt": PROMPT, "logprobs": 21}, 400, "logprobs"),
+    (C, {"prompt": PROMPT, "best_of": 2}, 400, "best_of is not supported"),
+    (C, {"prompt": PROMPT, "suffix": "x"}, 400, "suffix is not supported"),
+    (C, {"prompt": PROMPT, "logit_bias": {"a": 1}}, 400, "logit_bias keys are token ids"),
+    (C, {"prompt": PROMPT, "logit_bias": {"3": 101}}, 400, "logit_bias[3] must be in [-100, 100]"),
+    (C, {"prompt": PROMPT, "stop": ["a", "b", "c"]}, 400, "3 stop strings given; at most 2"),
+    (C, {"prompt": PROMPT, "min_tokens": 9}, 400, "min_tokens is 9; allowed 0..8 (max_tokens)"),
+    (C, {"prompt": ""}, 400, "prompt is empty"),
+    (C, {"prompt": []}, 400, "prompt is empty"),
+    (C, {"prompt": [1, 10**6]}, 400, "prompt[1] = 1000000 is outside the vocabulary"),
+    (C, {"prompt": [1] * 500}, 400, "prompt has 500 tokens; allowed 1.."),
+    (C, {"prompt": [[1], []]}, 400, "prompt[1] is empty"),
+    (C, {}, 400, "prompt: Field required"),
+    (C, {"prompt": PROMPT, "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist"),
+    (C, {"prompt": PROMPT, "tools": [{"type": "function"}]}, 400, "tools is not supported"),
+    (CHAT, {"messages": []}, 400, "messages is empty"),
+    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role is 'tool'"),
+    (CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content is required"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "is not a text part"),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs needs logprobs: true"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    (
+        CHAT,
+        {"messages": USER, "response_format": {"type": "json_object"}},
+        400,
+        "response_format is not supported",
+    ),
+    (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_tokens = 0 generates nothing"),
+    ("/v1/nothing", {}, 404, "no route POST /v1/nothing"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "message"), ERRORS, ids=[e[3][:40] for e in ERRORS])
+def test_errors_in_openais_shape(base: str, path: str, body: Any, status: int, message: str) -> None:
+    for stream in (False, True):
+        payload = body if isinstance(body, bytes) else json.dumps({**body, "stream": stream})
+        response = httpx.post(f"{base}{path}", content=payload, headers={"Content-Type": "application/json"})
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert message in error["message"] and set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error"
+
+
+def test_ignored_fields_and_a_body_over_the_limit(base: str, client: openai.OpenAI, model: str) -> None:
+    harmless = {
+        "user": "u",
+        "metadata": {"a": "b"},
+        "store": False,
+        "parallel_tool_calls": True,
+        "whatever": 1,
+    }
+    ok = httpx.post(f"{base}/v1/chat/completions", json={"messages": USER, "max_tokens": 2, **harmless})
+    assert ok.status_code == 200
+    big = httpx.post(f"{base}/v1/completions", json={"prompt": "x" * 70_000})
+    assert big.status_code == 413 and "exceeds the server's limit" in big.json()["error"]["message"]
+    assert client.completions.create(model=model, prompt=PROMPT, max_tokens=2).choices[0].text is not None
+
+
+def test_a_bundle_without_a_chat_template_refuses_chat(
+    loop: LoopThread, tiny_bundle: Path, tmp_path: Path
+) -> None:
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_bundle, plain)
+    manifest = json.loads((plain / "manifest.json").read_text())
+    del manifest["chat_template"]
+    (plain / "manifest.json").write_text(json.dumps(manifest))
+    running = RunningServer(loop, loopback_settings(plain, http_port=free_port(), engine_process=False))
+    try:
+        url = f"http://127.0.0.1:{running.server.http_port}"
+        refused = httpx.post(f"{url}/v1/chat/completions", json={"messages": USER})
+        assert refused.status_code == 400 and "has no chat template" in refused.json()["error"]["message"]
+        assert (
+            httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+        )
+    finally:
+        running.stop()
+
+
+def test_auth_token_and_health(loop: LoopThread, tiny_bundle: Path) -> None:
+    settings = loopback_settings(
+        tiny_bundle, http_port=free_port(), engine_process=False, auth_token="s3cret"
+    )
+    running = RunningServer(loop, settings)
+    try:
+        url = f"http://127.0.0.1:{running.server.http_port}"
+        assert httpx.get(f"{url}/health").status_code == 200  # no token needed
+        missing = httpx.get(f"{url}/v1/models")
+        assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+        wrong = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and "invalid bearer token" in wrong.json()["error"]["message"]
+        sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert sdk.completions.create(model=running.model.name, prompt=PROMPT, max_tokens=2).choices
+        scrape = running.server.metrics.exposition()
+        assert 'textgen_requests_total{code="UNAUTHENTICATED",rpc="/v1/models"} 2.0' in scrape
+    finally:
+        running.stop()
+
+
+# --- clients that go away ---------------------------------------------------------------------------------
+
+
+def test_a_client_that_disconnects_cancels_its_request(base: str, server: RunningServer) -> None:
+    cancelled = server.snapshot().outcomes.get("cancelled", 0)
+    body = {"prompt": PROMPT, "max_tokens": 30, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, headers={"X-Request-Id": "slow-sse"}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first token arrived: the request holds a row
+        assert server.snapshot().running == 1
+    snapshot = server.wait_idle(5.0)  # closing the connection freed it
+    assert snapshot.running == 0 and snapshot.kv_slots_used == 0
+    assert snapshot.outcomes.get("cancelled", 0) == cancelled + 1
+    # Not streamed: the client gives up waiting for the whole completion.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{base}/v1/completions",
+            json={**body, "stream": False},
+            headers={"X-Request-Id": "slow-unary"},
+            timeout=httpx.Timeout(5.0, read=0.3),
+        )
+    deadline = time.monotonic() + 5
+    while server.snapshot().outcomes.get("cancelled", 0) < cancelled + 2:
+        assert time.monotonic() < deadline, server.snapshot()
+        time.sleep(0.01)
+    assert server.wait_idle(5.0).running == 0
+    scrape = server.server.metrics.exposition()
+    assert 'textgen_requests_total{code="CANCELLED",rpc="/v1/completions"} 2.0' in scrape
+
+
+def test_bad_requests_leave_the_server_serving(base: str, client: openai.OpenAI, model: str) -> None:
+    before = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, **GREEDY).choices[0].text
+    for path, body, _status, _message in ERRORS:
+        httpx.post(f"{base}{path}", content=body if isinstance(body, bytes) else json.dumps(body))
+    assert (
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=5, **GREEDY).choices[0].text
+        == before
+    )
