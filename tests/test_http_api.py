@@ -1,6 +1,6 @@
-"""The OpenAI-compatible HTTP API end to end: a real server (tiny bundle) with gRPC and HTTP on loopback ports,
-called with the official `openai` SDK (and httpx for what the SDK does not send). What HTTP returns is checked
-against what gRPC returns for the same request, on the same server."""
+"""The OpenAI-compatible HTTP API end to end: a real server (tiny bundle), gRPC and HTTP on loopback ports,
+called with the official `openai` SDK (and httpx for what the SDK does not send). What HTTP returns is
+checked against what gRPC returns for the same request, on the same server."""
 
 from __future__ import annotations
 

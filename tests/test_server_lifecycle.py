@@ -4,6 +4,7 @@ them and exits 0; a broken bundle or bad configuration exits non-zero with a cle
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -15,11 +16,12 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from engine_faults import InjectedFaults
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from running_server import RunningServer, loopback_settings
-from server_tools import LoopThread, rpc_error
+from server_tools import LoopThread, free_port, rpc_error
 
 import serve.api.server
 from serve._proto.textgen.v1 import textgen_pb2 as pb
@@ -170,6 +172,40 @@ def test_sigterm_completes_streams_in_flight_and_exits_0(tiny_bundle: Path) -> N
         frozen = re.findall(r"(textgen\.\w+) (?:engine process: )?froze (\d+) start-up objects", log)
         assert sorted(name for name, _ in frozen) == ["textgen.engine_process", "textgen.server"], log
         assert all(int(count) > 1000 for _, count in frozen), frozen
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+def test_sigterm_drains_http_streams_too(tiny_bundle: Path) -> None:
+    http_port = free_port()
+    server = ServerProcess(
+        "--bundle", str(tiny_bundle), "--grace-seconds", "30", "--http-port", str(http_port)
+    )
+    url = f"http://127.0.0.1:{http_port}"
+    body = {"prompt": "once upon a time", "max_tokens": 25, "ignore_eos": True, "stream": True}
+    try:
+        server.wait_serving()
+        assert httpx.get(f"{url}/health").status_code == 200
+        with contextlib.ExitStack() as streams:
+            responses = [
+                streams.enter_context(httpx.stream("POST", f"{url}/v1/completions", json=body))
+                for _ in range(2)
+            ]
+            lines = [r.iter_lines() for r in responses]
+            for stream in lines:
+                assert next(stream).startswith("data: ")  # every stream is running
+            server.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{url}/health").status_code != 503:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            refused = httpx.post(f"{url}/v1/completions", json={**body, "stream": False})
+            assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            for stream in lines:
+                rest = [line for line in stream if line]
+                assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
+        assert server.proc.wait(30) == 0, "".join(server.lines)
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
