@@ -35,6 +35,7 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 SERVING_IMAGES = {"Dockerfile.cpu": "requirements-serve.txt", "Dockerfile.gpu": "requirements-serve-gpu.txt"}
 GRPC_PORT = ServerSettings.model_fields["port"].default
 METRICS_PORT = ServerSettings.model_fields["metrics_port"].default
+HTTP_PORT = ServerSettings.model_fields["http_port"].default
 # Oldest and newest Kubernetes versions the manifests are validated against (native gRPC probes: 1.27 GA).
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 # Custom resources of the Prometheus Operator: no schema in kubernetes-validate; checked by hand below.
@@ -139,12 +140,13 @@ def test_serving_image_contract(name: str) -> None:
     dockerfile = DOCKER / name
     final = stages(dockerfile)[-1]
     by_command = {i.command: i.args for i in final}
-    assert set(by_command["EXPOSE"].split()) == {str(GRPC_PORT), str(METRICS_PORT)}
+    assert set(by_command["EXPOSE"].split()) == {str(GRPC_PORT), str(HTTP_PORT), str(METRICS_PORT)}
     assert by_command["STOPSIGNAL"] == "SIGTERM"
     health = exec_form(by_command["HEALTHCHECK"].split(" CMD ", 1)[1])
     assert health[:2] == ["textgen-client", "health"]
     assert health[health.index("--target") + 1] == f"127.0.0.1:{GRPC_PORT}"
     assert "TEXTGEN_BUNDLE=/models/bundle" in by_command["ENV"]
+    assert f"TEXTGEN_HTTP_PORT={HTTP_PORT}" in by_command["ENV"]
 
 
 @pytest.mark.parametrize(("name", "lock"), sorted(SERVING_IMAGES.items()))
@@ -203,7 +205,8 @@ def test_serving_lock_installs_and_serves_in_a_fresh_venv(tmp_path: Path, tiny_b
     subprocess.run([*pip, "--no-deps", str(context)], check=True)
     python = str(venv / "bin" / "python")
     imports = (
-        "import serve.api.server, serve.api.cli, serve.api.client, serve.engine.engine, serve.api.metrics"
+        "import serve.api.server, serve.api.cli, serve.api.client, serve.engine.engine, serve.api.metrics, "
+        "serve.api.openai_api"
     )
     subprocess.run([python, "-c", imports], check=True, cwd=tmp_path)
     no_torch = subprocess.run([python, "-c", "import torch"], capture_output=True, cwd=tmp_path, check=False)
@@ -365,13 +368,21 @@ def test_probes_and_ports_match_the_server_defaults(overlay: str) -> None:
     objects = render(overlay)
     c = container(objects)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
+    assert ports == {"grpc": GRPC_PORT, "http": HTTP_PORT, "metrics": METRICS_PORT}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"]["port"] == ports["grpc"], probe
     pod = one(objects, "Deployment")["spec"]["template"]
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"])
     config = one(objects, "ConfigMap")["data"]
     assert (int(config["TEXTGEN_PORT"]), int(config["TEXTGEN_METRICS_PORT"])) == (GRPC_PORT, METRICS_PORT)
+    assert int(config["TEXTGEN_HTTP_PORT"]) == HTTP_PORT
+    ingress = {p["port"] for rule in one(objects, "NetworkPolicy")["spec"]["ingress"] for p in rule["ports"]}
+    assert ingress == {"grpc", "http", "metrics"}
+    assert {p["name"] for p in one(objects, "Service", "textgen")["spec"]["ports"]} == {
+        "grpc",
+        "http",
+        "metrics",
+    }
     for service in (o for o in objects if o["kind"] == "Service"):
         assert labels_match(service["spec"]["selector"], pod["metadata"]["labels"])
         for port in service["spec"]["ports"]:

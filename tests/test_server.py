@@ -252,6 +252,33 @@ def test_tokenize(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> No
     assert server.model.tokenizer.decode(list(response.ids)) == PROMPT
 
 
+def test_chat_messages_are_rendered_by_the_bundles_template(
+    stub: pb_grpc.TextGenerationStub, server: RunningServer
+) -> None:
+    chat = [pb.ChatMessage(role="system", content="be brief"), pb.ChatMessage(role="user", content=PROMPT)]
+    rendered = server.model.chat.render([{"role": m.role, "content": m.content} for m in chat])  # type: ignore[union-attr]
+    ids = list(stub.Tokenize(pb.TokenizeRequest(text=rendered, add_special_tokens=False)).ids)
+    stopping = pb.StoppingCriteria(max_new_tokens=4, ignore_eos=True)
+    by_chat = stub.Generate(pb.GenerateRequest(messages=pb.ChatMessages(messages=chat), stopping=stopping))
+    by_ids = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), stopping=stopping))
+    assert list(by_chat.token_ids) == list(by_ids.token_ids) and by_chat.usage.prompt_tokens == len(ids)
+    for bad, message in [
+        (pb.ChatMessages(), "messages is empty"),
+        (pb.ChatMessages(messages=[pb.ChatMessage(role="tool", content="x")]), "messages[0].role is 'tool'"),
+    ]:
+        error = rpc_error(lambda bad=bad: stub.Generate(pb.GenerateRequest(messages=bad)))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.details()
+
+
+def test_tokenize_without_special_tokens(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> None:
+    tokenizer = server.model.tokenizer
+    plain = stub.Tokenize(pb.TokenizeRequest(text=PROMPT, add_special_tokens=False))
+    assert list(plain.ids) == tokenizer.encode(PROMPT, add_special_tokens=False).ids
+    assert list(stub.Tokenize(pb.TokenizeRequest(text=PROMPT, add_special_tokens=True)).ids) == list(
+        stub.Tokenize(pb.TokenizeRequest(text=PROMPT)).ids
+    )
+
+
 def test_detokenize_is_tokenize_backwards(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> None:
     tokenized = stub.Tokenize(pb.TokenizeRequest(text=PROMPT + " é"))
     detokenized = stub.Detokenize(pb.DetokenizeRequest(ids=tokenized.ids))
