@@ -4,7 +4,11 @@
         --ignore-eos --output results.json --metrics-url http://localhost:8000/metrics
 
 Every request is a `GenerateStream` call (the client timestamps each streamed message that carries tokens),
-or with `--rpc unary` a `Generate` call (one reply: throughput and end-to-end latency, no TTFT or ITL).
+or with `--rpc unary` a `Generate` call (one reply: throughput and end-to-end latency, no TTFT or ITL), or
+with `--rpc http --http-target HOST:PORT` a streamed OpenAI `/v1/completions` call on the server's HTTP API
+(each SSE chunk timed as a message; a lean client of its own on raw asyncio streams with keep-alive
+connections, so the client's cost does not decide the figure; `--target` still serves GetModelInfo and
+Tokenize).
 Definitions (those of vLLM's benchmark, so figures compare):
 - TTFT: from sending the request to the first message with a token.
 - TPOT: per request, (end-to-end latency - TTFT) / (output tokens - 1); requests with one token have none.
@@ -46,10 +50,10 @@ from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.process import check_cpus, parse_cpu_list, pinned
 
 Dataset = Literal["synthetic", "corpus"]
-Rpc = Literal["stream", "unary"]
+Rpc = Literal["stream", "unary", "http"]
 T = TypeVar("T")
 # The server's name of each, as its request counter labels it.
-RPC_NAMES: dict[str, str] = {"stream": "GenerateStream", "unary": "Generate"}
+RPC_NAMES: dict[str, str] = {"stream": "GenerateStream", "unary": "Generate", "http": "/v1/completions"}
 # Duration-bound runs cycle through this many prepared prompts.
 DURATION_PROMPT_POOL = 256
 # Characters per token to start from when cutting corpus text; corrected by tokenizing.
@@ -76,6 +80,7 @@ class LoadConfig:
     progress: bool = True
     rpc: Rpc = "stream"
     cpus: tuple[int, ...] | None = None  # the load generator's CPUs (off the engine's); None: anywhere
+    http_target: str | None = None  # HOST:PORT of the HTTP API (rpc "http")
 
     def __post_init__(self) -> None:
         if (self.num_requests is None) == (self.duration is None):
@@ -93,6 +98,7 @@ class LoadConfig:
             "percentiles": all(0.0 < p < 100.0 for p in self.percentiles),
             "rpc": self.rpc in RPC_NAMES,
             "cpus": self.cpus is None or bool(self.cpus),
+            "http_target": (self.rpc == "http") == (self.http_target is not None),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -223,9 +229,18 @@ async def send(
     sent: float,
     timeout: float,
     rpc: Rpc = "stream",
+    http: HttpConnections | None = None,
 ) -> RequestRecord:
     """`sent` is when the load shape issued the request (its arrival), not when this task got to run."""
     record = RequestRecord(request_id=message.request_id, start=sent - origin)
+    if http is not None:
+        try:
+            await asyncio.wait_for(http.stream(completion_body(message), sent, record), timeout)
+            record.success = True
+        except (HttpFailure, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+        record.latency = time.perf_counter() - sent
+        return record
     try:
         if rpc == "stream":
             await _read_stream(stub.GenerateStream(message, timeout=timeout), sent, record)
@@ -255,6 +270,105 @@ async def _read_stream(
             record.output_tokens += len(reply.token_ids)
         if reply.HasField("usage"):
             _read_usage(reply, record)
+
+
+class HttpConnections:
+    """Keep-alive HTTP/1.1 connections to the server's HTTP API, one per request in flight at most, and a
+    reader of OpenAI's streamed completions on raw asyncio streams (chunked transfer encoding, SSE)."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        self.host, self.port = host.strip("[]") or "127.0.0.1", int(port)
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self._idle:
+            return self._idle.pop()
+        return await asyncio.open_connection(self.host, self.port)
+
+    def close(self) -> None:
+        for _reader, writer in self._idle:
+            writer.close()
+        self._idle.clear()
+
+    async def stream(self, body: bytes, sent: float, record: RequestRecord) -> None:
+        reader, writer = await self._connection()
+        reusable = False
+        try:
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nX-Request-Id: {record.request_id}\r\n\r\n"
+            ).encode()
+            writer.write(head + body)
+            status = await reader.readline()
+            headers = {}
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                headers[name.strip().lower()] = value.strip()
+            code = int(status.split()[1])
+            if code != 200:
+                length = int(headers.get("content-length", "0"))
+                text = (await reader.readexactly(length)).decode() if length else ""
+                raise HttpFailure(f"HTTP {code}: {text[:200]}")
+            await self._read_events(reader, sent, record)
+            reusable = headers.get("connection", "").lower() != "close"
+        finally:
+            if reusable:
+                self._idle.append((reader, writer))
+            else:
+                writer.close()
+
+    @staticmethod
+    async def _read_events(reader: asyncio.StreamReader, sent: float, record: RequestRecord) -> None:
+        last: float | None = None
+        pending = b""
+        while True:
+            size = int((await reader.readline()).strip() or b"0", 16)
+            if size == 0:
+                await reader.readline()  # the chunked body's last CRLF
+                return
+            pending += await reader.readexactly(size)
+            await reader.readexactly(2)
+            now = time.perf_counter()
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                data = event.removeprefix(b"data: ")
+                if data == b"[DONE]":
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise HttpFailure(chunk["error"]["message"])
+                if chunk.get("usage"):
+                    record.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    record.output_tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk["choices"]:
+                    if choice["finish_reason"] is not None:
+                        record.finish_reason = choice["finish_reason"]
+                        continue
+                    if last is None:  # every chunk but the last carries the tokens of one step or more
+                        record.ttft = now - sent
+                    else:
+                        record.itl.append(now - last)
+                    last = now
+
+
+class HttpFailure(Exception):
+    pass
+
+
+def completion_body(message: pb.GenerateRequest) -> bytes:
+    """The OpenAI /v1/completions body of a GenerateRequest, streamed with usage."""
+    body: dict[str, object] = {
+        "prompt": message.text if message.WhichOneof("input") == "text" else list(message.token_ids.ids),
+        "max_tokens": message.stopping.max_new_tokens,
+        "temperature": message.sampling.temperature,
+        "ignore_eos": message.stopping.ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if message.sampling.HasField("seed"):
+        body["seed"] = message.sampling.seed
+    return json.dumps(body).encode()
 
 
 def _read_usage(reply: pb.GenerateResponse | pb.GenerateStreamResponse, record: RequestRecord) -> None:
@@ -341,8 +455,10 @@ async def run_load(config: LoadConfig, stub: pb_grpc.TextGenerationStub, prompts
     origin = time.perf_counter()
     plan = _Plan(config, prompts, origin)
 
+    http = HttpConnections(config.http_target) if config.http_target is not None else None
+
     def issue(message: pb.GenerateRequest, sent: float) -> asyncio.Future[RequestRecord]:
-        future = asyncio.ensure_future(send(stub, message, origin, sent, config.timeout, config.rpc))
+        future = asyncio.ensure_future(send(stub, message, origin, sent, config.timeout, config.rpc, http))
         future.add_done_callback(lambda _f: bar.update(1))
         return future
 
@@ -354,6 +470,8 @@ async def run_load(config: LoadConfig, stub: pb_grpc.TextGenerationStub, prompts
         records = await _open_loop(plan, config.request_rate, config.concurrency, rng, issue)
     duration = time.perf_counter() - origin
     bar.close()
+    if http is not None:
+        http.close()
     records.sort(key=lambda r: r.start)
     return RunResult(records, duration)
 
@@ -508,7 +626,8 @@ def compare_with_server(
     delta = _delta(before, after)
     ok = [r for r in result.records if r.success]
     # A unary client sees no first token: the server's TTFT can only be checked against the whole call.
-    client_first = [r.ttft for r in ok if r.ttft is not None] if rpc == "stream" else [r.latency for r in ok]
+    streamed = rpc in ("stream", "http")
+    client_first = [r.ttft for r in ok if r.ttft is not None] if streamed else [r.latency for r in ok]
     client_first_mean = float(np.mean(client_first)) if client_first else math.nan
     server_ttft_mean = delta["ttft_sum"] / delta["ttft_count"] if delta["ttft_count"] else math.nan
     output_tokens = sum(r.output_tokens for r in ok)
@@ -528,7 +647,7 @@ def compare_with_server(
         ),
         # The server's clock starts when the request arrives and stops before the token crosses the network.
         Check(
-            "mean TTFT (s): server <= client" + ("" if rpc == "stream" else " latency"),
+            "mean TTFT (s): server <= client" + ("" if streamed else " latency"),
             client_first_mean,
             server_ttft_mean,
             server_ttft_mean <= client_first_mean,
@@ -737,8 +856,10 @@ def parser() -> argparse.ArgumentParser:
         "--rpc",
         choices=tuple(RPC_NAMES),
         default="stream",
-        help="stream: GenerateStream, timed per message; unary: Generate, one reply per request",
+        help="stream: GenerateStream, timed per message; unary: Generate, one reply per request; http: "
+        "OpenAI's streamed /v1/completions on --http-target, timed per SSE chunk",
     )
+    p.add_argument("--http-target", default=None, help="HOST:PORT of the server's HTTP API (--rpc http)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths, arrivals and sampling")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, seconds")
@@ -793,6 +914,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         progress=not args.no_progress,
         rpc=args.rpc,
         cpus=None if args.cpus is None else tuple(sorted(args.cpus)),
+        http_target=args.http_target,
     )
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 from running_server import RunningServer, loopback_settings
-from server_tools import LoopThread
+from server_tools import LoopThread, free_port
 
 from bench import loadgen, naive_server
 from bench.loadgen import (
@@ -187,7 +187,7 @@ def test_bad_settings_are_refused_by_name() -> None:
 @pytest.fixture(scope="module")
 def server(tiny_bundle: Path) -> Iterator[RunningServer]:
     loop = LoopThread()
-    running = RunningServer(loop, loopback_settings(tiny_bundle, max_batch_size=4))
+    running = RunningServer(loop, loopback_settings(tiny_bundle, max_batch_size=4, http_port=free_port()))
     yield running
     running.stop()
     loop.close()
@@ -249,6 +249,26 @@ def test_unary_run_counts_generate_calls_and_checks_ttft_against_latency(
     checks = {c["name"]: c for c in saved["server_checks"]}
     assert checks["requests (Generate)"]["server"] == 3
     assert all(c["ok"] for c in checks.values()) and "mean TTFT (s): server <= client latency" in checks
+
+
+def test_http_run_streams_openai_completions_and_matches_the_server(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    out = tmp_path / "http.json"
+    argv = [
+        *("--target", server.target, "--rpc", "http", "--http-target", f"127.0.0.1:{server.server.http_port}"),
+        *("--concurrency", "2", "--num-requests", "5", "--max-new-tokens", "4", "--input-len", "5"),
+        *("--ignore-eos", "--no-progress", "--output", str(out)),
+        *("--metrics-url", f"http://127.0.0.1:{server.server.metrics_port}/metrics"),
+    ]
+    assert main(argv) == 0
+    saved = json.loads(out.read_text())
+    assert saved["summary"]["total_output_tokens"] == 20 and saved["summary"]["successful_requests"] == 5
+    for rec in saved["records"]:
+        assert rec["output_tokens"] == 4 and rec["prompt_tokens"] == 5 and rec["finish_reason"] == "length"
+        assert 0 < rec["ttft"] <= rec["latency"] and len(rec["itl"]) <= 3
+    checks = {c["name"]: c for c in saved["server_checks"]}
+    assert checks["requests (/v1/completions)"]["server"] == 5 and all(c["ok"] for c in checks.values())
 
 
 def test_open_loop_corpus_run_sends_text(server: RunningServer, tmp_path: Path) -> None:
