@@ -487,6 +487,16 @@ def test_a_client_that_disconnects_cancels_its_request(base: str, server: Runnin
     assert 'textgen_requests_total{code="CANCELLED",rpc="/v1/completions"} 2.0' in scrape
 
 
+def test_the_http_socket_sends_small_chunks_at_once(server: RunningServer) -> None:
+    """asyncio sets TCP_NODELAY on accepted sockets only when the listener names IPPROTO_TCP: without it, a
+    keep-alive connection's stream chunks waited ~40 ms for the client's delayed ACK (TTFT 50 ms, not 5)."""
+    import socket
+
+    listener = server.server._http._socket  # type: ignore[union-attr]
+    assert listener is not None and listener.proto == socket.IPPROTO_TCP
+    assert listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
 def test_bad_requests_leave_the_server_serving(base: str, client: openai.OpenAI, model: str) -> None:
     before = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, **GREEDY).choices[0].text
     for path, body, _status, _message in ERRORS:

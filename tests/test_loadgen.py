@@ -256,7 +256,14 @@ def test_http_run_streams_openai_completions_and_matches_the_server(
 ) -> None:
     out = tmp_path / "http.json"
     argv = [
-        *("--target", server.target, "--rpc", "http", "--http-target", f"127.0.0.1:{server.server.http_port}"),
+        *(
+            "--target",
+            server.target,
+            "--rpc",
+            "http",
+            "--http-target",
+            f"127.0.0.1:{server.server.http_port}",
+        ),
         *("--concurrency", "2", "--num-requests", "5", "--max-new-tokens", "4", "--input-len", "5"),
         *("--ignore-eos", "--no-progress", "--output", str(out)),
         *("--metrics-url", f"http://127.0.0.1:{server.server.metrics_port}/metrics"),

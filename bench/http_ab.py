@@ -1,0 +1,114 @@
+"""HTTP ÷ gRPC: served tokens/s and TTFT of one server through either front end, alternated, in one run.
+
+    .venv/bin/python -m bench.http_ab --bundle models/demo/bundle --clients 1,16 --rounds 3
+
+One `textgen-serve` (defaults, the HTTP API on a free port) serves both: for each client count, each round
+runs a closed loop of streamed requests through gRPC (GenerateStream) and through the OpenAI API (streamed
+/v1/completions, textgen-bench's lean HTTP client), in turn, the first of them alternating from round to
+round (this machine's speed drifts within minutes: docs/benchmarks.md). Exactly `--new-tokens` tokens a
+request, greedy, random token-id prompts of `--input-len`. Prints a line per run and the medians' ratios,
+as a Markdown table; `--json` keeps every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from bench.loadgen import LoadConfig, Rpc, benchmark
+from bench.serving_bench import ROOT, free_port, server_process
+
+
+def run(load: LoadConfig, rpc: Rpc, http_target: str) -> dict[str, float]:
+    config = replace(load, rpc=rpc, http_target=http_target if rpc == "http" else None)
+    summary = asyncio.run(benchmark(config)).summary
+    ttft: dict[str, float] = summary["ttft_ms"]  # type: ignore[assignment]
+    itl: dict[str, float] = summary["itl_ms"]  # type: ignore[assignment]
+    failed = int(summary["failed_requests"])  # type: ignore[call-overload]
+    if failed:
+        raise RuntimeError(f"{failed} requests failed ({rpc})")
+    return {
+        "tok_s": float(summary["output_throughput"]),  # type: ignore[arg-type]
+        "ttft_p50_ms": ttft["median"],
+        "ttft_mean_ms": ttft["mean"],
+        "itl_p50_ms": itl["median"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="http_ab", description=__doc__.splitlines()[0])
+    p.add_argument("--bundle", type=Path, required=True)
+    p.add_argument("--clients", default="1,16", help="comma-separated closed-loop client counts")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--requests-per-client", type=int, default=4, help="timed requests per client in a run")
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("serve_flags", nargs="*", help="more textgen-serve flags (after --)")
+    args = p.parse_args(argv)
+    port, http_port = free_port(), free_port()
+    command = [
+        sys.executable,
+        *("-m", "serve", "--bundle", str(args.bundle.resolve()), "--log-level", "WARNING"),
+        *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"),
+        *("--http-host", "127.0.0.1", "--http-port", str(http_port)),
+        *args.serve_flags,
+    ]
+    log = ROOT / "bench" / "results" / "http_ab.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    http_target = f"127.0.0.1:{http_port}"
+    figures: dict[str, dict[str, list[dict[str, float]]]] = {}
+    with server_process(command, log, f"127.0.0.1:{port}"):
+        for clients in (int(c) for c in args.clients.split(",")):
+            load = LoadConfig(
+                target=f"127.0.0.1:{port}",
+                concurrency=clients,
+                num_requests=clients * args.requests_per_client,
+                input_len=args.input_len,
+                max_new_tokens=args.new_tokens,
+                ignore_eos=True,
+                percentiles=(50.0, 99.0),
+                progress=False,
+            )
+            warm = replace(load, num_requests=clients)
+            run(warm, "stream", http_target)
+            run(warm, "http", http_target)
+            runs: dict[str, list[dict[str, float]]] = {"stream": [], "http": []}
+            for round_ in range(args.rounds):
+                order: list[Rpc] = ["stream", "http"] if round_ % 2 == 0 else ["http", "stream"]
+                for rpc in order:
+                    runs[rpc].append(run(load, rpc, http_target))
+                cells = "  ".join(
+                    f"{rpc} {runs[rpc][-1]['tok_s']:.0f} tok/s TTFT p50 {runs[rpc][-1]['ttft_p50_ms']:.1f} ms"
+                    for rpc in ("stream", "http")
+                )
+                print(f"{clients} clients, round {round_ + 1}: {cells}", flush=True)
+            figures[str(clients)] = runs
+    print(
+        f"\n{args.bundle}, {args.input_len} prompt + {args.new_tokens} new tokens, medians of {args.rounds}:"
+    )
+    print(
+        "| clients | gRPC tok/s | HTTP tok/s | HTTP ÷ gRPC tok/s | gRPC TTFT p50 | HTTP TTFT p50 "
+        "| HTTP ÷ gRPC TTFT |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for clients, runs in figures.items():
+        med = {rpc: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for rpc, rs in runs.items()}
+        g, h = med["stream"], med["http"]
+        print(
+            f"| {clients} | {g['tok_s']:.0f} | {h['tok_s']:.0f} | {h['tok_s'] / g['tok_s']:.2f} "
+            f"| {g['ttft_p50_ms']:.1f} ms | {h['ttft_p50_ms']:.1f} ms "
+            f"| {h['ttft_p50_ms'] / g['ttft_p50_ms']:.2f} |"
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
