@@ -250,12 +250,17 @@ def test_echo_logprobs_equal_grpc_prompt_logprobs_and_score_without_generating(
     assert "".join(c.choices[0].text for c in streamed) == PROMPT
 
 
-def test_n_choices_with_a_seed(client: openai.OpenAI, model: str, base: str) -> None:
+def test_n_choices_with_a_seed(client: openai.OpenAI, model: str, server: RunningServer) -> None:
     def ask(**kwargs: Any) -> list[str]:
         reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, **kwargs)
         return [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
 
+    before = len(server.model.scheduler.steps())
     first = ask(n=3, seed=11)
+    prefills = [s for s in server.model.scheduler.steps()[before:] if s.phase == "prefill"]
+    prompt_len = len(server.model.tokenizer.encode(PROMPT).ids)
+    # One prefill of the prompt, forked into the other choices' rows: 3 rows, one prompt's tokens computed.
+    assert [(s.rows, s.padded_tokens) for s in prefills] == [(3, prompt_len)]
     # Other requests in the batch meanwhile change nothing: each choice draws from its own seeded stream.
     busy = threading.Thread(target=lambda: ask(n=2, seed=99))
     busy.start()

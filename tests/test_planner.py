@@ -6,6 +6,7 @@ No engine runs here; `View` is all the planner reads of one (serve/scheduling/en
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -250,3 +251,23 @@ def test_no_admission_beyond_the_free_rows(rows: int) -> None:
     running = [decoding(f"r{i}", 3) for i in range(rows)]
     got = plan(View(), running, [queued(f"q{i}", 3) for i in range(4)])
     assert len(got.admitted) == 4 - rows and (rows < 4 or got.kind is StepKind.DECODE)
+
+
+def forked(rid: str, parent: RequestTracker) -> RequestTracker:
+    request = dataclasses.replace(parent.request, request_id=rid, fork_of=parent.request_id)
+    return RequestTracker(request, tokenizer(), EOS_ID, 10_000, 0.0)
+
+
+def test_forks_join_their_parents_group_at_no_prefill_cost() -> None:
+    head = queued("a", 30)
+    forks = [forked(f"a-{i}", head) for i in (1, 2)]
+    # The prompt budget takes one 30-token prompt only: the forks compute nothing, so they come along.
+    chosen = plan(View(), waiting=[head, *forks], max_prefill_tokens=30, max_batch_size=4)
+    assert chosen.kind is StepKind.PREFILL and [t.request_id for t in chosen.group] == ["a", "a-1", "a-2"]
+    assert chosen.prefill_sizes == StepShape(3, 30, 30)
+    # Beside the decode steps they would need a run of their own: they go between decode steps instead.
+    beside = plan(View(), running=[decoding("r", 5)], waiting=[head, *forks], prefill_beside_decode=True)
+    assert beside.kind is StepKind.PREFILL
+    # A fork whose parent is not in the group is prefilled as any other prompt.
+    alone = plan(View(), waiting=[forks[0]], max_prefill_tokens=30)
+    assert alone.prefill_sizes == StepShape(1, 30, 30)

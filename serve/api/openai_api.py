@@ -12,8 +12,10 @@ echoed; it is the request id of the log line and of an INTERNAL error's message.
 cancels its request at the next engine step, streamed or not.
 
 n > 1 is served as n requests with seeds derived from (seed, index) (`validation.choice_seed`): the same seed
-gives the same n choices whatever else is batched. Arriving together, the n prompts are usually prefilled as
-one group (the prompt computed n times in one step); the engine does not fork one prefilled row into n.
+gives the same n choices whatever else is batched. Choices 1..n-1 are forks of choice 0
+(`GenerationRequest.fork_of`): admitted in its prefill group (the usual case), the prompt is prefilled once
+and the engine copies its row (KV and first-step logits) into theirs; one left out of the group for lack of
+rows is prefilled later on its own (from the prefix cache, when it keeps the prompt).
 """
 
 from __future__ import annotations
@@ -516,6 +518,11 @@ class OpenAIApi:
                         fields=OPENAI_FIELDS,
                     )
                 )
+        # Choices 1..n-1 fork choice 0's prefilled row when admitted with it (the engine copies its KV row and
+        # first-step logits instead of computing the prompt again).
+        for p in range(len(prompts)):
+            for c in range(1, n):
+                requests[p * n + c] = replace(requests[p * n + c], fork_of=requests[p * n].request_id)
         # What truncate_prompt_tokens kept is what was served (and what echo returns).
         for p, prompt in enumerate(prompts):
             kept = requests[p * n].prompt_ids

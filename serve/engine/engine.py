@@ -256,6 +256,8 @@ class Engine:
 
         A prompt that begins with a prefix the prefix cache keeps (`cached_tokens`) starts from a copy of
         that row instead and runs only the rest, alone (a piece over a cached prefix is one row: see below).
+        A sequence that forks another of the group (`NewSequence.fork_of`: n choices of one prompt) is not
+        run: it takes a copy of that one's row and first-step logits once the group has run.
 
         With `chunk` > 0, one sequence whose prompt (the part not cached) is longer than `chunk` is
         prefilled `chunk` tokens at a time instead: this call runs the first piece and returns nothing;
@@ -266,6 +268,9 @@ class Engine:
         if not new:
             return []
         self._check_joining(new)
+        forks = _forks(new)
+        if forks:
+            new = [seq for seq in new if seq.seq_id not in forks]
         hits = [self._hit(seq.prompt_ids) for seq in new]
         # One sequence only: GroupQueryAttention (ONNX Runtime 1.32) refuses a piece over a cached prefix for
         # more than one row ("batch_size must be 1 when sequence_length > 1 and past context is given").
@@ -287,7 +292,25 @@ class Engine:
             parts.append(self._prefill_rows(row, seq.prompt_ids, self._reuse(hit, row, seq)))
         ordered = [*misses, *(seq for seq, _ in reused)]
         self.last_logits = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if forks:
+            ordered, self.last_logits = self._fork(n, ordered, list(forks.values()), self.last_logits)
         return self._join(ordered, self.last_logits, np.array([len(s.prompt_ids) for s in ordered]))
+
+    def _fork(
+        self, n: int, ordered: list[NewSequence], forks: list[NewSequence], logits: np.ndarray
+    ) -> tuple[list[NewSequence], np.ndarray]:
+        """Rows [n, n + len(ordered)) are prefilled; each fork takes the next row, a copy of its parent's
+        (the prompt's keys and values and tokens), and a copy of its parent's logits for its first token."""
+        parent_row = {seq.seq_id: i for i, seq in enumerate(ordered)}
+        sources = []
+        for j, fork in enumerate(forks):
+            assert fork.fork_of is not None
+            source = parent_row[fork.fork_of]
+            length = len(fork.prompt_ids)
+            self._kv.copy_row(n + source, n + len(ordered) + j, length)
+            self._tokens[n + len(ordered) + j, :length] = self._tokens[n + source, :length]
+            sources.append(source)
+        return [*ordered, *forks], np.concatenate([logits, logits[sources]])
 
     def continue_prefill(self) -> list[TokenOut]:
         """The next piece of the chunked prefill; the last piece joins the sequence and returns its token."""
@@ -341,6 +364,8 @@ class Engine:
             raise ValueError("begin_prefill() with no sequence")
         if any(self._hit(seq.prompt_ids) is not None for seq in new):
             raise ValueError("a prompt with a prefix-cache hit cannot be prefilled beside decode steps")
+        if _forks(new):
+            raise ValueError("forked sequences (n choices of one prompt) are prefilled between decode steps")
         first = self.batch_size
         rows = slice(first, first + len(new))
         binding, inputs = self._bound(rows, self._group_inputs(first, new), side=True)
@@ -502,9 +527,13 @@ class Engine:
         self._ids.extend(s.seq_id for s in new)
         self._lengths[n : n + len(new)] = lens
         outs = self._emit(n, tokens, logprobs, group.alternatives)
+        scored: dict[tuple[tuple[int, ...], int], PromptScores] = {}  # n choices of a prompt: scored once
         for i, seq in enumerate(new):
             if seq.prompt_logprobs:
-                outs[i] = outs[i]._replace(prompt=self.score_prompt(seq.prompt_ids, seq.prompt_top_logprobs))
+                key = (tuple(seq.prompt_ids), seq.prompt_top_logprobs)
+                if key not in scored:
+                    scored[key] = self.score_prompt(seq.prompt_ids, seq.prompt_top_logprobs)
+                outs[i] = outs[i]._replace(prompt=scored[key])
         return outs
 
     def _run(self, rows: slice, inputs: _RunInputs) -> np.ndarray:
@@ -576,6 +605,18 @@ class Engine:
         if not top:
             return [TokenOut(seq_id, t, lp) for seq_id, t, lp in rows]
         return [TokenOut(seq_id, t, lp, top.get(i)) for i, (seq_id, t, lp) in enumerate(rows)]
+
+
+def _forks(new: Sequence[NewSequence]) -> dict[str, NewSequence]:
+    """The sequences of a group that fork another of it (`NewSequence.fork_of`): same prompt, a parent that
+    is no fork itself; by id, in the group's order."""
+    by_id = {seq.seq_id: seq for seq in new}
+    forks = {}
+    for seq in new:
+        parent = by_id.get(seq.fork_of) if seq.fork_of is not None else None
+        if parent is not None and parent.fork_of is None and list(parent.prompt_ids) == list(seq.prompt_ids):
+            forks[seq.seq_id] = seq
+    return forks
 
 
 def _reusable(hit: tuple[int, int] | None) -> int:

@@ -50,6 +50,10 @@ class NewSequence:
     top_logprobs: int = 0  # report this many most likely tokens of each step (TokenOut.top)
     prompt_logprobs: bool = False  # score the prompt (the first TokenOut's `prompt`)
     prompt_top_logprobs: int = 0  # and list this many most likely tokens at each of its positions
+    # Another sequence of the same prefill group with the same prompt (n choices of one request): this one's
+    # prompt is not computed; its row is a copy of that one's, its first token sampled from the same
+    # logits. Outside that sequence's group (or with another prompt) it is prefilled as any other.
+    fork_of: str | None = None
 
 
 @dataclass(frozen=True)

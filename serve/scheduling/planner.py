@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from serve.scheduling.engine_protocol import EngineView
@@ -165,7 +165,16 @@ class Planner:
         return group
 
     def _group_plus(self, group: _Group, tracker: RequestTracker) -> _Group:
-        """`group` and `tracker`, whose prefill computes only what the engine's prefix cache lacks."""
+        """`group` and `tracker`, whose prefill computes only what the engine's prefix cache lacks (nothing,
+        for a fork of a member: another choice of its request, whose row the engine copies)."""
+        parent = tracker.request.fork_of
+        if parent is not None and any(
+            m.request_id == parent
+            and m.request.fork_of is None
+            and m.request.prompt_ids == tracker.request.prompt_ids
+            for m in group.members
+        ):
+            return group.fork(tracker)
         return group.plus(tracker, self.engine.cached_tokens(tracker.request.prompt_ids))
 
     def _acceptable(self, running: _Group, group: _Group) -> bool:
@@ -197,6 +206,7 @@ class Planner:
             and decoding
             and not (chunk and len(group.members) == 1 and lone.prompt_len > chunk)
             and not group.hits
+            and not group.forks
         )
 
     # -- the plans ----------------------------------------------------------------------------------------
@@ -248,6 +258,7 @@ class _Group:
     hits: int = 0  # members that start from the prefix cache
     alone: int = 0  # their uncached prompt tokens
     reserved: int = 0  # the largest prompt + max_new_tokens
+    forks: int = 0  # members forked from another's row: nothing computed (n choices of one prompt)
 
     @classmethod
     def of(cls, trackers: Iterable[RequestTracker]) -> _Group:
@@ -262,11 +273,26 @@ class _Group:
         held = (*self.cached, cached)
         if cached:
             alone = self.alone + tracker.prompt_len - cached
-            return _Group(
-                members, held, self.padded_rows, self.longest, self.tokens, self.hits + 1, alone, reserved
+            return replace(
+                self, members=members, cached=held, hits=self.hits + 1, alone=alone, reserved=reserved
             )
         longest, tokens = max(self.longest, tracker.prompt_len), self.tokens + tracker.prompt_len
-        return _Group(members, held, self.padded_rows + 1, longest, tokens, self.hits, self.alone, reserved)
+        return replace(
+            self,
+            members=members,
+            cached=held,
+            padded_rows=self.padded_rows + 1,
+            longest=longest,
+            tokens=tokens,
+            reserved=reserved,
+        )
+
+    def fork(self, tracker: RequestTracker) -> _Group:
+        """`tracker` forks a member's row: a row more, no token computed."""
+        members, reserved = (*self.members, tracker), max(self.reserved, tracker.reserved_tokens)
+        return replace(
+            self, members=members, cached=(*self.cached, 0), reserved=reserved, forks=self.forks + 1
+        )
 
     @property
     def prefill_tokens(self) -> int:

@@ -50,6 +50,9 @@ class GenerationRequest:
     prompt_logprobs: bool = False
     # With prompt_logprobs: this many most likely tokens at each prompt position, with their logprobs.
     prompt_top_logprobs: int = 0
+    # The request id of another choice of the same request with the same prompt (n > 1): admitted in its
+    # prefill group, this one's prompt is not computed but forked from that one's row (NewSequence.fork_of).
+    fork_of: str | None = None
 
 
 @dataclass(frozen=True)
@@ -250,6 +253,7 @@ class RequestTracker:
             top_logprobs=request.top_logprobs,
             prompt_logprobs=request.prompt_logprobs,
             prompt_top_logprobs=request.prompt_top_logprobs,
+            fork_of=request.fork_of,
         )
 
     def request_cancel(self) -> None:
