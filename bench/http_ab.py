@@ -6,8 +6,10 @@ One `textgen-serve` (defaults, the HTTP API on a free port) serves both: for eac
 runs a closed loop of streamed requests through gRPC (GenerateStream) and through the OpenAI API (streamed
 /v1/completions, textgen-bench's lean HTTP client), in turn, the first of them alternating from round to
 round (this machine's speed drifts within minutes: docs/benchmarks.md). Exactly `--new-tokens` tokens a
-request, greedy, random token-id prompts of `--input-len`. Prints a line per run and the medians' ratios,
-as a Markdown table; `--json` keeps every figure.
+request, greedy, random token-id prompts of `--input-len`. Besides the rates, each run records the CPU time
+per generated token of the server's own process (the front ends; the engine runs in a process of its own)
+and of the load generator, from /proc and getrusage: what each front end costs, whatever else the machine
+runs. Prints a line per run and the medians' ratios, as a Markdown table; `--json` keeps every figure.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import resource
 import statistics
 import sys
 from dataclasses import replace
@@ -24,9 +28,23 @@ from bench.loadgen import LoadConfig, Rpc, benchmark
 from bench.serving_bench import ROOT, free_port, server_process
 
 
-def run(load: LoadConfig, rpc: Rpc, http_target: str) -> dict[str, float]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run(load: LoadConfig, rpc: Rpc, http_target: str, server_pid: int) -> dict[str, float]:
     config = replace(load, rpc=rpc, http_target=http_target if rpc == "http" else None)
+    server_before, client_before = cpu_seconds(server_pid), own_cpu_seconds()
     summary = asyncio.run(benchmark(config)).summary
+    server_cpu, client_cpu = cpu_seconds(server_pid) - server_before, own_cpu_seconds() - client_before
+    tokens = int(summary["total_output_tokens"])  # type: ignore[call-overload]
     ttft: dict[str, float] = summary["ttft_ms"]  # type: ignore[assignment]
     itl: dict[str, float] = summary["itl_ms"]  # type: ignore[assignment]
     failed = int(summary["failed_requests"])  # type: ignore[call-overload]
@@ -37,6 +55,8 @@ def run(load: LoadConfig, rpc: Rpc, http_target: str) -> dict[str, float]:
         "ttft_p50_ms": ttft["median"],
         "ttft_mean_ms": ttft["mean"],
         "itl_p50_ms": itl["median"],
+        "server_us_per_token": 1e6 * server_cpu / tokens,
+        "client_us_per_token": 1e6 * client_cpu / tokens,
     }
 
 
@@ -63,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     log.parent.mkdir(parents=True, exist_ok=True)
     http_target = f"127.0.0.1:{http_port}"
     figures: dict[str, dict[str, list[dict[str, float]]]] = {}
-    with server_process(command, log, f"127.0.0.1:{port}"):
+    with server_process(command, log, f"127.0.0.1:{port}") as server:
         for clients in (int(c) for c in args.clients.split(",")):
             load = LoadConfig(
                 target=f"127.0.0.1:{port}",
@@ -76,16 +96,17 @@ def main(argv: list[str] | None = None) -> int:
                 progress=False,
             )
             warm = replace(load, num_requests=clients)
-            run(warm, "stream", http_target)
-            run(warm, "http", http_target)
+            run(warm, "stream", http_target, server.pid)
+            run(warm, "http", http_target, server.pid)
             runs: dict[str, list[dict[str, float]]] = {"stream": [], "http": []}
             for round_ in range(args.rounds):
                 order: list[Rpc] = ["stream", "http"] if round_ % 2 == 0 else ["http", "stream"]
                 for rpc in order:
-                    runs[rpc].append(run(load, rpc, http_target))
+                    runs[rpc].append(run(load, rpc, http_target, server.pid))
                 cells = "  ".join(
-                    f"{rpc} {runs[rpc][-1]['tok_s']:.0f} tok/s TTFT p50 {runs[rpc][-1]['ttft_p50_ms']:.1f} ms"
-                    for rpc in ("stream", "http")
+                    f"{rpc} {r['tok_s']:.0f} tok/s TTFT p50 {r['ttft_p50_ms']:.1f} ms, CPU/token server "
+                    f"{r['server_us_per_token']:.0f} us client {r['client_us_per_token']:.0f} us"
+                    for rpc, r in ((rpc, runs[rpc][-1]) for rpc in ("stream", "http"))
                 )
                 print(f"{clients} clients, round {round_ + 1}: {cells}", flush=True)
             figures[str(clients)] = runs
@@ -94,16 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "| clients | gRPC tok/s | HTTP tok/s | HTTP ÷ gRPC tok/s | gRPC TTFT p50 | HTTP TTFT p50 "
-        "| HTTP ÷ gRPC TTFT |"
+        "| HTTP ÷ gRPC TTFT | server CPU µs/token gRPC, HTTP | client CPU µs/token gRPC, HTTP |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for clients, runs in figures.items():
         med = {rpc: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for rpc, rs in runs.items()}
         g, h = med["stream"], med["http"]
         print(
             f"| {clients} | {g['tok_s']:.0f} | {h['tok_s']:.0f} | {h['tok_s'] / g['tok_s']:.2f} "
             f"| {g['ttft_p50_ms']:.1f} ms | {h['ttft_p50_ms']:.1f} ms "
-            f"| {h['ttft_p50_ms'] / g['ttft_p50_ms']:.2f} |"
+            f"| {h['ttft_p50_ms'] / g['ttft_p50_ms']:.2f} "
+            f"| {g['server_us_per_token']:.0f}, {h['server_us_per_token']:.0f} "
+            f"| {g['client_us_per_token']:.0f}, {h['client_us_per_token']:.0f} |"
         )
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=1))

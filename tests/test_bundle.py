@@ -132,3 +132,19 @@ def test_corrupt_tokenizer_with_matching_checksum(bundle_copy: Path) -> None:
 def test_shape_range_rejects_disorder() -> None:
     with pytest.raises(ValueError, match="min <= opt <= max"):
         ShapeRange(min=4, opt=2, max=8)
+
+
+def test_a_bundle_written_before_chat_templates_loads_and_a_demo_one_is_stale(bundle_copy: Path) -> None:
+    from export.demo import DEMO_CHAT_TEMPLATE
+    from export.pipeline import _up_to_date
+
+    source = load_bundle(bundle_copy).manifest.verification["export"]["source"]
+    assert load_bundle(bundle_copy).manifest.chat_template == DEMO_CHAT_TEMPLATE  # random bundles carry it
+    assert _up_to_date(bundle_copy, source, DEMO_CHAT_TEMPLATE) is not None
+    path = bundle_copy / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    del manifest["chat_template"]
+    path.write_text(json.dumps(manifest))
+    assert load_bundle(bundle_copy).manifest.chat_template is None
+    # ensure_demo_bundle re-exports a demo bundle without the demo's chat template (the next `make serve`).
+    assert _up_to_date(bundle_copy, source, DEMO_CHAT_TEMPLATE) is None
