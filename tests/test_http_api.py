@@ -407,6 +407,15 @@ def test_errors_in_openais_shape(base: str, path: str, body: Any, status: int, m
         assert error["type"] == "invalid_request_error"
 
 
+def test_the_body_is_json_whatever_its_content_type(base: str) -> None:
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2})
+    for content_type in ("application/x-www-form-urlencoded", "text/plain"):  # curl -d, a bare client
+        reply = httpx.post(f"{base}/v1/completions", content=body, headers={"Content-Type": content_type})
+        assert reply.status_code == 200, reply.text
+    form = httpx.post(f"{base}/v1/completions", data={"prompt": PROMPT})  # a real form is not JSON
+    assert form.status_code == 400 and "not valid JSON" in form.json()["error"]["message"]
+
+
 def test_ignored_fields_and_a_body_over_the_limit(base: str, client: openai.OpenAI, model: str) -> None:
     harmless = {
         "user": "u",
@@ -462,6 +471,37 @@ def test_auth_token_and_health(loop: LoopThread, tiny_bundle: Path) -> None:
         running.stop()
 
 
+def test_tls_and_mtls_with_the_grpc_ports_files(loop: LoopThread, tiny_bundle: Path, tmp_path: Path) -> None:
+    import ssl
+
+    from server_tools import make_pki
+
+    files = make_pki().write(tmp_path)
+    settings = loopback_settings(
+        tiny_bundle,
+        http_port=free_port(),
+        engine_process=False,
+        tls_cert=files["server_cert"],
+        tls_key=files["server_key"],
+        tls_client_ca=files["ca"],
+    )
+    running = RunningServer(loop, settings)
+    try:
+        url = f"https://localhost:{running.server.http_port}"
+        trusted = ssl.create_default_context(cafile=str(files["ca"]))
+        trusted.load_cert_chain(files["client_cert"], files["client_key"])
+        assert httpx.get(f"{url}/health", verify=trusted).status_code == 200
+        sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="x", http_client=httpx.Client(verify=trusted))
+        assert sdk.completions.create(model=running.model.name, prompt=PROMPT, max_tokens=2).choices
+        no_client_cert = ssl.create_default_context(cafile=str(files["ca"]))
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/health", verify=no_client_cert)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{running.server.http_port}/health")  # plaintext
+    finally:
+        running.stop()
+
+
 # --- clients that go away ---------------------------------------------------------------------------------
 
 
@@ -500,6 +540,41 @@ def test_the_http_socket_sends_small_chunks_at_once(server: RunningServer) -> No
     listener = server.server._http._socket  # type: ignore[union-attr]
     assert listener is not None and listener.proto == socket.IPPROTO_TCP
     assert listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+def test_a_queued_stream_whose_client_leaves_leaves_the_queue(loop: LoopThread, tiny_bundle: Path) -> None:
+    settings = loopback_settings(
+        tiny_bundle,
+        http_port=free_port(),
+        engine_process=False,
+        max_batch_size=1,
+        max_message_bytes=64 * 1024,
+    )
+    running = RunningServer(loop, settings, InjectedFaults(slow_seconds=0.02))
+    url = f"http://127.0.0.1:{running.server.http_port}/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", url, json=body, headers={"X-Request-Id": "slow-holder"}) as holder:
+            lines = holder.iter_lines()
+            next(lines)  # the only row is taken
+
+            def give_up() -> None:
+                with pytest.raises(httpx.ReadTimeout):  # queued: no response before the first token
+                    httpx.post(url, json=body, timeout=httpx.Timeout(5.0, read=0.3))
+
+            waiting = threading.Thread(target=give_up)
+            waiting.start()
+            running.wait_for(lambda s: s.waiting == 1)
+            waiting.join(5)
+            snapshot = running.wait_for(lambda s: s.waiting == 0)  # the queued one went with its client
+            assert snapshot.running == 1 and snapshot.outcomes.get("cancelled", 0) == 1
+            assert [line for line in lines if line][-1] == "data: [DONE]"  # the holder is unaffected
+        # A body streamed in without a Content-Length is counted as it comes: 413 all the same.
+        chunks = (b"x" * 1024 for _ in range(80))
+        big = httpx.post(url, content=chunks, headers={"Content-Type": "application/json"})
+        assert big.status_code == 413, big.text
+    finally:
+        running.stop()
 
 
 def test_bad_requests_leave_the_server_serving(base: str, client: openai.OpenAI, model: str) -> None:

@@ -57,7 +57,7 @@ def test_health_is_not_serving_until_the_model_is_loaded(
         return await load_model(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(serve.api.server, "load_model", gated_load)
-    server = TextgenServer(loopback_settings(tiny_bundle), Metrics())
+    server = TextgenServer(loopback_settings(tiny_bundle, http_port=free_port()), Metrics())
     starting = loop.submit(server.start())
     deadline = time.monotonic() + 10
     while server.port == 0:  # listening comes before loading
@@ -69,9 +69,14 @@ def test_health_is_not_serving_until_the_model_is_loaded(
         with grpc.insecure_channel(target) as channel:
             error = rpc_error(lambda: pb_grpc.TextGenerationStub(channel).Generate(long_request(2)))
         assert error.code() == grpc.StatusCode.UNAVAILABLE and "still loading" in error.details()
+        url = f"http://127.0.0.1:{server.http_port}"
+        assert httpx.get(f"{url}/health").status_code == 503  # the HTTP API listens before loading too
+        loading = httpx.post(f"{url}/v1/completions", json={"prompt": "x"})
+        assert loading.status_code == 503 and "still loading" in loading.json()["error"]["message"]
         loop.loop.call_soon_threadsafe(gate.set)
         starting.result(60)
         assert health_status(target) == SERVING
+        assert httpx.get(f"{url}/health").status_code == 200
     finally:
         loop.run(server.stop())
 

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi import HTTPException as FastAPIHTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -86,7 +87,7 @@ class ServingState(Protocol):
     def ready_model(self) -> LoadedModel: ...
 
 
-class BodyTooLarge(HTTPException):
+class BodyTooLarge(FastAPIHTTPException):  # FastAPI's: its body reader re-raises these as they are
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"the request body exceeds the server's limit of {limit} bytes")
 
@@ -111,12 +112,12 @@ class FrontDoor:
         app: ASGIApp,
         token: str | None,
         max_body: int,
-        on_refused: Callable[[str, str, str], None],
+        on_refused: Callable[[str, str, int, str], None],
     ) -> None:
         self._app = app
         self._expected = None if token is None else f"Bearer {token}".encode()
         self._max_body = max_body
-        self._on_refused = on_refused  # (route, code, request id)
+        self._on_refused = on_refused  # (route, metric code, HTTP status, request id)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -153,9 +154,13 @@ class FrontDoor:
         if refusal is not None:
             error, param = refusal
             if path in ROUTES:
-                self._on_refused(path, error.code, request_id)
+                self._on_refused(path, error.code, error.status, request_id)
             await _error_response(error, request_id, param)(scope, receive, send)
             return
+        if path in ROUTES and scope["method"] == "POST":
+            # The body is JSON whatever the Content-Type says (`curl -d` sends a form's type).
+            raw = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+            scope = {**scope, "headers": [*raw, (b"content-type", b"application/json")]}
         await self._app(scope, self._counting(receive), self._echoing(send, request_id))
 
     def _counting(self, receive: Receive) -> Receive:
@@ -335,8 +340,8 @@ class OpenAIApi:
         self.app = FrontDoor(self.fastapi, token, settings.max_message_bytes, self._refused)
 
     # -- accounting -----------------------------------------------------------------------------------------
-    def _refused(self, route: str, code: str, request_id: str) -> None:
-        record = CallRecord(rpc=route, request_id=request_id, code=code, status=None)
+    def _refused(self, route: str, code: str, status: int, request_id: str) -> None:
+        record = CallRecord(rpc=route, request_id=request_id, code=code, status=status)
         account(record, self._settings.log_prompts, self._metrics)
 
     def _account(self, record: CallRecord) -> None:
@@ -419,7 +424,8 @@ class OpenAIApi:
             message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
             loc, where = [], ""
         else:
-            got = f" (got {json.dumps(first['input'])[:80]})" if "input" in first and loc else ""
+            shown = json.dumps(first["input"], default=repr)[:80] if "input" in first else ""
+            got = f" (got {shown})" if shown and loc else ""
             message = f"{where or 'body'}: {first['msg']}{got}"
         record = CallRecord(rpc=request.url.path, request_id=request.scope.get(REQUEST_ID_KEY, ""))
         if record.rpc not in ROUTES:
@@ -435,7 +441,7 @@ class OpenAIApi:
         error = HttpError(exc.status_code, "invalid_request_error", "INVALID_ARGUMENT", message)
         if request.url.path in ROUTES:
             code = TOO_LARGE[2] if exc.status_code == 413 else error.code
-            self._refused(request.url.path, code, request_id)
+            self._refused(request.url.path, code, exc.status_code, request_id)
         return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
     async def _unexpected(self, request: Request, exc: Exception) -> Response:
@@ -564,7 +570,8 @@ class OpenAIApi:
         except BaseException:
             for handle in handles:
                 handle.cancel()
-            await events.aclose()  # type: ignore[attr-defined]  # an async generator
+            with contextlib.suppress(Exception):
+                await events.aclose()  # type: ignore[attr-defined]  # an async generator
             raise
         finishes: list[FinishEvent | None] = [None] * len(handles)
         sse = self._sse(chunks(plan, _prepend(first, events), finishes), handles, record, plan, finishes)
@@ -893,6 +900,7 @@ async def _first(events: AsyncIterator[tuple[int, Event]], request: Request) -> 
         await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if not nxt.done():
             nxt.cancel()
+            await asyncio.wait({nxt})  # the generator must have stopped before it is closed
             watcher.result()  # raises Cancelled
         return nxt.result()
     finally:
