@@ -57,7 +57,9 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python -m bench.serving_bench --quick
 
-## Soak (~3 min, not part of `make test`): rounds of mixed load against a server subprocess; fails when RSS
-## grows from round to round or the load gauges do not return to idle. Figures: docs/reliability.md.
+## Soak (~8 min, not part of `make test`): rounds of mixed load against a server subprocess; fails when RSS
+## grows from round to round or the load gauges do not return to idle; then fuzzes the HTTP API with 1000
+## examples an operation (the suite runs 40). Figures: docs/reliability.md.
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak
+	TEXTGEN_FUZZ_EXAMPLES=1000 $(BIN)/pytest -q tests/test_http_fuzz.py

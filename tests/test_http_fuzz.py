@@ -4,6 +4,7 @@ server serves a normal request afterwards."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, free_port
 
-EXAMPLES = 40  # per operation: about 10 s in all for the four of them on 2 cores
+# Per operation: about 10 s in all for the four of them on 2 cores; `make soak` runs a longer fuzz.
+EXAMPLES = int(os.environ.get("TEXTGEN_FUZZ_EXAMPLES", "40"))
 
 
 @pytest.fixture(scope="module")
