@@ -6,6 +6,7 @@ without reading the server's source. Nothing here blocks on the engine: it runs 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -14,11 +15,16 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve.engine.sampling import SamplingParams
+from serve.engine.types import Constraint
 from serve.errors import InvalidRequest
 from serve.scheduling.request import GenerationRequest
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_TOKEN_IDS = 64  # a ban list, checked per step while min_new_tokens holds: keep it short
+# A constraint's text (schema, pattern, grammar; a choice list's strings together): the compile's input is
+# bounded here, its cost by the compiler's LLParserLimits (serve/engine/constraints.py).
+MAX_CONSTRAINT_CHARS = 65_536
+MAX_CHOICES = 256
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,45 @@ def stop_token_ids(ids: Sequence[int]) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def constraint(message: pb.Constraint) -> Constraint | None:
+    """The request's constraint (None when unset), checked for shape and size; whether llguidance accepts it
+    is decided when it compiles (InvalidRequest with the library's message)."""
+    which = message.WhichOneof("kind")
+    if which is None:
+        return None
+    if which == "json_object":
+        if not message.json_object:
+            raise InvalidRequest("constraint.json_object must be true when set (leave it unset for none)")
+        return Constraint.json_object()
+    if which == "choice":
+        choices = list(message.choice.choices)
+        if not 1 <= len(choices) <= MAX_CHOICES:
+            raise InvalidRequest(f"constraint.choice has {len(choices)} strings; allowed 1..{MAX_CHOICES}")
+        for index, choice in enumerate(choices):
+            if not choice:
+                raise InvalidRequest(f"constraint.choice.choices[{index}] is empty: give a character or more")
+        _check_size("constraint.choice", sum(len(choice) for choice in choices))
+        return Constraint.choice(choices)
+    text: str = getattr(message, which)
+    if not text:
+        raise InvalidRequest(f"constraint.{which} is empty")
+    _check_size(f"constraint.{which}", len(text))
+    if which == "json_schema":
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise InvalidRequest(f"constraint.json_schema is not JSON: {exc}") from None
+        if not isinstance(schema, dict | bool):
+            raise InvalidRequest("constraint.json_schema must be a JSON object (or true / false)")
+        return Constraint.json_schema(text)
+    return Constraint.regex(text) if which == "regex" else Constraint.grammar(text)
+
+
+def _check_size(field: str, chars: int) -> None:
+    if chars > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequest(f"{field} has {chars} characters; at most {MAX_CONSTRAINT_CHARS} are allowed")
+
+
 def truncated(prompt: list[int], keep: int, limits: RequestLimits) -> list[int]:
     """The prompt's last `keep` tokens (0: all of it): TGI's `truncate`, vLLM's `truncate_prompt_tokens`."""
     if keep > limits.max_prompt_tokens:
@@ -191,4 +236,5 @@ def generation_request(
         include_stop_str_in_output=stopping.include_stop_str_in_output,
         prompt_logprobs=request.include_prompt_logprobs,
         prompt_top_logprobs=request.prompt_top_logprobs,
+        constraint=constraint(request.constraint),
     )
