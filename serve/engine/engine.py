@@ -15,6 +15,7 @@ Not thread-safe: the scheduler calls it from its one engine thread.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from tokenizers import Tokenizer
 
-from serve.engine.constraints import ConstraintRows, MaskStats, MaskWorker, PendingMasks
+from serve.engine.constraints import ConstraintCompiler, ConstraintRows, MaskStats, MaskWorker, PendingMasks
 from serve.engine.kv_cache import KvCache
 from serve.engine.prefix_cache import PrefixCache
 from serve.engine.prompt_scoring import PromptScorer, scoring_session
@@ -146,6 +147,8 @@ class Engine:
         self._sampling = SamplingBatch()
         self._masks = MaskWorker(spec.vocab_size)
         self._constraints = ConstraintRows(self._masks)  # the running rows' matchers, as _sampling's rows
+        self._compiler: ConstraintCompiler | None = None
+        self._compiler_lock = threading.Lock()
         self._logits = np.zeros((settings.max_batch_size, spec.vocab_size), types["logits"])
         self._side_logits = np.zeros_like(self._logits)  # the prefill that runs beside a decode step
         self._side: ThreadPoolExecutor | None = None  # its thread, started by the first such prefill
@@ -238,6 +241,15 @@ class Engine:
         """A host copy of the live rows [0, n) of one layer's "key" or "value" buffer, for tests and checks.
         Copies on every call (on a GPU the whole buffer, device to host); the engine never calls it."""
         return self._kv.kv_host(layer, kind, self.batch_size)
+
+    @property
+    def constraint_compiler(self) -> ConstraintCompiler:
+        """Compiles constraints for this model, with a cache that lives as long as the engine; made on first
+        use. Thread-safe, unlike the engine: requests are tracked on another thread than the one stepping."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = ConstraintCompiler(self.tokenizer, self.vocab_size, [self.eos_token_id])
+            return self._compiler
 
     @property
     def constrained_rows(self) -> int:

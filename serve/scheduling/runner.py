@@ -3,10 +3,11 @@
 A step drops cancelled and expired requests, asks the planner (planner.py, where the admission policy is
 described) what to do, makes the plan's engine call, and takes its tokens: stopping through
 `RequestTracker`, failure isolation (a failed call fails exactly the plan's requests), step records.
-A constrained request's constraint is compiled when it is tracked, on the compiler's worker threads
-(serve/engine/constraints.py); it joins the queue once compiled, or is refused (InvalidRequest) at the next
-step if llguidance rejects it, so no compile ever holds a step back. The
-split follows vLLM v1's `schedule()` / `update_from_output()`: the policy is tested without an engine.
+A constrained request's constraint is compiled when it is tracked, on the worker threads of the engine's
+compiler (serve/engine/constraints.py; its cache lives as long as the engine); it joins the queue once
+compiled, or is refused (InvalidRequest) at the next step if llguidance rejects it, so no compile ever
+holds a step back. The split follows vLLM v1's `schedule()` / `update_from_output()`: the policy is tested
+without an engine.
 The offline API drives the runner in a plain loop; `Scheduler` runs it on ONE dedicated thread (ONNX
 Runtime releases the GIL while it computes) and hands events to the event loop with
 `loop.call_soon_threadsafe`, one call per step.
@@ -24,7 +25,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from serve.engine.constraints import ConstraintCompiler
 from serve.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -100,8 +100,6 @@ class BatchRunner:
         self._waiting: deque[RequestTracker] = deque()
         self._compiling: list[RequestTracker] = []  # queued, their constraint still compiling (guarded too)
         self._refused: list[RequestTracker] = []  # their constraint was rejected: refused at the next step
-        self._compiler: ConstraintCompiler | None = None  # made for the first constrained request
-        self._compiler_lock = threading.Lock()
         self._running: dict[str, RequestTracker] = {}  # insertion order is not the engine's row order
         self._steps: deque[StepRecord] = deque(maxlen=limits.step_history)
         self._outcomes: Counter[str] = Counter()
@@ -117,16 +115,6 @@ class BatchRunner:
         """The most KV tokens one request may occupy: its slot, and the whole batch budget at most."""
         return min(self.engine.capacity, self.limits.batch_tokens)
 
-    @property
-    def compiler(self) -> ConstraintCompiler:
-        """The engine's model's constraint compiler (and its cache), made on first use."""
-        with self._compiler_lock:
-            if self._compiler is None:
-                engine = self.engine
-                eos = [engine.eos_token_id]
-                self._compiler = ConstraintCompiler(engine.tokenizer, engine.vocab_size, eos)
-            return self._compiler
-
     def track(self, request: GenerationRequest, *, stop_at_context: bool = False) -> RequestTracker:
         """Validate a request (InvalidRequest) and start its state machine, and its constraint's compile."""
         validate_request(
@@ -136,7 +124,7 @@ class BatchRunner:
             request, self.engine.tokenizer, self.engine.eos_token_id, self.max_total_tokens, time.monotonic()
         )
         if request.constraint is not None:
-            tracker.compiled = self.compiler.submit(request.constraint)
+            tracker.compiled = self.engine.constraint_compiler.submit(request.constraint)
         return tracker
 
     # -- called from any thread -------------------------------------------------------------------------
