@@ -199,16 +199,21 @@ def apply_frequency_presence(
 
 def apply_token_bitmask(logits: np.ndarray, rows: np.ndarray, bitmask: np.ndarray) -> None:
     """In place: -inf in row `rows[j]` for every token whose bit is 0 in `bitmask[j]` (llguidance's layout:
-    int32 words, bit t % 32 of word t // 32 is token t; words past the vocabulary are ignored)."""
+    int32 words, bit t % 32 of word t // 32 is token t; words past the vocabulary are ignored). `rows`
+    ascend and are distinct."""
     if not len(rows):
         return
     vocab = logits.shape[1]
     if bitmask.shape[1] * 32 < vocab:
         raise ValueError(f"a bitmask of {bitmask.shape[1]} words cannot cover a vocabulary of {vocab}")
     words = np.ascontiguousarray(bitmask, dtype="<i4").view(np.uint8)
-    allowed = np.unpackbits(words, axis=1, count=vocab, bitorder="little").view(bool)
+    banned = np.unpackbits(words, axis=1, count=vocab, bitorder="little").view(bool)
+    np.logical_not(banned, out=banned)
+    if len(rows) == logits.shape[0]:  # every row masked (rows ascend): in place
+        np.putmask(logits, banned, -np.inf)
+        return
     block = logits[rows]
-    block[~allowed] = -np.inf
+    np.putmask(block, banned, -np.inf)
     logits[rows] = block
 
 
