@@ -18,6 +18,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from export.tokenizer import EOS_ID, train_tokenizer
+from serve.engine.constraints import ConstraintCompiler
 from serve.engine.engine import Engine
 from serve.engine.types import NewSequence, TokenOut
 
@@ -55,6 +56,14 @@ class FakeEngine:
         self._background_left = 0
         # A prefix cache in bookkeeping only: tokens are a function of the context, wherever its KV came from.
         self._kept: list[list[int]] | None = [] if keeps_prefixes else None
+        self._compiler: ConstraintCompiler | None = None
+
+    @property
+    def constraint_compiler(self) -> ConstraintCompiler:
+        """The real compiler (its constraints are compiled, then ignored: a fake samples no masks)."""
+        if self._compiler is None:
+            self._compiler = ConstraintCompiler(self.tokenizer, self.vocab_size, [self.eos_token_id])
+        return self._compiler
 
     @property
     def batch_size(self) -> int:
@@ -190,6 +199,7 @@ class Instrumented:
         self.capacity = engine.capacity
         self.vocab_size = engine.vocab_size
         self.eos_token_id = engine.eos_token_id
+        self.constraint_compiler = engine.constraint_compiler
         self.step_seconds = step_seconds
         self.gate = threading.Event()
         self.gate.set()

@@ -11,6 +11,7 @@ import pytest
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, Pki, make_pki
 
+from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve.api.client import build_parser, generate_request, main
 
 TOKEN = "client-test-token"
@@ -194,3 +195,36 @@ def test_tls_client_options_are_checked() -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["info", "--tls-cert", "cert.pem"], out=io.StringIO(), err=io.StringIO())
     assert exit_info.value.code == 2
+
+
+def test_each_constraint_flag_reaches_the_request(tmp_path: Path) -> None:
+    schema = {"type": "array", "items": {"type": "integer"}}
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(schema))
+    grammar_file = tmp_path / "g.lark"
+    grammar_file.write_text('start: "x"')
+
+    def constraint(*flags: str) -> pb.Constraint:
+        return generate_request(build_parser().parse_args(["generate", "hi", *flags])).constraint
+
+    assert json.loads(constraint("--json-schema", str(schema_file)).json_schema) == schema
+    assert constraint("--json-schema", '{"type": "string"}').json_schema == '{"type": "string"}'
+    assert constraint("--json-object").json_object
+    assert constraint("--regex", "[a-z]+").regex == "[a-z]+"
+    assert constraint("--grammar", str(grammar_file)).grammar == 'start: "x"'
+    assert constraint("--grammar", 'start: "y"').grammar == 'start: "y"'
+    assert list(constraint("--choice", "yes", "--choice", "no").choice.choices) == ["yes", "no"]
+    assert not generate_request(build_parser().parse_args(["generate", "hi"])).HasField("constraint")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--regex", "a", "--choice", "b"], ["--json-schema", "{not json"], ["--json-object", "--regex", "a"]],
+)
+def test_conflicting_or_malformed_constraint_flags_are_refused(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["generate", "hi", *flags])
+    assert exit_info.value.code == 2
+    assert "--" in capsys.readouterr().err

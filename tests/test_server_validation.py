@@ -9,7 +9,8 @@ import pytest
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve.api.grpc_requests import generation_request, prompt_ids, reject_unknown_fields
-from serve.api.validation import RequestLimits, check_request_id, max_new_tokens
+from serve.api.validation import MAX_CONSTRAINT_CHARS, RequestLimits, check_request_id, max_new_tokens
+from serve.engine.types import Constraint, ConstraintKind
 from serve.errors import InvalidRequest
 
 LIMITS = RequestLimits(
@@ -66,8 +67,8 @@ def test_valid_request_maps_every_field() -> None:
 def test_unset_seed_is_none_and_zero_seed_is_kept() -> None:
     unset = _build(pb.GenerateRequest(text="a"))
     zero = _build(pb.GenerateRequest(text="a", sampling=pb.SamplingParams(seed=0)))
-    assert unset.sampling.seed is None  # type: ignore[attr-defined]
-    assert zero.sampling.seed == 0  # type: ignore[attr-defined]
+    assert unset.sampling.seed is None
+    assert zero.sampling.seed == 0
 
 
 def test_token_ids_input_is_taken_as_is() -> None:
@@ -155,9 +156,9 @@ def test_max_new_tokens_default_cap_and_context() -> None:
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end() -> None:
     long = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(1, 81))), truncate_prompt_tokens=40)
-    assert _build(long).prompt_ids == list(range(41, 81))  # type: ignore[attr-defined]
+    assert _build(long).prompt_ids == list(range(41, 81))
     short = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), truncate_prompt_tokens=40)
-    assert _build(short).prompt_ids == [1, 2, 3]  # type: ignore[attr-defined]
+    assert _build(short).prompt_ids == [1, 2, 3]
     with pytest.raises(InvalidRequest, match=r"truncate_prompt_tokens = 64; allowed 0\.\.63 \(0 = off\)"):
         _build(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), truncate_prompt_tokens=64))
     # The kept tokens still leave room for max_new_tokens, or the request is refused as any other.
@@ -198,3 +199,37 @@ def test_unknown_fields_are_refused_at_any_depth() -> None:
     with pytest.raises(InvalidRequest, match=r"SamplingParams has unknown field number\(s\) \[15\]"):
         reject_unknown_fields(nested)
     reject_unknown_fields(pb.GenerateRequest(text="a", sampling=pb.SamplingParams(temperature=1)))
+
+
+def _constraint_of(message: pb.Constraint) -> object:
+    return _build(pb.GenerateRequest(text="hello", constraint=message)).constraint
+
+
+def test_each_kind_of_constraint_maps_to_its_protocol_neutral_value() -> None:
+    assert _build(pb.GenerateRequest(text="hello")).constraint is None
+    schema = '{"type": "object", "properties": {"b": {}, "a": {}}}'
+    assert _constraint_of(pb.Constraint(json_schema=schema)) == Constraint.json_schema(schema)  # as sent
+    assert _constraint_of(pb.Constraint(json_object=True)) == Constraint.json_object()
+    assert _constraint_of(pb.Constraint(regex="[a-z]+")) == Constraint.regex("[a-z]+")
+    assert _constraint_of(pb.Constraint(grammar='start: "x"')) == Constraint.grammar('start: "x"')
+    choice = pb.Constraint(choice=pb.ChoiceList(choices=["b", "a"]))
+    assert _constraint_of(choice) == Constraint(ConstraintKind.CHOICE, choices=("b", "a"))
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        (pb.Constraint(json_schema=""), r"constraint.json_schema is empty"),
+        (pb.Constraint(json_schema="{"), r"constraint.json_schema is not JSON: "),
+        (pb.Constraint(json_schema="[1]"), r"constraint.json_schema must be a JSON object"),
+        (pb.Constraint(json_object=False), r"constraint.json_object must be true when set"),
+        (pb.Constraint(regex=""), r"constraint.regex is empty"),
+        (pb.Constraint(grammar="x" * (MAX_CONSTRAINT_CHARS + 1)), r"constraint.grammar has 65537 characters"),
+        (pb.Constraint(choice=pb.ChoiceList()), r"constraint.choice has 0 strings; allowed 1\.\.256"),
+        (pb.Constraint(choice=pb.ChoiceList(choices=["a", ""])), r"constraint.choice.choices\[1\] is empty"),
+        (pb.Constraint(choice=pb.ChoiceList(choices=["a"] * 257)), r"constraint.choice has 257 strings"),
+    ],
+)
+def test_malformed_constraints_are_refused_naming_the_field(message: pb.Constraint, error: str) -> None:
+    with pytest.raises(InvalidRequest, match=error):
+        _constraint_of(message)

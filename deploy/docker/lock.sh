@@ -9,8 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
+# manylinux_2_31: llguidance publishes no older wheels; both images' glibc (bookworm 2.36, noble 2.39) is newer.
 compile() {
-    uv pip compile pyproject.toml "$@" --python-platform x86_64-manylinux_2_28 --generate-hashes --quiet
+    uv pip compile pyproject.toml "$@" --python-platform x86_64-manylinux_2_31 --generate-hashes --quiet
 }
 
 compile --extra cpu --python-version 3.11 -o deploy/docker/requirements-serve.txt

@@ -1,6 +1,7 @@
 """`textgen-client`: call a textgen server from the command line.
 
     textgen-client generate "Once upon a time" --stream --max-new-tokens 64 --verbose
+    textgen-client generate "A user:" --json-schema user.schema.json    # structured output (or --regex, ...)
     textgen-client info
     textgen-client health
 
@@ -116,7 +117,23 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
         truncate_prompt_tokens=args.truncate_prompt_tokens,
         include_prompt_logprobs=args.prompt_logprobs or args.prompt_top_logprobs > 0,
         prompt_top_logprobs=args.prompt_top_logprobs,
+        constraint=constraint(args),
     )
+
+
+def constraint(args: argparse.Namespace) -> pb.Constraint | None:
+    """The --json-schema / --json-object / --regex / --grammar / --choice flag given, if any."""
+    if args.json_schema is not None:
+        return pb.Constraint(json_schema=args.json_schema)
+    if args.json_object:
+        return pb.Constraint(json_object=True)
+    if args.regex is not None:
+        return pb.Constraint(regex=args.regex)
+    if args.grammar is not None:
+        return pb.Constraint(grammar=args.grammar)
+    if args.choice:
+        return pb.Constraint(choice=pb.ChoiceList(choices=args.choice))
+    return None
 
 
 def _report(fields: dict[str, object], err: TextIO) -> None:
@@ -140,6 +157,7 @@ def run_generate(stub: pb_grpc.TextGenerationStub, args: argparse.Namespace, out
                     "queue_s": f"{response.queue_seconds:.4f}",
                     "ttft_s": f"{response.time_to_first_token_seconds:.4f}",
                     "total_s": f"{response.total_seconds:.4f}",
+                    **_incomplete(response.constraint_incomplete),
                     **_prompt_score(response.prompt_logprobs, response.prompt_top_logprobs),
                 },
                 err,
@@ -170,12 +188,18 @@ def run_generate(stub: pb_grpc.TextGenerationStub, args: argparse.Namespace, out
                 "prompt_tokens": last.usage.prompt_tokens,
                 "cached_prompt_tokens": last.usage.cached_prompt_tokens,
                 "completion_tokens": last.usage.completion_tokens,
+                **_incomplete(last.constraint_incomplete),
                 **_prompt_score(prompt, prompt_top),
             },
             err,
         )
         _report_logprobs(stub, args, tokens, logprobs, top, err)
     return 0
+
+
+def _incomplete(incomplete: bool) -> dict[str, str]:
+    """A constrained completion cut short (max tokens, context, a stop) says so: it is not a full match."""
+    return {"constraint_incomplete": "true"} if incomplete else {}
 
 
 def _prompt_score(logprobs: Sequence[float], top: Sequence[pb.TopLogprobs]) -> dict[str, str]:
@@ -272,6 +296,41 @@ def _token_bias(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, e.g. 50256=-100, got {text!r}") from None
 
 
+def _text_or_file(text: str) -> str:
+    """A flag's value, or the contents of the file it names."""
+    path = Path(text)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except (OSError, ValueError):  # not a usable path: the text itself
+        pass
+    return text
+
+
+def _schema(text: str) -> str:
+    schema = _text_or_file(text)
+    try:
+        json.loads(schema)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"neither a file nor JSON: {text[:80]!r}") from None
+    return schema
+
+
+def _constraint_options(gen: argparse.ArgumentParser) -> None:
+    group = gen.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    group.add_argument(
+        "--json-schema", type=_schema, metavar="FILE|JSON", help="the output is JSON valid against it"
+    )
+    group.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    group.add_argument("--regex", metavar="PATTERN", help="the whole output matches the pattern")
+    group.add_argument(
+        "--grammar", type=_text_or_file, metavar="FILE|LARK", help="a Lark grammar (llguidance's syntax)"
+    )
+    group.add_argument(
+        "--choice", action="append", default=[], metavar="TEXT", help="the output is one of these (repeat)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="textgen-client", description="Call a textgen server.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -319,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--truncate-prompt-tokens", type=_positive_or_zero, default=0, help="keep the prompt's last N tokens"
     )
+    _constraint_options(gen)
     gen.add_argument("--request-id", default="")
     gen.add_argument("--verbose", action="store_true", help="print usage and timings to stderr")
     health = commands.add_parser("health", help="the server's health status")

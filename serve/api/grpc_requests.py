@@ -21,6 +21,7 @@ from serve.api.validation import (
     token_prompt,
 )
 from serve.engine.sampling import SamplingParams
+from serve.engine.types import Constraint
 from serve.errors import InvalidRequest
 from serve.scheduling.request import GenerationRequest
 
@@ -98,7 +99,26 @@ def options(request: pb.GenerateRequest) -> GenerationOptions:
         prompt_logprobs=request.include_prompt_logprobs,
         prompt_top_logprobs=request.prompt_top_logprobs,
         truncate_prompt_tokens=request.truncate_prompt_tokens,
+        constraint=constraint(request.constraint),
     )
+
+
+def constraint(message: pb.Constraint) -> Constraint | None:
+    """The request's constraint as a neutral value (None when unset); its values are checked by
+    `validation.checked_constraint`."""
+    which = message.WhichOneof("kind")
+    if which is None:
+        return None
+    if which == "json_object":
+        if not message.json_object:
+            raise InvalidRequest("constraint.json_object must be true when set (leave it unset for none)")
+        return Constraint.json_object()
+    if which == "choice":
+        return Constraint.choice(message.choice.choices)
+    text: str = getattr(message, which)
+    if which == "json_schema":
+        return Constraint.json_schema(text)
+    return Constraint.regex(text) if which == "regex" else Constraint.grammar(text)
 
 
 def generation_request(

@@ -115,6 +115,7 @@ def generate_response(request_id: str, completion: Completion) -> pb.GenerateRes
         queue_seconds=finish.queue_seconds,
         time_to_first_token_seconds=finish.ttft_seconds,
         total_seconds=finish.total_seconds,
+        constraint_incomplete=finish.constraint_incomplete,
     )
 
 
@@ -122,7 +123,10 @@ def stream_message(request_id: str, event: Event) -> pb.GenerateStreamResponse:
     """One `GenerateStream` message: tokens and their text, or the last one with finish reason and usage."""
     if isinstance(event, FinishEvent):
         return pb.GenerateStreamResponse(
-            request_id=request_id, finish_reason=finish_reason(event.finish_reason), usage=usage(event)
+            request_id=request_id,
+            finish_reason=finish_reason(event.finish_reason),
+            usage=usage(event),
+            constraint_incomplete=event.constraint_incomplete,
         )
     return pb.GenerateStreamResponse(
         request_id=request_id,

@@ -10,15 +10,21 @@ each protocol gives them). Nothing here blocks on the engine: it runs before the
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from serve.engine.sampling import MAX_SEED, SamplingParams
+from serve.engine.types import Constraint, ConstraintKind
 from serve.errors import InvalidRequest
 from serve.scheduling.request import GenerationRequest
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_TOKEN_IDS = 64  # a ban list, checked per step while min_new_tokens holds: keep it short
+# A constraint's text (schema, pattern, grammar; a choice list's strings together): the compile's input is
+# bounded here, its cost by the compiler's LLParserLimits (serve/engine/constraints.py).
+MAX_CONSTRAINT_CHARS = 65_536
+MAX_CHOICES = 256
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class GenerationOptions:
     prompt_top_logprobs: int = 0
     truncate_prompt_tokens: int = 0  # keep the prompt's last N tokens (0: all of it)
     score_only: bool = False
+    constraint: Constraint | None = None  # structured output (checked by `checked_constraint`)
 
 
 def check_request_id(request_id: str) -> str:
@@ -124,6 +131,39 @@ def stop_token_ids(ids: Sequence[int]) -> tuple[int, ...]:
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"{len(ids)} stop token ids given; at most {MAX_STOP_TOKEN_IDS} are allowed")
     return tuple(ids)
+
+
+def checked_constraint(constraint: Constraint | None) -> Constraint | None:
+    """A request's constraint checked for shape and size; whether llguidance accepts it is decided when it
+    compiles (InvalidRequest with the library's message)."""
+    if constraint is None or constraint.kind is ConstraintKind.JSON_OBJECT:
+        return constraint
+    which = f"constraint.{constraint.kind.value}"
+    if constraint.kind is ConstraintKind.CHOICE:
+        choices = constraint.choices
+        if not 1 <= len(choices) <= MAX_CHOICES:
+            raise InvalidRequest(f"{which} has {len(choices)} strings; allowed 1..{MAX_CHOICES}")
+        for index, choice in enumerate(choices):
+            if not choice:
+                raise InvalidRequest(f"{which}.choices[{index}] is empty: give a character or more")
+        _check_size(which, sum(len(choice) for choice in choices))
+        return constraint
+    if not constraint.text:
+        raise InvalidRequest(f"{which} is empty")
+    _check_size(which, len(constraint.text))
+    if constraint.kind is ConstraintKind.JSON_SCHEMA:
+        try:
+            schema = json.loads(constraint.text)
+        except ValueError as exc:
+            raise InvalidRequest(f"{which} is not JSON: {exc}") from None
+        if not isinstance(schema, dict | bool):
+            raise InvalidRequest(f"{which} must be a JSON object (or true / false)")
+    return constraint
+
+
+def _check_size(field: str, chars: int) -> None:
+    if chars > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequest(f"{field} has {chars} characters; at most {MAX_CONSTRAINT_CHARS} are allowed")
 
 
 def truncated(
@@ -217,4 +257,5 @@ def build_request(
         include_stop_str_in_output=options.include_stop_str_in_output,
         prompt_logprobs=options.prompt_logprobs,
         prompt_top_logprobs=options.prompt_top_logprobs,
+        constraint=checked_constraint(options.constraint),
     )

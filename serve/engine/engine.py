@@ -15,6 +15,7 @@ Not thread-safe: the scheduler calls it from its one engine thread.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,12 +25,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from tokenizers import Tokenizer
 
+from serve.engine.constraints import ConstraintCompiler, ConstraintRows, MaskStats, MaskWorker, PendingMasks
 from serve.engine.kv_cache import KvCache
 from serve.engine.prefix_cache import PrefixCache
 from serve.engine.prompt_scoring import PromptScorer, scoring_session
 from serve.engine.runtime import Device, create_session, kv_device, ortvalue, session_device_id
 from serve.engine.sampling import Alternatives, PromptScores, SamplingBatch, SamplingParams
-from serve.engine.types import EngineInfo, EngineSettings, ModelSpec, NewSequence, TokenOut
+from serve.engine.types import ConstraintState, EngineInfo, EngineSettings, ModelSpec, NewSequence, TokenOut
 from serve.errors import BundleError
 
 if TYPE_CHECKING:
@@ -44,6 +46,17 @@ _NUMPY_TYPES = {
     "tensor(int64)": np.int64,
     "tensor(int32)": np.int32,
 }
+
+
+# What a refused row's TokenOut says (SamplingBatch.refused).
+NO_ALLOWED_TOKEN = (
+    "no token is allowed at this step: its constraint, its logit_bias (-100 bans a token) and min_new_tokens "
+    "(EOS and the stop token ids are banned until then) leave nothing to sample"
+)
+# Per row of a step: a constrained row's state after its token, and why the row cannot go on (or None).
+_Notes = dict[int, tuple[ConstraintState | None, str | None]]
+# The constraint rows of sequences about to join, and the fill of their first masks (None: unconstrained).
+_Joining = tuple[ConstraintRows, PendingMasks | None]
 
 
 class _RunInputs(NamedTuple):
@@ -62,6 +75,7 @@ class _Background:
     first: int
     run: Future[float]  # the seconds its run took
     inputs: dict[str, np.ndarray]  # bound to the run: alive until it is over
+    joining: _Joining  # their matchers, and their first masks computed meanwhile
     released: set[str] = field(default_factory=set)  # left while it ran
 
 
@@ -131,6 +145,10 @@ class Engine:
         self._ids: list[str] = []
         self._staged: _Staged | None = None
         self._sampling = SamplingBatch()
+        self._masks = MaskWorker(spec.vocab_size)
+        self._constraints = ConstraintRows(self._masks)  # the running rows' matchers, as _sampling's rows
+        self._compiler: ConstraintCompiler | None = None
+        self._compiler_lock = threading.Lock()
         self._logits = np.zeros((settings.max_batch_size, spec.vocab_size), types["logits"])
         self._side_logits = np.zeros_like(self._logits)  # the prefill that runs beside a decode step
         self._side: ThreadPoolExecutor | None = None  # its thread, started by the first such prefill
@@ -224,6 +242,25 @@ class Engine:
         Copies on every call (on a GPU the whole buffer, device to host); the engine never calls it."""
         return self._kv.kv_host(layer, kind, self.batch_size)
 
+    @property
+    def constraint_compiler(self) -> ConstraintCompiler:
+        """Compiles constraints for this model, with a cache that lives as long as the engine; made on first
+        use. Thread-safe, unlike the engine: requests are tracked on another thread than the one stepping."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = ConstraintCompiler(self.tokenizer, self.vocab_size, [self.eos_token_id])
+            return self._compiler
+
+    @property
+    def constrained_rows(self) -> int:
+        """Running sequences with a constraint (each holds a matcher until it leaves)."""
+        return self._constraints.constrained
+
+    @property
+    def mask_stats(self) -> MaskStats:
+        """What the constrained rows' masks have cost so far."""
+        return self._masks.stats
+
     def lengths(self) -> dict[str, int]:
         """Tokens in each running sequence's cache."""
         return {seq_id: int(self._lengths[r]) for r, seq_id in enumerate(self._ids)}
@@ -284,17 +321,24 @@ class Engine:
                 raise
             return []
         misses = [seq for seq, hit in zip(new, hits, strict=True) if hit is None]
-        parts = [self._prefill_group(n, misses)] if misses else []
         reused = [(seq, hit) for seq, hit in zip(new, hits, strict=True) if hit is not None]
-        for row, (seq, hit) in enumerate(reused, start=n + len(misses)):
-            if parts:  # every run writes the same logits buffer
-                parts[-1] = parts[-1].copy()
-            parts.append(self._prefill_rows(row, seq.prompt_ids, self._reuse(hit, row, seq)))
         ordered = [*misses, *(seq for seq, _ in reused)]
+        # Their first masks (the forks' too, which take the rows after them), computed while the prompts run.
+        joining = self._joining([*ordered, *forks.values()])
+        try:
+            parts = [self._prefill_group(n, misses)] if misses else []
+            for row, (seq, hit) in enumerate(reused, start=n + len(misses)):
+                if parts:  # every run writes the same logits buffer
+                    parts[-1] = parts[-1].copy()
+                parts.append(self._prefill_rows(row, seq.prompt_ids, self._reuse(hit, row, seq)))
+        except BaseException:
+            _settle(joining)
+            raise
         self.last_logits = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if forks:
             ordered, self.last_logits = self._fork(n, ordered, list(forks.values()), self.last_logits)
-        return self._join(ordered, self.last_logits, np.array([len(s.prompt_ids) for s in ordered]))
+        lens = np.array([len(s.prompt_ids) for s in ordered])
+        return self._join(ordered, self.last_logits, lens, joining)
 
     def _fork(
         self, n: int, ordered: list[NewSequence], forks: list[NewSequence], logits: np.ndarray
@@ -317,11 +361,17 @@ class Engine:
         staged = self._staged
         if staged is None:
             raise RuntimeError("continue_prefill() with no chunked prefill in progress")
-        logits = self._prefill_piece()
+        last = staged.done + staged.chunk >= len(staged.seq.prompt_ids)
+        joining = self._joining([staged.seq]) if last else None
+        try:
+            logits = self._prefill_piece()
+        except BaseException:
+            _settle(joining)
+            raise
         if staged.done < len(staged.seq.prompt_ids):
             return []
         self._staged = None
-        return self._join([staged.seq], logits, np.array([staged.done], np.int64))
+        return self._join([staged.seq], logits, np.array([staged.done], np.int64), joining)
 
     def decode(self) -> list[TokenOut]:
         """One step for every running sequence: feed each its pending token, sample the next."""
@@ -334,20 +384,27 @@ class Engine:
             raise ValueError(
                 f"sequences {full} filled their {self.capacity}-token KV slot; release them first"
             )
-        logits = self._run(
-            slice(0, n),
-            _RunInputs(
-                self._pending[:n, None],
-                lengths[:, None],
-                lengths,  # after this step each row holds lengths + 1 tokens; seqlens_k is that minus one
-                int(lengths.max()) + 1,
-                np.zeros(n, np.int64),
-            ),
-        )
+        # The constrained rows' masks are computed on the masks' thread while ONNX Runtime runs the step.
+        pending = self._constraints.start_fill()
+        try:
+            logits = self._run(
+                slice(0, n),
+                _RunInputs(
+                    self._pending[:n, None],
+                    lengths[:, None],
+                    lengths,  # after this step each row holds lengths + 1 tokens; seqlens_k is that minus one
+                    int(lengths.max()) + 1,
+                    np.zeros(n, np.int64),
+                ),
+            )
+        except BaseException:
+            if pending is not None:
+                pending.settle()
+            raise
         self._tokens[self._row_index[:n], lengths] = self._pending[:n]
         self._lengths[:n] += 1
-        tokens, logprobs = self._sampling.sample(logits)
-        return self._emit(0, tokens, logprobs, self._sampling.alternatives)
+        tokens, logprobs, notes = self._pick(self._sampling, self._constraints, logits, pending)
+        return self._emit(0, tokens, logprobs, self._sampling.alternatives, notes)
 
     def begin_prefill(self, new: Sequence[NewSequence]) -> None:
         """Start prefilling `new` into the rows after the running ones, on a thread of its own: decode steps
@@ -371,8 +428,9 @@ class Engine:
         binding, inputs = self._bound(rows, self._group_inputs(first, new), side=True)
         if self._side is None:
             self._side = ThreadPoolExecutor(1, thread_name_prefix="textgen-prefill")
+        joining = self._joining(new)
         run = self._side.submit(_timed, self.session.run_with_iobinding, binding)
-        self._background = _Background(new, first, run, inputs)
+        self._background = _Background(new, first, run, inputs, joining)
 
     @property
     def background_ids(self) -> list[str]:
@@ -392,6 +450,9 @@ class Engine:
             raise RuntimeError("end_prefill() with no background prefill")
         try:
             seconds = background.run.result()
+        except BaseException:
+            _settle(background.joining)
+            raise
         finally:  # over either way: its rows are free again until joined
             self._background = None
         n, k = self.batch_size, len(background.new)
@@ -399,7 +460,7 @@ class Engine:
         if background.first != n:  # sequences that left meanwhile opened a gap below the group: close it
             for i, length in enumerate(lens.tolist()):  # row by row upwards: a source is never overwritten
                 self._move_row(background.first + i, n + i, length)  # its length: set by _join
-        outs = self._join(background.new, self._side_logits[:k], lens)
+        outs = self._join(background.new, self._side_logits[:k], lens, background.joining)
         gone = background.released
         if gone:
             self.release(gone)
@@ -429,6 +490,7 @@ class Engine:
                 self._ids[row] = self._ids[last]
             self._ids.pop()
             self._sampling.remove(row)
+            self._constraints.remove(row)  # its matcher goes with it
             if self._staged is not None:  # keep the staged row right after the running ones
                 self._move_row(last + 1, last, self._staged.done)
 
@@ -514,7 +576,18 @@ class Engine:
         inputs = _RunInputs(piece[None], positions, seqlens, end, np.array([end - start - 1]))
         return self._run(slice(row, row + 1), inputs)
 
-    def _join(self, new: Sequence[NewSequence], logits: np.ndarray, lens: np.ndarray) -> list[TokenOut]:
+    def _joining(self, new: Sequence[NewSequence]) -> _Joining:
+        """Fresh matchers for sequences about to join, and their first masks started on the masks' thread."""
+        rows = self._constraints.group([seq.constraint for seq in new])
+        return rows, rows.start_fill()
+
+    def _join(
+        self,
+        new: Sequence[NewSequence],
+        logits: np.ndarray,
+        lens: np.ndarray,
+        joining: _Joining | None = None,
+    ) -> list[TokenOut]:
         """The prefilled rows after the running ones join the batch with their first sampled tokens."""
         n = self.batch_size
         group = SamplingBatch()
@@ -522,11 +595,13 @@ class Engine:
             group.append(
                 seq.sampling, seq.prompt_ids, seq.logprobs, seq.banned, seq.banned_for, seq.top_logprobs
             )
-        tokens, logprobs = group.sample(logits)
+        rows, pending = self._joining(new) if joining is None else joining
+        tokens, logprobs, notes = self._pick(group, rows, logits, pending)
         self._sampling.extend(group)
+        self._constraints.extend(rows)
         self._ids.extend(s.seq_id for s in new)
         self._lengths[n : n + len(new)] = lens
-        outs = self._emit(n, tokens, logprobs, group.alternatives)
+        outs = self._emit(n, tokens, logprobs, group.alternatives, notes)
         scored: dict[tuple[tuple[int, ...], int], PromptScores] = {}  # n choices of a prompt: scored once
         for i, seq in enumerate(new):
             if seq.prompt_logprobs:
@@ -535,6 +610,26 @@ class Engine:
                     scored[key] = self.score_prompt(seq.prompt_ids, seq.prompt_top_logprobs)
                 outs[i] = outs[i]._replace(prompt=scored[key])
         return outs
+
+    def _pick(
+        self,
+        sampling: SamplingBatch,
+        constraints: ConstraintRows,
+        logits: np.ndarray,
+        pending: PendingMasks | None,
+    ) -> tuple[np.ndarray, np.ndarray, _Notes]:
+        """Sample rows (under their masks, once `pending` is filled) and advance their matchers: tokens,
+        logprobs, and the constrained or failed rows' notes."""
+        masks, failed = (None, {}) if pending is None else pending.wait()
+        tokens, logprobs = sampling.sample(logits, masks)
+        refused = sampling.refused.tolist()
+        notes: _Notes = dict(constraints.consume(tokens, [*refused, *failed]))
+        for row in refused:
+            notes[row] = (None, NO_ALLOWED_TOKEN)
+            tokens[row] = self.spec.pad_token_id  # a valid id in its KV input until it is released
+        for row, reason in failed.items():
+            notes[row] = (None, f"its constraint failed: {reason}")
+        return tokens, logprobs, notes
 
     def _run(self, rows: slice, inputs: _RunInputs) -> np.ndarray:
         binding, _arrays = self._bound(rows, inputs)
@@ -595,16 +690,31 @@ class Engine:
         return binding
 
     def _emit(
-        self, first_row: int, tokens: np.ndarray, logprobs: np.ndarray, top: dict[int, Alternatives]
+        self,
+        first_row: int,
+        tokens: np.ndarray,
+        logprobs: np.ndarray,
+        top: dict[int, Alternatives],
+        notes: _Notes,
     ) -> list[TokenOut]:
-        """`top` is keyed by row index within `tokens`."""
+        """`top` and `notes` are keyed by row index within `tokens`."""
         self._pending[first_row : first_row + len(tokens)] = tokens
         ids = self._ids[first_row:]
         # Python scalars in one call each (.tolist()), not a numpy scalar conversion per row.
         rows = zip(ids, tokens.tolist(), logprobs.tolist(), strict=True)
         if not top:
-            return [TokenOut(seq_id, t, lp) for seq_id, t, lp in rows]
-        return [TokenOut(seq_id, t, lp, top.get(i)) for i, (seq_id, t, lp) in enumerate(rows)]
+            outs = [TokenOut(seq_id, t, lp) for seq_id, t, lp in rows]
+        else:
+            outs = [TokenOut(seq_id, t, lp, top.get(i)) for i, (seq_id, t, lp) in enumerate(rows)]
+        for i, (state, error) in notes.items():
+            outs[i] = outs[i]._replace(constraint=state, error=error)
+        return outs
+
+
+def _settle(joining: _Joining | None) -> None:
+    """A join that failed: let its first masks' fill end (its thread holds the matchers until then)."""
+    if joining is not None and joining[1] is not None:
+        joining[1].settle()
 
 
 def _forks(new: Sequence[NewSequence]) -> dict[str, NewSequence]:

@@ -1,11 +1,13 @@
 """Next-token choice for the whole running batch: logits processors and per-row sampling state.
 
 Runs on the hot path (every decode step, every row), so everything is vectorized numpy over `[n, vocab]`.
-The processors follow Hugging Face / TGI / vLLM semantics and are applied as a chain: OpenAI's logit bias,
-the penalties (repetition over prompt and output, then OpenAI's frequency and presence over the output),
-banned tokens (EOS and stop token ids until `min_new_tokens`), then for sampled rows temperature, top-k,
-top-p and min-p. Each takes a per-row parameter vector and leaves alone the rows where its parameter means
-"off".
+The processors follow Hugging Face / TGI / vLLM semantics and are applied as a chain: a constrained row's
+allowed-token mask (structured output, serve/engine/constraints.py: -inf outside it), OpenAI's logit bias
+(-100 bans the token, as OpenAI documents), the penalties (repetition over prompt and output, then OpenAI's
+frequency and presence over the output), banned tokens (EOS and stop token ids until `min_new_tokens`),
+then for sampled rows temperature, top-k, top-p and min-p. Each takes a per-row parameter vector and leaves
+alone the rows where its parameter means "off". A row that the mask and the bans leave without any token is
+refused (`SamplingBatch.refused`) rather than sampled from nothing.
 
 Reproducibility: a seeded row draws its randomness only from its own `np.random.Generator` (one uniform per
 step) and every reduction runs along its own row, so its tokens do not depend on what else is in the batch.
@@ -33,6 +35,7 @@ MAX_LOGIT_BIAS_TOKENS = 300  # entries per request
 _TOP_P_CANDIDATES = 256
 # Tokens per block of the two-level inverse-CDF draw.
 _DRAW_BLOCK = 64
+_NO_ROWS = np.empty(0, dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +195,26 @@ def apply_frequency_presence(
     keys, counts = np.unique(keys, return_counts=True)  # one entry per (row, token), with its count
     rows, cols = np.divmod(keys, vocab)
     logits[rows, cols] -= (frequency[rows] * counts + presence[rows]).astype(np.float32)
+
+
+def apply_token_bitmask(logits: np.ndarray, rows: np.ndarray, bitmask: np.ndarray) -> None:
+    """In place: -inf in row `rows[j]` for every token whose bit is 0 in `bitmask[j]` (llguidance's layout:
+    int32 words, bit t % 32 of word t // 32 is token t; words past the vocabulary are ignored). `rows`
+    ascend and are distinct."""
+    if not len(rows):
+        return
+    vocab = logits.shape[1]
+    if bitmask.shape[1] * 32 < vocab:
+        raise ValueError(f"a bitmask of {bitmask.shape[1]} words cannot cover a vocabulary of {vocab}")
+    words = np.ascontiguousarray(bitmask, dtype="<i4").view(np.uint8)
+    banned = np.unpackbits(words, axis=1, count=vocab, bitorder="little").view(bool)
+    np.logical_not(banned, out=banned)
+    if len(rows) == logits.shape[0]:  # every row masked (rows ascend): in place
+        np.putmask(logits, banned, -np.inf)
+        return
+    block = logits[rows]
+    np.putmask(block, banned, -np.inf)
+    logits[rows] = block
 
 
 def ban_tokens(logits: np.ndarray, rows: np.ndarray, banned: Sequence[np.ndarray]) -> None:
@@ -366,6 +389,7 @@ class _Layout:
     penalized: np.ndarray  # row indices with either: their tokens are recorded
     banning: np.ndarray  # row indices with banned tokens this step
     biased: np.ndarray  # row indices with a logit bias
+    excluding: np.ndarray  # row indices whose bias bans tokens (-100) or that have banned tokens this step
     generators: list[np.random.Generator]  # of the sampled rows, in the same order
     scored: np.ndarray  # row indices whose chosen token's logprob is wanted
     listed: np.ndarray  # row indices that want the most likely tokens too
@@ -374,7 +398,7 @@ class _Layout:
 
     @property
     def plain(self) -> bool:
-        """Every row is greedy on the raw logits: one argmax decides the batch."""
+        """Every row is greedy on the raw logits: one argmax decides the batch (unless a row is masked)."""
         return not (self.sampled.size or self.penalized.size or self.banning.size or self.biased.size)
 
     @classmethod
@@ -385,6 +409,8 @@ class _Layout:
         openai = np.array([_penalizes_openai(p) for p in params], dtype=bool)
         scored = np.flatnonzero([row.logprobs for row in rows])
         listed = np.flatnonzero([row.top_logprobs > 0 for row in rows])
+        banning = np.flatnonzero([row.banned_for > 0 and row.banned.size > 0 for row in rows])
+        bias_bans = np.flatnonzero([bool(np.isneginf(row.bias[1]).any()) for row in rows])
         return cls(
             temperature=temperature,
             top_k=np.array([p.top_k for p in params], dtype=np.int64),
@@ -398,8 +424,9 @@ class _Layout:
             repeated=np.flatnonzero(_penalizes(penalty)),
             openai=np.flatnonzero(openai),
             penalized=np.flatnonzero(_penalizes(penalty) | openai),
-            banning=np.flatnonzero([row.banned_for > 0 and row.banned.size > 0 for row in rows]),
+            banning=banning,
             biased=np.flatnonzero([len(p.logit_bias) > 0 for p in params]),
+            excluding=np.union1d(banning, bias_bans),
             generators=[row.rng for row in rows if row.rng is not None],
             scored=scored,
             listed=listed,
@@ -456,6 +483,7 @@ class SamplingBatch:
         self._layout: _Layout | None = None  # rebuilt lazily: several rows often join before a step
         self._scratch = np.empty((0, 0), dtype=np.float32)
         self._alternatives: dict[int, Alternatives] = {}  # of the last `sample` call
+        self._refused = _NO_ROWS  # of the last `sample` call
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -487,7 +515,11 @@ class SamplingBatch:
             top_logprobs=top_logprobs,
             bias=(
                 np.array([token for token, _ in params.logit_bias], dtype=np.int64),
-                np.array([bias for _, bias in params.logit_bias], dtype=np.float32),
+                # -100 is OpenAI's ban: -inf, so no constraint or ban elsewhere can leave it the only choice
+                np.array(
+                    [-np.inf if bias <= -MAX_LOGIT_BIAS else bias for _, bias in params.logit_bias],
+                    dtype=np.float32,
+                ),
             ),
             banned=np.unique(np.asarray(banned, dtype=np.int64)),
             banned_for=banned_for,
@@ -509,10 +541,15 @@ class SamplingBatch:
             self._rows[index] = last
         self._layout = None
 
-    def sample(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def sample(
+        self, logits: np.ndarray, allowed: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Choose each row's next token from its logits [n, vocab]: tokens int64 [n] and their logprobs
         float32 [n] under the model's raw distribution (before any processor), NaN for rows that did not ask
-        for them. Records the tokens for the repetition penalty."""
+        for them. Records the tokens for the repetition penalty.
+
+        `allowed`: (rows, bitmask), the allowed tokens of the constrained rows (`apply_token_bitmask`). A row
+        left without any token by its mask, bias bans and banned tokens is `refused`: its token is -1."""
         logits = np.asarray(logits, dtype=np.float32)
         if logits.ndim != 2 or logits.shape[0] != len(self._rows):
             raise ValueError(
@@ -521,12 +558,23 @@ class SamplingBatch:
         if self._layout is None:
             self._layout = _Layout.of(self._rows)
         layout = self._layout
-        tokens = logits.argmax(axis=1) if layout.plain else self._choose(logits, layout)
+        self._refused = _NO_ROWS
+        if layout.plain and allowed is None:
+            tokens = logits.argmax(axis=1)
+        else:
+            tokens = self._choose(logits, layout, allowed)
         logprobs = np.full(len(tokens), np.nan, dtype=np.float32)
         self._alternatives = {}
         if layout.reported.size:
             self._report(logits, tokens, layout, logprobs)
+        if self._refused.size:
+            logprobs[self._refused] = np.nan
         return tokens, logprobs
+
+    @property
+    def refused(self) -> np.ndarray:
+        """Row indices the last `sample` call found no allowed token for (their token is -1)."""
+        return self._refused
 
     @property
     def alternatives(self) -> dict[int, Alternatives]:
@@ -534,10 +582,15 @@ class SamplingBatch:
         most likely tokens under the raw distribution. Empty when no row asks."""
         return self._alternatives
 
-    def _choose(self, logits: np.ndarray, layout: _Layout) -> np.ndarray:
+    def _choose(
+        self, logits: np.ndarray, layout: _Layout, allowed: tuple[np.ndarray, np.ndarray] | None
+    ) -> np.ndarray:
         work = logits
-        if layout.penalized.size or layout.banning.size or layout.biased.size:
+        masked = _NO_ROWS if allowed is None else allowed[0]
+        if layout.penalized.size or layout.banning.size or layout.biased.size or masked.size:
             work = logits.copy()
+            if allowed is not None:
+                apply_token_bitmask(work, *allowed)
             apply_logit_bias(work, layout.biased, [self._rows[i].bias for i in layout.biased])
             if layout.repeated.size:
                 seen = self._histories(layout.repeated, logits.shape[1])
@@ -546,6 +599,12 @@ class SamplingBatch:
                 generated = [row.history.generated for row in self._rows]
                 apply_frequency_presence(work, layout.frequency, layout.presence, generated)
             ban_tokens(work, layout.banning, [self._rows[i].banned for i in layout.banning])
+            checked = np.union1d(masked, layout.excluding)
+            if checked.size:
+                empty = checked[np.isneginf(work[checked].max(axis=1))]
+                if empty.size:
+                    self._refused = empty
+                    work[empty] = 0.0  # sampled as if uniform (no NaN), then thrown away
         tokens = np.empty(logits.shape[0], dtype=np.int64)
         tokens[layout.greedy] = work[layout.greedy].argmax(axis=1)
         if layout.sampled.size:
@@ -557,8 +616,11 @@ class SamplingBatch:
             apply_min_p(warped, layout.min_p[rows])
             uniform = np.array([rng.random() for rng in layout.generators])
             tokens[rows] = _draw(warped, uniform)
+        if self._refused.size:
+            tokens[self._refused] = -1
         for i in layout.penalized:
-            self._rows[i].history.add(int(tokens[i]))
+            if tokens[i] >= 0:
+                self._rows[i].history.add(int(tokens[i]))
         for i in layout.banning:
             row = self._rows[i]
             row.banned_for -= 1

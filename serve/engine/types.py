@@ -1,13 +1,19 @@
 """The types that cross into and out of the engine: what a model is, how an engine is set up, a sequence that
-joins it, how its ONNX Runtime sessions are set up, what a step returns, and what the server reports of it."""
+joins it, what its output must match, how its ONNX Runtime sessions are set up, what a step returns, and
+what the server reports of it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import enum
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from serve.engine.sampling import Alternatives, PromptScores, SamplingParams
+
+if TYPE_CHECKING:
+    from serve.engine.constraints import CompiledConstraint
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,56 @@ class EngineSettings:
     prefix_cache_min_tokens: int = 16  # the shortest prefix kept or reused
 
 
+class ConstraintKind(enum.Enum):
+    JSON_SCHEMA = "json_schema"  # one JSON value that validates against the schema
+    JSON_OBJECT = "json_object"  # any JSON object
+    REGEX = "regex"  # the whole output matches the pattern
+    GRAMMAR = "grammar"  # a Lark grammar in llguidance's syntax
+    CHOICE = "choice"  # exactly one of the strings
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must be, enforced token by token (serve/engine/constraints.py compiles it with
+    llguidance). Protocol-neutral and hashable (the compile cache's key): the gRPC front end builds one from
+    `GenerateRequest.constraint`; an OpenAI-style front end would from `response_format` or a forced tool
+    call. Build it with the class methods; `text` is the schema's JSON, the pattern or the grammar."""
+
+    kind: ConstraintKind
+    text: str = ""
+    choices: tuple[str, ...] = ()
+
+    @classmethod
+    def json_schema(cls, schema: str | Mapping[str, Any] | bool) -> Constraint:
+        """A JSON Schema, as JSON text or as the parsed value (kept in its own key order: properties come out
+        in the order the schema lists them)."""
+        return cls(ConstraintKind.JSON_SCHEMA, schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def json_object(cls) -> Constraint:
+        return cls(ConstraintKind.JSON_OBJECT)
+
+    @classmethod
+    def regex(cls, pattern: str) -> Constraint:
+        return cls(ConstraintKind.REGEX, pattern)
+
+    @classmethod
+    def grammar(cls, lark: str) -> Constraint:
+        return cls(ConstraintKind.GRAMMAR, lark)
+
+    @classmethod
+    def choice(cls, choices: Iterable[str]) -> Constraint:
+        return cls(ConstraintKind.CHOICE, choices=tuple(choices))
+
+
+class ConstraintState(enum.Enum):
+    """Where a constrained sequence's output stands after a token."""
+
+    PARTIAL = "partial"  # not a match yet: more tokens are needed
+    ACCEPTING = "accepting"  # a match: it may end here (EOS is allowed) or go on
+    COMPLETE = "complete"  # a match that nothing may extend: the sequence ends here
+
+
 @dataclass(frozen=True)
 class NewSequence:
     seq_id: str
@@ -54,6 +110,7 @@ class NewSequence:
     # prompt is not computed; its row is a copy of that one's, its first token sampled from the same
     # logits. Outside that sequence's group (or with another prompt) it is prefilled as any other.
     fork_of: str | None = None
+    constraint: CompiledConstraint | None = None  # what its output must match (tokens outside it are -inf)
 
 
 @dataclass(frozen=True)
@@ -80,3 +137,7 @@ class TokenOut(NamedTuple):
     logprob: float  # NaN unless the sequence asked for logprobs
     top: Alternatives | None = None  # unless the sequence asked for top_logprobs
     prompt: PromptScores | None = None  # on a sequence's first token, if it asked for prompt logprobs
+    constraint: ConstraintState | None = None  # a constrained sequence's state after this token
+    # The sequence cannot go on (no token was allowed: its constraint and its sampling settings exclude them
+    # all, or the constraint failed); `token_id` is then meaningless and the sequence must be released.
+    error: str | None = None

@@ -42,6 +42,9 @@ log = logging.getLogger("textgen.engine_process")
 # ~1 ms, and unary requests have nothing to deliver in most steps: a message per step cost the engine
 # process ~8% of its time (pickling, the pipe) and woke the server's event loop a thousand times a second.
 FLUSH_SECONDS = 0.01
+# How often the loop looks whether a constraint has compiled while nothing else is to be done (a compile
+# takes about a millisecond; the pipe cannot be woken by one).
+COMPILE_POLL_SECONDS = 0.002
 
 
 class MetricRecorder:
@@ -121,6 +124,8 @@ class _EngineLoop:
         while True:
             if self._runner.idle:
                 self._conn.poll(None)  # nothing to step: sleep until the server sends something
+            elif not self._runner.ready:  # only constraints compiling: look again soon
+                self._conn.poll(COMPILE_POLL_SECONDS)
             deliveries: list[Delivery] = []
             while self._conn.poll():
                 command: Command = self._conn.recv()
@@ -128,7 +133,7 @@ class _EngineLoop:
                     self._send_now(outcomes(self._runner.abort(draining_error)))
                     return
                 deliveries += self._command(command)
-            if not self._runner.idle:
+            if self._runner.ready:
                 deliveries += self._runner.safe_step()
             self._send(deliveries)
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import tokenizers
 
 if TYPE_CHECKING:
+    from serve.engine.constraints import ConstraintCompiler
     from serve.engine.types import NewSequence, TokenOut
 
 
@@ -44,6 +45,8 @@ class BatchEngine(EngineView, Protocol):
     def eos_token_id(self) -> int: ...
     @property
     def tokenizer(self) -> tokenizers.Tokenizer: ...
+    @property
+    def constraint_compiler(self) -> ConstraintCompiler: ...  # the model's, thread-safe, with its cache
     def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]: ...
     def continue_prefill(self) -> list[TokenOut]: ...
     def begin_prefill(self, new: Sequence[NewSequence]) -> None: ...

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from serve.engine.sampling import SamplingParams
+from serve.engine.types import Constraint
 from serve.errors import EngineFailure, InvalidRequest, TextgenError
 from serve.scheduling.engine_protocol import BatchEngine
 from serve.scheduling.limits import SchedulerLimits
@@ -34,16 +35,24 @@ def generate(
     top_logprobs: int = 0,
     prompt_logprobs: bool = False,
     prompt_top_logprobs: int = 0,
+    constraint: Constraint | Sequence[Constraint | None] | None = None,
     limits: SchedulerLimits = OFFLINE_LIMITS,
 ) -> list[Completion]:
     """Complete every prompt (text, or token ids) and return the completions in prompt order.
 
     A generation that reaches the engine's capacity ends with finish reason `context` instead of being
-    refused. Raises InvalidRequest for a bad prompt and EngineFailure if an engine step fails.
+    refused. `constraint`: one for every prompt, or one each (None: unconstrained). Raises InvalidRequest for
+    a bad prompt or constraint and EngineFailure if an engine step fails.
     """
     params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
     if len(params) != len(prompts):
         raise InvalidRequest(f"{len(params)} sampling parameter sets for {len(prompts)} prompts")
+    if constraint is None or isinstance(constraint, Constraint):
+        constraints: list[Constraint | None] = [constraint] * len(prompts)
+    else:
+        constraints = list(constraint)
+    if len(constraints) != len(prompts):
+        raise InvalidRequest(f"{len(constraints)} constraints for {len(prompts)} prompts")
     runner = BatchRunner(engine, limits.model_copy(update={"max_queue": len(prompts)}).resolve(engine))
     trackers = [
         runner.track(
@@ -61,6 +70,7 @@ def generate(
                 top_logprobs=top_logprobs,
                 prompt_logprobs=prompt_logprobs,
                 prompt_top_logprobs=prompt_top_logprobs,
+                constraint=constraints[index],
             ),
             stop_at_context=True,
         )
@@ -75,6 +85,7 @@ def _run(runner: BatchRunner, trackers: list[RequestTracker]) -> list[Completion
     completions = {t.request_id: Completion(t.request_id) for t in trackers}
     try:
         while not runner.idle:
+            runner.wait_for_work(lambda: False)  # only constraints compiling: until one is
             for tracker, item in runner.step():
                 if isinstance(item, TextgenError):
                     raise item

@@ -1,23 +1,27 @@
 """A generation request, the events it produces, and its state machine.
 
 `RequestTracker` is the one place that decides when a request stops (max_new_tokens, EOS, stop strings,
-context full) and what it emits; the scheduler and the offline API both drive it with the engine's tokens.
+context full, a constraint complete) and what it emits; the scheduler and the offline API both drive it
+with the engine's tokens.
 It records the timestamps the metrics need (all `time.monotonic()` values).
 """
 
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import tokenizers
 
 from serve.engine.sampling import MAX_TOP_LOGPROBS, Alternatives, PromptScores, SamplingParams
+from serve.engine.types import Constraint, ConstraintKind, ConstraintState
 from serve.errors import InvalidRequest
 from serve.scheduling.textstream import TextStream
 
 if TYPE_CHECKING:
+    from serve.engine.constraints import CompiledConstraint
     from serve.engine.types import NewSequence
 
 _NO_SCORES = PromptScores([], [])
@@ -53,6 +57,10 @@ class GenerationRequest:
     # The request id of another choice of the same request with the same prompt (n > 1): admitted in its
     # prefill group, this one's prompt is not computed but forked from that one's row (NewSequence.fork_of).
     fork_of: str | None = None
+    # What the output must match (structured output), enforced token by token. It ends the request once
+    # complete (finish reason `stop`, or `eos` where EOS may follow), whatever min_new_tokens and ignore_eos
+    # say; EOS is allowed only where the constraint may end.
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,9 @@ class FinishEvent:
     queue_seconds: float
     ttft_seconds: float
     total_seconds: float
+    # A constrained request ended before its output matched the constraint in full (max_new_tokens, the
+    # context, a stop string or stop token cut it short): the output is a prefix of a match, not one.
+    constraint_incomplete: bool = False
 
 
 Event = TokenEvent | FinishEvent
@@ -146,6 +157,9 @@ def validate_request(
             f"allowed 0..{request.max_new_tokens} (max_new_tokens)"
         )
     _check_top(rid, "top_logprobs", request.top_logprobs, request.include_logprobs, "include_logprobs")
+    constraint = request.constraint
+    if constraint is not None and constraint.kind is ConstraintKind.CHOICE and not constraint.choices:
+        raise InvalidRequest(f"request {rid}: constraint.choice needs at least one string")
     prompt_top = request.prompt_top_logprobs
     _check_top(rid, "prompt_top_logprobs", prompt_top, request.prompt_logprobs, "include_prompt_logprobs")
     stops = request.stop_token_ids
@@ -213,6 +227,10 @@ class RequestTracker:
         )
         self._held: list[TokenEvent] = []  # produced, not yet handed over (see `pace`)
         self._handed_at: float | None = None
+        # The constraint's compile (the runner starts it when the request is tracked; admitted once done).
+        self.compiled: Future[CompiledConstraint] | None = None
+        self._constrained = request.constraint is not None
+        self._matching = False  # the output handed over so far matches the constraint in full
 
     @property
     def request_id(self) -> str:
@@ -237,12 +255,16 @@ class RequestTracker:
         return self.state in _ENDINGS
 
     def new_sequence(self) -> NewSequence:
-        """What the engine needs to prefill this request: its sampling, and the tokens that would end it
-        (EOS unless ignored, the stop token ids) banned until `min_new_tokens`."""
+        """What the engine needs to prefill this request: its sampling, its compiled constraint, and the
+        tokens that would end it (EOS unless ignored, the stop token ids) banned until `min_new_tokens`."""
         from serve.engine.types import NewSequence
 
         request = self.request
-        ends = request.stop_token_ids if request.ignore_eos else (self._eos, *request.stop_token_ids)
+        eos_ends = not request.ignore_eos or self._constrained  # a constrained request ends at EOS anyway
+        ends = (self._eos, *request.stop_token_ids) if eos_ends else request.stop_token_ids
+        compiled = None
+        if self.compiled is not None:
+            compiled = self.compiled.result()  # admitted only once compiled
         return NewSequence(
             seq_id=request.request_id,
             prompt_ids=request.prompt_ids,
@@ -254,6 +276,7 @@ class RequestTracker:
             prompt_logprobs=request.prompt_logprobs,
             prompt_top_logprobs=request.prompt_top_logprobs,
             fork_of=request.fork_of,
+            constraint=compiled,
         )
 
     def request_cancel(self) -> None:
@@ -282,10 +305,11 @@ class RequestTracker:
         now: float,
         top: Alternatives | None = None,
         prompt: PromptScores | None = None,
+        constraint: ConstraintState | None = None,
     ) -> tuple[TokenEvent | None, FinishEvent | None]:
         """Take the engine's next token (with its logprob and, if asked for, the step's most likely tokens,
-        and with the first token the prompt's logprobs); returns what to send (either may be None) and
-        stops when due."""
+        with the first token the prompt's logprobs, and for a constrained request where its output stands
+        after it); returns what to send (either may be None) and stops when due."""
         if self.state is RequestState.PREFILLING:
             self._move(RequestState.DECODING)
             self.times.first_token = now
@@ -294,16 +318,20 @@ class RequestTracker:
         self.produced += 1
         if self.request.max_new_tokens == 0:  # scoring only: the prompt's logprobs, no token
             return self._event([], "", [], []), self._finish("length", now)
-        if token_id == self._eos and not self.request.ignore_eos:
+        if token_id == self._eos and (self._constrained or not self.request.ignore_eos):
+            self._matching = self._constrained  # a constraint allows EOS only where its output matches
             return self._event([], self._text.flush(), [], []), self._finish("eos", now)
         if token_id in self._stop_ids:
             return self._event([], self._text.flush(), [], []), self._finish("stop", now)
         self.completion_tokens += 1
         delta = self._text.push(token_id)
         scores = ([logprob], [top] if top is not None else []) if self.request.include_logprobs else ([], [])
-        if delta.stopped:
+        if delta.stopped:  # the text is cut at the stop string: whether what is left matches is not known
+            self._matching = False
             return self._event([token_id], delta.text, *scores), self._finish("stop", now)
-        reason = self._limit_reached()
+        if constraint is not None:
+            self._matching = constraint is not ConstraintState.PARTIAL
+        reason = "stop" if constraint is ConstraintState.COMPLETE else self._limit_reached()
         if reason is None:
             return self._event([token_id], delta.text, *scores), None
         return self._event([token_id], delta.text + self._text.flush(), *scores), self._finish(reason, now)
@@ -353,6 +381,7 @@ class RequestTracker:
             queue_seconds=_since(self.times.admitted, self.times.arrival),
             ttft_seconds=_since(self.times.first_token, self.times.arrival),
             total_seconds=now - self.times.arrival,
+            constraint_incomplete=self._constrained and not self._matching,
         )
 
     def _move(self, new: RequestState) -> None:

@@ -2,8 +2,12 @@
 
 A step drops cancelled and expired requests, asks the planner (planner.py, where the admission policy is
 described) what to do, makes the plan's engine call, and takes its tokens: stopping through
-`RequestTracker`, failure isolation (a failed call fails exactly the plan's requests), step records. The
-split follows vLLM v1's `schedule()` / `update_from_output()`: the policy is tested without an engine.
+`RequestTracker`, failure isolation (a failed call fails exactly the plan's requests), step records.
+A constrained request's constraint is compiled when it is tracked, on the worker threads of the engine's
+compiler (serve/engine/constraints.py; its cache lives as long as the engine); it joins the queue once
+compiled, or is refused (InvalidRequest) at the next step if llguidance rejects it, so no compile ever
+holds a step back. The split follows vLLM v1's `schedule()` / `update_from_output()`: the policy is tested
+without an engine.
 The offline API drives the runner in a plain loop; `Scheduler` runs it on ONE dedicated thread (ONNX
 Runtime releases the GIL while it computes) and hands events to the event loop with
 `loop.call_soon_threadsafe`, one call per step.
@@ -17,10 +21,19 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from serve.errors import Cancelled, DeadlineExceeded, Draining, EngineFailure, QueueFull, TextgenError
+from serve.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    Draining,
+    EngineFailure,
+    InvalidRequest,
+    QueueFull,
+    TextgenError,
+)
 from serve.scheduling.engine_protocol import BatchEngine, EngineMetrics
 from serve.scheduling.handles import Outcome
 from serve.scheduling.limits import SchedulerLimits
@@ -35,6 +48,7 @@ from serve.scheduling.request import (
 )
 
 if TYPE_CHECKING:
+    from serve.engine.constraints import CompiledConstraint
     from serve.engine.types import NewSequence, TokenOut
 
 log = logging.getLogger(__name__)
@@ -84,6 +98,8 @@ class BatchRunner:
         self._cv = threading.Condition()  # guards _waiting; wakes the engine thread
         self._stats_lock = threading.Lock()  # guards _steps and _outcomes (read by other threads)
         self._waiting: deque[RequestTracker] = deque()
+        self._compiling: list[RequestTracker] = []  # queued, their constraint still compiling (guarded too)
+        self._refused: list[RequestTracker] = []  # their constraint was rejected: refused at the next step
         self._running: dict[str, RequestTracker] = {}  # insertion order is not the engine's row order
         self._steps: deque[StepRecord] = deque(maxlen=limits.step_history)
         self._outcomes: Counter[str] = Counter()
@@ -100,29 +116,57 @@ class BatchRunner:
         return min(self.engine.capacity, self.limits.batch_tokens)
 
     def track(self, request: GenerationRequest, *, stop_at_context: bool = False) -> RequestTracker:
-        """Validate a request (InvalidRequest) and start its state machine."""
+        """Validate a request (InvalidRequest) and start its state machine, and its constraint's compile."""
         validate_request(
             request, self.engine.vocab_size, self.max_total_tokens, stop_at_context=stop_at_context
         )
-        return RequestTracker(
+        tracker = RequestTracker(
             request, self.engine.tokenizer, self.engine.eos_token_id, self.max_total_tokens, time.monotonic()
         )
+        if request.constraint is not None:
+            tracker.compiled = self.engine.constraint_compiler.submit(request.constraint)
+        return tracker
 
     # -- called from any thread -------------------------------------------------------------------------
     def enqueue(self, tracker: RequestTracker) -> None:
+        """Queue a tracked request; one whose constraint still compiles joins the queue once it has."""
         with self._cv:
-            if len(self._waiting) >= self.limits.max_queue:
+            if self.waiting >= self.limits.max_queue:
                 self.count("rejected")
                 raise queue_full(tracker.request_id, self.limits.max_queue)
-            self._waiting.append(tracker)
+            compiled = tracker.compiled
+            if compiled is None or compiled.done():
+                self._queue(tracker)
+            else:
+                self._compiling.append(tracker)
+                compiled.add_done_callback(functools.partial(self._compiled, tracker))
             self._cv.notify()
+
+    def _compiled(self, tracker: RequestTracker, _done: Future[CompiledConstraint]) -> None:
+        """A constraint's compile ended (on the compiler's thread): its request joins the queue."""
+        with self._cv:
+            if not any(t is tracker for t in self._compiling):  # cancelled or rejected meanwhile
+                return
+            self._compiling = [t for t in self._compiling if t is not tracker]
+            self._queue(tracker)
+            self._cv.notify_all()
+
+    def _queue(self, tracker: RequestTracker) -> None:
+        """Under the lock: into the queue, or among the refused if its constraint was rejected."""
+        compiled = tracker.compiled
+        if compiled is not None and compiled.exception() is not None:
+            self._refused.append(tracker)
+        else:
+            self._waiting.append(tracker)
 
     def reject_waiting(self, error: Callable[[RequestTracker], TextgenError]) -> list[Delivery]:
         """Fail every queued request (used when draining: they can be retried elsewhere at once)."""
         with self._cv:
-            rejected = list(self._waiting)
+            rejected = [*self._waiting, *self._compiling]
             self._waiting.clear()
+            self._compiling = []
         deliveries: list[Delivery] = []
+        self._refuse(deliveries)
         self._fail_all(rejected, error, deliveries)
         return deliveries
 
@@ -130,7 +174,7 @@ class BatchRunner:
         """Mark a queued or running request cancelled: it leaves at the next step (no effect once ended)."""
         with self._cv:
             tracker = self._running.get(request_id) or next(
-                (t for t in self._waiting if t.request_id == request_id), None
+                (t for t in (*self._waiting, *self._compiling) if t.request_id == request_id), None
             )
         if tracker is not None:
             tracker.request_cancel()
@@ -140,16 +184,23 @@ class BatchRunner:
             self._cv.notify_all()
 
     def wait_for_work(self, stop: Callable[[], bool]) -> None:
+        """Until a step has something to do (requests only compiling give it nothing yet), or `stop()`."""
         with self._cv:
-            self._cv.wait_for(lambda: bool(self._running or self._waiting) or stop())
+            self._cv.wait_for(lambda: self.ready or stop())
 
     @property
     def idle(self) -> bool:
-        return not self._running and not self._waiting
+        return not (self._running or self._waiting or self._compiling or self._refused)
+
+    @property
+    def ready(self) -> bool:
+        """Whether a step has something to do: requests running, queued, or to refuse."""
+        return bool(self._running or self._waiting or self._refused)
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        """Queued requests, those whose constraint still compiles included."""
+        return len(self._waiting) + len(self._compiling)
 
     def count(self, outcome: str) -> None:
         with self._stats_lock:
@@ -165,7 +216,7 @@ class BatchRunner:
             outcomes = dict(self._outcomes)
         return SchedulerSnapshot(
             running=load.running,
-            waiting=len(self._waiting),
+            waiting=self.waiting,
             kv_slots_used=load.batch_size,
             kv_slots_capacity=self.engine.max_batch_size,
             kv_tokens_reserved=load.reserved,
@@ -181,12 +232,16 @@ class BatchRunner:
         deliveries: list[Delivery] = []
         self._partial = deliveries  # what `abort` still owes the callers should this step raise
         now = time.monotonic()
+        self._refuse(deliveries)
         self._leave(self._sweep(list(self._running.values()), now, deliveries))
         joining = self._planner.join(self._state(now))  # reads no queue: the lock is not needed yet
         if joining is not None:
             self._execute(joining, deliveries)  # the next group may begin beside this step's decode at once
         with self._cv:
             self._drop_waiting(self._sweep(list(self._waiting), now, deliveries))
+            if self._compiling:
+                gone = {id(t) for t in self._sweep(list(self._compiling), now, deliveries)}
+                self._compiling = [t for t in self._compiling if id(t) not in gone]
             plan = self._planner.plan(self._state(now, tuple(self._waiting)))
             self._drop_waiting(plan.admitted)
         self._execute(plan, deliveries)
@@ -211,6 +266,20 @@ class BatchRunner:
         self._leave(running)
         self._publish_load()
         return deliveries
+
+    def _refuse(self, out: list[Delivery]) -> None:
+        """Refuse the requests whose constraint llguidance rejected, with its message."""
+        with self._cv:
+            refused, self._refused = self._refused, []
+        now = time.monotonic()
+        for tracker in refused:
+            assert tracker.compiled is not None
+            if tracker.done:
+                continue
+            tracker.end(RequestState.FAILED, now)
+            self.count("rejected")
+            reason = tracker.compiled.exception()
+            out.append((tracker, InvalidRequest(f"request {tracker.request_id}: {reason}")))
 
     def _sweep(self, trackers: list[RequestTracker], now: float, out: list[Delivery]) -> list[RequestTracker]:
         gone: list[RequestTracker] = []
@@ -327,9 +396,15 @@ class BatchRunner:
         finished: list[RequestTracker] = []
         for out in outs:
             tracker = self._running[out.seq_id]
+            if out.error is not None:  # nothing could be sampled for it (or its constraint failed): it fails
+                self._refuse_row(tracker, out.error, deliveries)
+                finished.append(tracker)
+                continue
             previous = tracker.times.last_token
             try:
-                token, finish = tracker.accept(out.token_id, out.logprob, now, out.top, out.prompt)
+                token, finish = tracker.accept(
+                    out.token_id, out.logprob, now, out.top, out.prompt, out.constraint
+                )
             except Exception as exc:  # e.g. a token the tokenizer cannot decode: only this request fails
                 log.exception("request %s: could not process token %d", tracker.request_id, out.token_id)
                 self._fail([tracker], "its output could not be processed", exc, deliveries)
@@ -347,6 +422,14 @@ class BatchRunner:
                 finished.append(tracker)
                 self._on_finished(finish)
         self._leave(finished)
+
+    def _refuse_row(self, tracker: RequestTracker, reason: str, out: list[Delivery]) -> None:
+        position = tracker.completion_tokens + 1
+
+        def error(t: RequestTracker) -> TextgenError:
+            return InvalidRequest(f"request {t.request_id}: at output token {position}, {reason}")
+
+        self._fail_all([tracker], error, out)
 
     def _on_finished(self, finish: FinishEvent) -> None:
         self.count("finished")
