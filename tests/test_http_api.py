@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import shutil
 import threading
 import time
@@ -387,10 +388,18 @@ ERRORS: list[tuple[str, Any, int, str]] = [
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     (
         CHAT,
-        {"messages": USER, "response_format": {"type": "json_object"}},
+        {"messages": USER, "response_format": {"type": "xml"}},
         400,
-        "response_format is not supported",
+        "response_format.type must be text, json_object or json_schema",
     ),
+    (
+        C,
+        {"prompt": PROMPT, "guided_regex": "a+", "structured_outputs": {"choice": ["x"]}},
+        400,
+        "give one structured-output constraint, not 2",
+    ),
+    (C, {"prompt": PROMPT, "guided_regex": "(unclosed"}, 400, "regex"),
+    (C, {"prompt": PROMPT, "guided_choice": "x"}, 400, "guided_choice must be a list of strings"),
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_tokens = 0 generates nothing"),
     ("/v1/nothing", {}, 404, "no route POST /v1/nothing"),
 ]
@@ -405,6 +414,31 @@ def test_errors_in_openais_shape(base: str, path: str, body: Any, status: int, m
         error = response.json()["error"]
         assert message in error["message"] and set(error) == {"message", "type", "param", "code"}
         assert error["type"] == "invalid_request_error"
+
+
+def test_structured_output_from_response_format_and_vllms_fields(client: openai.OpenAI, model: str) -> None:
+    choices = ["alpha", "beta gamma"]
+    picked = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=8, extra_body={"guided_choice": choices}
+    )
+    assert picked.choices[0].text in choices and picked.choices[0].finish_reason == "stop"
+    newer = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=8, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}}
+    )
+    assert re.fullmatch("[0-9]{3}", newer.choices[0].text), newer.choices[0].text
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "yes or no?"}],
+        max_tokens=8,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
+    text = chat.choices[0].message.content
+    assert text is not None and json.loads(text) in ("yes", "no") and chat.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=8, stream=True, extra_body={"guided_choice": choices}
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) in choices
 
 
 def test_the_body_is_json_whatever_its_content_type(base: str) -> None:

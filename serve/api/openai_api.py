@@ -55,6 +55,7 @@ from serve.api.openai_protocol import (
     finish_reason,
     message_text,
     refuse_unsupported,
+    structured_output,
 )
 from serve.api.validation import (
     OPENAI_FIELDS,
@@ -496,6 +497,7 @@ class OpenAIApi:
             prompt_top_logprobs=top_logprobs if echo and logprobs else 0,
             truncate_prompt_tokens=body.truncate_prompt_tokens or 0,
             score_only=score_only,
+            constraint=structured_output(body),
         )
 
     def _plan(

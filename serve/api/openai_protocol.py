@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer, decoders
 
 from serve.engine.sampling import MAX_TOP_LOGPROBS, Alternatives
+from serve.engine.types import Constraint
 from serve.errors import InvalidRequest
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each takes n rows)
@@ -92,19 +93,71 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "functions": _unset,
     "function_call": lambda v: v in (None, "none"),
     "tool_choice": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "modalities": lambda v: v is None or v == ["text"],
     "audio": _unset,
     "prediction": _unset,
     "use_beam_search": _unset,
     "prompt_logprobs": _unset,
-    "guided_json": _unset,
-    "guided_regex": _unset,
-    "guided_choice": _unset,
-    "guided_grammar": _unset,
-    "structured_outputs": _unset,
     "length_penalty": lambda v: v is None or v == 1,
 }
+
+
+def _constraint_of(kind: str, value: Any, where: str) -> Constraint:
+    """vLLM's structured-output kinds (guided_* and structured_outputs.*) as a neutral constraint."""
+    if kind == "json":
+        if isinstance(value, str):
+            return Constraint.json_schema(value)
+        if isinstance(value, dict | bool):
+            return Constraint.json_schema(value)
+        raise InvalidRequest(f"{where} must be a JSON Schema (an object, or its JSON text)")
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise InvalidRequest(f"{where} must be a list of strings")
+        return Constraint.choice(value)
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{where} must be a string")
+    return Constraint.regex(value) if kind == "regex" else Constraint.grammar(value)
+
+
+def _response_format(value: Any) -> Constraint | None:
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise InvalidRequest("response_format.type must be text, json_object or json_schema")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return Constraint.json_object()
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise InvalidRequest('response_format.json_schema needs a schema: {"name": ..., "schema": {...}}')
+    return _constraint_of("json", spec["schema"], "response_format.json_schema.schema")
+
+
+def structured_output(body: _Request) -> Constraint | None:
+    """What the output must match: OpenAI's response_format, or vLLM's guided_json / guided_regex /
+    guided_choice / guided_grammar, or its newer structured_outputs {json, regex, choice, grammar}. At most
+    one may be given; each is enforced token by token (serve/engine/constraints.py)."""
+    extra = body.model_extra or {}
+    found: list[tuple[str, Constraint]] = []
+    if extra.get("response_format") is not None:
+        constraint = _response_format(extra["response_format"])
+        if constraint is not None:
+            found.append(("response_format", constraint))
+    for kind in ("json", "regex", "choice", "grammar"):
+        if extra.get(f"guided_{kind}") is not None:
+            found.append((f"guided_{kind}", _constraint_of(kind, extra[f"guided_{kind}"], f"guided_{kind}")))
+    outputs = extra.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise InvalidRequest('structured_outputs must be an object such as {"json": {...}}')
+        for kind in ("json", "regex", "choice", "grammar"):
+            if outputs.get(kind) is not None:
+                where = f"structured_outputs.{kind}"
+                found.append((where, _constraint_of(kind, outputs[kind], where)))
+    if len(found) > 1:
+        raise InvalidRequest(
+            f"give one structured-output constraint, not {len(found)}: {[w for w, _ in found]}"
+        )
+    return found[0][1] if found else None
 
 
 def refuse_unsupported(body: _Request) -> None:
