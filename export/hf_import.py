@@ -41,6 +41,7 @@ LENGTH_DEPENDENT_ROPE = ("dynamic", "yarn", "longrope", "su", "ntk")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 CONFIG_FILE = "config.json"
+MISMATCH = "the config does not match the weights; use the config.json that came with them"
 GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
@@ -367,9 +368,12 @@ def _gpt2_sources(cfg: DecoderConfig, prefix: str) -> dict[str, _Source]:
     return sources
 
 
-def _ignored(name: str) -> bool:
-    """Checkpoint tensors that are not weights: older transformers saved RoPE frequencies and GPT-2's
-    causal-mask buffers (attn.bias, attn.masked_bias) with the weights."""
+def _ignored(name: str, cfg: DecoderConfig) -> bool:
+    """Checkpoint tensors that are not weights of ours: older transformers saved RoPE frequencies and GPT-2's
+    causal-mask buffers (attn.bias, attn.masked_bias) with the weights, and a tied model's file may still
+    hold lm_head.weight (transformers ties it to the embedding all the same)."""
+    if cfg.tie_embeddings and name == "lm_head.weight":
+        return True
     return name.endswith(("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias"))
 
 
@@ -452,7 +456,7 @@ def load_state_dict(folder: Path | str, architecture: str, cfg: DecoderConfig) -
         sources = _llama_like_sources(cfg, architecture)
     with torch.device("meta"):
         expected = {k: v.shape for k, v in Decoder(cfg).state_dict().items()}
-    wanted = {name: target for target, src in sources.items() for name in src.names}
+    wanted = {name for src in sources.values() for name in src.names}
     pending = dict(sources)
     loaded: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
@@ -460,18 +464,18 @@ def load_state_dict(folder: Path | str, architecture: str, cfg: DecoderConfig) -
     for path, names in files.items():
         for name, tensor in _read_shard(path, names):
             if name not in wanted:
-                if _ignored(name):
+                if _ignored(name, cfg):
                     continue
                 raise HFImportError(
                     path,
-                    f"unexpected tensor {name!r} for {architecture} as {CONFIG_FILE} describes it: the "
-                    "config does not match the weights",
+                    f"unexpected tensor {name!r} for {architecture} as {CONFIG_FILE} says: {MISMATCH}",
                 )
             loaded[name], origin[name] = tensor, path
         for target, src in list(pending.items()):
             if all(n in loaded for n in src.names):
-                parts = [loaded.pop(n) for n in src.names]
-                state[target] = _checked(src.combine(parts), expected[target], target, src, origin)
+                state[target] = _combined(
+                    src, [loaded.pop(n) for n in src.names], expected[target], target, origin
+                )
                 del pending[target]
     if pending:
         missing = sorted(n for src in pending.values() for n in src.names if n not in loaded)
@@ -481,25 +485,30 @@ def load_state_dict(folder: Path | str, architecture: str, cfg: DecoderConfig) -
         where = ", ".join(p.name for p in files)
         raise HFImportError(
             config_path,
-            f"the weights ({where}) lack {shown}, which {CONFIG_FILE} implies: the config does not match "
-            "the weights",
+            f"the weights ({where}) lack {shown}, which {CONFIG_FILE} implies: {MISMATCH}",
         )
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["tok_emb.weight"]
     return state
 
 
-def _checked(
-    tensor: torch.Tensor, shape: torch.Size, target: str, src: _Source, origin: dict[str, Path]
+def _combined(
+    src: _Source, parts: list[torch.Tensor], shape: torch.Size, target: str, origin: dict[str, Path]
 ) -> torch.Tensor:
-    if tensor.shape == shape:
+    """The tensor of ours made of `parts`, if it has the shape the config implies."""
+    try:
+        tensor = src.combine(parts)
+    except RuntimeError:  # parts that do not even concatenate
+        tensor = None
+    if tensor is not None and tensor.shape == shape:
         return tensor
-    path = origin[src.names[0]]
     names = " + ".join(src.names)
+    if tensor is None:
+        found = f"{names} have shapes {[list(p.shape) for p in parts]}, which do not concatenate"
+    else:
+        found = f"{names} gives shape {list(tensor.shape)}"
     raise HFImportError(
-        path,
-        f"{names} gives shape {list(tensor.shape)} where {CONFIG_FILE} implies {list(shape)} (for {target}): "
-        "the config does not match the weights",
+        origin[src.names[0]], f"{found} where {CONFIG_FILE} implies {list(shape)} (for {target}): {MISMATCH}"
     )
 
 

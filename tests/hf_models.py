@@ -158,7 +158,7 @@ def to_transformers4_form(config: dict[str, Any]) -> dict[str, Any]:
 
 # -- tokenizers --------------------------------------------------------------------------------------------
 
-_WORDS = (
+WORDS = (
     "the",
     "of",
     "and",
@@ -187,7 +187,7 @@ _WORDS = (
 def train_bpe(vocab_size: int = 300) -> Tokenizer:
     """A byte-level BPE trained on a few thousand synthetic lines, specials <unk> <s> </s> <pad> first."""
     rng = np.random.default_rng(0)
-    lines = [" ".join(rng.choice(_WORDS, size=8)) + f" {i}" for i in range(3000)]
+    lines = [" ".join(rng.choice(WORDS, size=8)) + f" {i}" for i in range(3000)]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -11,6 +11,7 @@ input's one-line error.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 import torch
 from hf_models import (
     PROMPTS,
+    WORDS,
     Run,
     build,
     gpt2_config,
@@ -243,11 +245,13 @@ def test_transformers4_rope_scaling_with_the_old_type_key(tmp_path: Path) -> Non
 
 
 def test_gpt2_checkpoint_without_the_transformer_prefix(tmp_path: Path) -> None:
-    """The original GPT-2 files name tensors without "transformer." and carry the causal-mask buffers."""
+    """The original GPT-2 files name tensors without "transformer." and carry the causal-mask buffers (and
+    some tied checkpoints a copy of the embedding as lm_head.weight)."""
     hf = build(gpt2_config(), tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     renamed = {k.removeprefix("transformer."): v for k, v in tensors.items()}
     renamed |= {f"h.{i}.attn.bias": torch.ones(1, 1, 4, 4) for i in range(2)}
+    renamed |= {"h.0.attn.masked_bias": torch.tensor(-1e4), "lm_head.weight": renamed["wte.weight"].clone()}
     save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     model = import_checkpoint(tmp_path).model
     assert _full_forward_diff(hf, model) <= TOL
@@ -306,7 +310,7 @@ def test_tokenizer_json_decides_bos_not_tokenizer_config(
 
 def test_sentencepiece_only_folder(tmp_path: Path) -> None:
     build(llama_config(), tmp_path)
-    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x00")
+    (tmp_path / "tokenizer.model").write_bytes(b"\xff" * 16)
     try:
         import sentencepiece  # noqa: F401
     except ImportError:
@@ -315,6 +319,34 @@ def test_sentencepiece_only_folder(tmp_path: Path) -> None:
     else:  # a garbage model: transformers' converter fails, and says so on one line
         with pytest.raises(HFImportError, match=r"tokenizer\.model: transformers could not convert it"):
             import_checkpoint(tmp_path)
+
+
+def test_sentencepiece_tokenizer_is_converted_as_transformers_does(tmp_path: Path) -> None:
+    """A Llama 2 style folder with only tokenizer.model (skipped where sentencepiece is not installed)."""
+    spm = pytest.importorskip("sentencepiece")
+    build(llama_config(), tmp_path)
+    model = io.BytesIO()
+    lines = [" ".join(words) for words in np.random.default_rng(0).choice(WORDS, size=(3000, 8))]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=300,
+        model_type="bpe",
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        byte_fallback=True,
+        minloglevel=2,
+    )
+    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
+    tokenizer_config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "bos_token": "<s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"eos_token": "</s>"}))
+    tok = load_tokenizer(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in (*TEXTS, "héllo wörld"):  # byte fallback for the accents
+        assert tok.tokenizer.encode(text).ids == hf(text).input_ids
+    assert tok.adds_bos and tok.source.name == "tokenizer.model"
 
 
 # -- errors ------------------------------------------------------------------------------------------------
