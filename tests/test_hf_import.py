@@ -72,6 +72,9 @@ CASES: dict[str, Callable[[], PretrainedConfig]] = {
     ),
     "mistral-window8": lambda: mistral_config(),
     "qwen2-biases-tied": lambda: qwen2_config(),
+    "qwen2-every-layer-sliding": lambda: qwen2_config(
+        use_sliding_window=True, sliding_window=8, max_window_layers=0
+    ),
     "qwen3-qk-norm-head-dim32-kv1": lambda: qwen3_config(),
     "gpt2": lambda: gpt2_config(),
 }
@@ -137,7 +140,8 @@ def test_imported_configs_have_the_families_blocks(
     assert (scaled.rope_scaling, scaled.rope_factor, scaled.rope_original_context) == ("llama3", 8.0, 32)
     assert scaled.qkv_bias and scaled.out_bias and scaled.mlp_bias and scaled.tie_embeddings
     assert (cfg["llama-linear-rope-kv1"].rope_scaling, cfg["llama-linear-rope-kv1"].kv_heads) == ("linear", 1)
-    assert cfg["mistral-window8"].sliding_window == 8
+    assert cfg["mistral-window8"].sliding_window == cfg["qwen2-every-layer-sliding"].sliding_window == 8
+    assert cfg["qwen2-biases-tied"].sliding_window == 0
     qwen2 = cfg["qwen2-biases-tied"]
     assert qwen2.qkv_bias and not qwen2.out_bias and qwen2.tie_embeddings
     qwen3 = cfg["qwen3-qk-norm-head-dim32-kv1"]
@@ -447,6 +451,11 @@ def test_unsupported_settings_are_refused(llama_folder: Path) -> None:
     assert "not a valid LlamaForCausalLM configuration: n_kv_heads (3) must divide n_heads (4)" in _error(
         llama_folder
     )
+
+
+def test_layers_mixing_full_and_sliding_attention_are_refused(tmp_path: Path) -> None:
+    build(qwen2_config(use_sliding_window=True, sliding_window=8, max_window_layers=1), tmp_path)
+    assert "layers mixing full and sliding-window attention" in _error(tmp_path)
 
 
 def test_tokenizer_larger_than_the_model(bpe: Any, tmp_path: Path) -> None:
