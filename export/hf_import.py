@@ -563,7 +563,7 @@ def _sentencepiece_tokenizer(folder: Path) -> Tokenizer:
     """A tokenizer.model-only folder, converted by transformers (its converter needs `sentencepiece`)."""
     path = folder / SENTENCEPIECE_FILE
     try:
-        import sentencepiece  # type: ignore[import-not-found]  # noqa: F401
+        import sentencepiece  # noqa: F401
         from transformers import AutoTokenizer
     except ImportError as exc:
         raise HFImportError(
