@@ -116,7 +116,7 @@ class Engine:
             for layer in range(spec.n_layers)
             for kind in ("key", "value")
         }
-        self._kv = KvCache(rows, (spec.n_heads, capacity, spec.head_dim), kv_types, self.kv_device)
+        self._kv = KvCache(rows, (spec.kv_heads, capacity, spec.head_dim), kv_types, self.kv_device)
         self._lengths = np.zeros(settings.max_batch_size, np.int64)  # tokens in each row's cache
         self._pending = np.zeros(settings.max_batch_size, np.int64)  # sampled, not yet in the cache
         self._tokens = np.zeros((settings.max_batch_size, capacity), np.int64)  # each row's cached token ids
@@ -155,6 +155,8 @@ class Engine:
             context_length=arch.context_length,
             eos_token_id=m.eos_token_id,
             pad_token_id=m.pad_token_id,
+            n_kv_heads=arch.n_kv_heads,
+            eos_token_ids=tuple(m.eos_token_ids),
         )
         # The bundle's optimization profile names the standard graph's inputs; the serving graph's
         # GroupQueryAttention runs on CUDA anyway, so TensorRT gets only its engine cache and precision.
@@ -185,6 +187,11 @@ class Engine:
         return self.spec.eos_token_id
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation, eos_token_id first."""
+        return self.spec.eos_ids
+
+    @property
     def batch_size(self) -> int:
         return len(self._ids)
 
@@ -193,7 +200,7 @@ class Engine:
         return list(self._ids)
 
     def kv_shape(self) -> tuple[int, ...]:
-        """Shape of the live KV view the graph runs on: (rows, heads, capacity, head_dim)."""
+        """Shape of the live KV view the graph runs on: (rows, kv heads, capacity, head_dim)."""
         return (self.batch_size, *self._kv.row_shape)
 
     @property
@@ -213,6 +220,7 @@ class Engine:
             kv_device=self.kv_device.type,
             prefix_cache_rows=self.prefix_cache_rows,
             kv_bytes=self.kv_bytes,
+            eos_token_ids=self.eos_token_ids,
         )
 
     def kv_buffer_devices(self) -> list[str]:

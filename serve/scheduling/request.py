@@ -8,6 +8,7 @@ It records the timestamps the metrics need (all `time.monotonic()` values).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -181,7 +182,7 @@ class RequestTracker:
         self,
         request: GenerationRequest,
         tokenizer: tokenizers.Tokenizer,
-        eos_token_id: int,
+        eos_token_ids: int | Sequence[int],  # every id that ends a generation as EOS
         token_limit: int,
         arrival: float,
     ) -> None:
@@ -194,7 +195,8 @@ class RequestTracker:
         self.completion_tokens = 0  # tokens handed to the client (EOS excluded)
         self.cancel_requested = False
         self._prompt_scores = _NO_SCORES  # the prompt's, until the first event carries them
-        self._eos = eos_token_id
+        self._eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
+        self._eos_set = frozenset(self._eos)
         self._stop_ids = frozenset(request.stop_token_ids)
         self._limit = token_limit  # prompt + generated tokens may not exceed it
         self._text = TextStream(
@@ -235,7 +237,7 @@ class RequestTracker:
         from serve.engine.types import NewSequence
 
         request = self.request
-        ends = request.stop_token_ids if request.ignore_eos else (self._eos, *request.stop_token_ids)
+        ends = request.stop_token_ids if request.ignore_eos else (*self._eos, *request.stop_token_ids)
         return NewSequence(
             seq_id=request.request_id,
             prompt_ids=request.prompt_ids,
@@ -284,7 +286,7 @@ class RequestTracker:
             self._prompt_scores = prompt or _NO_SCORES
         self.times.last_token = now
         self.produced += 1
-        if token_id == self._eos and not self.request.ignore_eos:
+        if token_id in self._eos_set and not self.request.ignore_eos:
             return self._event([], self._text.flush(), [], []), self._finish("eos", now)
         if token_id in self._stop_ids:
             return self._event([], self._text.flush(), [], []), self._finish("stop", now)

@@ -105,7 +105,7 @@ class BatchRunner:
             request, self.engine.vocab_size, self.max_total_tokens, stop_at_context=stop_at_context
         )
         return RequestTracker(
-            request, self.engine.tokenizer, self.engine.eos_token_id, self.max_total_tokens, time.monotonic()
+            request, self.engine.tokenizer, self.engine.eos_token_ids, self.max_total_tokens, time.monotonic()
         )
 
     # -- called from any thread -------------------------------------------------------------------------
