@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +82,51 @@ class HFCheckpoint:
     model: Decoder  # fp32, eval mode, CPU
     tokenizer: HFTokenizer | None  # None when the folder has no tokenizer files
     source_dtype: str | None  # config.json's dtype / torch_dtype (the weights are upcast to float32)
+
+
+# -- where the folder is: a path, or a hub id in the local cache --------------------------------------------
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache as huggingface_hub finds it: $HF_HUB_CACHE, else $HF_HOME/hub, else
+    ~/.cache/huggingface/hub (read now, not when huggingface_hub was imported)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or str(Path("~/.cache/huggingface"))
+    return Path(home).expanduser() / "hub"
+
+
+def locate_model(spec: str | Path) -> Path:
+    """A local model folder: `spec` itself if it is a directory, else the snapshot of the hub id `spec` in
+    the local Hugging Face cache. Nothing is downloaded: an id not in the cache is refused with the command
+    that fetches it."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise HFImportError(path, "not a directory; give the folder that holds config.json, or a hub id")
+    text = str(spec)
+    if not HUB_ID.match(text):
+        raise HFImportError(path, "no such folder; give the folder that holds config.json, or a hub id")
+    cache = hub_cache_dir()
+    fetch = f"fetch it first with: huggingface-cli download {text} (or: hf download {text})"
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        raise HFImportError(
+            path, f"no such folder, and huggingface_hub is not installed to look {text!r} up in the cache"
+        ) from None
+    try:
+        found = try_to_load_from_cache(text, CONFIG_FILE, cache_dir=cache)
+    except Exception as exc:  # an id huggingface_hub refuses (HFValidationError), an unreadable cache
+        raise HFImportError(path, f"no such folder, and not a hub id in the cache ({exc}); {fetch}") from exc
+    if isinstance(found, str):
+        return Path(found).parent
+    raise HFImportError(
+        path, f"no such folder, and {text!r} is not in the Hugging Face cache ({cache}); {fetch}"
+    )
 
 
 # -- config.json -> DecoderConfig --------------------------------------------------------------------------
