@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -184,16 +184,33 @@ WORDS = (
 )
 
 
-def train_bpe(vocab_size: int = 300) -> Tokenizer:
-    """A byte-level BPE trained on a few thousand synthetic lines, specials <unk> <s> </s> <pad> first."""
+# Qwen2's pre-tokenizer (one digit a piece), which transformers 5's Qwen2Tokenizer rebuilds whatever
+# tokenizer.json says; Qwen's own tokenizer.json has it too.
+QWEN_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def train_bpe(
+    vocab_size: int = 300, specials: Sequence[str] = ("<unk>", "<s>", "</s>", "<pad>"), qwen: bool = False
+) -> Tokenizer:
+    """A byte-level BPE trained on a few thousand synthetic lines, the special tokens first (ids 0, 1...);
+    `qwen`: with Qwen2's normalizer and pre-tokenizer."""
     rng = np.random.default_rng(0)
     lines = [" ".join(rng.choice(WORDS, size=8)) + f" {i}" for i in range(3000)]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok = Tokenizer(models.BPE(unk_token="<unk>" if "<unk>" in specials else None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if qwen:
+        tok.normalizer = normalizers.NFC()
+        split = pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -213,6 +230,89 @@ def save_tokenizer(tok: Tokenizer, folder: Path, **kwargs: Any) -> PreTrainedTok
     )
     hf.save_pretrained(folder)
     return hf
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family's tiny model with a tokenizer shaped like its own: its special tokens (ids 0, 1, ...), whether
+    encoding a text adds BOS, and a chat template in its style."""
+
+    name: str
+    config: Any  # (**changes) -> PretrainedConfig, with bos/eos ids of `specials`
+    specials: tuple[str, ...]
+    bos: str | None
+    eos: str
+    pad: str | None
+    unk: str | None
+    adds_bos: bool
+    chat_template: str
+
+    def make_config(self, **changes: Any) -> PretrainedConfig:
+        ids = {"bos_token_id": self.id(self.bos), "eos_token_id": self.id(self.eos)}
+        if self.pad is not None:
+            ids["pad_token_id"] = self.id(self.pad)
+        return self.config(**{**ids, **changes})  # type: ignore[no-any-return]
+
+    def id(self, token: str | None) -> int | None:
+        return None if token is None else self.specials.index(token)
+
+    def save_tokenizer(self, folder: Path) -> PreTrainedTokenizerFast:
+        """The family's tokenizer beside its model, saved as transformers does."""
+        hf = PreTrainedTokenizerFast(
+            tokenizer_object=train_bpe(specials=self.specials, qwen=self.name.startswith("qwen")),
+            bos_token=self.bos,
+            eos_token=self.eos,
+            unk_token=self.unk,
+            pad_token=self.pad,
+            chat_template=self.chat_template,
+            add_bos_token=self.adds_bos,
+        )
+        hf.save_pretrained(folder)
+        return hf
+
+
+_LLAMA_CHAT = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family(
+            "llama", llama_config, ("<unk>", "<s>", "</s>"), "<s>", "</s>", None, "<unk>", True, _LLAMA_CHAT
+        ),
+        Family(
+            "mistral",
+            mistral_config,
+            ("<unk>", "<s>", "</s>"),
+            "<s>",
+            "</s>",
+            None,
+            "<unk>",
+            True,
+            _LLAMA_CHAT,
+        ),
+        Family(
+            "qwen2", qwen2_config, _QWEN_SPECIALS, None, "<|im_end|>", "<|endoftext|>", None, False, _CHATML
+        ),
+        Family(
+            "qwen3", qwen3_config, _QWEN_SPECIALS, None, "<|im_end|>", "<|endoftext|>", None, False, _CHATML
+        ),
+        Family(
+            "gpt2",
+            gpt2_config,
+            ("<|endoftext|>",),
+            "<|endoftext|>",
+            "<|endoftext|>",
+            None,
+            "<|endoftext|>",
+            False,
+            "{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}",
+        ),
+    )
+}
 
 
 # -- running the graphs ------------------------------------------------------------------------------------
