@@ -33,6 +33,13 @@ RMS_NORM_OPS = ("Pow", "ReduceMean", "Sqrt", "Div")
 RMS_NORM_EPS_SUFFIX = "/add_eps"
 
 
+def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A deep copy that, unlike a serialization round trip, works past protobuf's 2 GB."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
+
+
 def rms_norm_nodes(model: onnx.ModelProto) -> list[str]:
     """Names of the nodes of written-out RMSNorms up to the division, kept in float32."""
     return [
@@ -78,7 +85,7 @@ def _drop_cast_round_trips(model: onnx.ModelProto, fp32_nodes: set[str]) -> int:
 def convert_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     """A float16 copy of `model` (the caller's graph is left untouched), checked for validity."""
     converted = convert_float_to_float16(
-        onnx.ModelProto.FromString(model.SerializeToString()),
+        copy_model(model),
         keep_io_types=False,
         max_finite_val=CONSTANT_LIMIT,
         op_block_list=[*DEFAULT_OP_BLOCK_LIST, *FP32_OPS],

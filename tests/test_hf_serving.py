@@ -252,3 +252,25 @@ def test_a_hub_id_resolves_through_the_local_cache(
     assert "no such folder" in _refused(
         ["--model", str(tmp_path / "a/b/c"), "--out", str(tmp_path / "b")], capsys
     )
+
+
+def test_fp16_bundle_is_checked_against_transformers(exported: Exported, tmp_path: Path) -> None:
+    """FP16: the standard graph on CPU against transformers (the demo model's report); the serving graph's
+    RMSNorm conversion passes onnx's checker and strict shape inference."""
+    if exported.family.name != "qwen3":
+        pytest.skip("one family is enough: qwen3 has every RMSNorm, the per-head ones too")
+    assert main(["hf", "--model", str(exported.folder), "--out", str(tmp_path / "fp16"), "--fp16"]) == 0
+    fp16 = load_bundle(tmp_path / "fp16").manifest
+    assert fp16.dtype == "float16" and fp16.verification["passed"]
+    assert fp16.verification["standard"]["greedy_identical"] and fp16.verification["tolerance"] == 5e-2
+
+
+@pytest.mark.slow  # ~40 s: held-out perplexity of both graphs
+def test_int8_bundle_is_judged_on_accuracy(exported: Exported, tmp_path: Path) -> None:
+    if exported.family.name != "qwen2":
+        pytest.skip("one family is enough: quantization does not depend on it")
+    assert main(["hf", "--model", str(exported.folder), "--out", str(tmp_path / "int8"), "--int8"]) == 0
+    report = load_bundle(tmp_path / "int8").manifest.verification
+    assert report["passed"] and report["reference"] == "transformers" and report["tolerance"] is None
+    assert report["int8"]["float_weight_matmuls"] == 0
+    assert report["int8"]["perplexity_ratio"] <= report["int8"]["max_perplexity_ratio"]
