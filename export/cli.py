@@ -2,6 +2,8 @@
 
     textgen-export onnx --checkpoint CKPT --out DIR [--int8 | --fp16] [--opset N] [--name NAME]
                    [--chat-template FILE]        a Jinja chat template (transformers') for chat requests
+    textgen-export hf --model DIR|HUB_ID --out DIR [--int8 | --fp16] [--opset N] [--name NAME]
+                                                     a Hugging Face model, verified against transformers
     textgen-export demo [--out DIR]                  train the demo model if missing, then export it
     textgen-export verify DIR [--checkpoint CKPT]    rerun the checks on a bundle, print the report
     textgen-export random --preset bench-a --out DIR random weights, for speed benchmarks
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from export.checkpoint import CheckpointError, load_checkpoint
 from export.demo import demo_bundle_path
+from export.hf_import import SUPPORTED_ARCHITECTURES, HFImportError
 from export.model import Decoder
 from export.onnx_standard import DEFAULT_OPSET, MIN_OPSET
 from export.pipeline import (
@@ -29,13 +32,14 @@ from export.pipeline import (
     checkpoint_source,
     ensure_demo_bundle,
     export_checkpoint,
+    export_hf,
     random_bundle,
 )
 from export.verify import VerificationFailed, format_report, verify_bundle
 from serve.bundle import Bundle, load_bundle
 from serve.errors import BundleError
 
-USER_ERRORS = (CheckpointError, BundleError, FileExistsError, FileNotFoundError, ValueError)
+USER_ERRORS = (CheckpointError, HFImportError, BundleError, FileExistsError, FileNotFoundError, ValueError)
 
 
 def _print_result(bundle: Bundle) -> None:
@@ -56,6 +60,12 @@ def cmd_onnx(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hf(args: argparse.Namespace) -> int:
+    bundle = export_hf(args.model, args.out, name=args.name, int8=args.int8, fp16=args.fp16, opset=args.opset)
+    _print_result(bundle)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     bundle, exported = ensure_demo_bundle(args.out)
     if exported:
@@ -68,7 +78,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _checkpoint_model(checkpoint: Path, bundle: Bundle) -> Decoder:
     ckpt = load_checkpoint(checkpoint)
     arch = bundle.manifest.architecture.model_dump()
-    mismatched = {k: (v, arch[k]) for k, v in ckpt.config.to_dict().items() if k in arch and arch[k] != v}
+    # The config's derived sizes (n_kv_heads 0: as many as the heads), as the manifest records them.
+    config = {**ckpt.config.to_dict(), "n_kv_heads": ckpt.config.kv_heads, "head_dim": ckpt.config.head_dim}
+    mismatched = {k: (v, arch[k]) for k, v in config.items() if k in arch and arch[k] != v}
     if mismatched:
         detail = ", ".join(f"{k} {c} vs {b}" for k, (c, b) in mismatched.items())
         raise CheckpointError(checkpoint, f"does not match the bundle at {bundle.root} ({detail})")
@@ -126,6 +138,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="a file with the Jinja chat template chat requests are rendered with (default: none, no chat)",
     )
     onnx.set_defaults(handler=cmd_onnx)
+
+    hf = sub.add_parser(
+        "hf",
+        help="export a Hugging Face model (local folder or cached hub id) to a bundle verified against "
+        "transformers",
+        description=f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}. Nothing is downloaded: "
+        "a hub id must be in the local Hugging Face cache (huggingface-cli download ID).",
+    )
+    hf.add_argument(
+        "--model", required=True, help="folder with config.json + safetensors, or a cached hub id"
+    )
+    hf.add_argument("--out", type=Path, required=True, help="bundle directory to write")
+    hf_precision = hf.add_mutually_exclusive_group()
+    hf_precision.add_argument("--int8", action="store_true", help="dynamic INT8 weights (CPU serving)")
+    hf_precision.add_argument("--fp16", action="store_true", help="float16 graphs (CUDA/TensorRT)")
+    hf.add_argument("--opset", type=_opset, default=DEFAULT_OPSET, help=f"default {DEFAULT_OPSET}")
+    hf.add_argument("--name", help="model name in the manifest (default: the folder's name or the hub id)")
+    hf.set_defaults(handler=cmd_hf)
 
     demo = sub.add_parser("demo", help="build the demo checkpoint if missing, then export it")
     demo.add_argument("--out", type=Path, default=demo_bundle_path(), help="default: %(default)s")

@@ -2,8 +2,15 @@
 
 `onnxruntime.transformers.float16` converts weights, activations, graph inputs/outputs and the KV cache to
 float16, except:
-- LayerNormalization and Softmax (when the graph has one: the decomposed opset-18 form) stay float32 behind
-  Casts: their reductions lose too much in half precision;
+- LayerNormalization, RMSNormalization and Softmax (when the graph has one: the decomposed opset-18 form)
+  stay float32 behind Casts: their reductions lose too much in half precision;
+- RMSNorm written out of primitive ops (the serving graph's, export/onnx_inplace.py: x / sqrt(mean(x^2) +
+  eps) * weight) stays float32 up to the division: x^2 overflows float16 once |x| > 256, and the residual
+  streams of real models run to thousands. The converter isolates each kept node behind Casts of its own, so
+  the float16 round trips between them are removed again (a round trip right after x^2 would overflow just
+  the same). The weight multiply runs in float16 on the normalized values. tests/test_export.py checks the
+  graph's types and that rows of |x| ~ 9000 come out finite and within 2e-3 (on CPU, whose kernels widen
+  float16 themselves, a naive conversion stays finite too: the overflow is a GPU kernel's);
 - constants are clipped to +-1e4 rather than fp16's 65504. The attention mask's "minus infinity" is
   float32's finfo.min; clipped to -65504, a score added to it in fp16 arithmetic overflows to -inf, and a
   fully masked (padding) row then softmaxes to NaN, which would spread through the padded positions' keys
@@ -20,18 +27,71 @@ import onnx
 from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 from onnxruntime.transformers.onnx_model import OnnxModel
 
-FP32_OPS = ("LayerNormalization", "Softmax")
+FP32_OPS = ("LayerNormalization", "RMSNormalization", "Softmax")
+# The ops of a written-out RMSNorm (only RMSNorm uses them in our graphs), and its "+ eps" by node name.
+RMS_NORM_OPS = ("Pow", "ReduceMean", "Sqrt", "Div")
+RMS_NORM_EPS_SUFFIX = "/add_eps"
+
+
+def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A deep copy that, unlike a serialization round trip, works past protobuf's 2 GB."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
+
+
+def rms_norm_nodes(model: onnx.ModelProto) -> list[str]:
+    """Names of the nodes of written-out RMSNorms up to the division, kept in float32."""
+    return [
+        n.name
+        for n in model.graph.node
+        if n.op_type in RMS_NORM_OPS or (n.op_type == "Add" and n.name.endswith(RMS_NORM_EPS_SUFFIX))
+    ]
+
+
 CONSTANT_LIMIT = 1e4
+
+
+def _drop_cast_round_trips(model: onnx.ModelProto, fp32_nodes: set[str]) -> int:
+    """The converter isolates each kept node behind its own Casts, so between two kept nodes a value goes to
+    float16 and back: x^2 would overflow right there. Wire each such Cast(float16) -> Cast(float) pair
+    straight through (the value stays float32); returns how many were removed."""
+    graph = model.graph
+    producers = {out: node for node in graph.node for out in node.output}
+    casts_to = {n.name: next((a.i for a in n.attribute if a.name == "to"), None) for n in graph.node}
+    removed = 0
+    for node in list(graph.node):
+        if node.op_type != "Cast" or casts_to[node.name] != onnx.TensorProto.FLOAT:
+            continue
+        inner = producers.get(node.input[0])
+        if inner is None or inner.op_type != "Cast" or casts_to[inner.name] != onnx.TensorProto.FLOAT16:
+            continue
+        source = producers.get(inner.input[0])
+        if source is None or source.name not in fp32_nodes:
+            continue
+        for consumer in graph.node:  # read the float32 value itself
+            for i, name in enumerate(consumer.input):
+                if name == node.output[0]:
+                    consumer.input[i] = inner.input[0]
+        graph.node.remove(node)
+        removed += 1
+    used = {name for n in graph.node for name in n.input} | {o.name for o in graph.output}
+    for node in list(graph.node):  # Cast(float16)s nobody reads any more
+        if node.op_type == "Cast" and not any(out in used for out in node.output):
+            graph.node.remove(node)
+    return removed
 
 
 def convert_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     """A float16 copy of `model` (the caller's graph is left untouched), checked for validity."""
     converted = convert_float_to_float16(
-        onnx.ModelProto.FromString(model.SerializeToString()),
+        copy_model(model),
         keep_io_types=False,
         max_finite_val=CONSTANT_LIMIT,
         op_block_list=[*DEFAULT_OP_BLOCK_LIST, *FP32_OPS],
+        node_block_list=rms_norm_nodes(model),
     )
+    _drop_cast_round_trips(converted, set(rms_norm_nodes(model)))
     # The converter appends its Casts at the end of the node list; ONNX requires topological order.
     OnnxModel(converted).topological_sort()
     # Some intermediate type annotations it leaves are stale (float where the tensor is now float16): drop

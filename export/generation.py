@@ -34,6 +34,9 @@ StepFn = Callable[[Feed], list[np.ndarray]]  # standard graph inputs -> [logits,
 
 @dataclass(frozen=True)
 class Shape:
+    """The KV cache's shape: n_heads are its heads, the key/value heads (fewer than the query heads in a
+    grouped-query model)."""
+
     n_layers: int
     n_heads: int
     head_dim: int

@@ -3,7 +3,7 @@
 Why not the traced graph: its attention concatenates past and new keys/values, so every decode step copies the
 whole cache (measured: 42% of a batch-16, 512-token decode). ONNX Runtime's
 `GroupQueryAttention` (com.microsoft) instead writes the new keys/values into a preallocated
-`[batch, heads, capacity, head_dim]` buffer; binding one OrtValue as both the past input and the present
+`[batch, kv heads, capacity, head_dim]` buffer; binding one OrtValue as both the past input and the present
 output makes the update in place. The graph is written from the state dict, as ONNX Runtime GenAI's builder
 does, and checked against the PyTorch model by export.verify.
 
@@ -72,10 +72,41 @@ class _GraphBuilder:
             return y
         return self.node("Add", [y, self.weight(f"{name}.bias", b.detach().numpy())], f"{name}/add")[0]
 
-    def layer_norm(self, x: str, ln: torch.nn.LayerNorm, name: str) -> str:
-        scale = self.weight(f"{name}.weight", ln.weight.detach().numpy())
-        bias = self.weight(f"{name}.bias", ln.bias.detach().numpy())
-        return self.node("LayerNormalization", [x, scale, bias], name, axis=-1, epsilon=ln.eps)[0]
+    def norm(self, x: str, module: torch.nn.Module, name: str) -> str:
+        """LayerNormalization, or RMSNorm as x / sqrt(mean(x^2) + eps) * weight over the last axis: the
+        primitive ops ONNX Runtime's SimplifiedLayerNormFusion turns into one kernel."""
+        if isinstance(module, torch.nn.LayerNorm):
+            scale = self.weight(f"{name}.weight", module.weight.detach().numpy())
+            bias = self.weight(f"{name}.bias", module.bias.detach().numpy())
+            return self.node("LayerNormalization", [x, scale, bias], name, axis=-1, epsilon=module.eps)[0]
+        if not isinstance(module, torch.nn.RMSNorm) or module.weight is None or module.eps is None:
+            raise TypeError(f"{name}: not a LayerNorm or an RMSNorm with weight and eps: {module}")
+        (sq,) = self.node("Pow", [x, self.weight(f"{name}.two", np.array(2.0))], f"{name}/pow")
+        (ms,) = self.node(
+            "ReduceMean", [sq, self.const_i64(f"{name}.axes", [-1])], f"{name}/mean", keepdims=1
+        )
+        (ms,) = self.node("Add", [ms, self.weight(f"{name}.eps", np.array(module.eps))], f"{name}/add_eps")
+        (rms,) = self.node("Sqrt", [ms], f"{name}/sqrt")
+        (y,) = self.node("Div", [x, rms], f"{name}/div")
+        return self.node("Mul", [y, self.weight(f"{name}.weight", module.weight.detach().numpy())], name)[0]
+
+    def head_norm(self, x: str, module: torch.nn.Module, heads: int, head_dim: int, name: str) -> str:
+        """The norm over each head of x [B,S,heads*Dh]: reshaped to [B,S,heads,Dh] and back."""
+        (h,) = self.node(
+            "Reshape", [x, self.const_i64(f"{name}.heads", [0, 0, heads, head_dim])], f"{name}/split"
+        )
+        h = self.norm(h, module, name)
+        return self.node(
+            "Reshape", [h, self.const_i64(f"{name}.flat", [0, 0, heads * head_dim])], f"{name}/join"
+        )[0]
+
+
+def local_window_size(sliding_window: int) -> int:
+    """GroupQueryAttention's local_window_size for a window of W keys (the query's own included, as
+    transformers' Mistral): W itself, -1 (off) for no window. Measured on ONNX Runtime 1.32's CPU kernel
+    against transformers' Mistral with window 8 on sequences of up to 48 tokens (tests/test_hf_import.py):
+    W matches to 1e-5 in prefill and decode, W - 1 and W + 1 differ by > 1 in the logits."""
+    return sliding_window if sliding_window else -1
 
 
 def build_inplace_graph(model: Decoder) -> onnx.ModelProto:
@@ -84,7 +115,7 @@ def build_inplace_graph(model: Decoder) -> onnx.ModelProto:
     if cfg.positions == "rotary" and cfg.head_dim % 16:
         raise ValueError(
             f"rotary positions need head_dim to be a multiple of 16 for ONNX Runtime's GroupQueryAttention "
-            f"(got {cfg.head_dim} = d_model {cfg.d_model} / n_heads {cfg.n_heads})"
+            f"(got {cfg.head_dim})"
         )
     model = model.eval()
     g = _GraphBuilder()
@@ -99,7 +130,7 @@ def build_inplace_graph(model: Decoder) -> onnx.ModelProto:
         table = sinusoidal_table(cfg.context_length, cfg.d_model).numpy()
     else:
         table = None
-        cos, sin = rotary_tables(cfg.context_length, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rotary_tables(cfg)  # [context, Dh/2], the RoPE scaling already in the frequencies
         rotary_inputs = [g.weight("rope.cos", cos.numpy()), g.weight("rope.sin", sin.numpy())]
     if table is not None:
         (pos,) = g.node("Gather", [g.weight("pos_table", table), "position_ids"], "pos_emb")
@@ -107,12 +138,25 @@ def build_inplace_graph(model: Decoder) -> onnx.ModelProto:
 
     for i, block in enumerate(model.block_list()):
         p = f"blocks.{i}"
-        h = g.layer_norm(x, block.ln_attn, f"{p}.ln_attn")
-        qkv = g.linear(h, block.attn.qkv.weight, block.attn.qkv.bias, f"{p}.attn.qkv")
+        attn = block.attn
+        h = g.norm(x, block.ln_attn, f"{p}.ln_attn")
+        qkv = g.linear(h, attn.qkv.weight, attn.qkv.bias, f"{p}.attn.qkv")  # [B,S,H*Dh + 2*Hkv*Dh]
+        if attn.q_norm is not None and attn.k_norm is not None:
+            # The per-head norms come before the rotation GroupQueryAttention applies: q, k, v go in apart.
+            q, k, v = g.node(
+                "Split",
+                [qkv, g.const_i64(f"{p}.attn.qkv_sizes", [cfg.q_dim, cfg.kv_dim, cfg.kv_dim])],
+                f"{p}.attn.qkv_split",
+                outputs=[f"{p}.attn.q", f"{p}.attn.k", f"{p}.attn.v"],
+                axis=-1,
+            )
+            q = g.head_norm(q, attn.q_norm, cfg.n_heads, cfg.head_dim, f"{p}.attn.q_norm")
+            k = g.head_norm(k, attn.k_norm, cfg.kv_heads, cfg.head_dim, f"{p}.attn.k_norm")
+            qkv_inputs = [q, k, v]
+        else:
+            qkv_inputs = [qkv, "", ""]  # packed
         attn_inputs = [
-            qkv,
-            "",
-            "",
+            *qkv_inputs,
             f"past_key.{i}",
             f"past_value.{i}",
             "seqlens_k",
@@ -121,32 +165,51 @@ def build_inplace_graph(model: Decoder) -> onnx.ModelProto:
         ]
         # The presents are graph outputs directly (no Identity), so a buffer bound to both past and present is
         # written in place rather than copied.
-        (attn, _, _) = g.node(
+        (y, _, _) = g.node(
             "GroupQueryAttention",
             attn_inputs,
             f"{p}.attn.gqa",
             domain=MS_DOMAIN,
             outputs=[f"{p}.attn.gqa", f"present_key.{i}", f"present_value.{i}"],
             num_heads=cfg.n_heads,
-            kv_num_heads=cfg.n_heads,
+            kv_num_heads=cfg.kv_heads,
             do_rotary=int(bool(rotary_inputs)),
             rotary_interleaved=0,
+            **({"local_window_size": local_window_size(cfg.sliding_window)} if cfg.sliding_window else {}),
         )
-        a = g.linear(attn, block.attn.out.weight, block.attn.out.bias, f"{p}.attn.out")
+        a = g.linear(y, attn.out.weight, attn.out.bias, f"{p}.attn.out")
         (x,) = g.node("Add", [x, a], f"{p}.attn_residual")
-        h = g.layer_norm(x, block.ln_ffn, f"{p}.ln_ffn")
+        h = g.norm(x, block.ln_ffn, f"{p}.ln_ffn")
         h = g.linear(h, block.ffn.up.weight, block.ffn.up.bias, f"{p}.ffn.up")
-        (h,) = g.node("Gelu" if cfg.activation == "gelu" else "Relu", [h], f"{p}.ffn.act")
+        h = _activation(g, h, cfg.activation, cfg.d_ff, f"{p}.ffn")
         h = g.linear(h, block.ffn.down.weight, block.ffn.down.bias, f"{p}.ffn.down")
         (x,) = g.node("Add", [x, h], f"{p}.ffn_residual")
 
     # Only the last_index position of each row reaches the final norm and the vocabulary projection.
     (idx,) = g.node("Unsqueeze", ["last_index", g.const_i64("axes_last", [-1])], "last_index_2d")
     (x,) = g.node("GatherND", [x, idx], "gather_last", batch_dims=1)  # [B,D]
-    x = g.layer_norm(x, model.ln_f, "ln_f")
+    x = g.norm(x, model.ln_f, "ln_f")
     g.node("MatMul", [x, g.weight("lm_head.weight_t", model.lm_head.weight.detach().numpy().T)], "logits")
 
-    return _make_model(g, cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.vocab_size)
+    return _make_model(g, cfg.n_layers, cfg.kv_heads, cfg.head_dim, cfg.vocab_size)
+
+
+def _activation(g: _GraphBuilder, h: str, activation: str, d_ff: int, name: str) -> str:
+    """The MLP's activation of h [B,S,F] (SwiGLU: of h [B,S,2F] = [gate; up], giving silu(gate) * up)."""
+    if activation == "swiglu":
+        gate, up = g.node(
+            "Split",
+            [h, g.const_i64(f"{name}.gate_up_sizes", [d_ff, d_ff])],
+            f"{name}.gate_up",
+            outputs=[f"{name}.gate", f"{name}.up_half"],
+            axis=-1,
+        )
+        (sig,) = g.node("Sigmoid", [gate], f"{name}.sigmoid")
+        (silu,) = g.node("Mul", [gate, sig], f"{name}.silu")
+        return g.node("Mul", [silu, up], f"{name}.act")[0]
+    if activation == "gelu_tanh":
+        return g.node("Gelu", [h], f"{name}.act", approximate="tanh")[0]
+    return g.node("Gelu" if activation == "gelu" else "Relu", [h], f"{name}.act")[0]
 
 
 def _make_model(g: _GraphBuilder, n_layers: int, heads: int, head_dim: int, vocab: int) -> onnx.ModelProto:

@@ -7,6 +7,8 @@ and the reference the in-place serving graph (`export.onnx_inplace`) is checked 
              position_ids [batch, seq] int64, past_key_values.{i}.key/value [batch, heads, past, head_dim]
     outputs  logits [batch, seq, vocab], present.{i}.key/value [batch, heads, past + seq, head_dim]
 
+where heads are the key/value heads (n_kv_heads; fewer than the query heads in grouped-query attention).
+
 A zero-length past works (prefill): the trace uses past = 2 so the exporter does not specialize the axis to
 0 or 1, and ONNX Runtime accepts the empty tensors.
 
@@ -64,7 +66,7 @@ def _example_inputs(model: Decoder) -> tuple[Tensor, ...]:
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     mask = torch.ones(batch, TRACE_PAST + seq, dtype=torch.int64)
     pos = torch.arange(TRACE_PAST, TRACE_PAST + seq).expand(batch, seq).contiguous()
-    kv = [torch.zeros(batch, cfg.n_heads, TRACE_PAST, cfg.head_dim) for _ in range(2 * cfg.n_layers)]
+    kv = [torch.zeros(batch, cfg.kv_heads, TRACE_PAST, cfg.head_dim) for _ in range(2 * cfg.n_layers)]
     return (ids, mask, pos, *kv)
 
 

@@ -1,8 +1,12 @@
-"""Checkpoint (or in-memory model) -> verified bundle: the steps behind `textgen-export onnx/demo/random`.
+"""Checkpoint (or in-memory model) -> verified bundle: the steps behind `textgen-export onnx/hf/demo/random`.
 
 trace the standard graph -> write the in-place serving graph -> [INT8 | FP16] -> stage the bundle ->
 verify it (export.verify) -> write the report into the manifest -> rename into place. A bundle that fails
-verification is never put in place.
+verification is never put in place. Each graph is written into the staged bundle as soon as it is built and
+then dropped, so a model's weights are in memory at most three times over (the decoder, the graph being
+built, and its serialization), not once per graph more.
+
+`export_hf` does the same for a Hugging Face folder (export/hf_import.py), verified against transformers.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from export.bundle_writer import BundleStage, check_replaceable
 from export.checkpoint import load_checkpoint
 from export.demo import DEMO_CHAT_TEMPLATE, _exclusive, demo_bundle_path, ensure_demo_checkpoint
 from export.fp16 import convert_fp16
+from export.hf_import import CONFIG_FILE, TOKENIZER_FILE, HFImportError, import_checkpoint, locate_model
 from export.model import Decoder, DecoderConfig
 from export.onnx_inplace import OPSET as INPLACE_OPSET
 from export.onnx_inplace import build_inplace_graph
@@ -30,8 +35,17 @@ from export.onnx_standard import DEFAULT_OPSET, export_standard_graph
 from export.quantize import quantize_int8
 from export.tokenizer import EOS_ID, PAD_ID, tokenizer_to_json, train_tokenizer
 from export.train import load_corpus
-from export.verify import VerificationFailed, verify_bundle
-from serve.bundle import Bundle, ShapeRange, TensorRTProfile, TensorRTSettings, load_bundle, sha256_file
+from export.verify import Reference, VerificationFailed, verify_bundle
+from serve.bundle import (
+    FORMAT_VERSION,
+    Bundle,
+    GraphSpec,
+    ShapeRange,
+    TensorRTProfile,
+    TensorRTSettings,
+    load_bundle,
+    sha256_file,
+)
 from serve.errors import BundleError
 
 STANDARD_FILE = "model.onnx"
@@ -58,12 +72,18 @@ class ExportOptions:
     progress: bool = True
     source: dict[str, str] | None = None  # where the weights came from (checkpoint, preset), for the report
     chat_template: str | None = None  # the manifest's chat_template (Jinja); None: the bundle serves no chat
+    # The model's special tokens (defaults: this project's tokenizer, export/tokenizer.py).
+    eos_token_ids: tuple[int, ...] = (EOS_ID,)
+    pad_token_id: int = PAD_ID
+    bos_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.int8 and self.fp16:
             raise ValueError(
                 "--int8 and --fp16 are separate bundles (INT8 targets the CPU, FP16 the GPU); choose one"
             )
+        if not self.eos_token_ids:
+            raise ValueError("a bundle needs at least one EOS token id")
 
 
 def tensorrt_settings(cfg: DecoderConfig, fp16: bool) -> TensorRTSettings:
@@ -90,7 +110,7 @@ def _providers(options: ExportOptions) -> list[str]:
 
 def _manifest_fields(cfg: DecoderConfig, options: ExportOptions, graphs: dict[str, Any]) -> dict[str, Any]:
     return {
-        "format_version": 1,
+        "format_version": FORMAT_VERSION,
         "model_name": options.model_name,
         "architecture": {
             "vocab_size": cfg.vocab_size,
@@ -98,16 +118,20 @@ def _manifest_fields(cfg: DecoderConfig, options: ExportOptions, graphs: dict[st
             "d_model": cfg.d_model,
             "n_layers": cfg.n_layers,
             "n_heads": cfg.n_heads,
+            "n_kv_heads": cfg.kv_heads,
             "head_dim": cfg.head_dim,
             "d_ff": cfg.d_ff,
             "positions": cfg.positions,
             "activation": cfg.activation,
+            "norm": cfg.norm,
+            "sliding_window": cfg.sliding_window,
         },
         "graphs": graphs,
         "dtype": "float16" if options.fp16 else "float32",
         "quantization": "int8" if options.int8 else "none",
-        "eos_token_id": EOS_ID,
-        "pad_token_id": PAD_ID,
+        "eos_token_ids": list(options.eos_token_ids),
+        "bos_token_id": options.bos_token_id,
+        "pad_token_id": options.pad_token_id,
         "execution_providers": _providers(options),
         "tensorrt": tensorrt_settings(cfg, options.fp16),
         **({"chat_template": options.chat_template} if options.chat_template is not None else {}),
@@ -135,22 +159,64 @@ class ExportedGraphs:
     stats: dict[str, Any]  # trace time, INT8 MatMul counts: into the report
 
 
-def _build_graphs(model: Decoder, options: ExportOptions, progress: _Progress) -> ExportedGraphs:
-    stats: dict[str, Any] = {}
-    with progress.step("tracing the standard graph (torch.onnx dynamo)"):
-        started = time.perf_counter()
-        standard = export_standard_graph(model, options.opset)
-        stats["trace_seconds"] = round(time.perf_counter() - started, 1)
-    with progress.step("writing the in-place serving graph"):
-        inplace = build_inplace_graph(model)
+def _convert(
+    role: str, graph: onnx.ModelProto, options: ExportOptions, progress: _Progress, stats: dict[str, Any]
+) -> onnx.ModelProto:
     if options.int8:
-        with progress.step("INT8 dynamic quantization"):
-            standard, stats["int8_standard"] = quantize_int8(standard)
-            inplace, stats["int8_inplace"] = quantize_int8(inplace)
+        with progress.step(f"INT8 dynamic quantization ({role} graph)"):
+            graph, stats[f"int8_{role}"] = quantize_int8(graph)
     if options.fp16:
-        with progress.step("FP16 conversion"):
-            standard, inplace = convert_fp16(standard), convert_fp16(inplace)
-    return ExportedGraphs(standard, inplace, stats)
+        with progress.step(f"FP16 conversion ({role} graph)"):
+            graph = convert_fp16(graph)
+    return graph
+
+
+def _built(role: str, model: Decoder, options: ExportOptions, stats: dict[str, Any]) -> onnx.ModelProto:
+    if role == "standard":
+        started = time.perf_counter()
+        graph = export_standard_graph(model, options.opset)
+        stats["trace_seconds"] = round(time.perf_counter() - started, 1)
+        return graph
+    started = time.perf_counter()
+    graph = build_inplace_graph(model)
+    stats["inplace_build_seconds"] = round(time.perf_counter() - started, 1)
+    return graph
+
+
+_STEPS = {
+    "standard": "tracing the standard graph (torch.onnx dynamo)",
+    "inplace": "writing the serving graph",
+}
+
+
+def _add_graph(stage: BundleStage, role: str, graph: onnx.ModelProto, options: ExportOptions) -> GraphSpec:
+    if role == "standard":
+        return stage.add_graph(STANDARD_FILE, graph, options.opset)
+    return stage.add_graph(INPLACE_FILE, graph, INPLACE_OPSET)
+
+
+def _verify_and_commit(
+    stage: BundleStage,
+    model: Decoder,
+    tokenizer: Tokenizer,
+    specs: dict[str, GraphSpec],
+    stats: dict[str, Any],
+    options: ExportOptions,
+    progress: _Progress,
+    reference: Reference | None,
+) -> None:
+    with progress.step(f"verifying against {reference.name if reference else 'PyTorch'}"):
+        stage.add_tokenizer(tokenizer_to_json(tokenizer))
+        fields = _manifest_fields(model.cfg, options, dict(specs))
+        report = verify_bundle(stage.write_manifest(fields), model, reference)
+        report["export"] = {**stats, "source": options.source}
+        if stage.shared_bytes:  # weights both graphs read from the one external data file
+            report["export"]["weights_shared_bytes"] = stage.shared_bytes
+        if not report["passed"]:
+            raise VerificationFailed(report)
+        stage.write_manifest({**fields, "verification": report})
+    with progress.step("moving the bundle into place"):
+        stage.commit()
 
 
 def write_verified_bundle(
@@ -163,31 +229,41 @@ def write_verified_bundle(
 ) -> Bundle:
     """Stage `graphs` as a bundle, verify it against `model`, and only then move it to `out`."""
     progress = progress or _Progress(enabled=False, total=2)
-    with BundleStage(out) as stage, progress.step("verifying against PyTorch"):
+    with BundleStage(out) as stage:
         specs = {
-            "standard": stage.add_graph(STANDARD_FILE, graphs.standard, options.opset),
-            "inplace": stage.add_graph(INPLACE_FILE, graphs.inplace, INPLACE_OPSET),
+            role: _add_graph(stage, role, getattr(graphs, role), options) for role in ("standard", "inplace")
         }
-        stage.add_tokenizer(tokenizer_to_json(tokenizer))
-        fields = _manifest_fields(model.cfg, options, specs)
-        report = verify_bundle(stage.write_manifest(fields), model)
-        report["export"] = {**graphs.stats, "source": options.source}
-        if not report["passed"]:
-            raise VerificationFailed(report)
-        stage.write_manifest({**fields, "verification": report})
-        with progress.step("moving the bundle into place"):
-            stage.commit()
+        _verify_and_commit(stage, model, tokenizer, specs, graphs.stats, options, progress, None)
     return load_bundle(out)
 
 
-def export_bundle(model: Decoder, tokenizer: Tokenizer, out: Path, options: ExportOptions) -> Bundle:
-    """Export, verify and write the bundle at `out`, replacing any there. Raises VerificationFailed."""
+def export_bundle(
+    model: Decoder,
+    tokenizer: Tokenizer,
+    out: Path,
+    options: ExportOptions,
+    reference: Reference | None = None,
+) -> Bundle:
+    """Export, verify and write the bundle at `out`, replacing any there. Raises VerificationFailed.
+
+    Verified against `reference` (transformers, for an imported model) or else `model` itself. Each graph is
+    written into the staged bundle and dropped before the next is built."""
     check_replaceable(out)  # fail before minutes of work, not after
     model = model.eval()
-    progress = _Progress(options.progress, total=4 + (options.int8 or options.fp16))
+    conversions = 2 * (options.int8 or options.fp16)
+    progress = _Progress(options.progress, total=4 + conversions)
     try:
-        graphs = _build_graphs(model, options, progress)
-        return write_verified_bundle(model, tokenizer, graphs, out, options, progress)
+        with BundleStage(out) as stage:
+            stats: dict[str, Any] = {}
+            specs = {}
+            for role in ("standard", "inplace"):
+                with progress.step(_STEPS[role]):
+                    graph = _built(role, model, options, stats)
+                graph = _convert(role, graph, options, progress, stats)
+                specs[role] = _add_graph(stage, role, graph, options)
+                del graph
+            _verify_and_commit(stage, model, tokenizer, specs, stats, options, progress, reference)
+        return load_bundle(out)
     finally:
         progress.close()
 
@@ -200,6 +276,78 @@ def export_checkpoint(checkpoint: Path, out: Path, options: ExportOptions) -> Bu
     check_replaceable(out)
     ckpt = load_checkpoint(checkpoint)
     return export_bundle(ckpt.model, ckpt.tokenizer, out, options)
+
+
+def export_hf(
+    model: str | Path,
+    out: Path,
+    *,
+    name: str | None = None,
+    int8: bool = False,
+    fp16: bool = False,
+    opset: int = DEFAULT_OPSET,
+    progress: bool = True,
+) -> Bundle:
+    """A Hugging Face model (a local folder, or a hub id in the local cache) -> verified bundle at `out`.
+
+    The weights go through our decoder (export/hf_import.py) into the graphs; the bundle is verified against
+    transformers itself (export/hf_verify.py); the tokenizer, EOS ids, BOS and chat template come with it.
+    Raises HFImportError for a folder that cannot be exported, VerificationFailed for graphs that do not
+    match transformers."""
+    from export.hf_verify import transformers_reference
+
+    check_replaceable(out)
+    folder = locate_model(model)
+    ckpt = import_checkpoint(folder)
+    tok = ckpt.tokenizer
+    if tok is None:
+        raise HFImportError(
+            folder / TOKENIZER_FILE,
+            "not found (nor tokenizer.model): a bundle needs the model's tokenizer; download it with the "
+            "weights",
+        )
+    if not tok.eos_token_ids:
+        raise HFImportError(
+            folder / CONFIG_FILE,
+            "no eos_token_id (nor in generation_config.json or tokenizer_config.json): nothing would end a "
+            "generation; add the model's eos_token_id",
+        )
+    source = {
+        "hf_model": str(folder),
+        "architecture": ckpt.architecture,
+        "dtype": ckpt.source_dtype or "unknown",
+    }
+    tokenizer = padded_to_vocab(tok.tokenizer, ckpt.config.vocab_size)
+    options = ExportOptions(
+        model_name=name or (str(model) if not Path(model).expanduser().is_dir() else folder.name),
+        opset=opset,
+        int8=int8,
+        fp16=fp16,
+        progress=progress,
+        source=source,
+        chat_template=tok.chat_template or None,
+        eos_token_ids=tok.eos_token_ids,
+        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_ids[0],
+        bos_token_id=tok.bos_token_id,
+    )
+    return export_bundle(ckpt.model, tokenizer, out, options, transformers_reference(folder))
+
+
+UNUSED_TOKEN = "<|textgen_unused_{}|>"
+
+
+def padded_to_vocab(tokenizer: Tokenizer, vocab_size: int) -> Tokenizer:
+    """A copy of `tokenizer` with a special token for every id in [its size, vocab_size): models pad their
+    vocabulary for speed (Qwen2.5: 151,936 ids, 151,665 tokens), an untrained or unlucky model can emit those
+    ids, and the server decodes only ids its tokenizer has. They decode to nothing, as transformers decodes
+    an id it lacks; a text is tokenized as before unless it contains one of these names literally."""
+    missing = vocab_size - tokenizer.get_vocab_size()
+    if missing <= 0:
+        return tokenizer
+    padded = Tokenizer.from_str(tokenizer.to_str())
+    first = tokenizer.get_vocab_size()
+    padded.add_special_tokens([UNUSED_TOKEN.format(i) for i in range(first, vocab_size)])
+    return padded
 
 
 def _up_to_date(out: Path, source: dict[str, str], chat_template: str | None) -> Bundle | None:

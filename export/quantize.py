@@ -28,10 +28,12 @@ from onnx import numpy_helper
 from onnxruntime.quantization import QuantType, quantize_dynamic
 from tokenizers import Tokenizer
 
+from export.fp16 import copy_model
 from export.generation import PROMPTS, Shape, StepFn, agreement_prefix, encode_prompts, greedy
 from export.train import encode_stream, load_corpus
 
 MAX_PERPLEXITY_RATIO = 1.02
+LARGE_MODEL_BYTES = 1_500_000_000  # weights past which quantize_dynamic must write external data
 QUANTIZED_MATMUL_OPS = ("MatMulInteger", "DynamicQuantizeMatMul", "MatMulIntegerToFloat")
 HELDOUT_BUDGET_BYTES = 1_000_000  # of corpus read; its held-out share (~5%) is plenty for the estimate
 HELDOUT_PERCENT = 5
@@ -90,7 +92,8 @@ def _quiet_root_logger() -> Iterator[None]:
 
 def quantize_int8(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int]]:
     """Dynamic INT8 quantization of every weight MatMul; returns the graph and the MatMul counts."""
-    model = onnx.ModelProto.FromString(model.SerializeToString())  # the caller's graph stays fp32
+    model = copy_model(model)  # the caller's graph stays fp32
+    large = sum(len(t.raw_data) for t in model.graph.initializer) > LARGE_MODEL_BYTES
     folded = fold_weight_transposes(model)
     with tempfile.TemporaryDirectory() as tmp, _quiet_root_logger():
         out = Path(tmp) / "int8.onnx"
@@ -101,8 +104,9 @@ def quantize_int8(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, in
             op_types_to_quantize=["MatMul"],
             # Shape inference cannot type the outputs of com.microsoft ops (GroupQueryAttention).
             extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT},
+            use_external_data_format=large,  # past protobuf's 2 GB the graph cannot be one file
         )
-        quantized = onnx.load(str(out))
+        quantized = onnx.load(str(out))  # loads the external data too: the temp dir goes away
     counts = count_weight_matmuls(quantized)
     return quantized, {**counts, "transposes_folded": folded}
 

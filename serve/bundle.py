@@ -4,7 +4,12 @@ Layout (written by `export.bundle_writer`):
     manifest.json          this module's `Manifest`
     model.onnx             the standard graph (portable ops; the TensorRT graph) [+ external data if > 2 GB]
     model_inplace.onnx     the in-place GroupQueryAttention serving graph (ONNX Runtime CPU/CUDA)
-    tokenizer.json         the `tokenizers` byte-level BPE
+    tokenizer.json         the `tokenizers` tokenizer (its post-processor adds what encoding a text adds)
+
+Format versions: 2 (written now) adds grouped-query attention (`n_kv_heads`), a head_dim not tied to
+d_model / n_heads, the blocks of imported models (norm, activation, sliding window), several EOS ids, the BOS
+id and a chat template. A version 1 manifest (the decoder of this project only) is read by its own model,
+`ManifestV1`, exactly as before, and converted to a `Manifest` whose `format_version` stays 1.
 
 `load_bundle` refuses anything it cannot serve with a `BundleError` naming the file and the problem, so a
 bad bundle fails at start-up with one line instead of at the first request. Runtime side only: no torch, no
@@ -32,7 +37,8 @@ from tokenizers import Tokenizer
 
 from serve.errors import BundleError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_FILE = "manifest.json"
 _CHUNK = 1 << 20
 
@@ -42,7 +48,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Architecture(_Strict):
+class ArchitectureV1(_Strict):
+    """Format 1's architecture: multi-head attention over d_model = n_heads x head_dim."""
+
     vocab_size: PositiveInt
     context_length: PositiveInt
     d_model: PositiveInt
@@ -54,12 +62,46 @@ class Architecture(_Strict):
     activation: Literal["gelu", "relu"]
 
     @model_validator(mode="after")
-    def _heads_fit(self) -> Architecture:
+    def _heads_fit(self) -> ArchitectureV1:
         if self.n_heads * self.head_dim != self.d_model:
             raise ValueError(
                 f"n_heads ({self.n_heads}) x head_dim ({self.head_dim}) must equal d_model ({self.d_model})"
             )
         return self
+
+
+class Architecture(_Strict):
+    """What sizes the KV cache (n_layers x n_kv_heads x head_dim per token) and what the server reports."""
+
+    vocab_size: PositiveInt
+    context_length: PositiveInt
+    d_model: PositiveInt
+    n_layers: PositiveInt
+    n_heads: PositiveInt  # query heads
+    n_kv_heads: PositiveInt  # key/value heads (the KV cache's); fewer than n_heads: grouped-query attention
+    head_dim: PositiveInt  # n_heads x head_dim need not be d_model (Qwen3)
+    d_ff: PositiveInt
+    positions: Literal["learned", "sinusoidal", "rotary"]
+    activation: Literal["gelu", "relu", "gelu_tanh", "swiglu"]
+    norm: Literal["layer", "rms"] = "layer"
+    sliding_window: NonNegativeInt = 0  # a query sees the last W keys; 0: all of them
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kv_heads_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("n_kv_heads") is None and "n_heads" in data:
+            return {**data, "n_kv_heads": data["n_heads"]}
+        return data
+
+    @model_validator(mode="after")
+    def _heads_group(self) -> Architecture:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+        return self
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """KV cache bytes one token takes: K and V of every layer's key/value heads."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize
 
 
 def _plain_file_name(name: str) -> str:
@@ -138,7 +180,7 @@ class TensorRTSettings(_Strict):
             "attention_mask": (b, past + s),
             "position_ids": (b, s),
             **{
-                f"past_key_values.{i}.{kind}": (b, arch.n_heads, past, arch.head_dim)
+                f"past_key_values.{i}.{kind}": (b, arch.n_kv_heads, past, arch.head_dim)
                 for i in range(arch.n_layers)
                 for kind in ("key", "value")
             },
@@ -146,14 +188,35 @@ class TensorRTSettings(_Strict):
         return ",".join(f"{name}:{'x'.join(map(str, dims))}" for name, dims in shapes.items())
 
 
+def _check_files(tokenizer: str, files: list[str], checksums: dict[str, str]) -> None:
+    _plain_file_name(tokenizer)
+    unlisted = sorted(set(files) - set(checksums))
+    if unlisted:
+        raise ValueError(f"files without a checksum: {unlisted}")
+    for name, digest in checksums.items():
+        _plain_file_name(name)
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ValueError(f"checksum of {name!r} is not a lowercase sha256 hex digest")
+
+
+def _graph_files(graphs: Graphs) -> list[str]:
+    specs = [graphs.standard] + ([graphs.inplace] if graphs.inplace else [])
+    return [f for g in specs for f in g.files()]
+
+
 class Manifest(_Strict):
-    format_version: Literal[1]
+    # 2 for every manifest written now; 1 for one read from a format 1 file (ManifestV1.upgraded).
+    format_version: Literal[1, 2]
     model_name: str = Field(min_length=1)
     architecture: Architecture
     graphs: Graphs
     dtype: Literal["float32", "float16"]
     quantization: Literal["none", "int8"]
-    eos_token_id: NonNegativeInt
+    # Every one ends a generation (Llama 3 lists several); the first is the one reported as eos_token_id.
+    eos_token_ids: list[NonNegativeInt] = Field(min_length=1)
+    # What a chat template calls bos_token; a text's BOS is added by the tokenizer itself (tokenizer.json's
+    # post-processor), so serving needs no more of it. None: the model has none.
+    bos_token_id: NonNegativeInt | None = None
     pad_token_id: NonNegativeInt
     tokenizer: str = "tokenizer.json"
     execution_providers: list[str] = Field(min_length=1)  # recommended, best first
@@ -167,23 +230,62 @@ class Manifest(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
         vocab = self.architecture.vocab_size
-        for name in ("eos_token_id", "pad_token_id"):
-            if getattr(self, name) >= vocab:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be below vocab_size ({vocab})")
-        _plain_file_name(self.tokenizer)
-        unlisted = sorted(set(self.files()) - set(self.checksums))
-        if unlisted:
-            raise ValueError(f"files without a checksum: {unlisted}")
-        for name, digest in self.checksums.items():
-            _plain_file_name(name)
-            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-                raise ValueError(f"checksum of {name!r} is not a lowercase sha256 hex digest")
+        named = {"eos_token_ids": self.eos_token_ids, "pad_token_id": [self.pad_token_id]}
+        if self.bos_token_id is not None:
+            named["bos_token_id"] = [self.bos_token_id]
+        for name, ids in named.items():
+            if max(ids) >= vocab:
+                raise ValueError(f"{name} ({max(ids)}) must be below vocab_size ({vocab})")
+        if len(set(self.eos_token_ids)) != len(self.eos_token_ids):
+            raise ValueError(f"eos_token_ids {self.eos_token_ids} lists an id twice")
+        _check_files(self.tokenizer, self.files(), self.checksums)
         return self
+
+    @property
+    def eos_token_id(self) -> int:
+        """The first EOS id (format 1's only one)."""
+        return self.eos_token_ids[0]
 
     def files(self) -> list[str]:
         """Every file the bundle needs besides the manifest."""
-        graphs = [self.graphs.standard] + ([self.graphs.inplace] if self.graphs.inplace else [])
-        return [f for g in graphs for f in g.files()] + [self.tokenizer]
+        return [*_graph_files(self.graphs), self.tokenizer]
+
+
+class ManifestV1(_Strict):
+    """A format 1 manifest, validated as format 1 was; `upgraded()` is the same bundle as a `Manifest`."""
+
+    format_version: Literal[1]
+    model_name: str = Field(min_length=1)
+    architecture: ArchitectureV1
+    graphs: Graphs
+    dtype: Literal["float32", "float16"]
+    quantization: Literal["none", "int8"]
+    eos_token_id: NonNegativeInt
+    pad_token_id: NonNegativeInt
+    tokenizer: str = "tokenizer.json"
+    execution_providers: list[str] = Field(min_length=1)
+    tensorrt: TensorRTSettings
+    verification: dict[str, Any] = Field(default_factory=dict)  # export.verify's report, as written
+    # Jinja source that renders chat messages as the prompt (transformers' chat_template); None: the bundle
+    # serves no chat (bundles written before this field keep loading without it).
+    chat_template: str | None = Field(None, min_length=1)
+    checksums: dict[str, str]  # file name -> sha256 hex, for every file but the manifest
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ManifestV1:
+        vocab = self.architecture.vocab_size
+        for name in ("eos_token_id", "pad_token_id"):
+            if getattr(self, name) >= vocab:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be below vocab_size ({vocab})")
+        _check_files(self.tokenizer, [*_graph_files(self.graphs), self.tokenizer], self.checksums)
+        return self
+
+    def upgraded(self) -> Manifest:
+        fields = self.model_dump(exclude={"eos_token_id", "architecture"})
+        architecture = {**self.architecture.model_dump(), "n_kv_heads": self.architecture.n_heads}
+        return Manifest.model_validate(
+            {**fields, "architecture": architecture, "eos_token_ids": [self.eos_token_id]}
+        )
 
 
 @dataclass(frozen=True)
@@ -227,12 +329,15 @@ def read_manifest(root: Path) -> Manifest:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BundleError(f"{path}: not readable JSON: {exc}") from exc
     version = raw.get("format_version") if isinstance(raw, dict) else None
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        readable = " and ".join(map(str, READABLE_VERSIONS))
         raise BundleError(
-            f"{path}: unsupported bundle format version {version!r} (this server reads {FORMAT_VERSION}); "
+            f"{path}: unsupported bundle format version {version!r} (this server reads {readable}); "
             "re-export the model with this version's `textgen-export`"
         )
     try:
+        if version == 1:
+            return ManifestV1.model_validate(raw).upgraded()
         return Manifest.model_validate(raw)
     except ValidationError as exc:
         raise BundleError(f"{path}: invalid manifest: {exc}") from exc

@@ -44,6 +44,7 @@ class FakeEngine:
         self.context_length = capacity
         self.vocab_size = tokenizer.get_vocab_size()
         self.eos_token_id = EOS_ID
+        self.eos_token_ids: tuple[int, ...] = (EOS_ID,)
         self.eos_after = eos_after  # emit EOS as this many-th generated token
         self._alphabet = [tokenizer.encode(c).ids[0] for c in LETTERS]
         self._ids: list[str] = []
@@ -200,6 +201,7 @@ class Instrumented:
         self.vocab_size = engine.vocab_size
         self.eos_token_id = engine.eos_token_id
         self.constraint_compiler = engine.constraint_compiler
+        self.eos_token_ids = engine.eos_token_ids
         self.step_seconds = step_seconds
         self.gate = threading.Event()
         self.gate.set()

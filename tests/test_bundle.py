@@ -1,4 +1,5 @@
-"""The bundle format: round trip, and every way a bundle can be refused with a clear BundleError."""
+"""The bundle format: round trip, format 1 bundles read as before, and every way a bundle can be refused with
+a clear BundleError."""
 
 from __future__ import annotations
 
@@ -37,8 +38,10 @@ def test_round_trip(tiny_bundle: Path) -> None:
     bundle = load_bundle(tiny_bundle)
     m = bundle.manifest
     assert isinstance(bundle, Bundle)
-    assert m.format_version == 1 and m.dtype == "float32" and m.quantization == "none"
-    assert (m.architecture.n_layers, m.architecture.n_heads, m.architecture.head_dim) == (2, 2, 16)
+    assert m.format_version == 2 and m.dtype == "float32" and m.quantization == "none"
+    arch = m.architecture
+    assert (arch.n_layers, arch.n_heads, arch.n_kv_heads, arch.head_dim) == (2, 2, 2, 16)
+    assert (arch.norm, arch.sliding_window) == ("layer", 0)
     assert bundle.standard_graph == tiny_bundle / "model.onnx" and bundle.standard_graph.is_file()
     assert bundle.inplace_graph is not None and bundle.inplace_graph.is_file()
     assert m.graphs.standard.inputs[:3] == ["input_ids", "attention_mask", "position_ids"]
@@ -46,6 +49,7 @@ def test_round_trip(tiny_bundle: Path) -> None:
     assert set(m.checksums) == {"model.onnx", "model_inplace.onnx", "tokenizer.json"}
     assert all(sha256_file(tiny_bundle / f) == digest for f, digest in m.checksums.items())
     assert bundle.tokenizer.token_to_id("<|endoftext|>") == m.eos_token_id
+    assert m.eos_token_ids == [m.eos_token_id] and m.bos_token_id is None
     assert bundle.tokenizer.token_to_id("<|pad|>") == m.pad_token_id
     assert m.verification["passed"] is True
     # What is written reads back identically.
@@ -84,18 +88,60 @@ def test_manifest_not_json(bundle_copy: Path) -> None:
 
 
 def test_unsupported_format_version(bundle_copy: Path) -> None:
-    edit_manifest(bundle_copy, lambda d: d.update(format_version=2))
+    edit_manifest(bundle_copy, lambda d: d.update(format_version=3))
     message = refused(bundle_copy)
-    assert "unsupported bundle format version 2" in message and "reads 1" in message
+    assert "unsupported bundle format version 3" in message and "reads 1 and 2" in message
+
+
+def as_format_1(data: dict[str, Any]) -> None:
+    """A format 2 manifest of this project's decoder rewritten as format 1 wrote it (with the optional chat
+    template that format 1 bundles of the demo carry)."""
+    data["format_version"] = 1
+    for key in ("n_kv_heads", "norm", "sliding_window"):
+        del data["architecture"][key]
+    data["eos_token_id"] = data.pop("eos_token_ids")[0]
+    del data["bos_token_id"]
+
+
+def test_format_1_manifest_loads_as_before(bundle_copy: Path, tiny_bundle: Path) -> None:
+    edit_manifest(bundle_copy, as_format_1)
+    old, new = load_bundle(bundle_copy).manifest, load_bundle(tiny_bundle).manifest
+    assert old.format_version == 1
+    assert old.model_dump(exclude={"format_version"}) == new.model_dump(exclude={"format_version"})
+    assert old.eos_token_ids == [old.eos_token_id] and old.architecture.n_kv_heads == old.architecture.n_heads
+    assert Manifest.model_validate_json(old.model_dump_json()) == old
 
 
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        (lambda d: d["architecture"].update(n_heads=3), "must equal d_model"),
+        (lambda d: d["architecture"].update(n_heads=3), "must equal d_model"),  # format 1's rule
+        (lambda d: d["architecture"].update(n_kv_heads=1), "Extra inputs are not permitted"),
+        (lambda d: d.update(eos_token_ids=[0, 1]), "Extra inputs are not permitted"),
+        (lambda d: d["architecture"].update(activation="swiglu"), "activation"),
+        (lambda d: d.update(eos_token_id=10_000), "must be below vocab_size"),
+    ],
+)
+def test_format_1_manifest_is_checked_as_format_1(
+    bundle_copy: Path, change: Callable[[dict[str, Any]], None], expected: str
+) -> None:
+    edit_manifest(bundle_copy, lambda d: (as_format_1(d), change(d)))
+    message = refused(bundle_copy)
+    assert "invalid manifest" in message and expected in message
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda d: d["architecture"].update(n_kv_heads=3), "must divide n_heads"),
         (lambda d: d.update(dtype="int4"), "dtype"),
         (lambda d: d.update(surprise=1), "Extra inputs are not permitted"),
-        (lambda d: d.update(eos_token_id=10_000), "must be below vocab_size"),
+        (lambda d: d.update(eos_token_id=0), "Extra inputs are not permitted"),  # format 1's key
+        (lambda d: d.update(eos_token_ids=[0, 10_000]), "must be below vocab_size"),
+        (lambda d: d.update(eos_token_ids=[]), "eos_token_ids"),
+        (lambda d: d.update(eos_token_ids=[0, 0]), "lists an id twice"),
+        (lambda d: d.update(bos_token_id=10_000), "bos_token_id (10000) must be below vocab_size"),
+        (lambda d: d.update(chat_template=""), "chat_template"),
         (lambda d: d["graphs"]["standard"].update(file="../model.onnx"), "plain file name"),
         (lambda d: d["checksums"].pop("tokenizer.json"), "files without a checksum"),
         (lambda d: d["checksums"].update({"model.onnx": "abc"}), "not a lowercase sha256"),
@@ -148,3 +194,17 @@ def test_a_bundle_written_before_chat_templates_loads_and_a_demo_one_is_stale(bu
     assert load_bundle(bundle_copy).manifest.chat_template is None
     # ensure_demo_bundle re-exports a demo bundle without the demo's chat template (the next `make serve`).
     assert _up_to_date(bundle_copy, source, DEMO_CHAT_TEMPLATE) is None
+
+
+def test_format_2_head_dim_need_not_tie_to_d_model(bundle_copy: Path) -> None:
+    """Qwen3: 4 heads of 32 on a d_model of 64; the KV cache is sized by n_kv_heads x head_dim."""
+    edit_manifest(bundle_copy, lambda d: d["architecture"].update(n_heads=4, n_kv_heads=1, head_dim=32))
+    arch = load_bundle(bundle_copy).manifest.architecture
+    assert (arch.n_heads, arch.n_kv_heads, arch.head_dim, arch.d_model) == (4, 1, 32, 32)
+    assert arch.kv_bytes_per_token(4) == 2 * 2 * 1 * 32 * 4
+
+
+def test_format_2_n_kv_heads_defaults_to_n_heads(bundle_copy: Path) -> None:
+    edit_manifest(bundle_copy, lambda d: d["architecture"].pop("n_kv_heads"))
+    arch = load_bundle(bundle_copy).manifest.architecture
+    assert arch.n_kv_heads == arch.n_heads == 2

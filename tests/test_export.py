@@ -23,6 +23,9 @@ from export.pipeline import PRESETS, ExportedGraphs, ExportOptions, write_verifi
 from export.quantize import count_weight_matmuls, fold_weight_transposes, quantize_int8
 from export.verify import FP32_TOLERANCE, VerificationFailed, batch_invariant, verify_bundle
 from serve.bundle import MANIFEST_FILE, load_bundle, sha256_file
+from serve.engine.engine import Engine
+from serve.engine.sampling import SamplingParams
+from serve.engine.types import EngineSettings, NewSequence
 
 # The first test to use the demo fixtures may train (~3 min) and export the demo model.
 DEMO_TIMEOUT = pytest.mark.timeout(1200)
@@ -235,22 +238,35 @@ def test_fp16_standard_graph_runs_finite_on_cpu_with_padding(tiny_bundle: Path) 
 def test_writer_uses_external_data_only_when_needed(
     tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Over the threshold, both graphs keep their weights in one file, each shared tensor written once."""
     import export.bundle_writer as writer
 
     fields = load_bundle(tiny_bundle).manifest.model_dump(exclude={"checksums", "graphs"})
-    graph = onnx.load(str(tiny_bundle / "model.onnx"))
+    standard = onnx.load(str(tiny_bundle / "model.onnx"))
+    inplace = onnx.load(str(tiny_bundle / "model_inplace.onnx"))
+    inplace_bytes = sum(len(t.raw_data) for t in inplace.graph.initializer if len(t.raw_data) >= 1024)
     monkeypatch.setattr(writer, "EXTERNAL_DATA_THRESHOLD", 0)
     with BundleStage(tmp_path / "ext") as stage:
-        spec = stage.add_graph("model.onnx", graph, 23)
+        specs = {"standard": stage.add_graph("model.onnx", standard, 23)}
+        written = (stage.dir / "weights.data").stat().st_size
+        specs["inplace"] = stage.add_graph("model_inplace.onnx", inplace, 20)
         stage.add_tokenizer((tiny_bundle / "tokenizer.json").read_text())
-        stage.write_manifest(fields | {"graphs": {"standard": spec}})
+        stage.write_manifest(fields | {"graphs": specs})
+        shared = stage.shared_bytes
         stage.commit()
     bundle = load_bundle(tmp_path / "ext")
-    assert spec.external_data == "model.onnx.data"
-    assert "model.onnx.data" in bundle.manifest.checksums
+    assert specs["standard"].external_data == specs["inplace"].external_data == "weights.data"
+    assert "weights.data" in bundle.manifest.checksums
     sizes = {p.name: p.stat().st_size for p in (tmp_path / "ext").iterdir()}
-    assert sizes["model.onnx"] < sizes["model.onnx.data"]
+    assert sizes["model.onnx"] < sizes["weights.data"] and sizes["model_inplace.onnx"] < 20_000
+    # Every weight of the serving graph is one the standard graph wrote: nothing was added for it.
+    assert shared == inplace_bytes and sizes["weights.data"] == written
     assert len(session(bundle.standard_graph).get_outputs()) == 5
+    engine = Engine.from_bundle(bundle, EngineSettings(max_batch_size=1))
+    reference = Engine.from_bundle(load_bundle(tiny_bundle), EngineSettings(max_batch_size=1))
+    for e in (engine, reference):
+        e.prefill([NewSequence("s", [5, 6, 7], SamplingParams())])
+    np.testing.assert_array_equal(engine.last_logits, reference.last_logits)
 
 
 def test_stage_refuses_a_non_bundle_directory(tmp_path: Path) -> None:
@@ -274,3 +290,51 @@ def test_failed_stage_leaves_the_old_bundle_and_no_temp_dir(tiny_bundle: Path, t
 def test_int8_and_fp16_are_exclusive() -> None:
     with pytest.raises(ValueError, match="choose one"):
         ExportOptions(model_name="x", int8=True, fp16=True)
+
+
+def _rms_norm_graph() -> onnx.ModelProto:
+    """The serving graph's RMSNorm alone (export/onnx_inplace.py), over x [n, 64]."""
+    from export.onnx_inplace import _GraphBuilder
+
+    norm = torch.nn.RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 64))
+    g = _GraphBuilder()
+    out = g.norm("x", norm, "ln")
+    graph = helper.make_graph(
+        g.nodes,
+        "rms",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64])],
+        [helper.make_tensor_value_info(out, TensorProto.FLOAT, ["n", 64])],
+        g.initializers,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+
+def test_fp16_rms_norm_does_not_overflow() -> None:
+    """x^2 overflows float16 past 256; real residual streams reach thousands. The fp16 graph keeps the norm's
+    reduction in float32: finite, and as exact as float16 output allows."""
+    fp32 = _rms_norm_graph()
+    scales = np.array([[1], [300], [2000], [9000]], np.float32)
+    x = (np.random.default_rng(0).normal(size=(4, 64)) * scales).astype(np.float32)
+    expected = session(fp32).run(None, {"x": x})[0]
+    fp16 = convert_fp16(fp32)
+    got = session(fp16).run(None, {"x": x.astype(np.float16)})[0]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got.astype(np.float32), expected, rtol=2e-3, atol=2e-3)
+    # ONNX Runtime's CPU kernels widen float16 themselves (a naive conversion stays finite here too), so the
+    # overflow a GPU would hit is checked in the graph's types: the square and the mean are float32.
+    assert _elem_types(fp16, ("Pow", "ReduceMean", "Sqrt")) == {onnx.TensorProto.FLOAT}
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    naive = convert_float_to_float16(
+        onnx.ModelProto.FromString(fp32.SerializeToString()), keep_io_types=False
+    )
+    assert _elem_types(naive, ("Pow", "ReduceMean", "Sqrt")) == {onnx.TensorProto.FLOAT16}
+
+
+def _elem_types(model: onnx.ModelProto, ops: tuple[str, ...]) -> set[int]:
+    """Element types of the outputs of the nodes of `ops`, by shape inference."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
+    return {types[n.output[0]] for n in inferred.graph.node if n.op_type in ops}

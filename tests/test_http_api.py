@@ -417,26 +417,36 @@ def test_errors_in_openais_shape(base: str, path: str, body: Any, status: int, m
 
 
 def test_structured_output_from_response_format_and_vllms_fields(client: openai.OpenAI, model: str) -> None:
-    choices = ["alpha", "beta gamma"]
+    choices = ["alpha", "beta gamma"]  # greedy, and room for the longer one spelt a byte a token
     picked = client.completions.create(
-        model=model, prompt=PROMPT, max_tokens=8, extra_body={"guided_choice": choices}
+        model=model, prompt=PROMPT, max_tokens=32, temperature=0, extra_body={"guided_choice": choices}
     )
     assert picked.choices[0].text in choices and picked.choices[0].finish_reason == "stop"
     newer = client.completions.create(
-        model=model, prompt=PROMPT, max_tokens=8, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}}
+        model=model,
+        prompt=PROMPT,
+        max_tokens=32,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}"}},
     )
     assert re.fullmatch("[0-9]{3}", newer.choices[0].text), newer.choices[0].text
     schema = {"type": "string", "enum": ["yes", "no"]}
     chat = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "yes or no?"}],
-        max_tokens=8,
+        max_tokens=32,
+        temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
     )
     text = chat.choices[0].message.content
     assert text is not None and json.loads(text) in ("yes", "no") and chat.choices[0].finish_reason == "stop"
     streamed = client.completions.create(
-        model=model, prompt=PROMPT, max_tokens=8, stream=True, extra_body={"guided_choice": choices}
+        model=model,
+        prompt=PROMPT,
+        max_tokens=32,
+        temperature=0,
+        stream=True,
+        extra_body={"guided_choice": choices},
     )
     assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) in choices
 

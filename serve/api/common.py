@@ -29,6 +29,8 @@ def chat_template(bundle: Bundle) -> ChatTemplate | None:
     if manifest.chat_template is None:
         return None
     ids = {"eos_token": manifest.eos_token_id, "pad_token": manifest.pad_token_id}
+    if manifest.bos_token_id is not None:  # Llama's templates begin with {{ bos_token }}
+        ids["bos_token"] = manifest.bos_token_id
     where = f"{bundle.root / MANIFEST_FILE}: chat_template"
     return ChatTemplate(manifest.chat_template, special_tokens(bundle.tokenizer, ids), where=where)
 

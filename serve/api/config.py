@@ -6,6 +6,7 @@ Precedence: CLI flag > environment variable > default. Every field `x_y` is the 
 
 from __future__ import annotations
 
+import re
 import ssl
 from pathlib import Path
 from typing import Annotated, Literal
@@ -22,6 +23,27 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 
 class ConfigError(ValueError):
     """Invalid configuration; the message lists every bad setting."""
+
+
+_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_memory(value: object) -> object:
+    """`512MiB`, `2GiB`, `1.5G`, `768M`, `65536B` (binary units either way) or a bare number of MiB ->
+    bytes."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return int(value * _UNITS["m"])
+    if not isinstance(value, str):
+        return value
+    match = _MEMORY.match(value)
+    if match is None:
+        raise ValueError(
+            f"{value!r} is not an amount of memory: give e.g. 512MiB or 2GiB (a bare number: MiB)"
+        )
+    number, unit, suffix = match.groups()
+    scale = _UNITS[unit.lower()] if unit or suffix else _UNITS["m"]
+    return int(float(number) * scale)
 
 
 class ServerSettings(BaseSettings, BatchingKnobs):
@@ -73,7 +95,22 @@ class ServerSettings(BaseSettings, BatchingKnobs):
         "use but the first; the server's process runs on the others, so its threads never take the "
         "engine's cores; threads defaults to their number (default: no pinning)",
     )
-    max_batch_size: int = Field(16, ge=1, le=1024, description="rows in one engine step")
+    max_batch_size: int = Field(
+        16, ge=1, le=1024, description="rows in one engine step (fewer if kv_cache_memory holds fewer)"
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=2,
+        description="tokens of one KV row: the most prompt + new tokens a request may take (default: the "
+        "model's context length, at most 4096)",
+    )
+    kv_cache_memory: Annotated[int | None, NoDecode] = Field(
+        None,
+        ge=1,
+        description="memory for the KV cache, e.g. 512MiB or 4GiB (a bare number: MiB): rows of "
+        "max_model_len tokens, running first (up to max_batch_size), then the prefix cache's (default: "
+        "max_batch_size + prefix_cache_rows rows, whatever they take)",
+    )
     prefix_cache_rows: int = Field(
         4,
         ge=0,
@@ -120,6 +157,11 @@ class ServerSettings(BaseSettings, BatchingKnobs):
         if isinstance(value, str):
             return [p.strip() for p in value.split(",") if p.strip()]
         return value
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _parse_memory(cls, value: object) -> object:
+        return parse_memory(value)
 
     @field_validator("engine_cpus", mode="before")
     @classmethod

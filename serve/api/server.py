@@ -36,8 +36,9 @@ from serve.api.grpc_requests import generation_request, prompt_ids, reject_unkno
 from serve.api.grpc_status import grpc_status
 from serve.api.metrics import Metrics
 from serve.api.openai_api import HttpServer, http_api
+from serve.api.sizing import KvSizing, size_kv_cache
 from serve.api.validation import RequestLimits, check_request_id, token_ids
-from serve.bundle import load_bundle
+from serve.bundle import Bundle, load_bundle
 from serve.engine.sampling import Alternatives
 from serve.engine.types import EngineInfo, EngineSettings, SessionConfig
 from serve.errors import Draining, InvalidRequest
@@ -156,20 +157,43 @@ def request_limits(settings: ServerSettings, info: EngineInfo, max_total_tokens:
     )
 
 
-def scheduler_limits(settings: ServerSettings) -> SchedulerLimits:
-    return SchedulerLimits.of(settings, settings.max_batch_size)
+def scheduler_limits(settings: ServerSettings, sizing: KvSizing | None = None) -> SchedulerLimits:
+    return SchedulerLimits.of(settings, sizing.max_batch_size if sizing else settings.max_batch_size)
 
 
-def engine_settings(settings: ServerSettings) -> EngineSettings:
+def engine_settings(settings: ServerSettings, sizing: KvSizing | None = None) -> EngineSettings:
+    """The engine's settings; `sizing` (the KV rows the memory budget allows) over the flags' own rows."""
     threads = settings.threads or len(engine_cpus(settings.engine_cpus) or ())  # 0: ONNX Runtime's choice
     providers = tuple(settings.providers or ())
     session = SessionConfig(providers=providers, threads=threads, spinning=settings.spinning)
     return EngineSettings(
-        max_batch_size=settings.max_batch_size,
+        max_batch_size=sizing.max_batch_size if sizing else settings.max_batch_size,
+        capacity=sizing.max_model_len if sizing else settings.max_model_len,
         session=session,
-        prefix_cache_rows=settings.prefix_cache_rows,
+        prefix_cache_rows=sizing.prefix_cache_rows if sizing else settings.prefix_cache_rows,
         prefix_cache_min_tokens=settings.prefix_cache_min_tokens,
     )
+
+
+def kv_sizing(settings: ServerSettings, bundle: Bundle) -> KvSizing:
+    """The KV rows to allocate for this bundle (ConfigError: none fits the budget), logged."""
+    sizing = size_kv_cache(
+        bundle.manifest,
+        settings.max_model_len,
+        settings.kv_cache_memory,
+        settings.max_batch_size,
+        settings.prefix_cache_rows,
+    )
+    log.info("%s", sizing.describe())
+    if sizing.max_batch_size < settings.max_batch_size:
+        log.warning(
+            "max_batch_size %d -> %d: kv_cache_memory holds %d rows of %d tokens",
+            settings.max_batch_size,
+            sizing.max_batch_size,
+            sizing.max_batch_size,
+            sizing.max_model_len,
+        )
+    return sizing
 
 
 def checked_engine_cpus(settings: ServerSettings) -> frozenset[int] | None:
@@ -209,10 +233,10 @@ async def load_model(
     """Bundle, warmed-up engine (in its own process, or here), started scheduler; raises BundleError for a
     bundle that cannot be served. `wrap` wraps the engine before the scheduler gets it (tests)."""
     bundle = await asyncio.to_thread(load_bundle, settings.bundle)
+    sizing = kv_sizing(settings, bundle)
     cpus = checked_engine_cpus(settings) if settings.engine_process else None
-    spec = EngineSpec(
-        bundle, engine_settings(settings), scheduler_limits(settings), settings.log_level, wrap, cpus
-    )
+    limits = scheduler_limits(settings, sizing)
+    spec = EngineSpec(bundle, engine_settings(settings, sizing), limits, settings.log_level, wrap, cpus)
     if not settings.engine_process:
         scheduler, info = await open_in_thread(spec, metrics)
         return LoadedModel(
@@ -418,6 +442,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 server_version=server_version(),
                 prefix_cache_rows=model.info.prefix_cache_rows,
                 kv_cache_bytes=model.info.kv_bytes,
+                eos_token_ids=list(model.info.eos_token_ids or (model.info.eos_token_id,)),
+                max_model_len=model.limits.context_length,
             )
 
     async def Tokenize(

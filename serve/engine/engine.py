@@ -130,7 +130,7 @@ class Engine:
             for layer in range(spec.n_layers)
             for kind in ("key", "value")
         }
-        self._kv = KvCache(rows, (spec.n_heads, capacity, spec.head_dim), kv_types, self.kv_device)
+        self._kv = KvCache(rows, (spec.kv_heads, capacity, spec.head_dim), kv_types, self.kv_device)
         self._lengths = np.zeros(settings.max_batch_size, np.int64)  # tokens in each row's cache
         self._pending = np.zeros(settings.max_batch_size, np.int64)  # sampled, not yet in the cache
         self._tokens = np.zeros((settings.max_batch_size, capacity), np.int64)  # each row's cached token ids
@@ -173,6 +173,8 @@ class Engine:
             context_length=arch.context_length,
             eos_token_id=m.eos_token_id,
             pad_token_id=m.pad_token_id,
+            n_kv_heads=arch.n_kv_heads,
+            eos_token_ids=tuple(m.eos_token_ids),
         )
         # The bundle's optimization profile names the standard graph's inputs; the serving graph's
         # GroupQueryAttention runs on CUDA anyway, so TensorRT gets only its engine cache and precision.
@@ -203,6 +205,11 @@ class Engine:
         return self.spec.eos_token_id
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation, eos_token_id first."""
+        return self.spec.eos_ids
+
+    @property
     def batch_size(self) -> int:
         return len(self._ids)
 
@@ -211,7 +218,7 @@ class Engine:
         return list(self._ids)
 
     def kv_shape(self) -> tuple[int, ...]:
-        """Shape of the live KV view the graph runs on: (rows, heads, capacity, head_dim)."""
+        """Shape of the live KV view the graph runs on: (rows, kv heads, capacity, head_dim)."""
         return (self.batch_size, *self._kv.row_shape)
 
     @property
@@ -231,6 +238,7 @@ class Engine:
             kv_device=self.kv_device.type,
             prefix_cache_rows=self.prefix_cache_rows,
             kv_bytes=self.kv_bytes,
+            eos_token_ids=self.eos_token_ids,
         )
 
     def kv_buffer_devices(self) -> list[str]:
@@ -248,7 +256,7 @@ class Engine:
         use. Thread-safe, unlike the engine: requests are tracked on another thread than the one stepping."""
         with self._compiler_lock:
             if self._compiler is None:
-                self._compiler = ConstraintCompiler(self.tokenizer, self.vocab_size, [self.eos_token_id])
+                self._compiler = ConstraintCompiler(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
             return self._compiler
 
     @property

@@ -30,9 +30,11 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 MAX_LOGIT_BIAS_TOKENS = 300  # entries per request
 
-# Top-p first looks for its threshold among this many largest logits; a full sort is needed only for rows
-# whose nucleus is wider (nearly flat distributions), which keeps the usual case O(vocab) instead of a sort.
-_TOP_P_CANDIDATES = 256
+# Top-p looks for its threshold among this many largest logits, then (rows whose nucleus is wider) among
+# the next size's, and sorts a whole row only past the last: O(vocab) for the usual case instead of a sort.
+# At a vocabulary of 151,936 a peaked row's tail alone can hold 10% of the mass, so its nucleus of 0.9
+# needs more than 256 tokens; the second size spares those rows the full sort (16 rows: 96 -> 30 ms).
+_TOP_P_CANDIDATES = (256, 4096)
 # Tokens per block of the two-level inverse-CDF draw.
 _DRAW_BLOCK = 64
 _NO_ROWS = np.empty(0, dtype=np.int64)
@@ -292,11 +294,14 @@ def apply_top_p(logits: np.ndarray, top_p: np.ndarray) -> None:
     vocab = block.shape[1]
     threshold = np.empty((block.shape[0], 1), dtype=block.dtype)
     wide = np.ones(block.shape[0], dtype=bool)
-    if vocab > _TOP_P_CANDIDATES:
-        top = np.partition(block, vocab - _TOP_P_CANDIDATES, axis=1)[:, vocab - _TOP_P_CANDIDATES :]
-        found, reached = _nucleus_threshold(np.sort(top, axis=1)[:, ::-1], target)
-        threshold[reached] = found[reached]
-        wide = ~reached
+    for candidates in _TOP_P_CANDIDATES:
+        if candidates >= vocab or not wide.any():
+            break
+        rows_left = np.flatnonzero(wide)
+        top = np.partition(block[rows_left], vocab - candidates, axis=1)[:, vocab - candidates :]
+        found, reached = _nucleus_threshold(np.sort(top, axis=1)[:, ::-1], target[rows_left])
+        threshold[rows_left[reached]] = found[reached]
+        wide[rows_left[reached]] = False
     if wide.any():
         threshold[wide] = _nucleus_threshold(np.sort(block[wide], axis=1)[:, ::-1], target[wide])[0]
     block[block < threshold] = -np.inf

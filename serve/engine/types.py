@@ -31,8 +31,18 @@ class ModelSpec:
     head_dim: int
     vocab_size: int
     context_length: int
-    eos_token_id: int
+    eos_token_id: int  # the first of eos_token_ids
     pad_token_id: int
+    n_kv_heads: int = 0  # the KV cache's heads (grouped-query attention); 0: n_heads
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends a generation; empty: eos_token_id alone
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.eos_token_ids or (self.eos_token_id,)
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,7 @@ class EngineInfo:
     kv_device: str  # "cpu", "cuda"
     prefix_cache_rows: int
     kv_bytes: int
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends a generation, eos_token_id first
 
 
 class TokenOut(NamedTuple):

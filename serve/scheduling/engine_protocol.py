@@ -44,6 +44,8 @@ class BatchEngine(EngineView, Protocol):
     @property
     def eos_token_id(self) -> int: ...
     @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...  # every id that ends a generation, eos_token_id first
+    @property
     def tokenizer(self) -> tokenizers.Tokenizer: ...
     @property
     def constraint_compiler(self) -> ConstraintCompiler: ...  # the model's, thread-safe, with its cache

@@ -9,6 +9,7 @@ It records the timestamps the metrics need (all `time.monotonic()` values).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -202,7 +203,7 @@ class RequestTracker:
         self,
         request: GenerationRequest,
         tokenizer: tokenizers.Tokenizer,
-        eos_token_id: int,
+        eos_token_ids: int | Sequence[int],  # every id that ends a generation as EOS
         token_limit: int,
         arrival: float,
     ) -> None:
@@ -215,7 +216,8 @@ class RequestTracker:
         self.completion_tokens = 0  # tokens handed to the client (EOS excluded)
         self.cancel_requested = False
         self._prompt_scores = _NO_SCORES  # the prompt's, until the first event carries them
-        self._eos = eos_token_id
+        self._eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
+        self._eos_set = frozenset(self._eos)
         self._stop_ids = frozenset(request.stop_token_ids)
         self._limit = token_limit  # prompt + generated tokens may not exceed it
         self._text = TextStream(
@@ -261,7 +263,7 @@ class RequestTracker:
 
         request = self.request
         eos_ends = not request.ignore_eos or self._constrained  # a constrained request ends at EOS anyway
-        ends = (self._eos, *request.stop_token_ids) if eos_ends else request.stop_token_ids
+        ends = (*self._eos, *request.stop_token_ids) if eos_ends else request.stop_token_ids
         compiled = None
         if self.compiled is not None:
             compiled = self.compiled.result()  # admitted only once compiled
@@ -318,7 +320,7 @@ class RequestTracker:
         self.produced += 1
         if self.request.max_new_tokens == 0:  # scoring only: the prompt's logprobs, no token
             return self._event([], "", [], []), self._finish("length", now)
-        if token_id == self._eos and (self._constrained or not self.request.ignore_eos):
+        if token_id in self._eos_set and (self._constrained or not self.request.ignore_eos):
             self._matching = self._constrained  # a constraint allows EOS only where its output matches
             return self._event([], self._text.flush(), [], []), self._finish("eos", now)
         if token_id in self._stop_ids:

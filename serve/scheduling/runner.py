@@ -121,7 +121,7 @@ class BatchRunner:
             request, self.engine.vocab_size, self.max_total_tokens, stop_at_context=stop_at_context
         )
         tracker = RequestTracker(
-            request, self.engine.tokenizer, self.engine.eos_token_id, self.max_total_tokens, time.monotonic()
+            request, self.engine.tokenizer, self.engine.eos_token_ids, self.max_total_tokens, time.monotonic()
         )
         if request.constraint is not None:
             tracker.compiled = self.engine.constraint_compiler.submit(request.constraint)

@@ -1,0 +1,712 @@
+"""Import a local Hugging Face checkpoint folder into the decoder of export/model.py.
+
+A folder as `save_pretrained` or a hub download writes it: config.json, model.safetensors (or shards listed by
+model.safetensors.index.json), generation_config.json, tokenizer.json (or a SentencePiece tokenizer.model),
+tokenizer_config.json, chat_template.jinja. Nothing is downloaded, and transformers' modules are not used:
+config.json becomes a DecoderConfig, and the tensors are mapped onto the decoder's own state dict.
+
+Families (`SUPPORTED_ARCHITECTURES`):
+- Llama, Mistral, Qwen2, Qwen3: RMSNorm, SwiGLU MLP, RoPE (default, linear or llama3 scaling), grouped-query
+  attention; Llama's attention_bias / mlp_bias, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm and own
+  head_dim, Mistral's sliding window;
+- GPT-2: learned positions, LayerNorm with bias, tanh-approximated GELU, Conv1D weights ([in, out], so
+  transposed here).
+config.json may be in transformers 4 form (rope_theta and rope_scaling at the top level, torch_dtype) or 5
+(rope_parameters with rope_theta inside, dtype). RoPE types whose tables depend on the sequence length
+(dynamic, yarn, longrope, ...) are refused by name: the graphs precompute one cos/sin table.
+
+Every problem with the folder is an `HFImportError`: one line naming the file, the problem and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from export.model import Decoder, DecoderConfig
+
+LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, "GPT2LMHeadModel")
+ROPE_TYPES = ("default", "linear", "llama3")
+# Scalings whose cos/sin depend on the current sequence length (or switch tables past a length).
+LENGTH_DEPENDENT_ROPE = ("dynamic", "yarn", "longrope", "su", "ntk")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+CONFIG_FILE = "config.json"
+MISMATCH = "the config does not match the weights; use the config.json that came with them"
+GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+SENTENCEPIECE_FILE = "tokenizer.model"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+class HFImportError(Exception):
+    """A Hugging Face folder this importer cannot read: `str()` is one line naming the file and what to do."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class HFTokenizer:
+    """What the bundle writer needs of a checkpoint's tokenizer, read as transformers would apply it."""
+
+    tokenizer: Tokenizer  # encode(text) adds the special tokens the HF tokenizer adds (add_special_tokens)
+    eos_token_ids: tuple[int, ...]  # any of them ends a generation (Llama 3 lists several)
+    bos_token_id: int | None
+    adds_bos: bool  # whether encoding a text prepends bos_token_id
+    pad_token_id: int | None
+    chat_template: str | None  # Jinja source, as transformers' apply_chat_template takes it
+    source: Path  # the file the vocabulary came from
+
+
+@dataclass(frozen=True)
+class HFCheckpoint:
+    architecture: str  # e.g. "LlamaForCausalLM"
+    config: DecoderConfig
+    model: Decoder  # fp32, eval mode, CPU
+    tokenizer: HFTokenizer | None  # None when the folder has no tokenizer files
+    source_dtype: str | None  # config.json's dtype / torch_dtype (the weights are upcast to float32)
+
+
+# -- where the folder is: a path, or a hub id in the local cache --------------------------------------------
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache as huggingface_hub finds it: $HF_HUB_CACHE, else $HF_HOME/hub, else
+    ~/.cache/huggingface/hub (read now, not when huggingface_hub was imported)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or str(Path("~/.cache/huggingface"))
+    return Path(home).expanduser() / "hub"
+
+
+def locate_model(spec: str | Path) -> Path:
+    """A local model folder: `spec` itself if it is a directory, else the snapshot of the hub id `spec` in
+    the local Hugging Face cache. Nothing is downloaded: an id not in the cache is refused with the command
+    that fetches it."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise HFImportError(path, "not a directory; give the folder that holds config.json, or a hub id")
+    text = str(spec)
+    if not HUB_ID.match(text):
+        raise HFImportError(path, "no such folder; give the folder that holds config.json, or a hub id")
+    cache = hub_cache_dir()
+    fetch = f"fetch it first with: huggingface-cli download {text} (or: hf download {text})"
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        raise HFImportError(
+            path, f"no such folder, and huggingface_hub is not installed to look {text!r} up in the cache"
+        ) from None
+    try:
+        found = try_to_load_from_cache(text, CONFIG_FILE, cache_dir=cache)
+    except Exception as exc:  # an id huggingface_hub refuses (HFValidationError), an unreadable cache
+        raise HFImportError(path, f"no such folder, and not a hub id in the cache ({exc}); {fetch}") from exc
+    if isinstance(found, str):
+        return Path(found).parent
+    raise HFImportError(
+        path, f"no such folder, and {text!r} is not in the Hugging Face cache ({cache}); {fetch}"
+    )
+
+
+# -- config.json -> DecoderConfig --------------------------------------------------------------------------
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise HFImportError(path, "file not found; a Hugging Face model folder needs it")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HFImportError(path, f"not valid JSON ({exc}); download the file again") from exc
+    if not isinstance(data, dict):
+        raise HFImportError(path, f"expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def hf_architecture(config: dict[str, Any], path: Path) -> str:
+    architectures = config.get("architectures") or []
+    if not isinstance(architectures, list) or len(architectures) != 1:
+        raise HFImportError(path, f"'architectures' must name one class, found {architectures!r}")
+    name = architectures[0]
+    if name not in SUPPORTED_ARCHITECTURES:
+        raise HFImportError(
+            path, f"architecture {name!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return str(name)
+
+
+class _Fields:
+    """Typed reads of config.json values, each failure an HFImportError naming the key."""
+
+    def __init__(self, config: dict[str, Any], path: Path) -> None:
+        self.config = config
+        self.path = path
+
+    def has(self, key: str) -> bool:
+        return self.config.get(key) is not None
+
+    def integer(self, key: str, default: int | None = None) -> int:
+        value = self.config.get(key, default)
+        if value is None:
+            value = default
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise HFImportError(self.path, f"{key!r} must be a positive integer, found {value!r}")
+        return value
+
+    def number(self, key: str, default: float) -> float:
+        value = self.config.get(key, default)
+        if value is None:
+            value = default
+        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+            raise HFImportError(self.path, f"{key!r} must be a number, found {value!r}")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.config.get(key, default)
+        if value is None:
+            value = default
+        if not isinstance(value, bool):
+            raise HFImportError(self.path, f"{key!r} must be true or false, found {value!r}")
+        return value
+
+    def refuse(self, problem: str) -> HFImportError:
+        return HFImportError(self.path, problem)
+
+
+def _rope_fields(f: _Fields, context_length: int) -> dict[str, Any]:
+    """RoPE settings in either form: transformers 5's rope_parameters (rope_theta inside), or transformers 4's
+    top-level rope_theta with rope_scaling (whose type key was once "type")."""
+    params = f.config.get("rope_parameters") or f.config.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise f.refuse(f"RoPE parameters must be an object, found {params!r}")
+    if params and all(isinstance(v, dict) for v in params.values()):  # one dict per layer type
+        distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
+        if len(distinct) != 1:
+            raise f.refuse(f"RoPE parameters differ between layer types ({', '.join(params)}); not supported")
+        params = next(iter(params.values()))
+    kind = params.get("rope_type", params.get("type")) or "default"
+    if kind not in ROPE_TYPES:
+        why = " (its tables depend on the sequence length)" if kind in LENGTH_DEPENDENT_ROPE else ""
+        raise f.refuse(f"RoPE type {kind!r} is not supported{why}; supported: {', '.join(ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", f.config.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise f.refuse(f"partial_rotary_factor {partial!r} is not supported (RoPE on the whole head only)")
+    p = _Fields(params, f.path)
+    theta = p.number("rope_theta", f.number("rope_theta", 10000.0))
+    fields: dict[str, Any] = {"rope_theta": theta}
+    if kind == "linear":
+        fields |= {"rope_scaling": "linear", "rope_factor": p.number("factor", 1.0)}
+    elif kind == "llama3":
+        fields |= {
+            "rope_scaling": "llama3",
+            "rope_factor": p.number("factor", 8.0),
+            "rope_low_freq_factor": p.number("low_freq_factor", 1.0),
+            "rope_high_freq_factor": p.number("high_freq_factor", 4.0),
+            "rope_original_context": p.integer("original_max_position_embeddings", context_length),
+        }
+    return fields
+
+
+def _sliding_window(f: _Fields, architecture: str, n_layers: int) -> int:
+    """Mistral: every layer attends within sliding_window (null: no window). Qwen2/3: only when
+    use_sliding_window, and then only if every layer slides (mixed layer types are refused)."""
+    if architecture == "MistralForCausalLM":
+        return f.integer("sliding_window") if f.has("sliding_window") else 0
+    if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not f.flag(
+        "use_sliding_window", False
+    ):
+        types = f.config.get("layer_types") or []
+        if any(t != "full_attention" for t in types):
+            raise f.refuse(f"layer_types {sorted(set(types))} are not supported: only full_attention here")
+        return 0
+    window = f.integer("sliding_window")
+    types = f.config.get("layer_types") or [
+        "sliding_attention" if i >= f.integer("max_window_layers", 28) else "full_attention"
+        for i in range(n_layers)
+    ]
+    if set(types) == {"full_attention"}:
+        return 0
+    if set(types) != {"sliding_attention"}:
+        raise f.refuse(
+            "layers mixing full and sliding-window attention (use_sliding_window with max_window_layers "
+            f"{f.config.get('max_window_layers')}) are not supported"
+        )
+    return window
+
+
+def _llama_like_config(f: _Fields, architecture: str) -> DecoderConfig:
+    act = f.config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise f.refuse(f"hidden_act {act!r} is not supported for {architecture} (silu only: SwiGLU)")
+    d_model, n_heads = f.integer("hidden_size"), f.integer("num_attention_heads")
+    n_layers, context = f.integer("num_hidden_layers"), f.integer("max_position_embeddings")
+    head_dim = f.integer("head_dim") if f.has("head_dim") else d_model // n_heads
+    if architecture == "Qwen2ForCausalLM":  # q/k/v with biases, o_proj without, always
+        qkv_bias, out_bias, mlp_bias = True, False, False
+    elif architecture == "MistralForCausalLM":
+        qkv_bias = out_bias = mlp_bias = False
+    else:  # Llama, Qwen3
+        qkv_bias = out_bias = f.flag("attention_bias", False)
+        mlp_bias = architecture == "LlamaForCausalLM" and f.flag("mlp_bias", False)
+    return DecoderConfig(
+        vocab_size=f.integer("vocab_size"),
+        context_length=context,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        d_ff=f.integer("intermediate_size"),
+        positions="rotary",
+        activation="swiglu",
+        tie_embeddings=f.flag("tie_word_embeddings", False),
+        layer_norm_eps=f.number("rms_norm_eps", 1e-6),
+        norm="rms",
+        n_kv_heads=f.integer("num_key_value_heads", n_heads),
+        explicit_head_dim=0 if head_dim * n_heads == d_model else head_dim,
+        qkv_bias=qkv_bias,
+        out_bias=out_bias,
+        mlp_bias=mlp_bias,
+        qk_norm=architecture == "Qwen3ForCausalLM",
+        sliding_window=_sliding_window(f, architecture, n_layers),
+        **_rope_fields(f, context),
+    )
+
+
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+
+
+def _gpt2_config(f: _Fields) -> DecoderConfig:
+    act = f.config.get("activation_function", "gelu_new")
+    if act not in GPT2_ACTIVATIONS:
+        raise f.refuse(
+            f"activation_function {act!r} is not supported; supported: {', '.join(GPT2_ACTIVATIONS)}"
+        )
+    if f.flag("scale_attn_by_inverse_layer_idx", False) or not f.flag("scale_attn_weights", True):
+        raise f.refuse("GPT-2 attention scaled otherwise than by 1/sqrt(head_dim) is not supported")
+    if f.flag("add_cross_attention", False):
+        raise f.refuse("GPT-2 with cross-attention is not a decoder-only model")
+    d_model = f.integer("n_embd")
+    return DecoderConfig(
+        vocab_size=f.integer("vocab_size"),
+        context_length=f.integer("n_positions"),
+        d_model=d_model,
+        n_layers=f.integer("n_layer"),
+        n_heads=f.integer("n_head"),
+        d_ff=f.integer("n_inner", 4 * d_model),
+        positions="learned",
+        activation=GPT2_ACTIVATIONS[act],  # type: ignore[arg-type]
+        tie_embeddings=f.flag("tie_word_embeddings", True),
+        layer_norm_eps=f.number("layer_norm_epsilon", 1e-5),
+    )
+
+
+def decoder_config(folder: Path | str) -> tuple[str, DecoderConfig]:
+    """The architecture named in folder/config.json and the DecoderConfig of its model."""
+    path = Path(folder) / CONFIG_FILE
+    config = read_json(path)
+    architecture = hf_architecture(config, path)
+    f = _Fields(config, path)
+    try:
+        cfg = _gpt2_config(f) if architecture == "GPT2LMHeadModel" else _llama_like_config(f, architecture)
+    except ValueError as exc:  # DecoderConfig's own validation: values that do not fit together
+        if isinstance(exc, HFImportError):
+            raise
+        raise HFImportError(path, f"not a valid {architecture} configuration: {exc}") from exc
+    return architecture, cfg
+
+
+# -- safetensors -> the decoder's state dict ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Source:
+    """How one tensor of the decoder is made of checkpoint tensors (concatenated on dim 0, or transposed)."""
+
+    names: tuple[str, ...]
+    combine: Callable[[list[torch.Tensor]], torch.Tensor]
+
+
+def _one(name: str) -> _Source:
+    return _Source((name,), lambda ts: ts[0])
+
+
+def _concat(*names: str) -> _Source:
+    return _Source(names, lambda ts: torch.cat(ts, dim=0))
+
+
+def _transposed(name: str) -> _Source:  # GPT-2's Conv1D keeps [in, out]; nn.Linear [out, in]
+    return _Source((name,), lambda ts: ts[0].t().contiguous())
+
+
+def _llama_like_sources(cfg: DecoderConfig, architecture: str) -> dict[str, _Source]:
+    sources = {"tok_emb.weight": _one("model.embed_tokens.weight"), "ln_f.weight": _one("model.norm.weight")}
+    if not cfg.tie_embeddings:
+        sources["lm_head.weight"] = _one("lm_head.weight")
+    for i in range(cfg.n_layers):
+        hf, ours = f"model.layers.{i}", f"blocks.{i}"
+        attn = f"{hf}.self_attn"
+        mlp = f"{hf}.mlp"
+        sources |= {
+            f"{ours}.ln_attn.weight": _one(f"{hf}.input_layernorm.weight"),
+            f"{ours}.attn.qkv.weight": _concat(*(f"{attn}.{p}_proj.weight" for p in "qkv")),
+            f"{ours}.attn.out.weight": _one(f"{attn}.o_proj.weight"),
+            f"{ours}.ln_ffn.weight": _one(f"{hf}.post_attention_layernorm.weight"),
+            f"{ours}.ffn.up.weight": _concat(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"),
+            f"{ours}.ffn.down.weight": _one(f"{mlp}.down_proj.weight"),
+        }
+        if cfg.qkv_bias:
+            sources[f"{ours}.attn.qkv.bias"] = _concat(*(f"{attn}.{p}_proj.bias" for p in "qkv"))
+        if cfg.out_bias:
+            sources[f"{ours}.attn.out.bias"] = _one(f"{attn}.o_proj.bias")
+        if cfg.mlp_bias:
+            sources[f"{ours}.ffn.up.bias"] = _concat(f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias")
+            sources[f"{ours}.ffn.down.bias"] = _one(f"{mlp}.down_proj.bias")
+        if cfg.qk_norm:
+            sources[f"{ours}.attn.q_norm.weight"] = _one(f"{attn}.q_norm.weight")
+            sources[f"{ours}.attn.k_norm.weight"] = _one(f"{attn}.k_norm.weight")
+    return sources
+
+
+def _gpt2_sources(cfg: DecoderConfig, prefix: str) -> dict[str, _Source]:
+    t = prefix
+    sources = {
+        "tok_emb.weight": _one(f"{t}wte.weight"),
+        "pos_emb.weight": _one(f"{t}wpe.weight"),
+        "ln_f.weight": _one(f"{t}ln_f.weight"),
+        "ln_f.bias": _one(f"{t}ln_f.bias"),
+    }
+    if not cfg.tie_embeddings:
+        sources["lm_head.weight"] = _one("lm_head.weight")
+    for i in range(cfg.n_layers):
+        hf, ours = f"{t}h.{i}", f"blocks.{i}"
+        for kind in ("weight", "bias"):
+            sources[f"{ours}.ln_attn.{kind}"] = _one(f"{hf}.ln_1.{kind}")
+            sources[f"{ours}.ln_ffn.{kind}"] = _one(f"{hf}.ln_2.{kind}")
+        sources |= {
+            f"{ours}.attn.qkv.weight": _transposed(f"{hf}.attn.c_attn.weight"),
+            f"{ours}.attn.qkv.bias": _one(f"{hf}.attn.c_attn.bias"),
+            f"{ours}.attn.out.weight": _transposed(f"{hf}.attn.c_proj.weight"),
+            f"{ours}.attn.out.bias": _one(f"{hf}.attn.c_proj.bias"),
+            f"{ours}.ffn.up.weight": _transposed(f"{hf}.mlp.c_fc.weight"),
+            f"{ours}.ffn.up.bias": _one(f"{hf}.mlp.c_fc.bias"),
+            f"{ours}.ffn.down.weight": _transposed(f"{hf}.mlp.c_proj.weight"),
+            f"{ours}.ffn.down.bias": _one(f"{hf}.mlp.c_proj.bias"),
+        }
+    return sources
+
+
+def _ignored(name: str, cfg: DecoderConfig) -> bool:
+    """Checkpoint tensors that are not weights of ours: older transformers saved RoPE frequencies and GPT-2's
+    causal-mask buffers (attn.bias, attn.masked_bias) with the weights, and a tied model's file may still
+    hold lm_head.weight (transformers ties it to the embedding all the same)."""
+    if cfg.tie_embeddings and name == "lm_head.weight":
+        return True
+    return name.endswith(("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias"))
+
+
+def weight_files(folder: Path) -> dict[Path, list[str] | None]:
+    """The safetensors files to read, each with the tensor names the index assigns it (None: all it holds)."""
+    index_path = folder / WEIGHTS_INDEX_FILE
+    if index_path.is_file():
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise HFImportError(
+                index_path, "no 'weight_map' of tensor names to shard files; download it again"
+            )
+        files: dict[Path, list[str] | None] = {}
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or Path(file).name != file:
+                raise HFImportError(
+                    index_path, f"tensor {name!r} maps to {file!r}, not a file name beside it"
+                )
+            names = files.setdefault(folder / file, [])
+            assert names is not None
+            names.append(name)
+        for path in files:
+            if not path.is_file():
+                raise HFImportError(path, f"shard listed in {WEIGHTS_INDEX_FILE} is missing; download it")
+        return files
+    single = folder / WEIGHTS_FILE
+    if single.is_file():
+        return {single: None}
+    if any(folder.glob("pytorch_model*.bin")):
+        raise HFImportError(
+            single,
+            "not found, only PyTorch .bin weights: convert them to safetensors (load the model in "
+            "transformers and save_pretrained it, or download the repository's model.safetensors)",
+        )
+    raise HFImportError(
+        single, f"not found (nor {WEIGHTS_INDEX_FILE}); download the model's safetensors weights"
+    )
+
+
+def _read_shard(path: Path, names: list[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of one safetensors file (memory-mapped) upcast to float32."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            present = set(f.keys())
+            for name in names if names is not None else sorted(present):
+                if name not in present:
+                    listed = f"tensor {name!r} listed in {WEIGHTS_INDEX_FILE}"
+                    raise HFImportError(path, f"{listed} is not in this shard; download it again")
+                tensor = f.get_tensor(name)
+                if tensor.dtype not in FLOAT_DTYPES:
+                    raise HFImportError(
+                        path,
+                        f"tensor {name!r} is {tensor.dtype}; only float32/bfloat16/float16 weights are "
+                        "supported (not quantized checkpoints)",
+                    )
+                yield name, tensor.to(torch.float32)
+    except HFImportError:
+        raise
+    except Exception as exc:  # safetensors raises SafetensorError, OSError, ... for damaged files
+        raise HFImportError(
+            path, f"not a readable safetensors file ({type(exc).__name__}: {exc}); download it again"
+        ) from exc
+
+
+def load_state_dict(folder: Path | str, architecture: str, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    """The decoder's state dict from the folder's safetensors, shard by shard: each tensor of ours is built
+    (and its sources dropped) as soon as the shards read so far hold all its sources."""
+    folder = Path(folder)
+    files = weight_files(folder)
+    config_path = folder / CONFIG_FILE
+    if architecture == "GPT2LMHeadModel":
+        # GPT-2 checkpoints exist with and without the base model's "transformer." prefix.
+        all_names = [n for names in files.values() if names is not None for n in names]
+        if not all_names:
+            with safe_open(str(next(iter(files))), framework="pt") as f:
+                all_names = list(f.keys())
+        prefix = "transformer." if any(n.startswith("transformer.") for n in all_names) else ""
+        sources = _gpt2_sources(cfg, prefix)
+    else:
+        sources = _llama_like_sources(cfg, architecture)
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in Decoder(cfg).state_dict().items()}
+    wanted = {name for src in sources.values() for name in src.names}
+    pending = dict(sources)
+    loaded: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
+    state: dict[str, torch.Tensor] = {}
+    for path, names in files.items():
+        for name, tensor in _read_shard(path, names):
+            if name not in wanted:
+                if _ignored(name, cfg):
+                    continue
+                raise HFImportError(
+                    path,
+                    f"unexpected tensor {name!r} for {architecture} as {CONFIG_FILE} says: {MISMATCH}",
+                )
+            loaded[name], origin[name] = tensor, path
+        for target, src in list(pending.items()):
+            if all(n in loaded for n in src.names):
+                state[target] = _combined(
+                    src, [loaded.pop(n) for n in src.names], expected[target], target, origin
+                )
+                del pending[target]
+    if pending:
+        missing = sorted(n for src in pending.values() for n in src.names if n not in loaded)
+        shown = ", ".join(repr(n) for n in missing[:3]) + (
+            f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        )
+        where = ", ".join(p.name for p in files)
+        raise HFImportError(
+            config_path,
+            f"the weights ({where}) lack {shown}, which {CONFIG_FILE} implies: {MISMATCH}",
+        )
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["tok_emb.weight"]
+    return state
+
+
+def _combined(
+    src: _Source, parts: list[torch.Tensor], shape: torch.Size, target: str, origin: dict[str, Path]
+) -> torch.Tensor:
+    """The tensor of ours made of `parts`, if it has the shape the config implies."""
+    try:
+        tensor = src.combine(parts)
+    except RuntimeError:  # parts that do not even concatenate
+        tensor = None
+    if tensor is not None and tensor.shape == shape:
+        return tensor
+    names = " + ".join(src.names)
+    if tensor is None:
+        found = f"{names} have shapes {[list(p.shape) for p in parts]}, which do not concatenate"
+    else:
+        found = f"{names} gives shape {list(tensor.shape)}"
+    raise HFImportError(
+        origin[src.names[0]], f"{found} where {CONFIG_FILE} implies {list(shape)} (for {target}): {MISMATCH}"
+    )
+
+
+def load_model(folder: Path | str) -> tuple[str, Decoder]:
+    """The folder's model as our Decoder (fp32, eval, CPU): built on the meta device, then given the
+    checkpoint's tensors, so no memory goes to a random initialisation first."""
+    architecture, cfg = decoder_config(folder)
+    state = load_state_dict(folder, architecture, cfg)
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight
+    model.make_tables()
+    return architecture, model.eval()
+
+
+# -- the tokenizer -----------------------------------------------------------------------------------------
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token of tokenizer_config.json: a string, or an AddedToken dict with its "content"."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if isinstance(value, bool):
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    return ()
+
+
+def _chat_template(folder: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """chat_template.jinja (how transformers 5 saves it), else tokenizer_config.json's chat_template: a
+    string, or a list of named templates of which "default" is the chat template."""
+    jinja = folder / CHAT_TEMPLATE_FILE
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default", next(iter(named.values()), None))
+    return template if isinstance(template, str) else None
+
+
+def _sentencepiece_tokenizer(folder: Path) -> Tokenizer:
+    """A tokenizer.model-only folder, converted by transformers (its converter needs `sentencepiece`)."""
+    path = folder / SENTENCEPIECE_FILE
+    try:
+        import sentencepiece  # noqa: F401
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise HFImportError(
+            path,
+            f"only a SentencePiece tokenizer, and converting it needs {exc.name!r}: pip install "
+            "sentencepiece transformers, or add the repository's tokenizer.json",
+        ) from exc
+    try:
+        hf = AutoTokenizer.from_pretrained(str(folder))
+        backend = hf.backend_tokenizer
+    except Exception as exc:
+        raise HFImportError(path, f"transformers could not convert it ({type(exc).__name__}: {exc})") from exc
+    return Tokenizer.from_str(backend.to_str())
+
+
+def load_tokenizer(folder: Path | str) -> HFTokenizer:
+    """The folder's tokenizer with its special-token behaviour as transformers applies it:
+
+    - the vocabulary from tokenizer.json (or tokenizer.model, converted);
+    - BOS/EOS added on encoding by tokenizer.json's post-processor alone: transformers (5.24) drops
+      tokenizer_config.json's add_bos_token / add_eos_token when a tokenizer.json is there;
+    - EOS ids from generation_config.json (a list in Llama 3), else config.json, else the eos_token.
+    """
+    folder = Path(folder)
+    tokenizer_config = (
+        read_json(folder / TOKENIZER_CONFIG_FILE) if (folder / TOKENIZER_CONFIG_FILE).is_file() else {}
+    )
+    source = folder / TOKENIZER_FILE
+    if source.is_file():
+        try:
+            tokenizer = Tokenizer.from_file(str(source))
+        except Exception as exc:  # tokenizers raises a bare Exception for malformed files
+            raise HFImportError(source, f"not a readable tokenizers file ({exc}); download it again") from exc
+    elif (folder / SENTENCEPIECE_FILE).is_file():
+        source = folder / SENTENCEPIECE_FILE
+        tokenizer = _sentencepiece_tokenizer(folder)
+    else:
+        raise HFImportError(source, f"not found (nor {SENTENCEPIECE_FILE}); the folder has no tokenizer")
+
+    def token_id(key: str) -> int | None:
+        text = _token_text(tokenizer_config.get(key))
+        return None if text is None else tokenizer.token_to_id(text)
+
+    config = read_json(folder / CONFIG_FILE) if (folder / CONFIG_FILE).is_file() else {}
+    generation = (
+        read_json(folder / GENERATION_CONFIG_FILE) if (folder / GENERATION_CONFIG_FILE).is_file() else {}
+    )
+    bos_id = token_id("bos_token")
+    if bos_id is None:
+        bos_id = next(iter(_ids(generation.get("bos_token_id")) or _ids(config.get("bos_token_id"))), None)
+    eos_ids = _ids(generation.get("eos_token_id")) or _ids(config.get("eos_token_id"))
+    eos_from_tokenizer = token_id("eos_token")
+    if not eos_ids and eos_from_tokenizer is not None:
+        eos_ids = (eos_from_tokenizer,)
+    pad_id = token_id("pad_token")
+    if pad_id is None:
+        pad_id = next(iter(_ids(generation.get("pad_token_id")) or _ids(config.get("pad_token_id"))), None)
+    model_vocab = config.get("vocab_size")
+    vocab = model_vocab if isinstance(model_vocab, int) else tokenizer.get_vocab_size()
+    for name, ids in (("EOS", eos_ids), ("BOS", (bos_id,) if bos_id is not None else ())):
+        if any(not 0 <= i < vocab for i in ids):
+            raise HFImportError(source, f"{name} token ids {list(ids)} lie outside the vocabulary of {vocab}")
+
+    probe = tokenizer.encode("a")
+    adds_bos = bool(probe.ids) and probe.ids[0] == bos_id and probe.special_tokens_mask[0] == 1
+    return HFTokenizer(
+        tokenizer=tokenizer,
+        eos_token_ids=eos_ids,
+        bos_token_id=bos_id,
+        adds_bos=adds_bos,
+        pad_token_id=pad_id,
+        chat_template=_chat_template(folder, tokenizer_config),
+        source=source,
+    )
+
+
+def import_checkpoint(folder: Path | str) -> HFCheckpoint:
+    """Everything the exporter needs of a local Hugging Face folder; raises HFImportError."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise HFImportError(folder, "not a directory; give the folder that holds config.json")
+    architecture, model = load_model(folder)
+    has_tokenizer = (folder / TOKENIZER_FILE).is_file() or (folder / SENTENCEPIECE_FILE).is_file()
+    tokenizer = load_tokenizer(folder) if has_tokenizer else None
+    if tokenizer is not None and tokenizer.tokenizer.get_vocab_size() > model.cfg.vocab_size:
+        raise HFImportError(
+            tokenizer.source,
+            f"the tokenizer has {tokenizer.tokenizer.get_vocab_size()} ids but the model's vocab_size is "
+            f"{model.cfg.vocab_size}: the tokenizer is not this model's",
+        )
+    config = read_json(folder / CONFIG_FILE)
+    dtype = config.get("dtype", config.get("torch_dtype"))
+    return HFCheckpoint(
+        architecture=architecture,
+        config=model.cfg,
+        model=model,
+        tokenizer=tokenizer,
+        source_dtype=dtype if isinstance(dtype, str) else None,
+    )

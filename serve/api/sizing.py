@@ -1,0 +1,78 @@
+"""How many KV rows of how many tokens the server allocates: from `--max-model-len`, `--kv-cache-memory`,
+`--max-batch-size` and `--prefix-cache-rows`, and the bundle's architecture.
+
+A row holds one sequence: `max_model_len` tokens of K and V for every layer's key/value heads
+(n_layers x 2 x n_kv_heads x head_dim elements a token, in the graph's precision). Without a memory budget
+the server allocates max_batch_size + prefix_cache_rows rows, whatever they take; with one, as many as fit,
+running rows first (up to max_batch_size), then the prefix cache's. A budget that holds no row at all refuses
+to start, saying what one row takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serve.api.config import ConfigError
+from serve.bundle import Manifest
+
+# A model's full context (32k for Qwen2.5, 128k for Llama 3.1) times 20 rows is tens of GiB: serve a
+# shorter one unless asked (--max-model-len).
+DEFAULT_MAX_MODEL_LEN = 4096
+ITEMSIZE = {"float32": 4, "float16": 2}
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class KvSizing:
+    max_model_len: int  # tokens per row
+    max_batch_size: int  # running rows
+    prefix_cache_rows: int
+    row_bytes: int
+    context_length: int  # the model's
+    budget_bytes: int | None
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.max_batch_size + self.prefix_cache_rows) * self.row_bytes
+
+    def describe(self) -> str:
+        length = f"max_model_len {self.max_model_len}"
+        if self.max_model_len < self.context_length:
+            length += f" (of the model's {self.context_length}; --max-model-len sets it)"
+        budget = "" if self.budget_bytes is None else f" of the {self.budget_bytes / MIB:.0f} MiB budget"
+        return (
+            f"KV cache: {length}, {self.row_bytes / MIB:.1f} MiB a row; {self.max_batch_size} running + "
+            f"{self.prefix_cache_rows} prefix-cache rows = {self.total_bytes / MIB:.1f} MiB{budget}"
+        )
+
+
+def size_kv_cache(
+    manifest: Manifest,
+    max_model_len: int | None,
+    kv_cache_memory: int | None,
+    max_batch_size: int,
+    prefix_cache_rows: int,
+) -> KvSizing:
+    """The rows to allocate; ConfigError when max_model_len exceeds the model or no row fits the budget."""
+    arch = manifest.architecture
+    context = arch.context_length
+    if max_model_len is not None and max_model_len > context:
+        raise ConfigError(
+            f"max_model_len {max_model_len} exceeds the model's context length {context}; "
+            f"give at most {context}"
+        )
+    length = max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
+    row = arch.kv_bytes_per_token(ITEMSIZE[manifest.dtype]) * length
+    running, prefix = max_batch_size, prefix_cache_rows
+    if kv_cache_memory is not None:
+        rows = kv_cache_memory // row
+        if rows < 1:
+            raise ConfigError(
+                f"kv_cache_memory {kv_cache_memory / MIB:.1f} MiB holds no KV row: one row of {length} "
+                f"tokens takes {row / MIB:.1f} MiB ({arch.n_layers} layers x K,V x {arch.n_kv_heads} heads x "
+                f"{arch.head_dim} x {ITEMSIZE[manifest.dtype]} bytes a token); raise --kv-cache-memory or "
+                "lower --max-model-len"
+            )
+        running = min(max_batch_size, rows)
+        prefix = min(prefix_cache_rows, rows - running)
+    return KvSizing(length, running, prefix, row, context, kv_cache_memory)

@@ -1,0 +1,432 @@
+"""Tiny random Hugging Face checkpoints built in the test (no downloads), and the loops that run them.
+
+Each family's model is built from a config object with a fixed seed and initializer_range 0.2 (0.02 gives
+near-flat logits, so greedy would flip on rounding noise), its norm weights and biases moved away from 1 and
+0 (a mapping that dropped them would still pass otherwise), and saved with `save_pretrained`.
+
+`run_inplace` drives the in-place serving graph the way serve/engine.py does: one [B, Hkv, capacity, Dh]
+OrtValue per layer and kind, bound as both the past input and the present output; right-padded prefill,
+then one token per row per decode step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from export.model import Decoder, DecoderConfig
+
+VOCAB = 320
+CONTEXT = 128
+STEPS = 20  # greedy tokens compared
+INIT_RANGE = 0.2
+SEED = 0
+# Prompts of different lengths (token ids), so the batch is padded.
+PROMPTS = ((5, 17, 42, 99, 3, 250, 7), (11, 300, 64), tuple(range(20, 48)))
+
+_COMMON = {
+    "vocab_size": VOCAB,
+    "max_position_embeddings": CONTEXT,
+    "initializer_range": INIT_RANGE,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+_LLAMA_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+def llama_config(**changes: Any) -> LlamaConfig:
+    return LlamaConfig(**{**_COMMON, **_LLAMA_SHAPE, "rope_theta": 5000.0, **changes})
+
+
+def mistral_config(**changes: Any) -> MistralConfig:
+    return MistralConfig(**{**_COMMON, **_LLAMA_SHAPE, "sliding_window": 8, **changes})
+
+
+def qwen2_config(**changes: Any) -> Qwen2Config:
+    return Qwen2Config(**{**_COMMON, **_LLAMA_SHAPE, "tie_word_embeddings": True, **changes})
+
+
+def qwen3_config(**changes: Any) -> Qwen3Config:
+    # head_dim 32 with 4 heads: q is 128 wide on a hidden size of 64.
+    return Qwen3Config(**{**_COMMON, **_LLAMA_SHAPE, "head_dim": 32, "num_key_value_heads": 1, **changes})
+
+
+def gpt2_config(**changes: Any) -> GPT2Config:
+    base = {
+        "vocab_size": VOCAB,
+        "n_positions": CONTEXT,
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "initializer_range": INIT_RANGE,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    return GPT2Config(**{**base, **changes})
+
+
+MODEL_CLASSES: dict[type[PretrainedConfig], type[PreTrainedModel]] = {
+    LlamaConfig: LlamaForCausalLM,
+    MistralConfig: MistralForCausalLM,
+    Qwen2Config: Qwen2ForCausalLM,
+    Qwen3Config: Qwen3ForCausalLM,
+    GPT2Config: GPT2LMHeadModel,
+}
+
+
+@torch.no_grad()
+def perturb_norms_and_biases(model: torch.nn.Module, seed: int = SEED) -> None:
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, p in model.named_parameters():
+        if name.endswith(".bias"):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        elif p.ndim == 1 and ("norm" in name or "ln_" in name):
+            p.copy_(0.6 + 0.8 * torch.rand(p.shape, generator=gen))
+
+
+def build(
+    config: PretrainedConfig,
+    folder: Path,
+    seed: int = SEED,
+    dtype: torch.dtype | None = None,
+    max_shard_size: str | None = None,
+) -> PreTrainedModel:
+    """A random model of `config` saved in `folder` (in `dtype`, shards of `max_shard_size`), returned in
+    fp32 eval mode with exactly the saved weights (of a bf16 checkpoint: the bf16 weights upcast)."""
+    torch.manual_seed(seed)
+    model = MODEL_CLASSES[type(config)](config).eval()
+    perturb_norms_and_biases(model, seed)
+    if dtype is not None:
+        model = model.to(dtype)
+    kwargs: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(folder, **kwargs)
+    if dtype is None:
+        return model
+    # Loaded back in fp32 as a user would: casting the model in memory would also round its RoPE frequency
+    # buffer to bf16 (transformers recomputes it on loading).
+    return type(model).from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def rewrite_config(folder: Path, edit: Any) -> None:
+    """Apply `edit(dict) -> dict` to folder/config.json."""
+    path = folder / "config.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text())), indent=2))
+
+
+def to_transformers4_form(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json as transformers 4 wrote it: rope_theta and rope_scaling at the top level, torch_dtype."""
+    out = dict(config)
+    rope = dict(out.pop("rope_parameters", None) or {})
+    if "rope_theta" in rope:
+        out["rope_theta"] = rope.pop("rope_theta")
+    kind = rope.get("rope_type", "default")
+    out["rope_scaling"] = None if kind == "default" else rope
+    if "dtype" in out:
+        out["torch_dtype"] = out.pop("dtype")
+    return out
+
+
+# -- tokenizers --------------------------------------------------------------------------------------------
+
+WORDS = (
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "this",
+    "be",
+    "are",
+    "or",
+    "an",
+    "it",
+    "not",
+    "which",
+)
+
+
+# Qwen2's pre-tokenizer (one digit a piece), which transformers 5's Qwen2Tokenizer rebuilds whatever
+# tokenizer.json says; Qwen's own tokenizer.json has it too.
+QWEN_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def train_bpe(
+    vocab_size: int = 300, specials: Sequence[str] = ("<unk>", "<s>", "</s>", "<pad>"), qwen: bool = False
+) -> Tokenizer:
+    """A byte-level BPE trained on a few thousand synthetic lines, the special tokens first (ids 0, 1...);
+    `qwen`: with Qwen2's normalizer and pre-tokenizer."""
+    rng = np.random.default_rng(0)
+    lines = [" ".join(rng.choice(WORDS, size=8)) + f" {i}" for i in range(3000)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>" if "<unk>" in specials else None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if qwen:
+        tok.normalizer = normalizers.NFC()
+        split = pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(lines, trainer)
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, folder: Path, **kwargs: Any) -> PreTrainedTokenizerFast:
+    """Save as transformers does: tokenizer.json + tokenizer_config.json (+ chat_template.jinja)."""
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        **kwargs,
+    )
+    hf.save_pretrained(folder)
+    return hf
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family's tiny model with a tokenizer shaped like its own: its special tokens (ids 0, 1, ...), whether
+    encoding a text adds BOS, and a chat template in its style."""
+
+    name: str
+    config: Any  # (**changes) -> PretrainedConfig, with bos/eos ids of `specials`
+    specials: tuple[str, ...]
+    bos: str | None
+    eos: str
+    pad: str | None
+    unk: str | None
+    adds_bos: bool
+    chat_template: str
+
+    def make_config(self, **changes: Any) -> PretrainedConfig:
+        ids = {"bos_token_id": self.id(self.bos), "eos_token_id": self.id(self.eos)}
+        if self.pad is not None:
+            ids["pad_token_id"] = self.id(self.pad)
+        return self.config(**{**ids, **changes})  # type: ignore[no-any-return]
+
+    def id(self, token: str | None) -> int | None:
+        return None if token is None else self.specials.index(token)
+
+    def save_tokenizer(self, folder: Path) -> PreTrainedTokenizerFast:
+        """The family's tokenizer beside its model, saved as transformers does."""
+        hf = PreTrainedTokenizerFast(
+            tokenizer_object=train_bpe(specials=self.specials, qwen=self.name.startswith("qwen")),
+            bos_token=self.bos,
+            eos_token=self.eos,
+            unk_token=self.unk,
+            pad_token=self.pad,
+            chat_template=self.chat_template,
+            add_bos_token=self.adds_bos,
+        )
+        hf.save_pretrained(folder)
+        return hf
+
+
+_LLAMA_CHAT = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family(
+            "llama", llama_config, ("<unk>", "<s>", "</s>"), "<s>", "</s>", None, "<unk>", True, _LLAMA_CHAT
+        ),
+        Family(
+            "mistral",
+            mistral_config,
+            ("<unk>", "<s>", "</s>"),
+            "<s>",
+            "</s>",
+            None,
+            "<unk>",
+            True,
+            _LLAMA_CHAT,
+        ),
+        Family(
+            "qwen2", qwen2_config, _QWEN_SPECIALS, None, "<|im_end|>", "<|endoftext|>", None, False, _CHATML
+        ),
+        Family(
+            "qwen3", qwen3_config, _QWEN_SPECIALS, None, "<|im_end|>", "<|endoftext|>", None, False, _CHATML
+        ),
+        Family(
+            "gpt2",
+            gpt2_config,
+            ("<|endoftext|>",),
+            "<|endoftext|>",
+            "<|endoftext|>",
+            None,
+            "<|endoftext|>",
+            False,
+            "{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}",
+        ),
+    )
+}
+
+
+# -- running the graphs ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    tokens: np.ndarray  # [B, STEPS] greedy tokens
+    logits: list[np.ndarray]  # STEPS x [B, V]: the logits each token was chosen from
+
+
+@torch.no_grad()
+def hf_greedy(model: PreTrainedModel, prompt: Sequence[int], steps: int = STEPS) -> Run:
+    """transformers' generate, greedy, never stopping at EOS; logits before any processor."""
+    ids = torch.tensor([list(prompt)])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].numpy()[None]
+    return Run(tokens, [x.float().numpy() for x in out.logits])
+
+
+def hf_greedy_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], steps: int = STEPS) -> Run:
+    runs = [hf_greedy(model, p, steps) for p in prompts]
+    return Run(
+        np.concatenate([r.tokens for r in runs]),
+        [np.concatenate([r.logits[t] for r in runs]) for t in range(steps)],
+    )
+
+
+@torch.no_grad()
+def torch_forced(model: Decoder, prompts: Sequence[Sequence[int]], forced: np.ndarray) -> Run:
+    """Our decoder on a left-padded batch: prefill, then decode steps fed `forced` [B, steps] (teacher
+    forcing on the reference's tokens, so each step's logits compare like for like)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits, past = model(ids, mask, positions)
+    seen = [logits[:, -1].numpy()]
+    own = [logits[:, -1].argmax(-1).numpy()]
+    for t in range(forced.shape[1] - 1):
+        token = torch.from_numpy(forced[:, t : t + 1]).long()
+        mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.long)], dim=1)
+        positions = mask.sum(-1, keepdim=True) - 1
+        logits, past = model(token, mask, positions, past)
+        seen.append(logits[:, -1].numpy())
+        own.append(logits[:, -1].argmax(-1).numpy())
+    return Run(np.stack(own, 1), seen)
+
+
+def run_inplace(
+    graph: onnx.ModelProto, cfg: DecoderConfig, prompts: Sequence[Sequence[int]], steps: int = STEPS
+) -> Run:
+    """The serving graph with bound in-place KV buffers, as serve/engine.py runs it: its own greedy tokens."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    session = ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    batch, capacity = len(prompts), cfg.context_length
+    shape = (batch, cfg.kv_heads, capacity, cfg.head_dim)
+    buffers = {
+        f"{kind}.{i}": ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))
+        for i in range(cfg.n_layers)
+        for kind in ("key", "value")
+    }
+    binding = session.io_binding()
+    binding.bind_output("logits")  # the first output: copy_outputs_to_cpu()[0]
+    for name, value in buffers.items():
+        binding.bind_ortvalue_input(f"past_{name}", value)
+        binding.bind_ortvalue_output(f"present_{name}", value)
+
+    lens = np.array([len(p) for p in prompts], np.int64)
+    width = int(lens.max())
+    ids = np.zeros((batch, width), np.int64)
+    for row, p in enumerate(prompts):
+        ids[row, : len(p)] = p
+    feed = {
+        "input_ids": ids,
+        "position_ids": np.broadcast_to(np.arange(width, dtype=np.int64), (batch, width)).copy(),
+        "seqlens_k": (lens - 1).astype(np.int32),
+        "total_sequence_length": np.array(width, np.int32),
+        "last_index": lens - 1,
+    }
+    tokens, seen = [], []
+    for t in range(steps):
+        if t:
+            feed = {
+                "input_ids": tokens[-1][:, None].astype(np.int64),
+                "position_ids": lens[:, None].copy(),
+                "seqlens_k": lens.astype(np.int32),
+                "total_sequence_length": np.array(int(lens.max()) + 1, np.int32),
+                "last_index": np.zeros(batch, np.int64),
+            }
+            lens = lens + 1
+        feed = {name: np.ascontiguousarray(array) for name, array in feed.items()}  # alive until run
+        for name, array in feed.items():
+            binding.bind_cpu_input(name, array)
+        session.run_with_iobinding(binding)
+        logits = binding.copy_outputs_to_cpu()[0]
+        seen.append(logits)
+        tokens.append(logits.argmax(-1))
+    return Run(np.stack(tokens, 1), seen)
+
+
+def max_diff(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))

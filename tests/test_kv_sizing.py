@@ -1,0 +1,125 @@
+"""KV cache sizing: --max-model-len and --kv-cache-memory decide the rows the server allocates; a budget that
+holds no row refuses to start, saying what a row takes; GetModelInfo reports the choice."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from running_server import RunningServer, loopback_settings
+from server_tools import LoopThread
+
+from serve._proto.textgen.v1 import textgen_pb2 as pb
+from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.api.config import ConfigError, load_settings, parse_memory
+from serve.api.server import TextgenServer
+from serve.api.sizing import DEFAULT_MAX_MODEL_LEN, size_kv_cache
+from serve.bundle import load_bundle
+
+KIB, MIB, GIB = 2**10, 2**20, 2**30
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("TEXTGEN_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("512MiB", 512 * MIB),
+        ("2GiB", 2 * GIB),
+        ("1.5G", int(1.5 * GIB)),
+        ("768", 768 * MIB),
+        ("64kb", 64 * KIB),
+        ("4096B", 4096),
+    ],
+)
+def test_memory_amounts(text: str, expected: int) -> None:
+    assert parse_memory(text) == expected
+
+
+def test_memory_flag_and_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    flags = load_settings(["--bundle", str(tmp_path), "--kv-cache-memory", "2GiB", "--max-model-len", "512"])
+    assert (flags.kv_cache_memory, flags.max_model_len) == (2 * GIB, 512)
+    monkeypatch.setenv("TEXTGEN_KV_CACHE_MEMORY", "300MiB")
+    assert load_settings(["--bundle", str(tmp_path)]).kv_cache_memory == 300 * MIB
+    with pytest.raises(ConfigError, match=r"kv_cache_memory: .*not an amount of memory"):
+        load_settings(["--bundle", str(tmp_path), "--kv-cache-memory", "lots"])
+
+
+def test_rows_from_the_budget(tiny_bundle: Path) -> None:
+    manifest = load_bundle(tiny_bundle).manifest  # 2 layers x K,V x 2 heads x 16 x 4 bytes = 512 B a token
+    row = 512 * 128
+    unlimited = size_kv_cache(manifest, None, None, 16, 4)
+    assert (unlimited.max_model_len, unlimited.max_batch_size, unlimited.prefix_cache_rows) == (128, 16, 4)
+    assert unlimited.row_bytes == row and unlimited.total_bytes == 20 * row
+    tight = size_kv_cache(manifest, None, 10 * row + 1, 16, 4)  # running rows first, then the prefix cache's
+    assert (tight.max_batch_size, tight.prefix_cache_rows) == (10, 0)
+    roomy = size_kv_cache(manifest, None, 18 * row, 16, 4)
+    assert (roomy.max_batch_size, roomy.prefix_cache_rows) == (16, 2)
+    short = size_kv_cache(manifest, 32, 10 * row, 16, 4)  # shorter rows: more of them
+    assert (short.max_model_len, short.max_batch_size, short.prefix_cache_rows) == (32, 16, 4)
+    assert "max_model_len 32 (of the model's 128" in short.describe()
+    with pytest.raises(ConfigError, match=r"holds no KV row: one row of 128 tokens takes 0\.1 MiB"):
+        size_kv_cache(manifest, None, row - 1, 16, 4)
+    with pytest.raises(ConfigError, match="max_model_len 256 exceeds the model's context length 128"):
+        size_kv_cache(manifest, 256, None, 16, 4)
+
+
+def test_a_long_context_is_capped_by_default(tiny_bundle: Path) -> None:
+    manifest = load_bundle(tiny_bundle).manifest
+    arch = manifest.architecture.model_copy(update={"context_length": 32768})
+    long = manifest.model_copy(update={"architecture": arch})
+    assert size_kv_cache(long, None, None, 16, 4).max_model_len == DEFAULT_MAX_MODEL_LEN
+    assert size_kv_cache(long, 32768, None, 16, 4).max_model_len == 32768
+
+
+@pytest.fixture(scope="module")
+def sized(loop: LoopThread, tiny_bundle: Path) -> Iterator[pb_grpc.TextGenerationStub]:
+    settings = loopback_settings(
+        tiny_bundle, max_model_len=64, kv_cache_memory=f"{5 * 512 * 64}B", engine_process=False
+    )
+    running = RunningServer(loop, settings)
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            yield pb_grpc.TextGenerationStub(channel)
+    finally:
+        running.stop()
+
+
+def test_the_server_sizes_its_rows_and_reports_them(sized: pb_grpc.TextGenerationStub) -> None:
+    info = sized.GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.max_model_len, info.context_length) == (64, 128)
+    assert (info.max_batch_size, info.prefix_cache_rows) == (5, 0)
+    assert info.kv_cache_bytes == 5 * 512 * 64
+    assert info.max_new_tokens_limit == 63
+    too_long = pb.GenerateRequest(text="x" * 10, stopping=pb.StoppingCriteria(max_new_tokens=60))
+    with pytest.raises(grpc.RpcError) as error:
+        sized.Generate(too_long)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "64" in str(error.value.details())
+
+
+def test_a_budget_without_room_for_one_row_refuses_to_start(loop: LoopThread, tiny_bundle: Path) -> None:
+    server = TextgenServer(loopback_settings(tiny_bundle, kv_cache_memory="32KiB", engine_process=False))
+    try:
+        with pytest.raises(ConfigError, match=r"holds no KV row.*raise --kv-cache-memory or lower"):
+            loop.run(server.start())
+    finally:
+        loop.run(server.stop())
+
+
+def test_the_choice_is_logged(loop: LoopThread, tiny_bundle: Path, caplog: pytest.LogCaptureFixture) -> None:
+    settings = loopback_settings(tiny_bundle, kv_cache_memory="80KiB", max_model_len=32, engine_process=False)
+    with caplog.at_level(logging.INFO, logger="textgen.server"):
+        running = RunningServer(loop, settings)
+        running.stop()
+    messages = [r.getMessage() for r in caplog.records if r.name == "textgen.server"]
+    assert any("KV cache: max_model_len 32" in m and "5 running + 0 prefix-cache rows" in m for m in messages)
+    assert any("max_batch_size 16 -> 5" in m for m in messages)
