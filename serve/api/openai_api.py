@@ -959,7 +959,7 @@ class HttpServer:
             log_config=None,
             access_log=False,
             lifespan="off",
-            http="h11",
+            http="httptools",  # the C parser: less CPU per request and per SSE chunk than h11
             ws="none",
             server_header=False,
             timeout_graceful_shutdown=None,
