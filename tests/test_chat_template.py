@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from chat_templates import HERMES_TOOLS
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from export.demo import DEMO_CHAT_TEMPLATE
@@ -105,3 +106,39 @@ def test_the_sandbox_keeps_templates_from_python() -> None:
         ChatTemplate("{% set ns = namespace(_x=1) %}", {}).render([{"role": "user", "content": "x"}])
     with pytest.raises(BundleError, match="not a valid Jinja template"):
         ChatTemplate("{% for %}", {})
+
+
+def test_tools_and_tool_messages_render_as_transformers() -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "weather",
+                "description": "Today's weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    chat = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": {"city": "Oslo"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": '{"celsius": -3}', "tool_call_id": "call_1"},
+    ]
+    hf = hf_tokenizer(tokenizer(), HERMES_TOOLS)
+    expected = hf.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=False)
+    ours = ChatTemplate(HERMES_TOOLS, SPECIAL)
+    assert ours.render(chat, tools=tools) == expected
+    assert (
+        '"name": "weather"' in expected and '{"name": "weather", "arguments": {"city": "Oslo"}}' in expected
+    )
+    assert "<tools>" not in ours.render(chat)  # without tools the template leaves the block out

@@ -23,7 +23,7 @@ import json
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -80,7 +80,7 @@ def grammar_of(constraint: Constraint) -> str:
             case ConstraintKind.CHOICE:
                 return llguidance.grammar_from("choice", json.dumps(list(constraint.choices)))
     except ValueError as exc:
-        raise InvalidRequest(f"constraint.{kind.value} is not valid: {_short(str(exc))}") from None
+        raise InvalidRequest(f"{constraint.field_name} is not valid: {_short(str(exc))}") from None
     raise ValueError(f"unknown constraint kind {kind!r}")
 
 
@@ -131,6 +131,7 @@ class ConstraintCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
         self.compiles = 0  # compiles started (cache misses)
+        self._compile_seconds: deque[float] = deque()  # of finished compiles, until `take_compile_seconds`
 
     def submit(self, constraint: Constraint) -> Future[CompiledConstraint]:
         """The constraint's compile: the cached one, or one started now on a worker thread. Its result is the
@@ -147,6 +148,13 @@ class ConstraintCompiler:
                 self._cache.popitem(last=False)
         future.add_done_callback(lambda done: self._forget_unless_final(constraint, done))
         return future
+
+    def take_compile_seconds(self) -> list[float]:
+        """How long each compile that succeeded since the last call took (for the metrics)."""
+        taken = []
+        while self._compile_seconds:
+            taken.append(self._compile_seconds.popleft())
+        return taken
 
     def compile(self, constraint: Constraint) -> CompiledConstraint:
         """`submit` and wait (tests, benchmarks)."""
@@ -171,11 +179,11 @@ class ConstraintCompiler:
         limits = parser_limits()
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
-            kind = constraint.kind.value
-            raise InvalidRequest(f"constraint.{kind} is not valid: {_short(matcher.get_error())}")
+            raise InvalidRequest(f"{constraint.field_name} is not valid: {_short(matcher.get_error())}")
         seconds = time.perf_counter() - start
         if seconds > 1.0:
             log.warning("a %s constraint took %.2f s to compile", constraint.kind.value, seconds)
+        self._compile_seconds.append(seconds)  # a deque: appends and pops are thread-safe
         return CompiledConstraint(constraint, matcher, seconds)
 
     def _forget_unless_final(self, constraint: Constraint, future: Future[CompiledConstraint]) -> None:
@@ -200,6 +208,11 @@ class MaskStats:
 
     def as_dict(self) -> dict[str, float]:
         return dict(vars(self))
+
+    def copy(self) -> MaskStats:
+        copied = MaskStats()
+        vars(copied).update(vars(self))
+        return copied
 
 
 class MaskWorker:
