@@ -53,6 +53,10 @@ class RunningServer:
         """The openai SDK's client of the HTTP API (no retries: a test sees each response)."""
         return openai.OpenAI(base_url=f"{self.http_base}/v1", api_key="unused", max_retries=0, timeout=30)
 
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample of the server's metrics (0 when it has none yet)."""
+        return self.server.metrics.registry.get_sample_value(name, labels) or 0.0
+
     @property
     def model(self) -> LoadedModel:
         model = self.server.service.model

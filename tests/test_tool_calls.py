@@ -88,6 +88,8 @@ def test_the_required_schema_takes_one_branch_per_tool_and_lifts_defs() -> None:
     clash = tool("other", {"type": "object", "$defs": {"point": {"type": "string"}}})
     with pytest.raises(InvalidRequest, match="differs from another tool's"):
         required_schema([with_defs, clash], parallel=True)
+    with pytest.raises(InvalidRequest, match=r"\$defs must be an object"):
+        required_schema([tool("listed", {"$defs": [1]})], parallel=True)
 
 
 NAMES = ("weather", "time")

@@ -155,7 +155,10 @@ def required_schema(tools: Sequence[Tool], parallel: bool) -> dict[str, Any]:
     branches = []
     for index, tool in enumerate(tools):
         parameters = dict(tool.function.parameters or ANY_OBJECT)
-        for name, definition in (parameters.pop("$defs", None) or {}).items():
+        lifted = parameters.pop("$defs", None) or {}
+        if not isinstance(lifted, dict):
+            raise InvalidRequest(f"tools[{index}].function.parameters.$defs must be an object of schemas")
+        for name, definition in lifted.items():
             if name in defs and defs[name] != definition:
                 raise InvalidRequest(
                     f"tools[{index}].function.parameters.$defs.{name} differs from another tool's "
