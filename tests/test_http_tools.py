@@ -5,6 +5,7 @@ its own process, so the constraint metrics cross the pipe as the server's do."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,7 +54,7 @@ def server(
     manifest = json.loads((bundle / "manifest.json").read_text())
     (bundle / "manifest.json").write_text(json.dumps({**manifest, "chat_template": COMPACT_TOOLS}))
     settings = loopback_settings(
-        bundle, http_port=free_port(), max_new_tokens=48, default_max_new_tokens=48, engine_process=True
+        bundle, http_port=free_port(), max_new_tokens=64, default_max_new_tokens=48, engine_process=True
     )
     running = RunningServer(loop, settings)
     yield running
@@ -141,6 +142,21 @@ def test_auto_gives_the_template_the_tools_and_none_makes_no_call(
         if c.choices
     )
     assert streamed == auto.choices[0].message.content
+
+
+def test_auto_reads_tool_call_blocks_out_of_the_output_streamed_or_not(client: openai.OpenAI) -> None:
+    # The random model never writes a <tool_call> by itself: a regex makes it write one after some content.
+    block = re.escape('ok<tool_call>{"name":"clock","arguments":{}}</tool_call>')
+    fields: dict[str, Any] = {"tools": TOOLS, "max_tokens": 64, "extra_body": {"guided_regex": block}}
+    unary = chat(client, **fields).choices[0]
+    assert unary.finish_reason == "tool_calls" and unary.message.content == "ok"
+    (call,) = unary.message.tool_calls
+    assert call.function.name == "clock" and json.loads(call.function.arguments) == {}
+    chunks = [c.choices[0] for c in chat(client, stream=True, **fields) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == "ok"
+    calls = [t for c in chunks for t in c.delta.tool_calls or []]
+    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == [(0, "clock", "{}")]
+    assert calls[0].id.startswith("call_") and chunks[-1].finish_reason == "tool_calls"
 
 
 def test_a_history_of_calls_and_tool_results_reaches_the_template(

@@ -34,27 +34,28 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Open(BaseModel):
+    # Fields OpenAI may add are kept: the template gets the tools as the client sent them (transformers' way).
+    model_config = ConfigDict(extra="allow")
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(_Open):
     name: str = Field(pattern=NAME_PATTERN, description="a-z, A-Z, 0-9, _ and -, at most 64")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON Schema of the arguments object")
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(_Open):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(_Open):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(_Open):
     type: Literal["function"]
     function: FunctionName
 
@@ -62,16 +63,14 @@ class NamedToolChoice(_Strict):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class CalledFunction(_Open):
     name: str
     arguments: str | dict[str, Any] | None = None
 
 
-class ToolCallIn(BaseModel):
+class ToolCallIn(_Open):
     """A call of an earlier assistant message in the history."""
 
-    model_config = ConfigDict(extra="allow")
     id: str | None = None
     type: Literal["function"] = "function"
     function: CalledFunction
