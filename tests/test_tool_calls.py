@@ -48,7 +48,8 @@ def test_the_plan_follows_tool_choice() -> None:
     assert json.loads(forced.text) == WEATHER and forced.source == "tools[0].function.parameters"
     no_parameters = tool_plan(TOOLS, named("time"), None).constraint()
     assert no_parameters is not None and json.loads(no_parameters.text) == {"type": "object"}
-    assert tool_plan(TOOLS, "auto", None).template_tools == [t.model_dump(exclude_none=True) for t in TOOLS]
+    sent = {"type": "function", "function": {"name": "f", "description": None, "x-extra": [1]}}
+    assert tool_plan([Tool.model_validate(sent)], "auto", None).template_tools == [sent]  # as sent
 
 
 @pytest.mark.parametrize(
@@ -58,6 +59,7 @@ def test_the_plan_follows_tool_choice() -> None:
         (None, named("weather"), "tool_choice needs tools"),
         (TOOLS, named("nope"), "does not define"),
         ([tool("a"), tool("a"), tool("b")], "auto", "repeated: a"),
+        ([tool(f"f{i}") for i in range(129)], "auto", "129 tools given; at most 128"),
     ],
 )
 def test_inconsistent_tools_are_refused(tools: list[Tool] | None, choice: ToolChoice, message: str) -> None:

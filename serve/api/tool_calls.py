@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -32,6 +33,7 @@ from serve.errors import InvalidRequest
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+MAX_TOOLS = 128  # OpenAI's limit
 
 
 class _Open(BaseModel):
@@ -105,7 +107,7 @@ class ToolPlan:
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as transformers' apply_chat_template hands them to a template (the request's dicts)."""
-        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+        return [tool.model_dump(exclude_unset=True) for tool in self.tools] if self.tools else None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -129,8 +131,10 @@ class ToolPlan:
 def tool_plan(tools: Sequence[Tool] | None, choice: ToolChoice | None, parallel: bool | None) -> ToolPlan:
     """The request's `tools`, `tool_choice` and `parallel_tool_calls` checked against each other."""
     tools = tuple(tools or ())
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"{len(tools)} tools given; at most {MAX_TOOLS}")
     names = [tool.function.name for tool in tools]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
+    duplicates = sorted(name for name, count in Counter(names).items() if count > 1)
     if duplicates:
         raise InvalidRequest(f"tools: function names must be unique; repeated: {', '.join(duplicates)}")
     if choice is None:
