@@ -217,6 +217,15 @@ ERRORS: list[tuple[dict[str, Any], str]] = [
         {"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
         "leave out response_format",
     ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nope"}},
+            }
+        },
+        "response_format.json_schema.schema is not valid",  # a refusal names the field it came from
+    ),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id is required"),
     (
         {
