@@ -10,16 +10,15 @@ import jsonschema
 import pytest
 
 from serve.api.tool_calls import (
-    AutoStream,
     NamedToolChoice,
     Reply,
     RequiredStream,
     Tool,
     ToolChoice,
-    parse_auto,
     required_schema,
     tool_plan,
 )
+from serve.api.tool_formats import LLAMA_JSON, AutoStream, parse_auto
 from serve.engine.types import ConstraintKind
 from serve.errors import InvalidRequest
 
@@ -143,6 +142,14 @@ def test_auto_streamed_in_pieces_reads_as_the_whole(text: str) -> None:
     assert [c["function"] for c in one.get("tool_calls", [])] == [
         c["function"] for c in other.get("tool_calls", [])
     ]
+
+
+def test_auto_reads_the_output_in_the_plans_format() -> None:
+    text = '{"name": "time", "parameters": {}}'
+    llama, hermes = Reply(tool_plan(TOOLS, "auto", None, LLAMA_JSON)), Reply(tool_plan(TOOLS, "auto", None))
+    assert llama.feed(text) == {} and hermes.feed(text) == {"content": text}
+    assert llama.finish("stop")[1] == "tool_calls" and hermes.finish("stop")[1] == "stop"
+    assert llama.message()["tool_calls"][0]["function"] == {"name": "time", "arguments": "{}"}
 
 
 REQUIRED_OUTPUTS = [

@@ -59,6 +59,7 @@ from serve.api.openai_protocol import (
     structured_output,
 )
 from serve.api.tool_calls import Reply, ToolPlan, tool_plan
+from serve.api.tool_formats import tool_format
 from serve.api.validation import (
     OPENAI_FIELDS,
     GenerationOptions,
@@ -725,7 +726,8 @@ class OpenAIApi:
             max_tokens = (
                 body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             )
-            tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+            form = tool_format(model.chat.source if model.chat is not None else None)
+            tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, form)
             constraint = chat_constraint(body, tools)
             options = self._options(
                 body, max_tokens, constraint, logprobs=bool(body.logprobs), top_logprobs=top

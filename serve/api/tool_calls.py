@@ -7,9 +7,9 @@
   `parallel_tool_calls` is false) of `{"name": <a tool's name>, "parameters": <that tool's arguments>}`
   objects (vLLM's format); each element becomes a call.
 - `auto` (the default when tools are given): the chat template receives the tools and the model decides.
-  Its output is read with textgen's convention, the Hermes / Qwen2.5 one those templates declare:
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks are calls, the text around them is the
-  message's content. A block that is not JSON or names no declared tool stays content.
+  Its output is read in the tool-call format the template declares (Hermes / Qwen, Mistral, Llama 3 JSON;
+  serve/api/tool_formats.py), or textgen's convention, Hermes' `<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>` blocks, when it declares none.
 - `none`: the template receives the tools, the output is plain content.
 
 The engine never hears of tools: it gets a `Constraint` (or none), and this module turns text into calls.
@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from serve.api.tool_formats import DEFAULT_FORMAT, AutoStream, ToolCall, ToolCallFormat
 from serve.engine.types import Constraint
 from serve.errors import InvalidRequest
 
-TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 MAX_TOOLS = 128  # OpenAI's limit
@@ -78,20 +77,6 @@ class ToolCallIn(_Open):
     function: CalledFunction
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-
-
 Mode = Literal["none", "auto", "required", "named"]
 
 
@@ -103,6 +88,7 @@ class ToolPlan:
     tools: tuple[Tool, ...]
     named: str | None = None  # the function of mode "named"
     parallel: bool = True  # required: more than one call allowed
+    format: ToolCallFormat = DEFAULT_FORMAT  # how auto reads the calls: the chat template's format
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -128,8 +114,14 @@ class ToolPlan:
         return None
 
 
-def tool_plan(tools: Sequence[Tool] | None, choice: ToolChoice | None, parallel: bool | None) -> ToolPlan:
-    """The request's `tools`, `tool_choice` and `parallel_tool_calls` checked against each other."""
+def tool_plan(
+    tools: Sequence[Tool] | None,
+    choice: ToolChoice | None,
+    parallel: bool | None,
+    form: ToolCallFormat = DEFAULT_FORMAT,
+) -> ToolPlan:
+    """The request's `tools`, `tool_choice` and `parallel_tool_calls` checked against each other; `form`:
+    the chat template's tool-call format, which auto's output is read in."""
     tools = tuple(tools or ())
     if len(tools) > MAX_TOOLS:
         raise InvalidRequest(f"{len(tools)} tools given; at most {MAX_TOOLS}")
@@ -148,7 +140,7 @@ def tool_plan(tools: Sequence[Tool] | None, choice: ToolChoice | None, parallel:
                 f"(defined: {', '.join(names)})"
             )
         return ToolPlan("named", tools, named=choice.function.name)
-    return ToolPlan(choice, tools, parallel=parallel is not False)
+    return ToolPlan(choice, tools, parallel=parallel is not False, format=form)
 
 
 def required_schema(tools: Sequence[Tool], parallel: bool) -> dict[str, Any]:
@@ -224,78 +216,6 @@ def _call_for_template(index: int, j: int, call: ToolCallIn) -> dict[str, Any]:
 
 
 # --- reading the output ----------------------------------------------------------------------------------
-
-
-def parse_auto(text: str, names: Sequence[str]) -> tuple[str | None, list[ToolCall]]:
-    """textgen's convention: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks are calls of
-    the declared functions; everything else (blocks that do not parse included) is content (None: none)."""
-    calls: list[ToolCall] = []
-    content: list[str] = []
-    position = 0
-    pattern = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
-    for match in pattern.finditer(text):
-        call = _hermes_call(match.group(1), names)
-        if call is None:
-            continue
-        content.append(text[position : match.start()])
-        calls.append(call)
-        position = match.end()
-    content.append(text[position:])
-    joined = "".join(content)
-    if calls:
-        joined = joined.strip()
-    return joined or None, calls
-
-
-def _hermes_call(block: str, names: Sequence[str]) -> ToolCall | None:
-    try:
-        value = json.loads(block)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or value.get("name") not in names:
-        return None
-    arguments = value.get("arguments", {})
-    if isinstance(arguments, str):  # some models write the arguments as JSON text
-        return ToolCall(value["name"], arguments)
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-class AutoStream:
-    """`auto`'s output as it streams: content goes out at once, except a tail that may begin a
-    `<tool_call>` marker; from the first marker on, the rest is held and read by `parse_auto` at the end."""
-
-    def __init__(self, names: Sequence[str]) -> None:
-        self._names = names
-        self._held = ""
-        self._calls_began = False
-
-    def feed(self, text: str) -> str:
-        """The content that can go out now."""
-        self._held += text
-        if self._calls_began:
-            return ""
-        start = self._held.find(TOOL_CALL_START)
-        if start >= 0:
-            self._calls_began = True
-            out, self._held = self._held[:start], self._held[start:]
-            return out
-        keep = _marker_prefix(self._held)
-        out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
-        return out
-
-    def finish(self) -> tuple[str | None, list[ToolCall]]:
-        """What was held: its content and the calls in it."""
-        if not self._calls_began:
-            return self._held or None, []
-        return parse_auto(self._held, self._names)
-
-
-def _marker_prefix(text: str) -> int:
-    """The length of the longest tail of `text` that begins TOOL_CALL_START."""
-    for size in range(min(len(text), len(TOOL_CALL_START) - 1), 0, -1):
-        if TOOL_CALL_START.startswith(text[-size:]):
-            return size
-    return 0
 
 
 _HEADER = re.compile(r'\s*[\[,]\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
@@ -418,7 +338,7 @@ class Reply:
         self._named = ToolCall(plan.named or "", "")
         self._named_started = False
         self._required = RequiredStream()
-        self._auto = AutoStream(plan.names)
+        self._auto = AutoStream(plan.names, plan.format)
 
     def feed(self, text: str) -> dict[str, Any]:
         """The stream delta's fields for this piece of text ({}: nothing to send yet)."""
