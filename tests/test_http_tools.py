@@ -15,7 +15,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from chat_templates import COMPACT_TOOLS
+from chat_templates import COMPACT_LLAMA, COMPACT_MISTRAL, COMPACT_TOOLS
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, free_port
 
@@ -45,18 +45,31 @@ USER = [{"role": "user", "content": "Oslo?"}]
 NAMED: Any = {"type": "function", "function": {"name": "weather"}}
 
 
+def serve_with_template(
+    loop: LoopThread, tiny_bundle: Path, where: Path, template: str, *, engine_process: bool
+) -> RunningServer:
+    """A server of a copy of the tiny bundle whose chat template is `template`."""
+    bundle = where / "bundle"
+    shutil.copytree(tiny_bundle, bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    (bundle / "manifest.json").write_text(json.dumps({**manifest, "chat_template": template}))
+    settings = loopback_settings(
+        bundle,
+        http_port=free_port(),
+        max_new_tokens=64,
+        default_max_new_tokens=48,
+        engine_process=engine_process,
+    )
+    return RunningServer(loop, settings)
+
+
 @pytest.fixture(scope="module")
 def server(
     loop: LoopThread, tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
-    bundle = tmp_path_factory.mktemp("tools") / "bundle"
-    shutil.copytree(tiny_bundle, bundle)
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    (bundle / "manifest.json").write_text(json.dumps({**manifest, "chat_template": COMPACT_TOOLS}))
-    settings = loopback_settings(
-        bundle, http_port=free_port(), max_new_tokens=64, default_max_new_tokens=48, engine_process=True
+    running = serve_with_template(
+        loop, tiny_bundle, tmp_path_factory.mktemp("tools"), COMPACT_TOOLS, engine_process=True
     )
-    running = RunningServer(loop, settings)
     yield running
     running.stop()
 
@@ -159,6 +172,50 @@ def test_auto_reads_tool_call_blocks_out_of_the_output_streamed_or_not(client: o
     assert calls[0].id.startswith("call_") and chunks[-1].finish_reason == "tool_calls"
 
 
+# Each family's compact template, an output in its format that a regex makes the random model write (after
+# some content, where the format has a marker), the content around the call and the call's arguments.
+FAMILIES = [
+    (COMPACT_MISTRAL, 'ok[TOOL_CALLS][{"name":"clock","arguments":{}}]', "ok", {}),
+    (COMPACT_MISTRAL, '[TOOL_CALLS]clock{"zone":"UTC"}', None, {"zone": "UTC"}),
+    (COMPACT_LLAMA, '{"name":"clock","parameters":{"zone":"UTC"}}', None, {"zone": "UTC"}),
+]
+
+
+@pytest.mark.parametrize(
+    ("template", "output", "content", "arguments"), FAMILIES, ids=["mistral", "mistral-v11", "llama"]
+)
+def test_auto_reads_the_calls_in_the_templates_own_format(
+    loop: LoopThread,
+    tiny_bundle: Path,
+    tmp_path: Path,
+    template: str,
+    output: str,
+    content: str | None,
+    arguments: dict[str, str],
+) -> None:
+    running = serve_with_template(loop, tiny_bundle, tmp_path, template, engine_process=False)
+    try:
+        client = running.openai_client()
+        guided = {"guided_regex": re.escape(output)}
+        fields: dict[str, Any] = {"tools": TOOLS, "max_tokens": 64, "extra_body": guided}
+        unary = chat(client, **fields).choices[0]
+        assert unary.finish_reason == "tool_calls" and unary.message.content == content
+        (call,) = unary.message.tool_calls
+        assert call.function.name == "clock" and json.loads(call.function.arguments) == arguments
+        chunks = [c.choices[0] for c in chat(client, stream=True, **fields) if c.choices]
+        assert ("".join(c.delta.content or "" for c in chunks) or None) == content
+        calls = [t for c in chunks for t in c.delta.tool_calls or []]
+        assert [(t.function.name, t.function.arguments) for t in calls] == [
+            (call.function.name, call.function.arguments)
+        ]
+        # The Hermes convention is not this template's: a <tool_call> block is content here.
+        block = re.escape('<tool_call>{"name":"clock","arguments":{}}</tool_call>')
+        hermes = chat(client, tools=TOOLS, max_tokens=64, extra_body={"guided_regex": block}).choices[0]
+        assert hermes.finish_reason == "stop" and hermes.message.tool_calls is None
+    finally:
+        running.stop()
+
+
 def test_a_history_of_calls_and_tool_results_reaches_the_template(
     client: openai.OpenAI, server: RunningServer
 ) -> None:
@@ -173,7 +230,7 @@ def test_a_history_of_calls_and_tool_results_reaches_the_template(
         {"role": "tool", "tool_call_id": "call_7", "content": '{"celsius": -3}'},
     ]
     reply = chat(client, messages=history, tools=TOOLS, max_tokens=2)
-    as_template_sees_it = [
+    as_template_sees_it: list[dict[str, Any]] = [
         *USER,
         {
             "role": "assistant",
