@@ -238,7 +238,7 @@ class AutoStream:
         safe, began = self._format.split(self._text, self._sent)
         if began:
             self._calls_from = safe
-        out, self._sent = self._text[self._sent : safe], max(self._sent, safe)
+        out, self._sent = self._text[self._sent : safe], safe
         return out
 
     def finish(self) -> tuple[Content, list[ToolCall]]:
