@@ -95,6 +95,7 @@ OUTPUTS: list[tuple[ToolCallFormat, str, str | None, list[Call]]] = [
         [WEATHER_OSLO],
     ),  # marker dropped
     (MISTRAL, "[1] is a citation, [TOOL_C", None, []),
+    (MISTRAL, "Said: [TOOL_CALLS]weather is fine", None, []),
     (MISTRAL, '[TOOL_CALLS] [{"name": "nope", "arguments": {}}]', None, []),
     (LLAMA_JSON, '{"name": "weather", "parameters": {"city": "Oslo"}}', None, [WEATHER_OSLO]),
     (

@@ -127,6 +127,12 @@ def _json_values(text: str, separator: str = "") -> list[Any] | None:
         values.append(value)
 
 
+def _one_value(text: str) -> Any:
+    """The one JSON value `text` consists of (blanks around it); None when it is not one."""
+    values = _json_values(text)
+    return values[0] if values is not None and len(values) == 1 else None
+
+
 def _all_calls(values: Sequence[Any] | None, names: Sequence[str]) -> list[ToolCall] | None:
     """Every value as a call, or None when one is not (the output is then content)."""
     calls = []
@@ -149,8 +155,7 @@ def _read_hermes(text: str, names: Sequence[str]) -> tuple[str, list[ToolCall]] 
     content: list[str] = []
     position = 0
     for match in _HERMES_BLOCK.finditer(text):
-        values = _json_values(match.group(1))
-        call = _call(values[0], names) if values and len(values) == 1 else None
+        call = _call(_one_value(match.group(1)), names)
         if call is None:  # a block that is no call stays content
             continue
         content.append(text[position : match.start()])
@@ -170,13 +175,11 @@ def _read_mistral(text: str, names: Sequence[str]) -> tuple[str, list[ToolCall]]
             continue
         named = _MISTRAL_NAME.match(segment)
         if named is not None:  # v11: name{arguments}
-            values = _json_values(segment[named.end() :])
-            call = _call(values[0], names, named.group(1)) if values and len(values) == 1 else None
+            call = _call(_one_value(segment[named.end() :]), names, named.group(1))
             found = None if call is None else [call]
         else:  # v0.3: a JSON array of calls
-            values = _json_values(segment)
-            array = values[0] if values and len(values) == 1 and isinstance(values[0], list) else None
-            found = _all_calls(array, names)
+            array = _one_value(segment)
+            found = _all_calls(array if isinstance(array, list) else None, names)
         if found is None:
             return None
         calls.extend(found)
@@ -184,9 +187,7 @@ def _read_mistral(text: str, names: Sequence[str]) -> tuple[str, list[ToolCall]]
 
 
 def _read_llama(text: str, names: Sequence[str]) -> tuple[str, list[ToolCall]] | None:
-    text = text.lstrip()
-    text = text.removeprefix(LLAMA_TAG)
-    calls = _all_calls(_json_values(text, separator=";"), names)
+    calls = _all_calls(_json_values(text.lstrip().removeprefix(LLAMA_TAG), separator=";"), names)
     return None if calls is None else ("", calls)
 
 
