@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import openai
 from server_tools import LoopThread
 
 from serve.api.config import ServerSettings
@@ -42,6 +43,19 @@ class RunningServer:
         self.server = TextgenServer(settings, Metrics(), engine_wrap)
         loop.run(self.server.start())
         self.target = f"127.0.0.1:{self.server.port}"
+
+    @property
+    def http_base(self) -> str:
+        """The HTTP API's base URL."""
+        return f"http://127.0.0.1:{self.server.http_port}"
+
+    def openai_client(self) -> openai.OpenAI:
+        """The openai SDK's client of the HTTP API (no retries: a test sees each response)."""
+        return openai.OpenAI(base_url=f"{self.http_base}/v1", api_key="unused", max_retries=0, timeout=30)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample of the server's metrics (0 when it has none yet)."""
+        return self.server.metrics.registry.get_sample_value(name, labels) or 0.0
 
     @property
     def model(self) -> LoadedModel:

@@ -18,7 +18,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from export.tokenizer import EOS_ID, train_tokenizer
-from serve.engine.constraints import ConstraintCompiler
+from serve.engine.constraints import ConstraintCompiler, MaskStats
 from serve.engine.engine import Engine
 from serve.engine.types import NewSequence, TokenOut
 
@@ -58,6 +58,7 @@ class FakeEngine:
         # A prefix cache in bookkeeping only: tokens are a function of the context, wherever its KV came from.
         self._kept: list[list[int]] | None = [] if keeps_prefixes else None
         self._compiler: ConstraintCompiler | None = None
+        self.mask_stats = MaskStats()  # a fake samples no masks: it stays at zero
 
     @property
     def constraint_compiler(self) -> ConstraintCompiler:
@@ -201,6 +202,7 @@ class Instrumented:
         self.vocab_size = engine.vocab_size
         self.eos_token_id = engine.eos_token_id
         self.constraint_compiler = engine.constraint_compiler
+        self.mask_stats = engine.mask_stats
         self.eos_token_ids = engine.eos_token_ids
         self.step_seconds = step_seconds
         self.gate = threading.Event()

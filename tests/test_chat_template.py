@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from chat_templates import HERMES_TOOLS, LLAMA_TOOLS, MISTRAL_TOOLS
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from export.demo import DEMO_CHAT_TEMPLATE
@@ -105,3 +106,46 @@ def test_the_sandbox_keeps_templates_from_python() -> None:
         ChatTemplate("{% set ns = namespace(_x=1) %}", {}).render([{"role": "user", "content": "x"}])
     with pytest.raises(BundleError, match="not a valid Jinja template"):
         ChatTemplate("{% for %}", {})
+
+
+# Each family's template, and how it writes the assistant's earlier call.
+TOOL_TEMPLATES = [
+    (HERMES_TOOLS, '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'),
+    (MISTRAL_TOOLS, '[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Oslo"}}]'),
+    (LLAMA_TOOLS, '{"name": "weather", "parameters": {"city": "Oslo"}}<|eot_id|>'),
+]
+
+
+@pytest.mark.parametrize(("template", "call"), TOOL_TEMPLATES, ids=["hermes", "mistral", "llama"])
+def test_tools_and_tool_messages_render_as_transformers(template: str, call: str) -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "weather",
+                "description": "Today's weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    chat: list[dict[str, Any]] = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": {"city": "Oslo"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": '{"celsius": -3}', "tool_call_id": "call_1"},
+    ]
+    hf = hf_tokenizer(tokenizer(), template)
+    expected = hf.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=False)
+    ours = ChatTemplate(template, SPECIAL)
+    assert ours.render(chat, tools=tools) == expected
+    assert "Today's weather" in expected and call in expected
+    assert "Today's weather" not in ours.render(chat)  # without tools the template leaves them out

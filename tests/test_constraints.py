@@ -13,6 +13,7 @@ import re
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -211,7 +212,7 @@ def test_the_same_constraint_compiles_once_and_refusals_carry_the_librarys_messa
     compiler = ConstraintCompiler(letter_tokenizer(), 300, [0])
     schema = {"type": "array", "items": {"type": "integer"}}
     futures = [compiler.submit(Constraint.json_schema(schema)) for _ in range(4)]  # at once, and again
-    assert len({id(f) for f in futures}) == 1 and compiler.compiles == 1
+    assert len({id(f.result()) for f in futures}) == 1 and compiler.compiles == 1
     compiled = futures[0].result()
     assert compiled.matcher() is not compiled.template and compiled.constraint.text == json.dumps(schema)
     with pytest.raises(InvalidRequest, match=r"(?s)constraint.json_schema is not valid: .*foo"):
@@ -224,6 +225,19 @@ def test_the_same_constraint_compiles_once_and_refusals_carry_the_librarys_messa
     with pytest.raises(InvalidRequest):  # a refusal is cached too: it does not compile again
         compiler.compile(Constraint.regex("a(b"))
     assert compiler.compiles == 4
+
+
+def test_the_same_schema_from_two_fields_compiles_once_and_each_refusal_names_its_field() -> None:
+    compiler = ConstraintCompiler(letter_tokenizer(), 300, [0])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    tool = compiler.compile(replace(Constraint.json_schema(schema), source="tools[0].function.parameters"))
+    response = compiler.compile(replace(Constraint.json_schema(schema), source="response_format"))
+    assert response is tool and compiler.compiles == 1
+    bad = Constraint.json_schema('{"type": "foo"}')
+    for source in ("tools[1].function.parameters", "response_format.json_schema.schema"):
+        with pytest.raises(InvalidRequest, match=rf"^{re.escape(source)} is not valid: .*foo"):
+            compiler.compile(replace(bad, source=source))
+    assert compiler.compiles == 2
 
 
 # --- outputs that parse and validate ------------------------------------------------------------------------

@@ -53,12 +53,12 @@ def server(loop: LoopThread, tiny_bundle: Path) -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="module")
 def base(server: RunningServer) -> str:
-    return f"http://127.0.0.1:{server.server.http_port}"
+    return server.http_base
 
 
 @pytest.fixture(scope="module")
-def client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
+def client(server: RunningServer) -> openai.OpenAI:
+    return server.openai_client()
 
 
 @pytest.fixture(scope="module")
@@ -381,7 +381,7 @@ ERRORS: list[tuple[str, Any, int, str]] = [
     (C, {"prompt": PROMPT, "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist"),
     (C, {"prompt": PROMPT, "tools": [{"type": "function"}]}, 400, "tools is not supported"),
     (CHAT, {"messages": []}, 400, "messages is empty"),
-    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role is 'tool'"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role is 'robot'"),
     (CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content is required"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "is not a text part"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs needs logprobs: true"),

@@ -40,6 +40,12 @@ EXPECTED_FAMILIES = {
     "textgen_kv_cache_slots_capacity",
     "textgen_model_info",
     "textgen_ready",
+    # issue 28: structured output
+    "textgen_constrained_requests",
+    "textgen_constraint_compile_seconds",
+    "textgen_constraint_masks",
+    "textgen_constraint_mask_seconds",
+    "textgen_constraint_mask_wait_seconds",
 }
 
 
@@ -64,6 +70,9 @@ def exercise(m: Metrics) -> None:
     m.on_request_done("Generate", "OK", 0.4)
     m.set_ready(True)
     m.set_model_info("demo", "float32", "none", "CPUExecutionProvider")
+    m.on_constrained("tool")
+    m.on_masks(3, 0.0004, 0.0001)
+    m.on_constraint_compiled(0.002)
 
 
 def test_latency_histograms_count_and_sum(metrics: Metrics) -> None:
@@ -100,6 +109,23 @@ def test_finished_requests_count_tokens_and_reasons(metrics: Metrics) -> None:
     assert value(metrics, "textgen_request_generation_tokens_sum") == 44
     # Token-count buckets are powers of two: 32 generated tokens is within le=32, 4 tokens within le=4.
     assert value(metrics, "textgen_request_generation_tokens_bucket", le="4.0") == 4
+
+
+def test_constrained_requests_by_kind_and_what_their_masks_cost(metrics: Metrics) -> None:
+    for kind in ("json_schema", "tool", "tool"):
+        metrics.on_constrained(kind)
+    assert value(metrics, "textgen_constrained_requests_total", kind="tool") == 2
+    assert value(metrics, "textgen_constrained_requests_total", kind="regex") == 0  # exists before use
+    metrics.on_masks(4, 0.002, 0.0005)
+    metrics.on_masks(2, 0.001, 0.0)
+    assert value(metrics, "textgen_constraint_masks_total") == 6
+    assert value(metrics, "textgen_constraint_mask_seconds_total") == pytest.approx(0.003)
+    assert value(metrics, "textgen_constraint_mask_wait_seconds_total") == pytest.approx(0.0005)
+    metrics.on_constraint_compiled(0.0007)
+    assert value(metrics, "textgen_constraint_compile_seconds_count") == 1
+    assert value(metrics, "textgen_constraint_compile_seconds_bucket", le="0.001") == 1
+    with pytest.raises(ValueError, match="unknown constraint kind 'xml'"):
+        metrics.on_constrained("xml")
 
 
 def test_unused_finish_reasons_exist_at_zero(metrics: Metrics) -> None:

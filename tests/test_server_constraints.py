@@ -157,3 +157,19 @@ def test_constrained_and_plain_requests_batched_together(stub: pb_grpc.TextGener
     assert results["plain-1"].token_ids == results["plain-2"].token_ids == alone.token_ids
     jsonschema.validate(json.loads(results["schema"].text), SCHEMA)
     assert re.fullmatch("[a-z]{15}", results["regex"].text)
+
+
+def test_constrained_requests_and_mask_costs_reach_the_metrics(
+    stub: pb_grpc.TextGenerationStub, server: RunningServer
+) -> None:
+    sample = server.metric
+    regexes, masks = (
+        sample("textgen_constrained_requests_total", kind="regex"),
+        sample("textgen_constraint_masks_total"),
+    )
+    reply = stub.Generate(constrained(pb.Constraint(regex="[a-z]{6}")))
+    assert sample("textgen_constrained_requests_total", kind="regex") == regexes + 1
+    # A step's metric calls are recorded before its outcomes are delivered (an engine process sends them in
+    # the same message, replayed first): the reply's steps are counted by now.
+    assert sample("textgen_constraint_masks_total") >= masks + reply.usage.completion_tokens
+    assert sample("textgen_constraint_compile_seconds_count") >= 1

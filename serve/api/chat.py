@@ -4,10 +4,10 @@
 does: jinja2's `ImmutableSandboxedEnvironment` with `trim_blocks` and `lstrip_blocks`, the loop-control
 extension and the `{% generation %}` tag, a `tojson` filter that does not escape HTML, and the globals
 `raise_exception`, `strftime_now`, `dict` and `namespace`; it is rendered with `messages`,
-`add_generation_prompt=True`, `tools` and `documents` (None) and the tokenizer's special tokens
-(`bos_token`, `eos_token`, `pad_token`, ... those the bundle has). The rendered text is tokenized WITHOUT
-adding special tokens again: the template writes those it wants. Both front ends use it (gRPC's `messages`
-input and the HTTP API's /v1/chat/completions).
+`add_generation_prompt=True`, `tools` (the HTTP request's tool dicts, or None), `documents` (None) and the
+tokenizer's special tokens (`bos_token`, `eos_token`, `pad_token`, ... those the bundle has). The rendered
+text is tokenized WITHOUT adding special tokens again: the template writes those it wants. Both front ends
+use it (gRPC's `messages` input and the HTTP API's /v1/chat/completions).
 
 A template is code from whoever exported the bundle: the sandbox keeps it from reaching Python's internals,
 and a message it refuses (`raise_exception`) or cannot render is the client's InvalidRequest.
@@ -146,8 +146,15 @@ class ChatTemplate:
         self.source = source
         self.tokens = dict(tokens)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text; InvalidRequest if the template refuses the messages or fails on them."""
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text; InvalidRequest if the template refuses the messages or fails on them. `tools` are
+        the request's tool dicts (`{"type": "function", "function": {...}}`), as apply_chat_template passes
+        them."""
         if not messages:
             raise InvalidRequest("messages is empty: give at least one message")
         chat = [{key: value for key, value in m.items() if value is not None} for m in messages]
@@ -155,7 +162,7 @@ class ChatTemplate:
             return self._template.render(
                 **self.tokens,
                 messages=chat,
-                tools=None,
+                tools=None if tools is None else [dict(tool) for tool in tools],
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
             )
@@ -166,9 +173,14 @@ class ChatTemplate:
                 f"the chat template failed on the messages: {type(exc).__name__}: {exc}"
             ) from None
 
-    def prompt_ids(self, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def prompt_ids(
+        self,
+        tokenizer: Tokenizer,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         """The rendered chat's token ids; special tokens are not added again (apply_chat_template's way)."""
-        text = self.render(messages)
+        text = self.render(messages, tools=tools)
         ids = tokenizer.encode(text, add_special_tokens=False).ids
         if not ids:
             raise InvalidRequest("the chat template rendered the messages as no tokens")

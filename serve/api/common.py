@@ -55,7 +55,9 @@ class LoadedModel:
     def name(self) -> str:
         return self.bundle.manifest.model_name
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """A chat's prompt ids (rendered, then tokenized without special tokens); InvalidRequest when the
         bundle has no chat template or the template refuses the messages. Takes milliseconds: call it off
         the event loop."""
@@ -64,7 +66,7 @@ class LoadedModel:
                 f"model {self.name} has no chat template (its bundle's manifest sets no chat_template): "
                 "send a completion with a prompt instead"
             )
-        return self.chat.prompt_ids(self.tokenizer, messages)
+        return self.chat.prompt_ids(self.tokenizer, messages, tools)
 
 
 @dataclass

@@ -50,13 +50,16 @@ from serve.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Vocabulary,
+    chat_constraint,
     chat_logprobs,
+    chat_messages,
     completion_logprobs,
     finish_reason,
-    message_text,
     refuse_unsupported,
     structured_output,
 )
+from serve.api.tool_calls import Reply, ToolPlan, tool_plan
+from serve.api.tool_formats import tool_format
 from serve.api.validation import (
     OPENAI_FIELDS,
     GenerationOptions,
@@ -67,6 +70,7 @@ from serve.api.validation import (
     token_prompt,
 )
 from serve.engine.sampling import SamplingParams
+from serve.engine.types import Constraint
 from serve.errors import Cancelled, Draining, InvalidRequest, Unauthenticated
 from serve.scheduling.handles import RequestHandle
 from serve.scheduling.request import Completion, Event, FinishEvent, GenerationRequest, TokenEvent
@@ -451,6 +455,12 @@ class OpenAIApi:
         return _error_response(http_error(exc, request_id or None), request_id)
 
     # -- shared by both generation routes --------------------------------------------------------------------
+    def _count_constraint(self, constraint: Constraint | None, tools: ToolPlan | None = None) -> None:
+        """The constrained-request metric, by kind ("tool": a call that tool_choice forces)."""
+        if self._metrics is not None and constraint is not None:
+            forced = tools is not None and tools.constrained
+            self._metrics.on_constrained("tool" if forced else constraint.kind.value)
+
     def _vocabulary(self, model: LoadedModel) -> Vocabulary:
         vocab = self._vocabularies.get(id(model.tokenizer))
         if vocab is None:
@@ -471,6 +481,7 @@ class OpenAIApi:
         self,
         body: CompletionRequest | ChatCompletionRequest,
         max_tokens: int | None,
+        constraint: Constraint | None,
         *,
         logprobs: bool,
         top_logprobs: int,
@@ -497,7 +508,7 @@ class OpenAIApi:
             prompt_top_logprobs=top_logprobs if echo and logprobs else 0,
             truncate_prompt_tokens=body.truncate_prompt_tokens or 0,
             score_only=score_only,
-            constraint=structured_output(body),
+            constraint=constraint,
         )
 
     def _plan(
@@ -614,8 +625,14 @@ class OpenAIApi:
         try:
             model = self._begin(body)
             k = body.logprobs
+            constraint = structured_output(body)
             options = self._options(
-                body, body.max_tokens, logprobs=k is not None, top_logprobs=k or 0, echo=bool(body.echo)
+                body,
+                body.max_tokens,
+                constraint,
+                logprobs=k is not None,
+                top_logprobs=k or 0,
+                echo=bool(body.echo),
             )
             prompts = await self._prompts(body.prompt, model)
             record.prompt = prompts[0].text
@@ -624,6 +641,7 @@ class OpenAIApi:
             vocab = self._vocabulary(model)
             echo, include_usage = bool(body.echo), _include_usage(body)
             ident = f"cmpl-{record.request_id}"
+            self._count_constraint(constraint)
 
             def render(plan: Plan, done: list[Completion]) -> dict[str, Any]:
                 choices = [
@@ -708,17 +726,14 @@ class OpenAIApi:
             max_tokens = (
                 body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             )
-            options = self._options(body, max_tokens, logprobs=bool(body.logprobs), top_logprobs=top)
-            if not body.messages:
-                raise InvalidRequest("messages is empty: give at least one message")
-            messages = []
-            for index, message in enumerate(body.messages):
-                if message.role not in ("system", "user", "assistant"):
-                    raise InvalidRequest(
-                        f"messages[{index}].role is {message.role!r}; allowed: system, user, assistant"
-                    )
-                messages.append({"role": message.role, "content": message_text(index, message)})
-            ids = await asyncio.to_thread(model.chat_prompt, messages)
+            form = tool_format(model.chat.source if model.chat is not None else None)
+            tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, form)
+            constraint = chat_constraint(body, tools)
+            options = self._options(
+                body, max_tokens, constraint, logprobs=bool(body.logprobs), top_logprobs=top
+            )
+            messages = chat_messages(body.messages)
+            ids = await asyncio.to_thread(model.chat_prompt, messages, tools.template_tools)
             record.prompt = json.dumps(messages, ensure_ascii=False)
             plan = self._plan(
                 [Prompt(ids, "")], options, body.n or 1, model, record.request_id, bool(body.stream)
@@ -727,6 +742,7 @@ class OpenAIApi:
             vocab = self._vocabulary(model)
             want_logprobs, include_usage = bool(body.logprobs), _include_usage(body)
             ident = f"chatcmpl-{record.request_id}"
+            self._count_constraint(constraint, tools)
 
             def render(plan: Plan, done: list[Completion]) -> dict[str, Any]:
                 choices = []
@@ -741,12 +757,15 @@ class OpenAIApi:
                         if want_logprobs
                         else None
                     )
+                    reply = Reply(tools)
+                    reply.feed(completion.text)
+                    _, reason = reply.finish(finish_reason(completion.finish.finish_reason))
                     choices.append(
                         {
                             "index": index,
-                            "message": {"role": "assistant", "content": completion.text},
+                            "message": reply.message(),
                             "logprobs": logprobs,
-                            "finish_reason": finish_reason(completion.finish.finish_reason),
+                            "finish_reason": reason,
                         }
                     )
                 usage, _ = _usage(plan, [c.finish for c in done])
@@ -756,31 +775,37 @@ class OpenAIApi:
                 plan: Plan, events: AsyncIterator[tuple[int, Event]], finishes: list[FinishEvent | None]
             ) -> AsyncIterator[str]:
                 started = [False] * len(plan.requests)
+                replies = [Reply(tools) for _ in plan.requests]
                 kind = "chat.completion.chunk"
+
+                def chunk(index: int, delta: dict[str, Any], logprobs: Any, reason: str | None) -> str:
+                    if not started[index]:
+                        first = (
+                            {"role": "assistant"}
+                            if tools.mode == "none"
+                            else {"role": "assistant", "content": None}
+                        )
+                        delta = {**first, **delta}
+                        started[index] = True
+                    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+                    return _sse_data(_chat_object(ident, created, model.name, [choice], kind), include_usage)
+
                 async for index, event in events:
                     if isinstance(event, FinishEvent):
                         finishes[index] = event
-                        choice = {
-                            "index": index,
-                            "delta": {},
-                            "logprobs": None,
-                            "finish_reason": finish_reason(event.finish_reason),
-                        }
-                        yield _sse_data(
-                            _chat_object(ident, created, model.name, [choice], kind), include_usage
-                        )
+                        last, reason = replies[index].finish(finish_reason(event.finish_reason))
+                        if last:
+                            yield chunk(index, last, None, None)
+                        yield chunk(index, {}, None, reason)
                         continue
-                    delta: dict[str, Any] = {"content": event.text}
-                    if not started[index]:
-                        delta = {"role": "assistant", **delta}
-                        started[index] = True
+                    delta = replies[index].feed(event.text)
                     logprobs = (
                         {"content": chat_logprobs(vocab, event.token_ids, event.logprobs, event.top_logprobs)}
                         if want_logprobs
                         else None
                     )
-                    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
-                    yield _sse_data(_chat_object(ident, created, model.name, [choice], kind), include_usage)
+                    if delta or logprobs is not None:
+                        yield chunk(index, delta, logprobs, None)
                 if include_usage:
                     usage, _ = _usage(plan, finishes)
                     yield _sse_data(_chat_object(ident, created, model.name, [], kind) | {"usage": usage})

@@ -3,24 +3,28 @@
 Requests follow OpenAI's API reference, with vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
 truncate_prompt_tokens). Ranges are OpenAI's: temperature 0..2, top_p 0..1, the penalties -2..2, n >= 1,
-top_logprobs (and the completions' logprobs) 0..20, max_tokens >= 0. Unknown fields that do not change
-the output (user, metadata, store, parallel_tool_calls, ...) are accepted and ignored; those that would and
-are not supported here (`UNSUPPORTED`) are refused.
+top_logprobs (and the completions' logprobs) 0..20, max_tokens >= 0. Chat takes `tools`, `tool_choice` and
+`parallel_tool_calls` (serve/api/tool_calls.py) and the history's tool calls and tool results. Unknown
+fields that do not change the output (user, metadata, store, ...) are accepted and ignored; those that would
+and are not supported here (`UNSUPPORTED`) are refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer, decoders
 
+from serve.api.tool_calls import Tool, ToolCallIn, ToolChoice, ToolPlan, template_message
 from serve.engine.sampling import MAX_TOP_LOGPROBS, Alternatives
 from serve.engine.types import Constraint
 from serve.errors import InvalidRequest
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each takes n rows)
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class _Body(BaseModel):
@@ -72,6 +76,8 @@ class ChatMessage(_Body):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="an assistant's calls")
+    tool_call_id: str | None = Field(None, description="the call a tool message answers")
 
 
 class ChatCompletionRequest(_Request):
@@ -79,6 +85,11 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(None, description="functions the model may call")
+    tool_choice: ToolChoice | None = Field(
+        None, description='"none", "auto" (the default with tools), "required" or a named function'
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: tool_choice required makes one call")
 
 
 def _unset(value: Any) -> bool:
@@ -89,7 +100,7 @@ def _unset(value: Any) -> bool:
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v is None or v == 1,
     "suffix": _unset,
-    "tools": _unset,
+    "tools": _unset,  # on /v1/completions (chat declares them)
     "functions": _unset,
     "function_call": lambda v: v in (None, "none"),
     "tool_choice": lambda v: v in (None, "none"),
@@ -103,7 +114,12 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 
 
 def _constraint_of(kind: str, value: Any, where: str) -> Constraint:
-    """vLLM's structured-output kinds (guided_* and structured_outputs.*) as a neutral constraint."""
+    """vLLM's structured-output kinds (guided_* and structured_outputs.*) as a neutral constraint, whose
+    errors name the field `where`."""
+    return replace(_constraint_kind(kind, value, where), source=where)
+
+
+def _constraint_kind(kind: str, value: Any, where: str) -> Constraint:
     if kind == "json":
         if isinstance(value, str):
             return Constraint.json_schema(value)
@@ -160,6 +176,20 @@ def structured_output(body: _Request) -> Constraint | None:
     return found[0][1] if found else None
 
 
+def chat_constraint(body: ChatCompletionRequest, plan: ToolPlan) -> Constraint | None:
+    """A chat's constraint: a forced tool call's, or the structured output asked for (not both)."""
+    constraint = structured_output(body)
+    forced = plan.constraint()
+    if forced is None:
+        return constraint
+    if constraint is not None:
+        raise InvalidRequest(
+            f"tool_choice {plan.named or plan.mode!r} constrains the output to a tool call: leave out "
+            "response_format (and vLLM's structured-output fields)"
+        )
+    return forced
+
+
 def refuse_unsupported(body: _Request) -> None:
     fields = {
         **(body.model_extra or {}),
@@ -168,6 +198,23 @@ def refuse_unsupported(body: _Request) -> None:
     for name, is_default in UNSUPPORTED.items():
         if name in fields and not is_default(fields[name]):
             raise InvalidRequest(f"{name} is not supported by this server; leave it out")
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The request's messages as the chat template takes them; InvalidRequest for a role or a message the
+    API does not take."""
+    if not messages:
+        raise InvalidRequest("messages is empty: give at least one message")
+    out = []
+    for index, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"messages[{index}].role is {message.role!r}; allowed: {', '.join(CHAT_ROLES)}"
+            )
+        calls = message.tool_calls
+        text = None if calls and message.content is None else message_text(index, message)
+        out.append(template_message(index, message.role, text, calls, message.tool_call_id, message.name))
+    return out
 
 
 def message_text(index: int, message: ChatMessage) -> str:

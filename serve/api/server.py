@@ -382,6 +382,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         )
         if self.draining:  # the drain may have begun while the prompt was being tokenized
             raise Draining("the server is shutting down: retry on another replica")
+        if self._metrics is not None and generation.constraint is not None:
+            self._metrics.on_constrained(generation.constraint.kind.value)
         return model.scheduler.submit(generation)
 
     async def Generate(

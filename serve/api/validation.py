@@ -138,7 +138,7 @@ def checked_constraint(constraint: Constraint | None) -> Constraint | None:
     compiles (InvalidRequest with the library's message)."""
     if constraint is None or constraint.kind is ConstraintKind.JSON_OBJECT:
         return constraint
-    which = f"constraint.{constraint.kind.value}"
+    which = constraint.field_name
     if constraint.kind is ConstraintKind.CHOICE:
         choices = constraint.choices
         if not 1 <= len(choices) <= MAX_CHOICES:

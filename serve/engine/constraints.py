@@ -2,8 +2,9 @@
 
 - `ConstraintCompiler` (thread-safe) turns a `Constraint` into a `CompiledConstraint` on worker threads of
   its own (llguidance drops the GIL while it builds a grammar, so engine steps go on meanwhile). Compiles
-  are bounded by `LLParserLimits` and cached: an LRU of futures keyed by the constraint, so the same schema
-  sent twice, or twice at once, compiles once. What llguidance rejects is an `InvalidRequest` carrying its
+  are bounded by `LLParserLimits` and cached: an LRU of futures keyed by the constraint without its
+  `source`, so the same schema sent twice, or twice at once, or from two request fields, compiles once. What
+  llguidance rejects is an `InvalidRequest` that names the request's field and carries the library's
   message.
 - `ConstraintRows` holds the running rows' matchers in the engine's row order (swap-remove, as the KV rows
   and `SamplingBatch`). `start_fill()` computes every constrained row's allowed-token bitmask with
@@ -23,10 +24,10 @@ import json
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import llguidance
@@ -49,6 +50,11 @@ JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}  # compact; x
 MAX_ERROR_CHARS = 1_000  # of llguidance's message in a refusal
 
 
+class _Refused(Exception):
+    """llguidance's verdict on a constraint, before it names a request field: one cached compile serves
+    requests whose constraint came from different fields, and each refusal names its own."""
+
+
 @dataclass(frozen=True, eq=False)
 class CompiledConstraint:
     """A compiled constraint: a matcher at its start state that is never advanced; each sequence gets its
@@ -63,7 +69,7 @@ class CompiledConstraint:
 
 
 def grammar_of(constraint: Constraint) -> str:
-    """The llguidance grammar of a constraint; InvalidRequest when it is not even well formed."""
+    """The llguidance grammar of a constraint; _Refused when it is not even well formed."""
     kind = constraint.kind
     try:
         match kind:
@@ -80,7 +86,7 @@ def grammar_of(constraint: Constraint) -> str:
             case ConstraintKind.CHOICE:
                 return llguidance.grammar_from("choice", json.dumps(list(constraint.choices)))
     except ValueError as exc:
-        raise InvalidRequest(f"constraint.{kind.value} is not valid: {_short(str(exc))}") from None
+        raise _Refused(_short(str(exc))) from None
     raise ValueError(f"unknown constraint kind {kind!r}")
 
 
@@ -126,27 +132,37 @@ class ConstraintCompiler:
         self.eos_token_ids = tuple(eos_token_ids)
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        # Keyed by the constraint without its source (the request field, named only in refusals).
         self._cache: OrderedDict[Constraint, Future[CompiledConstraint]] = OrderedDict()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="textgen-compile")
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
         self.compiles = 0  # compiles started (cache misses)
+        self._compile_seconds: deque[float] = deque()  # of finished compiles, until `take_compile_seconds`
 
     def submit(self, constraint: Constraint) -> Future[CompiledConstraint]:
         """The constraint's compile: the cached one, or one started now on a worker thread. Its result is the
-        `CompiledConstraint`, or the InvalidRequest llguidance's verdict became."""
+        `CompiledConstraint`, or the InvalidRequest that names its field and llguidance's verdict."""
+        key = replace(constraint, source="")
         with self._lock:
-            future = self._cache.get(constraint)
+            future = self._cache.get(key)
             if future is not None:
-                self._cache.move_to_end(constraint)
-                return future
-            future = self._pool.submit(self._compile, constraint)
-            self._cache[constraint] = future
-            self.compiles += 1
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        future.add_done_callback(lambda done: self._forget_unless_final(constraint, done))
-        return future
+                self._cache.move_to_end(key)
+            else:
+                future = self._pool.submit(self._compile, key)
+                self._cache[key] = future
+                self.compiles += 1
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+                future.add_done_callback(lambda done: self._forget_unless_final(key, done))
+        return _for_field(future, constraint)
+
+    def take_compile_seconds(self) -> list[float]:
+        """How long each compile that succeeded since the last call took (for the metrics)."""
+        taken = []
+        while self._compile_seconds:
+            taken.append(self._compile_seconds.popleft())
+        return taken
 
     def compile(self, constraint: Constraint) -> CompiledConstraint:
         """`submit` and wait (tests, benchmarks)."""
@@ -171,21 +187,41 @@ class ConstraintCompiler:
         limits = parser_limits()
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
-            kind = constraint.kind.value
-            raise InvalidRequest(f"constraint.{kind} is not valid: {_short(matcher.get_error())}")
+            raise _Refused(_short(matcher.get_error()))
         seconds = time.perf_counter() - start
         if seconds > 1.0:
             log.warning("a %s constraint took %.2f s to compile", constraint.kind.value, seconds)
+        self._compile_seconds.append(seconds)  # a deque: appends and pops are thread-safe
         return CompiledConstraint(constraint, matcher, seconds)
 
     def _forget_unless_final(self, constraint: Constraint, future: Future[CompiledConstraint]) -> None:
         """A refusal is final and stays cached; any other failure (out of memory) may not recur: drop it."""
         error = future.exception()
-        if error is None or isinstance(error, InvalidRequest):
+        if error is None or isinstance(error, _Refused):
             return
         with self._lock:
             if self._cache.get(constraint) is future:
                 del self._cache[constraint]
+
+
+def _for_field(compiling: Future[CompiledConstraint], constraint: Constraint) -> Future[CompiledConstraint]:
+    """The shared compile as this request sees it: its refusal names the request's own field."""
+    out: Future[CompiledConstraint] = Future()
+
+    def settle(done: Future[CompiledConstraint]) -> None:
+        if done.cancelled():  # the compiler shut down
+            out.cancel()
+            return
+        error = done.exception()
+        if isinstance(error, _Refused):
+            out.set_exception(InvalidRequest(f"{constraint.field_name} is not valid: {error}"))
+        elif error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(done.result())
+
+    compiling.add_done_callback(settle)
+    return out
 
 
 class MaskStats:
@@ -200,6 +236,11 @@ class MaskStats:
 
     def as_dict(self) -> dict[str, float]:
         return dict(vars(self))
+
+    def copy(self) -> MaskStats:
+        copied = MaskStats()
+        vars(copied).update(vars(self))
+        return copied
 
 
 class MaskWorker:

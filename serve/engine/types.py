@@ -66,13 +66,20 @@ class ConstraintKind(enum.Enum):
 @dataclass(frozen=True)
 class Constraint:
     """What a request's output must be, enforced token by token (serve/engine/constraints.py compiles it with
-    llguidance). Protocol-neutral and hashable (the compile cache's key): the gRPC front end builds one from
-    `GenerateRequest.constraint`; an OpenAI-style front end would from `response_format` or a forced tool
-    call. Build it with the class methods; `text` is the schema's JSON, the pattern or the grammar."""
+    llguidance). Protocol-neutral and hashable (without `source`, the compile cache's key): the gRPC front end
+    builds one from `GenerateRequest.constraint`, the HTTP one from `response_format`, a forced tool call or
+    vLLM's guided fields. Build it with the class methods; `text` is the schema's JSON, the pattern or the
+    grammar; `source` the request field it came from, which error messages name (default:
+    `constraint.<kind>`)."""
 
     kind: ConstraintKind
     text: str = ""
     choices: tuple[str, ...] = ()
+    source: str = ""
+
+    @property
+    def field_name(self) -> str:
+        return self.source or f"constraint.{self.kind.value}"
 
     @classmethod
     def json_schema(cls, schema: str | Mapping[str, Any] | bool) -> Constraint:

@@ -71,6 +71,12 @@ class MetricRecorder:
     def on_step(self, phase: str, batch_size: int, padding_ratio: float, seconds: float) -> None:
         self.calls.append(("on_step", (phase, batch_size, padding_ratio, seconds)))
 
+    def on_masks(self, masks: int, seconds: float, wait_seconds: float) -> None:
+        self.calls.append(("on_masks", (masks, seconds, wait_seconds)))
+
+    def on_constraint_compiled(self, seconds: float) -> None:
+        self.calls.append(("on_constraint_compiled", (seconds,)))
+
     def set_load(self, running: int, waiting: int, kv_used: int, kv_capacity: int) -> None:
         self.calls.append(("set_load", (running, waiting, kv_used, kv_capacity)))
 

@@ -48,7 +48,7 @@ from serve.scheduling.request import (
 )
 
 if TYPE_CHECKING:
-    from serve.engine.constraints import CompiledConstraint
+    from serve.engine.constraints import CompiledConstraint, ConstraintCompiler
     from serve.engine.types import NewSequence, TokenOut
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,8 @@ class BatchRunner:
         self._partial: list[Delivery] = []
         self._load = _Load(0, engine.batch_size, engine.kv_shape(), 0)
         self.last_step: StepRecord | None = None  # the latest step's record (replaced, never mutated)
+        self._masks_seen = engine.mask_stats.copy()  # the masks' cost the metrics have been told of
+        self._compiler: ConstraintCompiler | None = None  # the engine's, once a request has a constraint
 
     @property
     def max_total_tokens(self) -> int:
@@ -124,7 +126,8 @@ class BatchRunner:
             request, self.engine.tokenizer, self.engine.eos_token_ids, self.max_total_tokens, time.monotonic()
         )
         if request.constraint is not None:
-            tracker.compiled = self.engine.constraint_compiler.submit(request.constraint)
+            self._compiler = self.engine.constraint_compiler
+            tracker.compiled = self._compiler.submit(request.constraint)
         return tracker
 
     # -- called from any thread -------------------------------------------------------------------------
@@ -390,6 +393,21 @@ class BatchRunner:
         self.last_step = record
         if self._metrics is not None:
             self._metrics.on_step(phase, record.rows, record.padding_ratio, record.seconds)
+            self._record_constraints(self._metrics)
+
+    def _record_constraints(self, metrics: EngineMetrics) -> None:
+        """What masks and compiles cost since the previous step."""
+        stats, seen = self.engine.mask_stats, self._masks_seen
+        if stats.rows != seen.rows:
+            metrics.on_masks(
+                stats.rows - seen.rows,
+                stats.fill_seconds - seen.fill_seconds,
+                stats.wait_seconds - seen.wait_seconds,
+            )
+            self._masks_seen = stats.copy()
+        if self._compiler is not None:
+            for seconds in self._compiler.take_compile_seconds():
+                metrics.on_constraint_compiled(seconds)
 
     def _accept(self, outs: list[TokenOut], deliveries: list[Delivery]) -> None:
         now = time.monotonic()
