@@ -12,15 +12,15 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
+from quantized_bundles import quantized_graphs, tiny_model
 
 from export.bundle_writer import BundleStage
 from export.checkpoint import load_checkpoint
 from export.fp16 import CONSTANT_LIMIT, check_graph, convert_fp16
 from export.generation import Shape, greedy, torch_step
-from export.model import Decoder
 from export.onnx_standard import export_standard_graph
-from export.pipeline import PRESETS, ExportedGraphs, ExportOptions, Precision, write_verified_bundle
-from export.quantize import count_weight_matmuls, fold_weight_transposes, quantize_int8, quantize_nbits
+from export.pipeline import PRESETS, ExportOptions, Precision, write_verified_bundle
+from export.quantize import count_weight_matmuls, fold_weight_transposes, quantize_int8
 from export.verify import FP32_TOLERANCE, VerificationFailed, batch_invariant, verify_bundle
 from serve.bundle import MANIFEST_FILE, load_bundle, sha256_file
 from serve.engine.engine import Engine
@@ -29,12 +29,6 @@ from serve.engine.types import EngineSettings, NewSequence
 
 # The first test to use the demo fixtures may train (~3 min) and export the demo model.
 DEMO_TIMEOUT = pytest.mark.timeout(1200)
-
-
-def tiny_model() -> Decoder:
-    """The weights of the `tiny_bundle` fixture (random preset "tiny", seed 0)."""
-    torch.manual_seed(0)
-    return Decoder(PRESETS["tiny"]).eval()
 
 
 def session(model: onnx.ModelProto | Path) -> ort.InferenceSession:
@@ -181,28 +175,12 @@ def test_fold_weight_transposes_keeps_results_and_enables_quantization() -> None
     assert np.corrcoef(after.ravel(), before.ravel())[0, 1] > 0.95  # int8 of a 4-wide dot: approximate
 
 
-def quantized_graphs(fp32: Path, precision: Precision) -> ExportedGraphs:
-    """The fp32 bundle's two graphs quantized as `precision` says, as export_bundle converts them."""
-    bundle = load_bundle(fp32)
-    graphs = []
-    for path in (bundle.standard_graph, bundle.inplace_graph):
-        assert path is not None
-        model = onnx.load(str(path))
-        if precision.kind == "int8-dynamic":
-            graphs.append(quantize_int8(model))
-        else:
-            assert precision.bits and precision.block
-            graphs.append(quantize_nbits(model, precision.bits, precision.block))
-    (standard, s_counts), (inplace, i_counts) = graphs
-    return ExportedGraphs(standard, inplace, {"standard": s_counts, "inplace": i_counts})
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 def test_nbits_quantizes_every_weight_matmul_and_the_token_embedding_at_4_bits(
     tiny_bundle: Path, bits: int
 ) -> None:
     layers = PRESETS["tiny"].n_layers
-    for role, counts in quantized_graphs(tiny_bundle, Precision(f"int{bits}")).stats.items():  # type: ignore[arg-type]
+    for role, counts in quantized_graphs(tiny_bundle, Precision(f"int{bits}")).stats.items():
         assert counts["float"] == 0 and counts["quantized"] == 4 * layers + 1, (
             role
         )  # qkv, out, up, down; head
@@ -216,7 +194,7 @@ def test_quantized_bundle_of_the_demo_model(
     demo_bundle: Path, demo_checkpoint: Path, tmp_path: Path, kind: str
 ) -> None:
     ckpt = load_checkpoint(demo_checkpoint)
-    precision = Precision(kind)  # type: ignore[arg-type]
+    precision = Precision(kind)
     options = ExportOptions(model_name=f"demo-{kind}", precision=precision, progress=False)
     graphs = quantized_graphs(demo_bundle, precision)
     bundle = write_verified_bundle(ckpt.model, ckpt.tokenizer, graphs, tmp_path / kind, options)
@@ -342,7 +320,7 @@ def test_failed_stage_leaves_the_old_bundle_and_no_temp_dir(tiny_bundle: Path, t
 )
 def test_precision_refuses_a_block_size_it_cannot_use(kind: str, block: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        Precision(kind, block)  # type: ignore[arg-type]
+        Precision(kind, block)
 
 
 def test_a_bundle_that_must_be_batch_invariant_fails_verification_when_it_is_not() -> None:
