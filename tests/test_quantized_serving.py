@@ -34,19 +34,20 @@ def quantized_bundle(
     return write_verified_bundle(tiny_model(), tokenizer, graphs, out, options).root
 
 
+Served = tuple[RunningServer, pb_grpc.TextGenerationStub]
+
+
 @pytest.fixture(scope="module")
-def server(loop: LoopThread, quantized_bundle: Path) -> Iterator[RunningServer]:
+def served(loop: LoopThread, quantized_bundle: Path) -> Iterator[Served]:
     # A partial prefill group waits for company, so the concurrent requests really share steps.
-    settings = loopback_settings(quantized_bundle, engine_process=False, max_wait_seconds=0.2)
-    running = RunningServer(loop, settings)
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(server: RunningServer) -> Iterator[pb_grpc.TextGenerationStub]:
-    with grpc.insecure_channel(server.target) as channel:
-        yield pb_grpc.TextGenerationStub(channel)
+    running = RunningServer(
+        loop, loopback_settings(quantized_bundle, engine_process=False, max_wait_seconds=0.2)
+    )
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            yield running, pb_grpc.TextGenerationStub(channel)
+    finally:
+        running.stop()
 
 
 def greedy(text: str) -> pb.GenerateRequest:
@@ -55,7 +56,8 @@ def greedy(text: str) -> pb.GenerateRequest:
     )
 
 
-def test_model_info_says_what_the_bundle_is(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> None:
+def test_model_info_says_what_the_bundle_is(served: Served) -> None:
+    server, stub = served
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     manifest = server.model.bundle.manifest
     assert info.quantization == manifest.quantization in ("int8", "int4")
@@ -63,9 +65,8 @@ def test_model_info_says_what_the_bundle_is(stub: pb_grpc.TextGenerationStub, se
     assert list(info.execution_providers) == ["CPUExecutionProvider"]
 
 
-def test_greedy_tokens_alone_equal_those_in_a_batch(
-    stub: pb_grpc.TextGenerationStub, server: RunningServer
-) -> None:
+def test_greedy_tokens_alone_equal_those_in_a_batch(served: Served) -> None:
+    server, stub = served
     alone = [list(stub.Generate(greedy(p)).token_ids) for p in PROMPTS]
     steps_before = len(server.model.scheduler.steps())
     futures = [stub.Generate.future(greedy(p)) for p in PROMPTS for _ in range(2)]
