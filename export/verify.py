@@ -18,8 +18,9 @@ rounding is relative. The report records the reference's largest logit and the t
   invariance (each prompt alone in the engine gets the tokens it got in the batch).
 
 Batch invariance is required of every bundle whose weight format ONNX Runtime computes row by row (float,
-MatMulNBits up to export.quantize.INVARIANT_MAX_BLOCK); for the others (dynamic INT8, larger blocks) it is
-measured and reported, and the manifest's `batch_invariant` says false. Quantized bundles are judged on
+MatMulNBits up to export.quantize.INVARIANT_MAX_BLOCK) on the graph the server runs (the standard graph's too
+for float bundles); for the others (dynamic INT8, larger blocks) it is measured and reported, and the
+manifest's `batch_invariant` says false. Quantized bundles are judged on
 accuracy against the fp32 model (held-out perplexity within 2% for 8 bits; reported only for 4 bits).
 """
 
@@ -119,7 +120,7 @@ def check_standard(
     }
 
 
-def _engine_greedy(
+def engine_greedy(
     engine: Engine, prompts: Sequence[Sequence[int]], steps: int
 ) -> tuple[np.ndarray, list[np.ndarray]]:
     """The engine's greedy tokens [B, 1 + steps] of `prompts` batched together, and each step's logits."""
@@ -142,8 +143,8 @@ def check_engine(bundle: Bundle, reference: Generation, prompts: Sequence[Sequen
     )
     engine = Engine.from_bundle(bundle, settings)
     steps = len(reference.logits) - 1
-    own, logits = _engine_greedy(engine, prompts, steps)
-    alone = np.concatenate([_engine_greedy(engine, [p], steps)[0] for p in prompts])
+    own, logits = engine_greedy(engine, prompts, steps)
+    alone = np.concatenate([engine_greedy(engine, [p], steps)[0] for p in prompts])
     agree = agreement_prefix(reference.tokens, own)
     # Compare a step's logits only while the row has been fed the reference's tokens so far.
     fed_same = np.concatenate([np.ones((len(prompts), 1), bool), agree[:, :-1]], axis=1)
@@ -191,6 +192,15 @@ def logit_scale(reference: Generation) -> float:
     return max([float(np.abs(reference.logits[0][real]).max()), *steps])
 
 
+def invariance_judged(report: dict[str, Any], quantization: str) -> list[str]:
+    """The graphs whose batch invariance counts: both for float bundles, the serving graph of a quantized one.
+    The standard graph left-pads, so a row alone has another padded length and its float rounding differs at
+    1e-5; quantizing activations per row amplifies that to 1e-2 (bench/batch_invariance.py measures the
+    serving graph, whose rows are computed alike whatever the batch): exact there, reported here."""
+    graphs: list[str] = [g for g in ("standard", "inplace") if g in report]
+    return ["inplace"] if quantization != "none" and "inplace" in graphs else graphs
+
+
 def _failures(report: dict[str, Any], quantization: str) -> list[str]:
     failed: list[str] = []
     tolerance = report["tolerance"]
@@ -199,7 +209,7 @@ def _failures(report: dict[str, Any], quantization: str) -> list[str]:
         if r is None:
             continue
         failed += [f"{graph}: NaN/Inf in outputs"] * (not r["finite"])
-        if report["batch_invariance_required"]:
+        if report["batch_invariance_required"] and graph in invariance_judged(report, quantization):
             failed += [f"{graph}: batch invariance"] * (not r.get("batch_invariant", True))
         if tolerance is not None:  # quantized bundles are judged on accuracy instead
             if r["max_abs_logits_diff"] > tolerance:
@@ -291,9 +301,8 @@ def verify_bundle(
         report["notes"] = ["float16 serving graph not run on CPU: check it with bench/gpu_check.py on a GPU"]
     bits = {"int8": 8, "int4": 4}.get(m.quantization)
     report["batch_invariance_required"] = batch_invariant_scheme(bits, m.quantization_block_size)
-    report["batch_invariant"] = all(
-        report[g]["batch_invariant"] for g in ("standard", "inplace") if g in report
-    )
+    judged = invariance_judged(report, m.quantization)
+    report["batch_invariant"] = all(report[g]["batch_invariant"] for g in judged)
     if bits is not None:
         report[m.quantization] = _quantized_report(bundle, session, model, shape, eval_text)
     report["failed"] = _failures(report, m.quantization)

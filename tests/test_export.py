@@ -330,6 +330,11 @@ def test_a_bundle_that_must_be_batch_invariant_fails_verification_when_it_is_not
     report = {"tolerance": 1e-4, "standard": graph, "batch_invariance_required": True}
     assert _failures(report, "none") == ["standard: batch invariance"]
     assert _failures({**report, "batch_invariance_required": False}, "none") == []
+    # A quantized bundle is judged on its serving graph: the standard graph's left padding changes a row's
+    # float rounding, which per-row activation quantization amplifies.
+    quantized = {**report, "tolerance": None, "inplace": {**graph, "batch_invariant": True}}
+    assert _failures(quantized, "int4") == []
+    assert _failures({**quantized, "inplace": graph}, "int4") == ["inplace: batch invariance"]
 
 
 def _rms_norm_graph() -> onnx.ModelProto:
