@@ -4,7 +4,7 @@ Workload (identical to the anchors'): bench-a shape (GPT-2: vocab 8192, context 
 8 heads, d_ff 2048, tied head, random weights), 32 fixed random prompt tokens per row (the anchors' own ids),
 exactly 128 new tokens, greedy, batch 1/4/16, 2 threads; one untimed warm-up, 3 timed runs, median.
 tok/s = 128 x batch / wall time of the whole generation (prefill included). Each (variant, batch) cell runs in
-its own process so its peak RSS is its own.
+its own process so its peak RSS is its own (`peak_rss_mb`: VmHWM, the peak since the cell's exec).
 
     python -m bench.engine_bench                             # textgen fp32 + int8, plus the machine roofline
     python -m bench.engine_bench --anchors-dir DIR           # and the default peer cells in the same pass
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,16 @@ def prompt_rows(batch: int) -> np.ndarray:
     """The anchors' prompts (common.prompt_ids): row i is the same for every tool and batch size."""
     rng = np.random.default_rng(SEED)
     return rng.integers(3, VOCAB, size=(max(16, batch), PROMPT_LEN), dtype=np.int64)[:batch]
+
+
+def peak_rss_mb() -> float:
+    """This process's own peak RSS. Not getrusage's ru_maxrss: Linux carries it across execve, so a cell
+    started from a parent would report at least the parent's RSS at the fork (measured: 326 MB for a cell of
+    11 MB under a parent holding 300 MB). VmHWM is the peak of the memory the process has now."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status: the engine benchmark measures memory on Linux only")
 
 
 def run_cell(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, object]:
@@ -80,7 +89,7 @@ def run_cell(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, 
         "tok_s": NEW_TOKENS * batch / median,
         "decode_tok_s": (NEW_TOKENS - 1) * batch / (median - ttft),
         "ttft_s": ttft,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_mb(),
         "load_s": load_seconds,
         "providers": engine.providers,
     }
