@@ -1,8 +1,8 @@
 """Which weight formats ONNX Runtime computes the same for a row alone and in a batch: the measurement
 behind export.quantize.INVARIANT_MAX_BLOCK and the manifest's `batch_invariant`.
 
-For each format (float32, dynamic INT8, MatMulNBits at 8 and 4 bits over a range of block sizes) the fp32
-bundle's serving graph is converted as `textgen-export` converts it and run by the serving engine: 16
+For each format (float32, float16, dynamic INT8, MatMulNBits at 8 and 4 bits over a range of block sizes)
+the fp32 bundle's serving graph is converted as `textgen-export` converts it and run by the serving engine: 16
 held-out prompts of different lengths prefilled and decoded together (greedy), then each prompt alone.
 Reported: the largest |logit difference| between a row's logits alone and in the batch, over the steps
 where both had been fed the same tokens (0: exactly invariant), and how many rows' greedy tokens differ.
@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from export.fp16 import convert_fp16
 from export.quantize import heldout_windows, quantize_int8, quantize_nbits
 from export.verify import engine_greedy
 from serve.bundle import load_bundle
@@ -31,15 +32,16 @@ ROWS = 16
 STEPS = 8
 FORMATS: tuple[tuple[str, int | None, int | None], ...] = (
     ("float32", None, None),
+    ("float16", None, None),
     ("int8 dynamic", 8, None),
     *(("int8 MatMulNBits", 8, b) for b in (16, 32, 64, 128, 256)),
     *(("int4 MatMulNBits", 4, b) for b in (16, 32, 64, 128, 256)),
 )
 
 
-def converted(model: onnx.ModelProto, bits: int | None, block: int | None) -> onnx.ModelProto:
+def converted(model: onnx.ModelProto, name: str, bits: int | None, block: int | None) -> onnx.ModelProto:
     if bits is None:
-        return model
+        return convert_fp16(model) if name == "float16" else model
     return quantize_int8(model)[0] if block is None else quantize_nbits(model, bits, block)[0]
 
 
@@ -51,7 +53,8 @@ def measure(engine: Engine, prompts: list[list[int]]) -> tuple[float, int]:
         alone, logits = engine_greedy(engine, [prompt], STEPS)
         same = np.cumprod(alone[0] == together[row])  # fed the same tokens up to and including step t
         steps = [0] + [t for t in range(1, STEPS + 1) if same[t - 1]]
-        worst = max(worst, max(float(np.abs(logits[t][0] - batch_logits[t][row]).max()) for t in steps))
+        diffs = [np.abs(logits[t][0].astype(np.float32) - batch_logits[t][row]).max() for t in steps]
+        worst = max(worst, float(max(diffs)))
         differing += int(not same[-1])
     return worst, differing
 
@@ -79,8 +82,11 @@ def main() -> None:
     for name, bits, block in FORMATS:
         with tempfile.TemporaryDirectory() as tmp:
             graph = Path(tmp) / bundle.inplace_graph.name
-            onnx.save(converted(fp32, bits, block), str(graph))
-            engine = Engine.from_bundle(replace(bundle, root=Path(tmp)), settings)
+            onnx.save(converted(fp32, name, bits, block), str(graph))
+            manifest = bundle.manifest.model_copy(
+                update={"dtype": "float16" if name == "float16" else "float32"}
+            )
+            engine = Engine.from_bundle(replace(bundle, root=Path(tmp), manifest=manifest), settings)
             worst, differing = measure(engine, prompts)
         print(f"| {name} | {block or '-'} | {worst:.1e} | {differing} / {ROWS} |")
 
