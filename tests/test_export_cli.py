@@ -131,7 +131,9 @@ def test_onnx_end_to_end_quantized(
     tokenizer = load_bundle(tiny_bundle).tokenizer
     ckpt = save_checkpoint(tmp_path / "tiny.pt", Decoder(PRESETS["tiny"]), tokenizer, {})
     out = tmp_path / "bundle"
-    code, stdout, err = run(["onnx", "--checkpoint", str(ckpt), "--out", str(out), flag], capsys)
+    # The int4 run measures perplexity on a text of the user's (this file) instead of the stdlib's.
+    eval_text = ["--eval-text", __file__] if flag == "--int4" else []
+    code, stdout, err = run(["onnx", "--checkpoint", str(ckpt), "--out", str(out), flag, *eval_text], capsys)
     assert code == 0, err
     kind = flag.removeprefix("--")
     assert "PASSED" in stdout and f"weight MatMuls quantized ({scheme}): standard 9/9, inplace 9/9" in stdout
@@ -139,6 +141,9 @@ def test_onnx_end_to_end_quantized(
     bundle = load_bundle(out)
     assert bundle.manifest.quantization == kind and bundle.manifest.model_name == "tiny"
     assert bundle.manifest.batch_invariant
+    accuracy = bundle.manifest.verification[kind]
+    assert accuracy["heldout_text"] == ("eval text" if eval_text else "stdlib held-out split")
+    assert 0 <= accuracy["top1_agreement"] <= 1 and accuracy["perplexity_ratio"] > 0
     assert bundle.manifest.verification["export"]["source"]["checkpoint"] == str(ckpt)
     assert not list(tmp_path.glob(".bundle.tmp-*"))  # nothing left staged
 
