@@ -22,7 +22,7 @@ from export.onnx_standard import export_standard_graph
 from export.pipeline import PRESETS, ExportOptions, Precision, write_verified_bundle
 from export.quantize import count_weight_matmuls, fold_weight_transposes, quantize_int8
 from export.verify import FP32_TOLERANCE, VerificationFailed, batch_invariant, verify_bundle
-from serve.bundle import MANIFEST_FILE, load_bundle, sha256_file
+from serve.bundle import MANIFEST_FILE, GraphSpec, load_bundle, sha256_file
 from serve.engine.engine import Engine
 from serve.engine.sampling import SamplingParams
 from serve.engine.types import EngineSettings, NewSequence
@@ -258,38 +258,60 @@ def test_fp16_standard_graph_runs_finite_on_cpu_with_padding(tiny_bundle: Path) 
     assert np.abs(gen.logits[0][real] - reference.logits[0][real]).max() < 5e-2
 
 
-def test_writer_uses_external_data_only_when_needed(
-    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Over the threshold, both graphs keep their weights in one file, each shared tensor written once."""
-    import export.bundle_writer as writer
-
+def _staged(
+    tiny_bundle: Path, graphs: tuple[onnx.ModelProto, onnx.ModelProto], out: Path
+) -> tuple[Path, dict[str, GraphSpec], int, int]:
+    """The two graphs staged and committed as a bundle at `out`: (root, specs, bytes of weights.data after
+    the standard graph, bytes the serving graph shared with it)."""
     fields = load_bundle(tiny_bundle).manifest.model_dump(exclude={"checksums", "graphs"})
-    standard = onnx.load(str(tiny_bundle / "model.onnx"))
-    inplace = onnx.load(str(tiny_bundle / "model_inplace.onnx"))
-    inplace_bytes = sum(len(t.raw_data) for t in inplace.graph.initializer if len(t.raw_data) >= 1024)
-    monkeypatch.setattr(writer, "EXTERNAL_DATA_THRESHOLD", 0)
-    with BundleStage(tmp_path / "ext") as stage:
-        specs = {"standard": stage.add_graph("model.onnx", standard, 23)}
-        written = (stage.dir / "weights.data").stat().st_size
-        specs["inplace"] = stage.add_graph("model_inplace.onnx", inplace, 20)
+    with BundleStage(out) as stage:
+        specs = {"standard": stage.add_graph("model.onnx", graphs[0], 23)}
+        data = stage.dir / "weights.data"
+        written = data.stat().st_size if data.exists() else 0
+        specs["inplace"] = stage.add_graph("model_inplace.onnx", graphs[1], 20)
         stage.add_tokenizer((tiny_bundle / "tokenizer.json").read_text())
         stage.write_manifest(fields | {"graphs": specs})
         shared = stage.shared_bytes
         stage.commit()
-    bundle = load_bundle(tmp_path / "ext")
+    return out, specs, written, shared
+
+
+def _tiny_graphs(tiny_bundle: Path, kind: str) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    if kind == "fp32":
+        return onnx.load(str(tiny_bundle / "model.onnx")), onnx.load(str(tiny_bundle / "model_inplace.onnx"))
+    graphs = quantized_graphs(tiny_bundle, Precision(kind))
+    return graphs.standard, graphs.inplace
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int4"])
+def test_writer_uses_external_data_only_when_needed(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Over the threshold, both graphs keep their weights in one file, each shared tensor written once: the
+    quantized weights too (both graphs quantize the same [in, out] matrices to the same bytes)."""
+    import export.bundle_writer as writer
+
+    reference, _, _, _ = _staged(tiny_bundle, _tiny_graphs(tiny_bundle, kind), tmp_path / "inside")
+    standard, inplace = _tiny_graphs(tiny_bundle, kind)
+    inplace_bytes = sum(len(t.raw_data) for t in inplace.graph.initializer if len(t.raw_data) >= 1024)
+    monkeypatch.setattr(writer, "EXTERNAL_DATA_THRESHOLD", 0)
+    root, specs, written, shared = _staged(tiny_bundle, (standard, inplace), tmp_path / "ext")
+    bundle = load_bundle(root)
     assert specs["standard"].external_data == specs["inplace"].external_data == "weights.data"
     assert "weights.data" in bundle.manifest.checksums
-    sizes = {p.name: p.stat().st_size for p in (tmp_path / "ext").iterdir()}
-    assert sizes["model.onnx"] < sizes["weights.data"] and sizes["model_inplace.onnx"] < 20_000
-    # Every weight of the serving graph is one the standard graph wrote: nothing was added for it.
-    assert shared == inplace_bytes and sizes["weights.data"] == written
+    sizes = {p.name: p.stat().st_size for p in root.iterdir()}
+    # The graphs keep only tensors under 1 KB (int4 scales of the tiny model among them).
+    assert sizes["model.onnx"] < (reference / "model.onnx").stat().st_size - written // 2
+    assert sizes["model_inplace.onnx"] < 20_000
+    # Every weight of the serving graph is one the standard graph wrote: nothing was added for it. (Shared can
+    # be more: a 4-bit tied embedding's gather and head have the same scales, stored once for both.)
+    assert shared >= inplace_bytes and sizes["weights.data"] == written
     assert len(session(bundle.standard_graph).get_outputs()) == 5
     engine = Engine.from_bundle(bundle, EngineSettings(max_batch_size=1))
-    reference = Engine.from_bundle(load_bundle(tiny_bundle), EngineSettings(max_batch_size=1))
-    for e in (engine, reference):
+    inside = Engine.from_bundle(load_bundle(reference), EngineSettings(max_batch_size=1))
+    for e in (engine, inside):
         e.prefill([NewSequence("s", [5, 6, 7], SamplingParams())])
-    np.testing.assert_array_equal(engine.last_logits, reference.last_logits)
+    np.testing.assert_array_equal(engine.last_logits, inside.last_logits)
 
 
 def test_stage_refuses_a_non_bundle_directory(tmp_path: Path) -> None:
