@@ -144,6 +144,11 @@ def test_onnx_end_to_end_quantized(
     accuracy = bundle.manifest.verification[kind]
     assert accuracy["heldout_text"] == ("eval text" if eval_text else "stdlib held-out split")
     assert 0 <= accuracy["top1_agreement"] <= 1 and accuracy["perplexity_ratio"] > 0
+    # verify reruns the checks and the accuracy report from the bundle and the checkpoint alone.
+    code, stdout, err = run(["verify", str(out), "--checkpoint", str(ckpt), *eval_text], capsys)
+    assert code == 0, err
+    limit = "limit x1.02" if kind == "int8" else "reported, no limit"
+    assert "PASSED" in stdout and f"{kind} accuracy  perplexity" in stdout and limit in stdout
     assert bundle.manifest.verification["export"]["source"]["checkpoint"] == str(ckpt)
     assert not list(tmp_path.glob(".bundle.tmp-*"))  # nothing left staged
 
