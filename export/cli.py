@@ -9,12 +9,12 @@
                                                      rerun the checks on a bundle, print the report
     textgen-export random --preset bench-a --out DIR [PRECISION]
                                                      random weights, for speed benchmarks
+    textgen-export inspect ...                       attention heatmaps etc. (export.inspection)
 
 PRECISION: one of --int8 (8-bit MatMulNBits, batch invariant), --int4 (4-bit, embedding and head too),
 --int8-dynamic (dynamic INT8: fastest at large batches, not batch invariant), --fp16 (CUDA/TensorRT; not
 for random); --block-size N for --int8/--int4 (weights per scale); --eval-text FILE: the held-out text
 a quantized bundle's perplexity is measured on (default: the stdlib files the demo model never saw).
-    textgen-export inspect ...                       attention heatmaps etc. (export.inspection)
 
 A user error (missing file, wrong checkpoint, bad option, failed verification) prints one line saying what
 was wrong and what to do, and exits 1; argparse usage errors exit 2.
