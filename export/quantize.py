@@ -12,7 +12,8 @@
   Because each activation row gets its own scale, a row's logits do not depend on the rows batched with it,
   as long as ONNX Runtime runs one kernel for one row and for many: measured on ONNX Runtime 1.32 (x86-64),
   exactly (difference 0) for block sizes up to `INVARIANT_MAX_BLOCK` (64 at 8 bits, 32 at 4 bits); larger
-  blocks take another kernel for a single row and differ from the batched result by 2e-2..5e-2.
+  blocks take another kernel for a single row and differ from the batched result (by up to 5e-2 on the
+  logits: bench/batch_invariance.py).
 - `quantize_int8` (`--int8-dynamic`): dynamic INT8 (`quantize_dynamic`, QInt8 weights, activations quantized
   per tensor at run time). Fastest at large batches on this CPU, but one activation scale spans the whole
   batch, so a row's tokens depend on its neighbours: not batch invariant.
