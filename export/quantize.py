@@ -4,11 +4,11 @@
   `onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`: every weight MatMul (the LM head
   included) becomes `MatMulNBits` (symmetric, one float scale per block of `block_size` weights along K,
   accuracy_level 4: the CPU kernel quantizes each activation row to int8 on its own and computes in int8).
-  With 4 bits the token embedding becomes `GatherBlockQuantized` too (the tool quantizes Gathers only to 4
-  bits, so an 8-bit bundle keeps its embedding in float). A tied embedding is quantized twice: once as the
-  gather's [vocab, d] table and once as the head's [d, vocab] weight (MatMulNBits repacks its weight at load,
-  so one shared initializer would not save memory at run time). Position and rotary tables, norms and the
-  KV cache stay float.
+  The token embedding becomes `GatherBlockQuantized` too: at 4 bits by the tool; at 8 bits, which the tool
+  does not do for Gathers, by its own block quantizer (`_gather_8bit`). A tied embedding is quantized
+  twice: once as the gather's [vocab, d] table and once as the head's [d, vocab] weight (MatMulNBits repacks
+  its weight at load, so one shared initializer would not save memory at run time). Position and rotary
+  tables, norms and the KV cache stay float.
   Because each activation row gets its own scale, a row's logits do not depend on the rows batched with it,
   as long as ONNX Runtime runs one kernel for one row and for many: measured on ONNX Runtime 1.32 (x86-64),
   exactly (difference 0) for block sizes up to `INVARIANT_MAX_BLOCK` (64 at 8 bits, 32 at 4 bits); larger
@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic
 from tokenizers import Tokenizer
 
@@ -101,6 +101,11 @@ def count_weight_matmuls(model: onnx.ModelProto) -> dict[str, int]:
     ops = Counter(n.op_type for n in model.graph.node)
     float_weight = sum(1 for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits)
     return {"float": float_weight, "quantized": sum(ops[o] for o in QUANTIZED_MATMUL_OPS)}
+
+
+def count_quantized_gathers(model: onnx.ModelProto) -> int:
+    """Embedding lookups in block-quantized form (GatherBlockQuantized)."""
+    return sum(1 for n in model.graph.node if n.op_type == "GatherBlockQuantized")
 
 
 @contextmanager
@@ -169,28 +174,73 @@ def _non_token_gathers(model: onnx.ModelProto) -> list[str]:
     return names
 
 
-def _matmul_nbits_quantizer() -> Any:
-    # The module calls logging.basicConfig(level=INFO) when imported, which would print every INFO line of
-    # every library (the exporter's) from then on: import it here and put the root logger back as it was.
+def _matmul_nbits() -> Any:
+    """onnxruntime.quantization.matmul_nbits_quantizer. It calls logging.basicConfig(level=INFO) when
+    imported, which would print every INFO line of every library (the exporter's) from then on: imported
+    here, with the root logger put back as it was."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    from onnxruntime.quantization import matmul_nbits_quantizer
 
     root.handlers[:] = handlers
     root.setLevel(level)
-    return MatMulNBitsQuantizer
+    return matmul_nbits_quantizer
+
+
+def _gather_8bit(model: onnx.ModelProto, block_size: int) -> int:
+    """The token embedding's Gather as an 8-bit GatherBlockQuantized; returns how many were replaced.
+
+    The tool quantizes Gathers to 4 bits only, so its block quantizer does it: a table's rows are the columns
+    of its transpose, and quantizing table^T as a MatMul weight gives [vocab, d / block, block] uint8 (zero
+    point 128, symmetric) and [vocab, d / block] scales: GatherBlockQuantized's layout along axis 1, whose
+    default uint8 zero point is 128 too. A width that is not a multiple of the block ends in a partial block
+    (the quantizer pads it; the padding is cut off)."""
+    nbits = _matmul_nbits()
+    config = nbits.DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, bits=8)
+    block_quant = nbits.DefaultWeightOnlyQuantizer(config).qbits_block_quant
+    inits = {t.name: t for t in model.graph.initializer}
+    replaced: list[str] = []  # the float tables
+    for node in model.graph.node:
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if node.op_type != "Gather" or node.input[1] != TOKEN_IDS_INPUT or node.input[0] not in inits or axis:
+            continue
+        table = numpy_helper.to_array(inits[node.input[0]])
+        if table.ndim != 2 or table.dtype != np.float32:
+            continue
+        packed, scales, _ = block_quant(np.ascontiguousarray(table.T))
+        rows = np.ascontiguousarray(packed.reshape(len(table), -1)[:, : table.shape[1]])
+        data = numpy_helper.from_array(rows, f"{node.input[0]}_gather_Q8")
+        scale = numpy_helper.from_array(scales, f"{node.input[0]}_gather_scales")
+        model.graph.initializer.extend([data, scale])
+        gather = helper.make_node(
+            "GatherBlockQuantized",
+            [data.name, node.input[1], scale.name],
+            list(node.output),
+            name=f"{node.name}_Q8",
+            domain="com.microsoft",
+            gather_axis=0,
+            quantize_axis=1,
+            block_size=block_size,
+            bits=8,
+        )
+        replaced.append(node.input[0])
+        node.CopyFrom(gather)
+    used = {name for node in model.graph.node for name in node.input}
+    for name in set(replaced) - used:
+        model.graph.initializer.remove(inits[name])
+    return len(replaced)
 
 
 def quantize_nbits(
     model: onnx.ModelProto, bits: int, block_size: int
 ) -> tuple[onnx.ModelProto, dict[str, int]]:
-    """Weight-only MatMulNBits of every weight MatMul (and, at 4 bits, the token embedding's Gather)."""
+    """Weight-only MatMulNBits of every weight MatMul, and GatherBlockQuantized of the token embedding."""
     if bits not in NBITS:
         raise ValueError(f"bits must be one of {NBITS}, got {bits}")
     check_block_size(block_size)
     model = copy_model(model)
     folded = fold_weight_transposes(model)
-    quantizer = _matmul_nbits_quantizer()(
+    quantizer = _matmul_nbits().MatMulNBitsQuantizer(
         model,
         bits=bits,
         block_size=block_size,
@@ -203,8 +253,10 @@ def quantize_nbits(
     with _quiet_loggers("onnxruntime.quantization.matmul_nbits_quantizer"):
         quantizer.process()
     quantized: onnx.ModelProto = quantizer.model.model
+    if bits == 8:
+        _gather_8bit(quantized, block_size)
     counts = count_weight_matmuls(quantized)
-    gathers = sum(1 for n in quantized.graph.node if n.op_type == "GatherBlockQuantized")
+    gathers = count_quantized_gathers(quantized)
     return quantized, {**counts, "transposes_folded": folded, "quantized_gathers": gathers}
 
 

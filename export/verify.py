@@ -52,6 +52,7 @@ from export.model import Decoder
 from export.quantize import (
     MAX_PERPLEXITY_RATIO,
     batch_invariant_scheme,
+    count_quantized_gathers,
     count_weight_matmuls,
     quantized_accuracy,
 )
@@ -231,15 +232,17 @@ def _quantized_report(
     shape: Shape,
     eval_text: str | None,
 ) -> dict[str, Any]:
-    counts = {
-        role: count_weight_matmuls(onnx.load(str(path), load_external_data=False))
+    graphs = {
+        role: onnx.load(str(path), load_external_data=False)
         for role, path in (("standard", bundle.standard_graph), ("inplace", bundle.inplace_graph))
         if path is not None
     }
+    counts = {role: count_weight_matmuls(graph) for role, graph in graphs.items()}
     m = bundle.manifest
     report: dict[str, Any] = {
         "block_size": m.quantization_block_size,  # None: dynamic INT8
         "weight_matmuls": counts,
+        "quantized_embeddings": {role: count_quantized_gathers(graph) for role, graph in graphs.items()},
         "float_weight_matmuls": sum(c["float"] for c in counts.values()),
         # 8 bits must keep the model's quality; 4 bits trades some for size and speed: reported only.
         "max_perplexity_ratio": MAX_PERPLEXITY_RATIO if m.quantization == "int8" else None,
@@ -333,7 +336,8 @@ def _quantized_lines(name: str, r: dict[str, Any]) -> list[str]:
         f"{role} {c['quantized']}/{c['quantized'] + c['float']}" for role, c in r["weight_matmuls"].items()
     )
     scheme = f"MatMulNBits, block {r['block_size']}" if r.get("block_size") else "dynamic"
-    lines = [f"  {name:<15}weight MatMuls quantized ({scheme}): {counts}"]
+    embeddings = ", ".join(f"{role} {n}" for role, n in r.get("quantized_embeddings", {}).items())
+    lines = [f"  {name:<15}weight MatMuls quantized ({scheme}): {counts}; embeddings quantized: {embeddings}"]
     if "perplexity_ratio" not in r:
         return [*lines, f"  {name + ' accuracy':<15}{r['accuracy']}"]
     limit = r["max_perplexity_ratio"]

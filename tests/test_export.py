@@ -20,7 +20,7 @@ from export.fp16 import CONSTANT_LIMIT, check_graph, convert_fp16
 from export.generation import Shape, greedy, torch_step
 from export.onnx_standard import export_standard_graph
 from export.pipeline import PRESETS, ExportOptions, Precision, write_verified_bundle
-from export.quantize import count_weight_matmuls, fold_weight_transposes, quantize_int8
+from export.quantize import count_weight_matmuls, fold_weight_transposes, quantize_int8, quantize_nbits
 from export.verify import FP32_TOLERANCE, VerificationFailed, batch_invariant, verify_bundle
 from serve.bundle import MANIFEST_FILE, GraphSpec, load_bundle, sha256_file
 from serve.engine.engine import Engine
@@ -176,16 +176,37 @@ def test_fold_weight_transposes_keeps_results_and_enables_quantization() -> None
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_nbits_quantizes_every_weight_matmul_and_the_token_embedding_at_4_bits(
-    tiny_bundle: Path, bits: int
-) -> None:
+def test_nbits_quantizes_every_weight_matmul_and_the_token_embedding(tiny_bundle: Path, bits: int) -> None:
     layers = PRESETS["tiny"].n_layers
     for role, counts in quantized_graphs(tiny_bundle, Precision(f"int{bits}")).stats.items():
-        assert counts["float"] == 0 and counts["quantized"] == 4 * layers + 1, (
-            role
-        )  # qkv, out, up, down; head
-        # The tool quantizes Gathers at 4 bits only; positions stay float either way.
-        assert counts["quantized_gathers"] == (bits == 4), role
+        assert counts["float"] == 0, role
+        assert counts["quantized"] == 4 * layers + 1, role  # qkv, out, up, down; the head
+        assert counts["quantized_gathers"] == 1, role  # the token embedding; positions stay float
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_quantized_embedding_looks_up_the_rounded_rows(bits: int) -> None:
+    """GatherBlockQuantized returns each row within half a quantization step of the float table's."""
+    table = np.random.default_rng(2).normal(size=(50, 48)).astype(np.float32)  # a partial second block
+    node = helper.make_node("Gather", ["table", "input_ids"], ["rows"], name="tok_emb")
+    graph = helper.make_graph(
+        [node],
+        "embedding",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["n"])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["n", 48])],
+        [numpy_helper.from_array(table, "table")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    quantized, counts = quantize_nbits(model, bits, 32)
+    assert counts["quantized_gathers"] == 1 and [n.op_type for n in quantized.graph.node] == [
+        "GatherBlockQuantized"
+    ]
+    assert {t.name for t in quantized.graph.initializer}.isdisjoint({"table"})  # the float table is gone
+    ids = np.array([0, 7, 49, 7])
+    rows = session(quantized).run(None, {"input_ids": ids})[0]
+    for block in (slice(0, 32), slice(32, 48)):
+        step = np.abs(table[ids, block]).max(axis=-1, keepdims=True) / (2 ** (bits - 1) - 1)
+        assert (np.abs(rows[:, block] - table[ids, block]) <= step / 2 + 1e-6).all()
 
 
 @DEMO_TIMEOUT

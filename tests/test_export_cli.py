@@ -136,7 +136,11 @@ def test_onnx_end_to_end_quantized(
     code, stdout, err = run(["onnx", "--checkpoint", str(ckpt), "--out", str(out), flag, *eval_text], capsys)
     assert code == 0, err
     kind = flag.removeprefix("--")
-    assert "PASSED" in stdout and f"weight MatMuls quantized ({scheme}): standard 9/9, inplace 9/9" in stdout
+    assert (
+        "PASSED" in stdout
+        and f"quantized ({scheme}): standard 9/9, inplace 9/9; embeddings quantized: standard 1, inplace 1"
+        in stdout
+    )
     assert f"{kind} accuracy" in stdout and f"bundle written to {out}" in stdout
     bundle = load_bundle(out)
     assert bundle.manifest.quantization == kind and bundle.manifest.model_name == "tiny"
