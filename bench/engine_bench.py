@@ -4,9 +4,9 @@ Workload (identical to the anchors'): bench-a shape (GPT-2: vocab 8192, context 
 8 heads, d_ff 2048, tied head, random weights), 32 fixed random prompt tokens per row (the anchors' own ids),
 exactly 128 new tokens, greedy, batch 1/4/16, 2 threads; one untimed warm-up, 3 timed runs, median.
 tok/s = 128 x batch / wall time of the whole generation (prefill included). Each (variant, batch) cell runs in
-its own process so its peak RSS is its own.
+its own process so its peak RSS is its own (`peak_rss_mb`: VmHWM, the peak since the cell's exec).
 
-    python -m bench.engine_bench                             # textgen fp32 + int8, plus the machine roofline
+    python -m bench.engine_bench                 # textgen fp32, int8, int8-dynamic, int4, and the roofline
     python -m bench.engine_bench --anchors-dir DIR           # and the default peer cells in the same pass
     python -m bench.engine_bench --anchors-dir DIR --anchors "ortgenai B-llama fp32"   # chosen peer cells
 """
@@ -16,14 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # a cell must not import torch (through export): its peak RSS would count it
+    from export.pipeline import PrecisionKind
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_LEN, NEW_TOKENS, SEED, VOCAB = 32, 128, 1234, 8192
@@ -42,6 +45,16 @@ def prompt_rows(batch: int) -> np.ndarray:
     """The anchors' prompts (common.prompt_ids): row i is the same for every tool and batch size."""
     rng = np.random.default_rng(SEED)
     return rng.integers(3, VOCAB, size=(max(16, batch), PROMPT_LEN), dtype=np.int64)[:batch]
+
+
+def peak_rss_mb() -> float:
+    """This process's own peak RSS. Not getrusage's ru_maxrss: Linux carries it across execve, so a cell
+    started from a parent would report at least the parent's RSS at the fork (measured: 326 MB for a cell of
+    11 MB under a parent holding 300 MB). VmHWM is the peak of the memory the process has now."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status: the engine benchmark measures memory on Linux only")
 
 
 def run_cell(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, object]:
@@ -80,7 +93,7 @@ def run_cell(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, 
         "tok_s": NEW_TOKENS * batch / median,
         "decode_tok_s": (NEW_TOKENS - 1) * batch / (median - ttft),
         "ttft_s": ttft,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_mb(),
         "load_s": load_seconds,
         "providers": engine.providers,
     }
@@ -104,10 +117,31 @@ def machine_roofline(threads: int) -> dict[str, float]:
     return {"gemm_gflops": max(gemm), "read_gbps": max(read)}
 
 
-def ensure_bundle(out: Path, int8: bool) -> Path:
-    if not (out / "manifest.json").exists():
-        cmd = [sys.executable, "-m", "export", "random", "--preset", "bench-a", "--out", str(out)]
-        subprocess.run(cmd + (["--int8"] if int8 else []), check=True)
+# Variant -> its precision (textgen-export's flag without the dashes; fp32: no flag).
+VARIANTS: dict[str, PrecisionKind] = {
+    "textgen fp32": "fp32",
+    "textgen int8": "int8",
+    "textgen int8-dynamic": "int8-dynamic",
+    "textgen int4": "int4",
+}
+
+
+def ensure_bundle(out: Path, kind: PrecisionKind) -> Path:
+    """The bench-a bundle of `kind` at `out`, exported unless one of that precision is there (an INT8 bundle
+    written before MatMulNBits was dynamic INT8: it is replaced, not measured under the wrong name)."""
+    from export.pipeline import Precision
+    from serve.bundle import load_bundle
+    from serve.errors import BundleError
+
+    want = Precision(kind)
+    try:
+        m = load_bundle(out).manifest
+        if (m.quantization, m.quantization_block_size) == (want.quantization, want.block):
+            return out
+    except BundleError:
+        pass
+    cmd = [sys.executable, "-m", "export", "random", "--preset", "bench-a", "--out", str(out)]
+    subprocess.run(cmd + ([f"--{kind}"] if kind != "fp32" else []), check=True)
     return out
 
 
@@ -176,8 +210,7 @@ def main() -> None:
         return
 
     variants = {
-        "textgen fp32": ensure_bundle(args.bundles / "bench-a-fp32", int8=False),
-        "textgen int8": ensure_bundle(args.bundles / "bench-a-int8", int8=True),
+        name: ensure_bundle(args.bundles / f"bench-a-{kind}", kind) for name, kind in VARIANTS.items()
     }
     record: dict[str, object] = {"machine": machine_roofline(args.threads), "cells": {}}
     cells: dict[str, dict[str, object]] = record["cells"]  # type: ignore[assignment]
@@ -186,7 +219,7 @@ def main() -> None:
             cell = cell_in_subprocess(bundle, batch, args.threads, args.repeats)
             cells[f"{name} b{batch}"] = cell
             print(
-                f"{name:14s} b{batch:<3d} {cell['tok_s']:8.0f} tok/s  ttft {1000 * cell['ttft_s']:.1f} ms  "
+                f"{name:20s} b{batch:<3d} {cell['tok_s']:8.0f} tok/s  ttft {1000 * cell['ttft_s']:.1f} ms  "
                 f"peak {cell['peak_rss_mb']:.0f} MB",
                 flush=True,
             )

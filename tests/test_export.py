@@ -12,29 +12,23 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
+from quantized_bundles import quantized_graphs, tiny_model
 
 from export.bundle_writer import BundleStage
 from export.checkpoint import load_checkpoint
 from export.fp16 import CONSTANT_LIMIT, check_graph, convert_fp16
 from export.generation import Shape, greedy, torch_step
-from export.model import Decoder
 from export.onnx_standard import export_standard_graph
-from export.pipeline import PRESETS, ExportedGraphs, ExportOptions, write_verified_bundle
-from export.quantize import count_weight_matmuls, fold_weight_transposes, quantize_int8
+from export.pipeline import PRESETS, ExportOptions, Precision, write_verified_bundle
+from export.quantize import count_weight_matmuls, fold_weight_transposes, quantize_int8, quantize_nbits
 from export.verify import FP32_TOLERANCE, VerificationFailed, batch_invariant, verify_bundle
-from serve.bundle import MANIFEST_FILE, load_bundle, sha256_file
+from serve.bundle import MANIFEST_FILE, GraphSpec, load_bundle, sha256_file
 from serve.engine.engine import Engine
 from serve.engine.sampling import SamplingParams
 from serve.engine.types import EngineSettings, NewSequence
 
 # The first test to use the demo fixtures may train (~3 min) and export the demo model.
 DEMO_TIMEOUT = pytest.mark.timeout(1200)
-
-
-def tiny_model() -> Decoder:
-    """The weights of the `tiny_bundle` fixture (random preset "tiny", seed 0)."""
-    torch.manual_seed(0)
-    return Decoder(PRESETS["tiny"]).eval()
 
 
 def session(model: onnx.ModelProto | Path) -> ort.InferenceSession:
@@ -181,31 +175,81 @@ def test_fold_weight_transposes_keeps_results_and_enables_quantization() -> None
     assert np.corrcoef(after.ravel(), before.ravel())[0, 1] > 0.95  # int8 of a 4-wide dot: approximate
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_nbits_quantizes_every_weight_matmul_and_the_token_embedding(tiny_bundle: Path, bits: int) -> None:
+    layers = PRESETS["tiny"].n_layers
+    for role, counts in quantized_graphs(tiny_bundle, Precision(f"int{bits}")).stats.items():
+        assert counts["float"] == 0, role
+        assert counts["quantized"] == 4 * layers + 1, role  # qkv, out, up, down; the head
+        assert counts["quantized_gathers"] == 1, role  # the token embedding; positions stay float
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_quantized_embedding_looks_up_the_rounded_rows(bits: int) -> None:
+    """GatherBlockQuantized returns each row within half a quantization step of the float table's."""
+    table = np.random.default_rng(2).normal(size=(50, 48)).astype(np.float32)  # a partial second block
+    node = helper.make_node("Gather", ["table", "input_ids"], ["rows"], name="tok_emb")
+    graph = helper.make_graph(
+        [node],
+        "embedding",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["n"])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["n", 48])],
+        [numpy_helper.from_array(table, "table")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    quantized, counts = quantize_nbits(model, bits, 32)
+    assert counts["quantized_gathers"] == 1 and [n.op_type for n in quantized.graph.node] == [
+        "GatherBlockQuantized"
+    ]
+    assert {t.name for t in quantized.graph.initializer}.isdisjoint({"table"})  # the float table is gone
+    ids = np.array([0, 7, 49, 7])
+    rows = session(quantized).run(None, {"input_ids": ids})[0]
+    for block in (slice(0, 32), slice(32, 48)):
+        step = np.abs(table[ids, block]).max(axis=-1, keepdims=True) / (2 ** (bits - 1) - 1)
+        assert (np.abs(rows[:, block] - table[ids, block]) <= step / 2 + 1e-6).all()
+
+
 @DEMO_TIMEOUT
-def test_int8_bundle_of_the_demo_model(demo_bundle: Path, demo_checkpoint: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_bundle_of_the_demo_model(
+    demo_bundle: Path, demo_checkpoint: Path, tmp_path: Path, kind: str
+) -> None:
     ckpt = load_checkpoint(demo_checkpoint)
-    fp32 = load_bundle(demo_bundle)
-    standard, s_counts = quantize_int8(onnx.load(str(fp32.standard_graph)))
-    inplace, i_counts = quantize_int8(onnx.load(str(fp32.inplace_graph)))
-    layers = ckpt.config.n_layers
-    assert i_counts["float"] == s_counts["float"] == 0
-    assert i_counts["quantized"] == s_counts["quantized"] == 4 * layers + 1  # qkv, out, up, down + head
-    graphs = ExportedGraphs(standard, inplace, {"int8_standard": s_counts})
-    options = ExportOptions(model_name="demo-int8", int8=True, progress=False)
-    bundle = write_verified_bundle(ckpt.model, ckpt.tokenizer, graphs, tmp_path / "int8", options)
+    precision = Precision(kind)
+    options = ExportOptions(model_name=f"demo-{kind}", precision=precision, progress=False)
+    graphs = quantized_graphs(demo_bundle, precision)
+    bundle = write_verified_bundle(ckpt.model, ckpt.tokenizer, graphs, tmp_path / kind, options)
     m = bundle.manifest
-    assert m.quantization == "int8" and m.execution_providers == ["CPUExecutionProvider"]
+    assert m.quantization == kind and m.execution_providers == ["CPUExecutionProvider"]
+    assert m.quantization_block_size == precision.block and m.batch_invariant
     report = m.verification
-    int8 = report["int8"]
+    quant = report[kind]
     assert report["passed"], report["failed"]
-    assert int8["float_weight_matmuls"] == 0
-    assert int8["perplexity_ratio"] <= 1.02
-    assert int8["fp32_perplexity"] < 0.5 * ckpt.config.vocab_size  # a trained model, not a uniform guess
-    assert int8["top1_agreement"] >= 0.9
-    assert int8["greedy_prefix_agreement"] >= 0.5
+    assert report["batch_invariance_required"] and report["batch_invariant"]
+    assert report["standard"]["batch_invariant"] and report["inplace"]["batch_invariant"]
+    assert quant["float_weight_matmuls"] == 0
+    assert quant["fp32_perplexity"] < 0.5 * ckpt.config.vocab_size  # a trained model, not a uniform guess
+    assert 0 < quant["perplexity_ratio"] <= (1.02 if kind == "int8" else 1.1)
+    assert quant["max_perplexity_ratio"] == (1.02 if kind == "int8" else None)
+    for share in ("top1_agreement", "greedy_prefix_agreement"):
+        assert 0.0 <= quant[share] <= 1.0
+    assert quant["top1_agreement"] >= (0.95 if kind == "int8" else 0.8)
+    assert 0 < quant["max_abs_logits_diff"] < 10
     assert report["standard"]["finite"] and report["inplace"]["finite"]
-    # Reported, not required: dynamic INT8's per-tensor activation scale couples the rows of a batch.
-    assert isinstance(report["standard"]["batch_invariant"], bool)
+
+
+def test_dynamic_int8_is_reported_not_batch_invariant(tiny_bundle: Path, tmp_path: Path) -> None:
+    precision = Precision("int8-dynamic")
+    options = ExportOptions(model_name="tiny-int8-dynamic", precision=precision, progress=False)
+    graphs = quantized_graphs(tiny_bundle, precision)
+    bundle = write_verified_bundle(
+        tiny_model(), load_bundle(tiny_bundle).tokenizer, graphs, tmp_path / "b", options
+    )
+    m = bundle.manifest
+    assert m.quantization == "int8" and m.quantization_block_size is None
+    # Measured and reported, not required: one activation scale per step couples the rows of a batch.
+    assert not m.verification["batch_invariance_required"] and not m.batch_invariant
+    assert isinstance(m.verification["batch_invariant"], bool) and m.verification["passed"]
 
 
 def test_fp16_graphs_are_valid_and_safe(tiny_bundle: Path) -> None:
@@ -235,38 +279,60 @@ def test_fp16_standard_graph_runs_finite_on_cpu_with_padding(tiny_bundle: Path) 
     assert np.abs(gen.logits[0][real] - reference.logits[0][real]).max() < 5e-2
 
 
-def test_writer_uses_external_data_only_when_needed(
-    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Over the threshold, both graphs keep their weights in one file, each shared tensor written once."""
-    import export.bundle_writer as writer
-
+def _staged(
+    tiny_bundle: Path, graphs: tuple[onnx.ModelProto, onnx.ModelProto], out: Path
+) -> tuple[Path, dict[str, GraphSpec], int, int]:
+    """The two graphs staged and committed as a bundle at `out`: (root, specs, bytes of weights.data after
+    the standard graph, bytes the serving graph shared with it)."""
     fields = load_bundle(tiny_bundle).manifest.model_dump(exclude={"checksums", "graphs"})
-    standard = onnx.load(str(tiny_bundle / "model.onnx"))
-    inplace = onnx.load(str(tiny_bundle / "model_inplace.onnx"))
-    inplace_bytes = sum(len(t.raw_data) for t in inplace.graph.initializer if len(t.raw_data) >= 1024)
-    monkeypatch.setattr(writer, "EXTERNAL_DATA_THRESHOLD", 0)
-    with BundleStage(tmp_path / "ext") as stage:
-        specs = {"standard": stage.add_graph("model.onnx", standard, 23)}
-        written = (stage.dir / "weights.data").stat().st_size
-        specs["inplace"] = stage.add_graph("model_inplace.onnx", inplace, 20)
+    with BundleStage(out) as stage:
+        specs = {"standard": stage.add_graph("model.onnx", graphs[0], 23)}
+        data = stage.dir / "weights.data"
+        written = data.stat().st_size if data.exists() else 0
+        specs["inplace"] = stage.add_graph("model_inplace.onnx", graphs[1], 20)
         stage.add_tokenizer((tiny_bundle / "tokenizer.json").read_text())
         stage.write_manifest(fields | {"graphs": specs})
         shared = stage.shared_bytes
         stage.commit()
-    bundle = load_bundle(tmp_path / "ext")
+    return out, specs, written, shared
+
+
+def _tiny_graphs(tiny_bundle: Path, kind: str) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    if kind == "fp32":
+        return onnx.load(str(tiny_bundle / "model.onnx")), onnx.load(str(tiny_bundle / "model_inplace.onnx"))
+    graphs = quantized_graphs(tiny_bundle, Precision(kind))
+    return graphs.standard, graphs.inplace
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int4"])
+def test_writer_uses_external_data_only_when_needed(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Over the threshold, both graphs keep their weights in one file, each shared tensor written once: the
+    quantized weights too (both graphs quantize the same [in, out] matrices to the same bytes)."""
+    import export.bundle_writer as writer
+
+    reference, _, _, _ = _staged(tiny_bundle, _tiny_graphs(tiny_bundle, kind), tmp_path / "inside")
+    standard, inplace = _tiny_graphs(tiny_bundle, kind)
+    inplace_bytes = sum(len(t.raw_data) for t in inplace.graph.initializer if len(t.raw_data) >= 1024)
+    monkeypatch.setattr(writer, "EXTERNAL_DATA_THRESHOLD", 0)
+    root, specs, written, shared = _staged(tiny_bundle, (standard, inplace), tmp_path / "ext")
+    bundle = load_bundle(root)
     assert specs["standard"].external_data == specs["inplace"].external_data == "weights.data"
     assert "weights.data" in bundle.manifest.checksums
-    sizes = {p.name: p.stat().st_size for p in (tmp_path / "ext").iterdir()}
-    assert sizes["model.onnx"] < sizes["weights.data"] and sizes["model_inplace.onnx"] < 20_000
-    # Every weight of the serving graph is one the standard graph wrote: nothing was added for it.
-    assert shared == inplace_bytes and sizes["weights.data"] == written
+    sizes = {p.name: p.stat().st_size for p in root.iterdir()}
+    # The graphs keep only tensors under 1 KB (int4 scales of the tiny model among them).
+    assert sizes["model.onnx"] < (reference / "model.onnx").stat().st_size - written // 2
+    assert sizes["model_inplace.onnx"] < 20_000
+    # Every weight of the serving graph is one the standard graph wrote: nothing was added for it. (Shared can
+    # be more: a 4-bit tied embedding's gather and head have the same scales, stored once for both.)
+    assert shared >= inplace_bytes and sizes["weights.data"] == written
     assert len(session(bundle.standard_graph).get_outputs()) == 5
     engine = Engine.from_bundle(bundle, EngineSettings(max_batch_size=1))
-    reference = Engine.from_bundle(load_bundle(tiny_bundle), EngineSettings(max_batch_size=1))
-    for e in (engine, reference):
+    inside = Engine.from_bundle(load_bundle(reference), EngineSettings(max_batch_size=1))
+    for e in (engine, inside):
         e.prefill([NewSequence("s", [5, 6, 7], SamplingParams())])
-    np.testing.assert_array_equal(engine.last_logits, reference.last_logits)
+    np.testing.assert_array_equal(engine.last_logits, inside.last_logits)
 
 
 def test_stage_refuses_a_non_bundle_directory(tmp_path: Path) -> None:
@@ -287,9 +353,31 @@ def test_failed_stage_leaves_the_old_bundle_and_no_temp_dir(tiny_bundle: Path, t
     load_bundle(out)  # still intact
 
 
-def test_int8_and_fp16_are_exclusive() -> None:
-    with pytest.raises(ValueError, match="choose one"):
-        ExportOptions(model_name="x", int8=True, fp16=True)
+@pytest.mark.parametrize(
+    ("kind", "block", "message"),
+    [
+        ("fp32", 32, "applies to --int8 and --int4"),
+        ("int8-dynamic", 64, "applies"),
+        ("int4", 48, "power of two"),
+    ],
+)
+def test_precision_refuses_a_block_size_it_cannot_use(kind: str, block: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Precision(kind, block)
+
+
+def test_a_bundle_that_must_be_batch_invariant_fails_verification_when_it_is_not() -> None:
+    from export.verify import _failures
+
+    graph = {"finite": True, "batch_invariant": False, "max_abs_logits_diff": 0.0, "greedy_identical": True}
+    report = {"tolerance": 1e-4, "standard": graph, "batch_invariance_required": True}
+    assert _failures(report, "none") == ["standard: batch invariance"]
+    assert _failures({**report, "batch_invariance_required": False}, "none") == []
+    # A quantized bundle is judged on its serving graph: the standard graph's left padding changes a row's
+    # float rounding, which per-row activation quantization amplifies.
+    quantized = {**report, "tolerance": None, "inplace": {**graph, "batch_invariant": True}}
+    assert _failures(quantized, "int4") == []
+    assert _failures({**quantized, "inplace": graph}, "int4") == ["inplace: batch invariance"]
 
 
 def _rms_norm_graph() -> onnx.ModelProto:

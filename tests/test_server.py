@@ -24,7 +24,7 @@ from server_tools import LoopThread, rpc_error
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
-from serve.api.server import CallRecord, scheduler_limits
+from serve.api.server import CallRecord, batch_invariant, scheduler_limits
 from serve.engine.engine import Engine
 from serve.engine.types import EngineSettings
 
@@ -235,6 +235,7 @@ def test_model_info(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> 
     assert info.context_length == manifest.architecture.context_length
     assert info.eos_token_id == manifest.eos_token_id
     assert (info.dtype, info.quantization) == (manifest.dtype, manifest.quantization)
+    assert info.batch_invariant and manifest.batch_invariant  # a float bundle
     assert info.max_new_tokens_limit == min(32, info.context_length - 1)
     assert info.max_batch_size == server.model.info.max_batch_size == 16  # the default
     assert "CPUExecutionProvider" in info.execution_providers
@@ -243,6 +244,12 @@ def test_model_info(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> 
     arch = manifest.architecture
     row_bytes = arch.n_layers * 2 * arch.n_heads * arch.context_length * arch.head_dim * 4  # K, V; float32
     assert info.kv_cache_bytes == (info.max_batch_size + info.prefix_cache_rows) * row_bytes
+
+
+def test_batch_invariance_is_claimed_on_the_cpu_only() -> None:
+    assert batch_invariant(True, ("CPUExecutionProvider",))
+    assert not batch_invariant(True, ("CUDAExecutionProvider", "CPUExecutionProvider"))  # not measured there
+    assert not batch_invariant(False, ("CPUExecutionProvider",))
 
 
 def test_tokenize(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> None:

@@ -75,6 +75,13 @@ def server_version() -> str:
         return "unknown"
 
 
+def batch_invariant(bundle_invariant: bool, providers: tuple[str, ...]) -> bool:
+    """What GetModelInfo claims: the bundle's batch invariance, which export verification measures with ONNX
+    Runtime's CPU kernels. On a GPU (CUDA, TensorRT) the libraries may choose other kernels for one row than
+    for many, which nothing here has measured: no claim there."""
+    return bundle_invariant and bool(providers) and providers[0] == "CPUExecutionProvider"
+
+
 FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
     "eos": pb.FINISH_REASON_EOS,
@@ -446,6 +453,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 kv_cache_bytes=model.info.kv_bytes,
                 eos_token_ids=list(model.info.eos_token_ids or (model.info.eos_token_id,)),
                 max_model_len=model.limits.context_length,
+                batch_invariant=batch_invariant(manifest.batch_invariant, model.info.providers),
             )
 
     async def Tokenize(
