@@ -81,27 +81,54 @@ def _export_with_cli(folder: Path, bundle: Path) -> None:
     assert "PASSED" in done.stdout and "verification against transformers" in done.stdout
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Exported:
-    family, build_args = CASES[request.param]
-    root = tmp_path_factory.mktemp(request.param)
+def _export(name: str, root: Path) -> Exported:
+    family, build_args = CASES[name]
     folder, bundle = root / "model", root / "bundle"
     model = build(family.make_config(), folder, **build_args)
     family.save_tokenizer(folder)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     eos = family.id(family.eos)
     assert eos is not None
-    eos_ids = [eos]
-    if family.name == "llama":  # a second EOS, as Llama 3 lists several: one the model really emits
-        second, _ = _second_eos(model, tokenizer(TEXTS[0]).input_ids, eos)
-        eos_ids.append(second)
-        generation = json.loads((folder / "generation_config.json").read_text())
-        generation["eos_token_id"] = eos_ids
-        (folder / "generation_config.json").write_text(json.dumps(generation))
+    # A second EOS, as Llama 3 and Qwen2.5 list several: one the model really emits.
+    second, _ = _second_eos(model, tokenizer(TEXTS[0]).input_ids, eos)
+    eos_ids = [eos, second]
+    generation = json.loads((folder / "generation_config.json").read_text())
+    generation["eos_token_id"] = eos_ids
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    if family.name == "llama":
         _export_with_cli(folder, bundle)
     else:
         assert main(["hf", "--model", str(folder), "--out", str(bundle)]) == 0
     return Exported(family, model, tokenizer, folder, bundle, eos_ids)
+
+
+@pytest.fixture(scope="module")
+def exports() -> dict[str, Exported]:
+    """Each case's export, made once per module whichever fixture asks for it first."""
+    return {}
+
+
+def _exported(name: str, exports: dict[str, Exported], tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    if name not in exports:
+        exports[name] = _export(name, tmp_path_factory.mktemp(name))
+    return exports[name]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def exported(
+    request: pytest.FixtureRequest, exports: dict[str, Exported], tmp_path_factory: pytest.TempPathFactory
+) -> Exported:
+    return _exported(request.param, exports, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen2(exports: dict[str, Exported], tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    return _exported("qwen2", exports, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3(exports: dict[str, Exported], tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    return _exported("qwen3", exports, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +185,6 @@ def test_model_info_and_manifest(exported: Exported, stub: pb_grpc.TextGeneratio
 
 
 def test_every_eos_id_ends_a_generation(exported: Exported, stub: pb_grpc.TextGenerationStub) -> None:
-    if len(exported.eos_ids) < 2:
-        pytest.skip("one EOS id")
     first, second = exported.eos_ids
     ids = exported.tokenizer(TEXTS[0]).input_ids
     _, k = _second_eos(exported.model, ids, first)
@@ -254,22 +279,20 @@ def test_a_hub_id_resolves_through_the_local_cache(
     )
 
 
-def test_fp16_bundle_is_checked_against_transformers(exported: Exported, tmp_path: Path) -> None:
+def test_fp16_bundle_is_checked_against_transformers(qwen3: Exported, tmp_path: Path) -> None:
     """FP16: the standard graph on CPU against transformers (the demo model's report); the serving graph's
-    RMSNorm conversion passes onnx's checker and strict shape inference."""
-    if exported.family.name != "qwen3":
-        pytest.skip("one family is enough: qwen3 has every RMSNorm, the per-head ones too")
-    assert main(["hf", "--model", str(exported.folder), "--out", str(tmp_path / "fp16"), "--fp16"]) == 0
+    RMSNorm conversion passes onnx's checker and strict shape inference. One family is enough: Qwen3 has
+    every RMSNorm, the per-head ones too."""
+    assert main(["hf", "--model", str(qwen3.folder), "--out", str(tmp_path / "fp16"), "--fp16"]) == 0
     fp16 = load_bundle(tmp_path / "fp16").manifest
     assert fp16.dtype == "float16" and fp16.verification["passed"]
     assert fp16.verification["standard"]["greedy_identical"] and fp16.verification["tolerance"] == 5e-2
 
 
 @pytest.mark.slow  # ~40 s: held-out perplexity of both graphs
-def test_int8_bundle_is_judged_on_accuracy(exported: Exported, tmp_path: Path) -> None:
-    if exported.family.name != "qwen2":
-        pytest.skip("one family is enough: quantization does not depend on it")
-    assert main(["hf", "--model", str(exported.folder), "--out", str(tmp_path / "int8"), "--int8"]) == 0
+def test_int8_bundle_is_judged_on_accuracy(qwen2: Exported, tmp_path: Path) -> None:
+    """One family is enough: quantization does not depend on it."""
+    assert main(["hf", "--model", str(qwen2.folder), "--out", str(tmp_path / "int8"), "--int8"]) == 0
     report = load_bundle(tmp_path / "int8").manifest.verification
     assert report["passed"] and report["reference"] == "transformers" and report["tolerance"] is None
     assert report["int8"]["float_weight_matmuls"] == 0
