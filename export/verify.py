@@ -209,7 +209,7 @@ def _int8_report(
         "float_weight_matmuls": sum(c["float"] for c in counts.values()),
     }
     if model is None:
-        report["accuracy"] = "not measured: needs the fp32 checkpoint (--checkpoint)"
+        report["accuracy"] = "not measured: needs the fp32 model (--checkpoint or --hf-model)"
         return report
     arch, m = bundle.manifest.architecture, bundle.manifest
     return report | int8_accuracy(

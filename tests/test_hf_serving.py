@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from hf_models import FAMILIES, STEPS, Family, build, hf_greedy, rewrite_config
+from hf_models import FAMILIES, SEED, STEPS, Family, build, hf_greedy, rewrite_config
 from running_server import RunningServer, loopback_settings
 from safetensors.torch import load_file, save_file
 from server_tools import LoopThread
@@ -297,3 +297,26 @@ def test_int8_bundle_is_judged_on_accuracy(qwen2: Exported, tmp_path: Path) -> N
     assert report["passed"] and report["reference"] == "transformers" and report["tolerance"] is None
     assert report["int8"]["float_weight_matmuls"] == 0
     assert report["int8"]["perplexity_ratio"] <= report["int8"]["max_perplexity_ratio"]
+
+
+def test_verify_reruns_the_checks_against_transformers(
+    qwen2: Exported, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`textgen-export verify BUNDLE --hf-model DIR`: the write-time checks again; other weights of the same
+    shape fail them, another shape is refused before any work, on one line."""
+    assert main(["verify", str(qwen2.bundle), "--hf-model", str(qwen2.folder)]) == 0
+    out = capsys.readouterr().out
+    assert "verification against transformers" in out and "PASSED" in out
+    other = tmp_path / "other-seed"
+    build(qwen2.family.make_config(), other, seed=SEED + 1)
+    qwen2.family.save_tokenizer(other)
+    assert main(["verify", str(qwen2.bundle), "--hf-model", str(other)]) == 1
+    captured = capsys.readouterr()
+    assert "FAILED" in captured.out and "FAILED verification" in captured.err
+    rewrite_config(other, lambda c: {**c, "num_hidden_layers": 3})
+    assert main(["verify", str(qwen2.bundle), "--hf-model", str(other)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"textgen-export verify: {other}: does not match the bundle at {qwen2.bundle} (n_layers 3 vs 2)"
+    )
