@@ -289,14 +289,23 @@ def test_fp16_bundle_is_checked_against_transformers(qwen3: Exported, tmp_path: 
     assert fp16.verification["standard"]["greedy_identical"] and fp16.verification["tolerance"] == 5e-2
 
 
-@pytest.mark.slow  # ~40 s: held-out perplexity of both graphs
-def test_int8_bundle_is_judged_on_accuracy(qwen2: Exported, tmp_path: Path) -> None:
-    """One family is enough: quantization does not depend on it."""
-    assert main(["hf", "--model", str(qwen2.folder), "--out", str(tmp_path / "int8"), "--int8"]) == 0
-    report = load_bundle(tmp_path / "int8").manifest.verification
+def test_int8_bundle_is_judged_on_accuracy(
+    qwen2: Exported, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo model's INT8 report (held-out perplexity and top-1 agreement against our fp32 decoder,
+    greedy agreement, every weight MatMul quantized), the graphs checked against transformers; and again by
+    `verify --hf-model`. One family is enough: quantization does not depend on it."""
+    bundle = tmp_path / "int8"
+    assert main(["hf", "--model", str(qwen2.folder), "--out", str(bundle), "--int8"]) == 0
+    report = load_bundle(bundle).manifest.verification
     assert report["passed"] and report["reference"] == "transformers" and report["tolerance"] is None
-    assert report["int8"]["float_weight_matmuls"] == 0
-    assert report["int8"]["perplexity_ratio"] <= report["int8"]["max_perplexity_ratio"]
+    int8 = report["int8"]
+    assert int8["float_weight_matmuls"] == 0 and int8["weight_matmuls"]["inplace"]["quantized"] > 0
+    assert int8["perplexity_ratio"] <= int8["max_perplexity_ratio"] and int8["heldout_tokens"] > 0
+    assert report["standard"]["finite"] and report["inplace"]["finite"]
+    capsys.readouterr()
+    assert main(["verify", str(bundle), "--hf-model", str(qwen2.folder)]) == 0
+    assert "int8 accuracy  perplexity fp32" in capsys.readouterr().out
 
 
 def test_verify_reruns_the_checks_against_transformers(
