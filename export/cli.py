@@ -5,7 +5,7 @@
     textgen-export hf --model DIR|HUB_ID --out DIR [PRECISION] [--opset N] [--name NAME]
                                                      a Hugging Face model, verified against transformers
     textgen-export demo [--out DIR]                  train the demo model if missing, then export it
-    textgen-export verify DIR [--checkpoint CKPT] [--eval-text FILE]
+    textgen-export verify DIR [--checkpoint CKPT | --hf-model DIR|HUB_ID] [--eval-text FILE]
                                                      rerun the checks on a bundle, print the report
     textgen-export random --preset bench-a --out DIR [PRECISION]
                                                      random weights, for speed benchmarks
@@ -30,8 +30,8 @@ from pathlib import Path
 
 from export.checkpoint import CheckpointError, load_checkpoint
 from export.demo import demo_bundle_path
-from export.hf_import import SUPPORTED_ARCHITECTURES, HFImportError
-from export.model import Decoder
+from export.hf_import import SUPPORTED_ARCHITECTURES, HFImportError, decoder_config, load_model, locate_model
+from export.model import Decoder, DecoderConfig
 from export.onnx_standard import DEFAULT_OPSET, MIN_OPSET
 from export.pipeline import (
     PRESETS,
@@ -44,7 +44,7 @@ from export.pipeline import (
     export_hf,
     random_bundle,
 )
-from export.verify import VerificationFailed, format_report, verify_bundle
+from export.verify import Reference, VerificationFailed, format_report, verify_bundle
 from serve.bundle import Bundle, load_bundle
 from serve.errors import BundleError
 
@@ -114,22 +114,45 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checkpoint_model(checkpoint: Path, bundle: Bundle) -> Decoder:
-    ckpt = load_checkpoint(checkpoint)
+def _mismatch(config: DecoderConfig, bundle: Bundle) -> str | None:
+    """How `config` differs from the bundle's architecture ("n_layers 3 vs 2, ..."), None if it does not."""
     arch = bundle.manifest.architecture.model_dump()
     # The config's derived sizes (n_kv_heads 0: as many as the heads), as the manifest records them.
-    config = {**ckpt.config.to_dict(), "n_kv_heads": ckpt.config.kv_heads, "head_dim": ckpt.config.head_dim}
-    mismatched = {k: (v, arch[k]) for k, v in config.items() if k in arch and arch[k] != v}
-    if mismatched:
-        detail = ", ".join(f"{k} {c} vs {b}" for k, (c, b) in mismatched.items())
+    fields = {**config.to_dict(), "n_kv_heads": config.kv_heads, "head_dim": config.head_dim}
+    mismatched = {k: (v, arch[k]) for k, v in fields.items() if k in arch and arch[k] != v}
+    return ", ".join(f"{k} {c} vs {b}" for k, (c, b) in mismatched.items()) or None
+
+
+def _checkpoint_model(checkpoint: Path, bundle: Bundle) -> Decoder:
+    ckpt = load_checkpoint(checkpoint)
+    detail = _mismatch(ckpt.config, bundle)
+    if detail:
         raise CheckpointError(checkpoint, f"does not match the bundle at {bundle.root} ({detail})")
     return ckpt.model
 
 
+def _hf_reference(spec: str, bundle: Bundle) -> tuple[Decoder | None, Reference]:
+    """transformers' model of the folder as the reference, as `textgen-export hf` verifies at write time; our
+    fp32 decoder of it only for a quantized bundle, whose accuracy is measured against it."""
+    from export.hf_verify import transformers_reference
+
+    folder = locate_model(spec)
+    _, config = decoder_config(folder)
+    detail = _mismatch(config, bundle)
+    if detail:
+        raise HFImportError(folder, f"does not match the bundle at {bundle.root} ({detail})")
+    model = load_model(folder)[1] if bundle.manifest.quantization != "none" else None
+    return model, transformers_reference(folder)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     bundle = load_bundle(args.bundle)
-    model = _checkpoint_model(args.checkpoint, bundle) if args.checkpoint else None
-    report = verify_bundle(bundle, model, eval_text=_eval_text(args))
+    model, against = None, None
+    if args.checkpoint:
+        model = _checkpoint_model(args.checkpoint, bundle)
+    elif args.hf_model:
+        model, against = _hf_reference(args.hf_model, bundle)
+    report = verify_bundle(bundle, model, against, eval_text=_eval_text(args))
     print(format_report(report))
     if not report["passed"]:
         print(f"textgen-export verify: {args.bundle} FAILED verification", file=sys.stderr)
@@ -241,7 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = sub.add_parser("verify", help="rerun parity, batch-invariance and NaN checks on a bundle")
     verify.add_argument("bundle", type=Path)
-    verify.add_argument("--checkpoint", type=Path, help="compare against this checkpoint's PyTorch model")
+    against = verify.add_mutually_exclusive_group()
+    against.add_argument("--checkpoint", type=Path, help="compare against this checkpoint's PyTorch model")
+    against.add_argument(
+        "--hf-model",
+        help="compare against transformers' model of this Hugging Face folder (or cached hub id), as "
+        "`textgen-export hf` does when it writes the bundle",
+    )
     _add_eval_text(verify)
     verify.set_defaults(handler=cmd_verify)
 

@@ -5,12 +5,15 @@ float16, except:
 - LayerNormalization, RMSNormalization and Softmax (when the graph has one: the decomposed opset-18 form)
   stay float32 behind Casts: their reductions lose too much in half precision;
 - RMSNorm written out of primitive ops (the serving graph's, export/onnx_inplace.py: x / sqrt(mean(x^2) +
-  eps) * weight) stays float32 up to the division: x^2 overflows float16 once |x| > 256, and the residual
-  streams of real models run to thousands. The converter isolates each kept node behind Casts of its own, so
-  the float16 round trips between them are removed again (a round trip right after x^2 would overflow just
-  the same). The weight multiply runs in float16 on the normalized values. tests/test_export.py checks the
-  graph's types and that rows of |x| ~ 9000 come out finite and within 2e-3 (on CPU, whose kernels widen
-  float16 themselves, a naive conversion stays finite too: the overflow is a GPU kernel's);
+  eps) * weight; the standard graph's at opset 18, traced: x * reciprocal(sqrt(mean(x^2) + eps)) * weight)
+  stays float32 up to the square root's consumer: x^2 and mean(x^2) overflow float16 once |x| > 256, and
+  the residual streams of real models run to thousands. The converter isolates each kept node behind Casts
+  of its own, so the float16 round trips between them are removed again (a round trip right after x^2
+  would overflow just the same). The weight multiply runs in float16 on the normalized values.
+  tests/test_export.py checks the graph's types and that rows of |x| ~ 9000 come out finite and within
+  2e-3. On CPU, whose kernels widen float16 themselves, a naive conversion of the serving graph's norm
+  stays finite too (the overflow there is a GPU kernel's); a float16 "+ eps" between the mean and the
+  square root overflows anywhere, since mean(x^2) itself is rounded to float16 (the traced graph's test);
 - constants are clipped to +-1e4 rather than fp16's 65504. The attention mask's "minus infinity" is
   float32's finfo.min; clipped to -65504, a score added to it in fp16 arithmetic overflows to -inf, and a
   fully masked (padding) row then softmaxes to NaN, which would spread through the padded positions' keys
@@ -28,9 +31,8 @@ from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_floa
 from onnxruntime.transformers.onnx_model import OnnxModel
 
 FP32_OPS = ("LayerNormalization", "RMSNormalization", "Softmax")
-# The ops of a written-out RMSNorm (only RMSNorm uses them in our graphs), and its "+ eps" by node name.
+# The ops of a written-out RMSNorm (only RMSNorm uses them in our graphs); its "+ eps" is the Add of a mean.
 RMS_NORM_OPS = ("Pow", "ReduceMean", "Sqrt", "Div")
-RMS_NORM_EPS_SUFFIX = "/add_eps"
 
 
 def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -41,11 +43,13 @@ def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def rms_norm_nodes(model: onnx.ModelProto) -> list[str]:
-    """Names of the nodes of written-out RMSNorms up to the division, kept in float32."""
+    """Names of the nodes of written-out RMSNorms up to the division, kept in float32: the ops above, and
+    each Add of a ReduceMean's output (mean(x^2) + eps; the tracer names it otherwise than our builder)."""
+    means = {out for n in model.graph.node if n.op_type == "ReduceMean" for out in n.output}
     return [
         n.name
         for n in model.graph.node
-        if n.op_type in RMS_NORM_OPS or (n.op_type == "Add" and n.name.endswith(RMS_NORM_EPS_SUFFIX))
+        if n.op_type in RMS_NORM_OPS or (n.op_type == "Add" and any(i in means for i in n.input))
     ]
 
 

@@ -39,7 +39,14 @@ def inplace_io_names(n_layers: int) -> tuple[list[str], list[str]]:
 class _GraphBuilder:
     def __init__(self) -> None:
         self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
+        # The weights go straight into the model they end in: helper.make_graph and helper.make_model would
+        # each copy every initializer (three copies of the weights at once: a 9.3 GiB peak for 1.84 GiB of
+        # weights, measured on a Qwen2.5-0.5B shape).
+        self.model = onnx.ModelProto()
+
+    @property
+    def initializers(self) -> Any:  # the graph's repeated TensorProto field
+        return self.model.graph.initializer
 
     def weight(self, name: str, array: np.ndarray) -> str:
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array, dtype=np.float32), name))
@@ -226,11 +233,12 @@ def _make_model(g: _GraphBuilder, n_layers: int, heads: int, head_dim: int, voca
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_{kind}.{i}", TensorProto.FLOAT, kv_shape))
             outputs.append(helper.make_tensor_value_info(f"present_{kind}.{i}", TensorProto.FLOAT, kv_shape))
-    graph = helper.make_graph(g.nodes, "textgen_inplace", inputs, outputs, g.initializers)
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
-        producer_name="textgen-export",
-    )
+    model = g.model
+    model.graph.name = "textgen_inplace"
+    model.graph.node.extend(g.nodes)
+    model.graph.input.extend(inputs)
+    model.graph.output.extend(outputs)
+    model.opset_import.extend([helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)])
+    model.producer_name = "textgen-export"
     model.ir_version = 10
     return model

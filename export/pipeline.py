@@ -11,6 +11,7 @@ built, and its serialization), not once per graph more.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -246,7 +247,8 @@ def _add_graph(stage: BundleStage, role: str, graph: onnx.ModelProto, options: E
 
 def _verify_and_commit(
     stage: BundleStage,
-    model: Decoder,
+    cfg: DecoderConfig,
+    model: Decoder | None,
     tokenizer: Tokenizer,
     specs: dict[str, GraphSpec],
     stats: dict[str, Any],
@@ -256,7 +258,7 @@ def _verify_and_commit(
 ) -> None:
     with progress.step(f"verifying against {reference.name if reference else 'PyTorch'}"):
         stage.add_tokenizer(tokenizer_to_json(tokenizer))
-        fields = _manifest_fields(model.cfg, options, dict(specs))
+        fields = _manifest_fields(cfg, options, dict(specs))
         report = verify_bundle(stage.write_manifest(fields), model, reference, options.eval_text)
         report["export"] = {**stats, "source": options.source}
         if stage.shared_bytes:  # weights both graphs read from the one external data file
@@ -285,7 +287,7 @@ def write_verified_bundle(
         specs = {
             role: _add_graph(stage, role, getattr(graphs, role), options) for role in ("standard", "inplace")
         }
-        _verify_and_commit(stage, model, tokenizer, specs, graphs.stats, options, progress, None)
+        _verify_and_commit(stage, model.cfg, model, tokenizer, specs, graphs.stats, options, progress, None)
     return load_bundle(out)
 
 
@@ -299,7 +301,10 @@ def export_bundle(
     """Export, verify and write the bundle at `out`, replacing any there. Raises VerificationFailed.
 
     Verified against `reference` (transformers, for an imported model) or else `model` itself. Each graph is
-    written into the staged bundle and dropped before the next is built."""
+    written into the staged bundle and dropped before the next is built. With a `reference`, `model` is of no
+    use to verification (unless a quantized bundle's accuracy is measured against it): its weights are then
+    released once the graphs are built (the module is left on the meta device), so they are not held beside
+    the reference's and the graphs' while they are compared."""
     check_replaceable(out)  # fail before minutes of work, not after
     model = model.eval()
     conversions = 2 * (options.precision.kind != "fp32")
@@ -314,7 +319,13 @@ def export_bundle(
                 graph = _convert(role, graph, options, progress, stats)
                 specs[role] = _add_graph(stage, role, graph, options)
                 del graph
-            _verify_and_commit(stage, model, tokenizer, specs, stats, options, progress, reference)
+            cfg = model.cfg
+            fp32_model: Decoder | None = model
+            if reference is not None and options.precision.bits is None:
+                fp32_model = None
+                model.to("meta")
+                gc.collect()  # the tracer's objects hold references to the weights in cycles
+            _verify_and_commit(stage, cfg, fp32_model, tokenizer, specs, stats, options, progress, reference)
         return load_bundle(out)
     finally:
         progress.close()

@@ -139,8 +139,13 @@ def engine_greedy(
 
 def check_engine(bundle: Bundle, reference: Generation, prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
     """The serving graph through the engine: right-padded slots, in-place cache, the engine's own greedy."""
+    # KV rows as long as the check needs, not the model's context: the engine zero-fills every row, and at
+    # 32k tokens five rows of a 0.5B model are 4 GB.
+    needed = max(len(p) for p in prompts) + len(reference.logits) + 1
     settings = EngineSettings(
-        max_batch_size=len(prompts), session=SessionConfig(providers=("cpu",), threads=VERIFY_THREADS)
+        max_batch_size=len(prompts),
+        capacity=max(2, min(needed, bundle.manifest.architecture.context_length)),
+        session=SessionConfig(providers=("cpu",), threads=VERIFY_THREADS),
     )
     engine = Engine.from_bundle(bundle, settings)
     steps = len(reference.logits) - 1
@@ -248,7 +253,7 @@ def _quantized_report(
         "max_perplexity_ratio": MAX_PERPLEXITY_RATIO if m.quantization == "int8" else None,
     }
     if model is None:
-        report["accuracy"] = "not measured: needs the fp32 checkpoint (--checkpoint)"
+        report["accuracy"] = "not measured: needs the fp32 model (--checkpoint or --hf-model)"
         return report
     return report | quantized_accuracy(
         torch_step(model),
@@ -297,17 +302,18 @@ def verify_bundle(
         "tolerance": tolerance_for(base, scale) if m.quantization == "none" else None,
         "standard": check_standard(session, reference, prompts, m.pad_token_id, shape, np_dtype),
     }
+    bits = {"int8": 8, "int4": 4}.get(m.quantization)
+    if bits is not None:
+        report[m.quantization] = _quantized_report(bundle, session, model, shape, eval_text)
+    del session  # one graph's weights in memory at a time: the engine loads the serving graph's
     if bundle.inplace_graph is not None and m.dtype == "float32":
         report["inplace"] = check_engine(bundle, reference, prompts)
     elif bundle.inplace_graph is not None:
         # A float16 serving graph targets CUDA; ONNX Runtime's CPU kernels are not what it is checked for.
         report["notes"] = ["float16 serving graph not run on CPU: check it with bench/gpu_check.py on a GPU"]
-    bits = {"int8": 8, "int4": 4}.get(m.quantization)
     report["batch_invariance_required"] = batch_invariant_scheme(bits, m.quantization_block_size)
     judged = report["batch_invariance_judged"] = invariance_judged(report, m.quantization)
     report["batch_invariant"] = all(report[g]["batch_invariant"] for g in judged)
-    if bits is not None:
-        report[m.quantization] = _quantized_report(bundle, session, model, shape, eval_text)
     report["failed"] = _failures(report, m.quantization)
     report["passed"] = not report["failed"]
     report["versions"] = versions()

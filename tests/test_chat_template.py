@@ -9,12 +9,11 @@ from typing import Any
 import pytest
 from chat_templates import HERMES_TOOLS, LLAMA_TOOLS, MISTRAL_TOOLS
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
 
 from export.demo import DEMO_CHAT_TEMPLATE
 from serve.api.chat import ChatTemplate
 from serve.errors import BundleError, InvalidRequest
-
-transformers = pytest.importorskip("transformers")
 
 ZEPHYR = (
     "{% for message in messages %}\n{% if message['role'] == 'user' %}\n"
@@ -70,7 +69,7 @@ def tokenizer() -> Tokenizer:
 
 
 def hf_tokenizer(tok: Tokenizer, template: str) -> Any:
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template, **SPECIAL)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template, **SPECIAL)
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))

@@ -18,6 +18,7 @@ from export.bundle_writer import BundleStage
 from export.checkpoint import load_checkpoint
 from export.fp16 import CONSTANT_LIMIT, check_graph, convert_fp16
 from export.generation import Shape, greedy, torch_step
+from export.model import Decoder, DecoderConfig
 from export.onnx_standard import export_standard_graph
 from export.pipeline import PRESETS, ExportOptions, Precision, write_verified_bundle
 from export.quantize import count_weight_matmuls, fold_weight_transposes, quantize_int8, quantize_nbits
@@ -419,6 +420,46 @@ def test_fp16_rms_norm_does_not_overflow() -> None:
         onnx.ModelProto.FromString(fp32.SerializeToString()), keep_io_types=False
     )
     assert _elem_types(naive, ("Pow", "ReduceMean", "Sqrt")) == {onnx.TensorProto.FLOAT16}
+
+
+def test_fp16_traced_rms_norm_of_large_activations_stays_finite() -> None:
+    """`--opset 18` traces RMSNorm into primitive ops (opset 23 has RMSNormalization, kept float32 whole):
+    x * reciprocal(sqrt(mean(x^2) + eps)). Its "+ eps" must stay float32 with the mean, or a residual stream
+    past 256 rounds mean(x^2) to inf in float16 and the norm's output collapses to 0. ONNX Runtime's CPU
+    kernels compute float16 Adds in float32 and drop such Cast pairs themselves (the values below pass even
+    without the fix), so the graph is checked as a GPU would run it: mean(x^2) + eps reaches the square root
+    without a float16 round trip."""
+    cfg = DecoderConfig(
+        vocab_size=64, context_length=32, d_model=32, n_layers=1, n_heads=2, d_ff=32, positions="rotary",
+        activation="swiglu", norm="rms", qk_norm=True, tie_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Decoder(cfg).eval()
+    with torch.no_grad():
+        model.tok_emb.weight.mul_(1e5)  # residual rows of |x| ~ 2000: mean(x^2) ~ 4e6
+        model.lm_head.weight.mul_(20)  # logits of a few units from the normalized rows
+    fp32 = export_standard_graph(model, opset=18)
+    fp16 = convert_fp16(fp32)
+    ids = np.array([[3, 9, 27, 17]], np.int64)
+    feed = {
+        "input_ids": ids,
+        "attention_mask": np.ones_like(ids),
+        "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None],
+    }
+    empty = np.zeros((1, cfg.kv_heads, 0, cfg.head_dim), np.float32)
+    past = {f"past_key_values.0.{kind}": empty for kind in ("key", "value")}
+    expected = session(fp32).run(["logits"], feed | past)[0]
+    got = session(fp16).run(["logits"], feed | {k: v.astype(np.float16) for k, v in past.items()})[0]
+    assert np.abs(expected).max() > 1  # a collapsed norm (all zeros) would not pass the comparison below
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got.astype(np.float32), expected, atol=5e-2)
+    producers = {out: n for n in fp16.graph.node for out in n.output}
+    roots = [producers[n.input[0]] for n in fp16.graph.node if n.op_type == "Sqrt"]
+    assert len(roots) == 5  # two block norms, q and k norms, the final norm
+    for add in roots:  # the Add of the mean itself (its other input is eps), no Cast between
+        assert add.op_type == "Add" and any(
+            i in producers and producers[i].op_type == "ReduceMean" for i in add.input
+        )
 
 
 def _elem_types(model: onnx.ModelProto, ops: tuple[str, ...]) -> set[int]:

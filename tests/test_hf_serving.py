@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from hf_models import FAMILIES, STEPS, Family, build, hf_greedy, rewrite_config
+from hf_models import FAMILIES, SEED, STEPS, Family, build, hf_greedy, rewrite_config
 from running_server import RunningServer, loopback_settings
 from safetensors.torch import load_file, save_file
 from server_tools import LoopThread
@@ -81,27 +81,54 @@ def _export_with_cli(folder: Path, bundle: Path) -> None:
     assert "PASSED" in done.stdout and "verification against transformers" in done.stdout
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Exported:
-    family, build_args = CASES[request.param]
-    root = tmp_path_factory.mktemp(request.param)
+def _export(name: str, root: Path) -> Exported:
+    family, build_args = CASES[name]
     folder, bundle = root / "model", root / "bundle"
     model = build(family.make_config(), folder, **build_args)
     family.save_tokenizer(folder)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     eos = family.id(family.eos)
     assert eos is not None
-    eos_ids = [eos]
-    if family.name == "llama":  # a second EOS, as Llama 3 lists several: one the model really emits
-        second, _ = _second_eos(model, tokenizer(TEXTS[0]).input_ids, eos)
-        eos_ids.append(second)
-        generation = json.loads((folder / "generation_config.json").read_text())
-        generation["eos_token_id"] = eos_ids
-        (folder / "generation_config.json").write_text(json.dumps(generation))
+    # A second EOS, as Llama 3 and Qwen2.5 list several: one the model really emits.
+    second, _ = _second_eos(model, tokenizer(TEXTS[0]).input_ids, eos)
+    eos_ids = [eos, second]
+    generation = json.loads((folder / "generation_config.json").read_text())
+    generation["eos_token_id"] = eos_ids
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    if family.name == "llama":
         _export_with_cli(folder, bundle)
     else:
         assert main(["hf", "--model", str(folder), "--out", str(bundle)]) == 0
     return Exported(family, model, tokenizer, folder, bundle, eos_ids)
+
+
+@pytest.fixture(scope="module")
+def exports() -> dict[str, Exported]:
+    """Each case's export, made once per module whichever fixture asks for it first."""
+    return {}
+
+
+def _exported(name: str, exports: dict[str, Exported], tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    if name not in exports:
+        exports[name] = _export(name, tmp_path_factory.mktemp(name))
+    return exports[name]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def exported(
+    request: pytest.FixtureRequest, exports: dict[str, Exported], tmp_path_factory: pytest.TempPathFactory
+) -> Exported:
+    return _exported(request.param, exports, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen2(exports: dict[str, Exported], tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    return _exported("qwen2", exports, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3(exports: dict[str, Exported], tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    return _exported("qwen3", exports, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +185,6 @@ def test_model_info_and_manifest(exported: Exported, stub: pb_grpc.TextGeneratio
 
 
 def test_every_eos_id_ends_a_generation(exported: Exported, stub: pb_grpc.TextGenerationStub) -> None:
-    if len(exported.eos_ids) < 2:
-        pytest.skip("one EOS id")
     first, second = exported.eos_ids
     ids = exported.tokenizer(TEXTS[0]).input_ids
     _, k = _second_eos(exported.model, ids, first)
@@ -254,27 +279,59 @@ def test_a_hub_id_resolves_through_the_local_cache(
     )
 
 
-def test_fp16_bundle_is_checked_against_transformers(exported: Exported, tmp_path: Path) -> None:
+def test_fp16_bundle_is_checked_against_transformers(qwen3: Exported, tmp_path: Path) -> None:
     """FP16: the standard graph on CPU against transformers (the demo model's report); the serving graph's
-    RMSNorm conversion passes onnx's checker and strict shape inference."""
-    if exported.family.name != "qwen3":
-        pytest.skip("one family is enough: qwen3 has every RMSNorm, the per-head ones too")
-    assert main(["hf", "--model", str(exported.folder), "--out", str(tmp_path / "fp16"), "--fp16"]) == 0
+    RMSNorm conversion passes onnx's checker and strict shape inference. One family is enough: Qwen3 has
+    every RMSNorm, the per-head ones too."""
+    assert main(["hf", "--model", str(qwen3.folder), "--out", str(tmp_path / "fp16"), "--fp16"]) == 0
     fp16 = load_bundle(tmp_path / "fp16").manifest
     assert fp16.dtype == "float16" and fp16.verification["passed"]
     assert fp16.verification["standard"]["greedy_identical"] and fp16.verification["tolerance"] == 5e-2
 
 
-@pytest.mark.slow  # ~40 s each: held-out perplexity of both graphs
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_quantized_bundle_is_judged_on_accuracy(exported: Exported, tmp_path: Path, kind: str) -> None:
-    if exported.family.name != "qwen2":
-        pytest.skip("one family is enough: quantization does not depend on it")
-    assert main(["hf", "--model", str(exported.folder), "--out", str(tmp_path / kind), f"--{kind}"]) == 0
-    manifest = load_bundle(tmp_path / kind).manifest
+def test_quantized_bundle_is_judged_on_accuracy(
+    qwen2: Exported, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """The demo model's accuracy report (held-out perplexity and top-1 agreement against our fp32 decoder,
+    greedy agreement, every weight MatMul quantized), the graphs checked against transformers, the serving
+    graph batch invariant; and again by `verify --hf-model`. One family is enough: quantization does not
+    depend on it."""
+    bundle = tmp_path / kind
+    assert main(["hf", "--model", str(qwen2.folder), "--out", str(bundle), f"--{kind}"]) == 0
+    manifest = load_bundle(bundle).manifest
     report = manifest.verification
     assert report["passed"] and report["reference"] == "transformers" and report["tolerance"] is None
     assert manifest.batch_invariant and report["inplace"]["batch_invariant"]
-    assert report[kind]["float_weight_matmuls"] == 0
-    limit = report[kind]["max_perplexity_ratio"]
-    assert report[kind]["perplexity_ratio"] <= limit if kind == "int8" else limit is None
+    quant = report[kind]
+    assert quant["float_weight_matmuls"] == 0 and quant["weight_matmuls"]["inplace"]["quantized"] > 0
+    limit = quant["max_perplexity_ratio"]
+    assert quant["perplexity_ratio"] <= limit if kind == "int8" else limit is None
+    assert quant["heldout_tokens"] > 0
+    assert report["standard"]["finite"] and report["inplace"]["finite"]
+    capsys.readouterr()
+    assert main(["verify", str(bundle), "--hf-model", str(qwen2.folder)]) == 0
+    assert f"{kind} accuracy  perplexity fp32" in capsys.readouterr().out
+
+
+def test_verify_reruns_the_checks_against_transformers(
+    qwen2: Exported, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`textgen-export verify BUNDLE --hf-model DIR`: the write-time checks again; other weights of the same
+    shape fail them, another shape is refused before any work, on one line."""
+    assert main(["verify", str(qwen2.bundle), "--hf-model", str(qwen2.folder)]) == 0
+    out = capsys.readouterr().out
+    assert "verification against transformers" in out and "PASSED" in out
+    other = tmp_path / "other-seed"
+    build(qwen2.family.make_config(), other, seed=SEED + 1)
+    qwen2.family.save_tokenizer(other)
+    assert main(["verify", str(qwen2.bundle), "--hf-model", str(other)]) == 1
+    captured = capsys.readouterr()
+    assert "FAILED" in captured.out and "FAILED verification" in captured.err
+    rewrite_config(other, lambda c: {**c, "num_hidden_layers": 3})
+    assert main(["verify", str(qwen2.bundle), "--hf-model", str(other)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"textgen-export verify: {other}: does not match the bundle at {qwen2.bundle} (n_layers 3 vs 2)"
+    )
