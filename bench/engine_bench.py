@@ -16,18 +16,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from bench.proc import CpuMeter, peak_rss_mib
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_LEN, NEW_TOKENS, SEED, VOCAB = 32, 128, 1234, 8192
 BATCHES = (1, 4, 16)
+CHECKED_TOKENS = 16  # the greedy tokens of row 0 a cell reports, compared across stacks
 PARAMS_BENCH_A = 29.94e6
 DEFAULT_ANCHOR_CELLS = (
     "torch A-gpt2",
@@ -44,7 +47,7 @@ def prompt_rows(batch: int) -> np.ndarray:
     return rng.integers(3, VOCAB, size=(max(16, batch), PROMPT_LEN), dtype=np.int64)[:batch]
 
 
-def run_cell(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, object]:
+def run_cell(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, Any]:
     from serve.bundle import load_bundle
     from serve.engine.engine import Engine
     from serve.engine.sampling import SamplingParams
@@ -61,28 +64,38 @@ def run_cell(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, 
     def once() -> tuple[float, float, list[int]]:
         seqs = [NewSequence(str(i), rows[i].tolist(), SamplingParams()) for i in range(batch)]
         start = time.perf_counter()
-        first = engine.prefill(seqs)
+        first = [engine.prefill(seqs)[0].token_id]
         ttft = time.perf_counter() - start
         for _ in range(NEW_TOKENS - 1):
-            engine.decode()
+            outs = engine.decode()
+            if len(first) < CHECKED_TOKENS:  # row 0's, as the peers record theirs
+                first.append(next(o.token_id for o in outs if o.seq_id == "0"))
         wall = time.perf_counter() - start
         engine.release(s.seq_id for s in seqs)
-        return wall, ttft, [first[0].token_id]
+        return wall, ttft, first
 
     once()  # warm-up
-    runs = [once() for _ in range(repeats)]
-    walls = [r[0] for r in runs]
-    median = statistics.median(walls)
-    ttft = statistics.median(r[1] for r in runs)
+    with CpuMeter([os.getpid()]) as meter:
+        runs = [once() for _ in range(repeats)]
+    return rates(batch, [r[0] for r in runs], [r[1] for r in runs]) | {
+        "peak_rss_mb": peak_rss_mib(),
+        "load_s": load_seconds,
+        "providers": engine.providers,
+        "first_row_tokens": runs[-1][2],
+        "other_load": meter.other_load,
+    }
+
+
+def rates(batch: int, walls: list[float], ttfts: list[float]) -> dict[str, Any]:
+    """A cell's figures from its timed runs: tok/s of the median wall (NEW_TOKENS x batch each), the decode
+    rate after the first token, the median TTFT."""
+    median, ttft = statistics.median(walls), statistics.median(ttfts)
     return {
         "batch": batch,
         "walls": walls,
         "tok_s": NEW_TOKENS * batch / median,
         "decode_tok_s": (NEW_TOKENS - 1) * batch / (median - ttft),
         "ttft_s": ttft,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "load_s": load_seconds,
-        "providers": engine.providers,
     }
 
 
@@ -111,22 +124,29 @@ def ensure_bundle(out: Path, int8: bool) -> Path:
     return out
 
 
-def cell_in_subprocess(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, object]:
+def cell_in_subprocess(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.engine_bench", "--cell", str(bundle), "--batch", str(batch)]
     cmd += ["--threads", str(threads), "--repeats", str(repeats)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_anchors(anchors: Path, cells: list[str], pass_no: int) -> Path:
+def prepared_anchors() -> Path:
+    """The folder where the peer stacks' venv, models and artifacts were prepared (`$ANCHOR_WORK`)."""
+    return Path(os.environ.get("ANCHOR_WORK", "/tmp/textgen-anchors"))
+
+
+def run_anchors(anchors: Path, cells: list[str], pass_no: int, env: dict[str, str] | None = None) -> Path:
     """One pass of the peer stacks' cells (their own venv and models, in the folder `anchors`, whose run.sh
-    runs them).
+    runs them); `env` adds to or overrides the variables run.sh gets.
 
     `cells` are the anchors' cell labels without the batch, e.g. "optimum A-gpt2 int8-dyn".
     """
-    work = Path(os.environ.get("ANCHOR_WORK", "/tmp/textgen-anchors"))
-    env = {**os.environ, "ANCHOR_WORK": str(work), "ANCHOR_SKIP_LLAMA": "1"}
     tools = sorted({cell.split()[0] for cell in cells})
+    work = Path((env or {}).get("ANCHOR_WORK", prepared_anchors()))
+    # llama.cpp's compile is the long part of the peers' setup: skipped unless a llama.cpp cell is asked for
+    skip_llama = "0" if "llamacpp" in tools else "1"
+    env = {**os.environ, "ANCHOR_WORK": str(work), "ANCHOR_SKIP_LLAMA": skip_llama, **(env or {})}
     cmd = [
         "bash",
         str(anchors / "run.sh"),
@@ -139,10 +159,10 @@ def run_anchors(anchors: Path, cells: list[str], pass_no: int) -> Path:
     for cell in cells:
         cmd += ["--only", cell + " "]
     subprocess.run(cmd, check=True, env=env)
-    return work / "results" / f"pass{pass_no}"
+    return Path(env.get("ANCHOR_RESULTS", work / "results")) / f"pass{pass_no}"
 
 
-def anchor_rows(result_dir: Path) -> list[dict[str, object]]:
+def anchor_rows(result_dir: Path) -> list[dict[str, Any]]:
     rows = []
     for path in sorted(result_dir.glob("*.json")):
         data = json.loads(path.read_text())
@@ -179,8 +199,8 @@ def main() -> None:
         "textgen fp32": ensure_bundle(args.bundles / "bench-a-fp32", int8=False),
         "textgen int8": ensure_bundle(args.bundles / "bench-a-int8", int8=True),
     }
-    record: dict[str, object] = {"machine": machine_roofline(args.threads), "cells": {}}
-    cells: dict[str, dict[str, object]] = record["cells"]  # type: ignore[assignment]
+    record: dict[str, Any] = {"machine": machine_roofline(args.threads), "cells": {}}
+    cells: dict[str, dict[str, Any]] = record["cells"]
     for name, bundle in variants.items():
         for batch in BATCHES:
             cell = cell_in_subprocess(bundle, batch, args.threads, args.repeats)
@@ -192,7 +212,7 @@ def main() -> None:
             )
     if args.anchors and args.anchors_dir is not None:
         record["anchors"] = anchor_rows(run_anchors(args.anchors_dir, args.anchors.split(","), 1))
-        for row in record["anchors"]:  # type: ignore[union-attr]
+        for row in record["anchors"]:
             ttft = 1000 * (row.get("ttft_s_median") or float("nan"))
             print(
                 f"{row['tool']} {row['variant']} {row['model']} b{row['batch']}: "
@@ -201,8 +221,8 @@ def main() -> None:
             )
     machine = record["machine"]
     for cell in cells.values():
-        flops = cell["tok_s"] * 2 * PARAMS_BENCH_A / 1e9  # type: ignore[operator]
-        cell["gemm_fraction"] = flops / machine["gemm_gflops"]  # type: ignore[index]
+        flops = cell["tok_s"] * 2 * PARAMS_BENCH_A / 1e9
+        cell["gemm_fraction"] = flops / machine["gemm_gflops"]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(record, indent=2))
     print(f"machine: {machine}; wrote {args.output}")
