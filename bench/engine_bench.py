@@ -4,7 +4,7 @@ Workload (identical to the anchors'): bench-a shape (GPT-2: vocab 8192, context 
 8 heads, d_ff 2048, tied head, random weights), 32 fixed random prompt tokens per row (the anchors' own ids),
 exactly 128 new tokens, greedy, batch 1/4/16, 2 threads; one untimed warm-up, 3 timed runs, median.
 tok/s = 128 x batch / wall time of the whole generation (prefill included). Each (variant, batch) cell runs in
-its own process so its peak RSS is its own.
+its own process so its peak RSS is its own (`peak_rss_mb`: VmHWM, the peak since the cell's exec).
 
     python -m bench.engine_bench                             # textgen fp32 + int8, plus the machine roofline
     python -m bench.engine_bench --anchors-dir DIR           # and the default peer cells in the same pass

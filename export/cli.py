@@ -1,12 +1,19 @@
 """`textgen-export`: checkpoint -> verified, servable bundle, and the tools around it.
 
-    textgen-export onnx --checkpoint CKPT --out DIR [--int8 | --fp16] [--opset N] [--name NAME]
+    textgen-export onnx --checkpoint CKPT --out DIR [PRECISION] [--opset N] [--name NAME]
                    [--chat-template FILE]        a Jinja chat template (transformers') for chat requests
-    textgen-export hf --model DIR|HUB_ID --out DIR [--int8 | --fp16] [--opset N] [--name NAME]
+    textgen-export hf --model DIR|HUB_ID --out DIR [PRECISION] [--opset N] [--name NAME]
                                                      a Hugging Face model, verified against transformers
     textgen-export demo [--out DIR]                  train the demo model if missing, then export it
-    textgen-export verify DIR [--checkpoint CKPT]    rerun the checks on a bundle, print the report
-    textgen-export random --preset bench-a --out DIR random weights, for speed benchmarks
+    textgen-export verify DIR [--checkpoint CKPT] [--eval-text FILE]
+                                                     rerun the checks on a bundle, print the report
+    textgen-export random --preset bench-a --out DIR [PRECISION]
+                                                     random weights, for speed benchmarks
+
+PRECISION: one of --int8 (8-bit MatMulNBits, batch invariant), --int4 (4-bit, embedding and head too),
+--int8-dynamic (dynamic INT8: fastest at large batches, not batch invariant), --fp16 (CUDA/TensorRT; not
+for random); --block-size N for --int8/--int4 (weights per scale); --eval-text FILE: the held-out text
+a quantized bundle's perplexity is measured on (default: the stdlib files the demo model never saw).
     textgen-export inspect ...                       attention heatmaps etc. (export.inspection)
 
 A user error (missing file, wrong checkpoint, bad option, failed verification) prints one line saying what
@@ -29,6 +36,8 @@ from export.onnx_standard import DEFAULT_OPSET, MIN_OPSET
 from export.pipeline import (
     PRESETS,
     ExportOptions,
+    Precision,
+    PrecisionKind,
     checkpoint_source,
     ensure_demo_bundle,
     export_checkpoint,
@@ -47,21 +56,51 @@ def _print_result(bundle: Bundle) -> None:
     print(f"bundle written to {bundle.root} (serve it with: textgen-serve --bundle {bundle.root})")
 
 
+PRECISION_FLAGS: dict[str, PrecisionKind] = {
+    "int8": "int8",
+    "int8_dynamic": "int8-dynamic",
+    "int4": "int4",
+    "fp16": "fp16",
+}
+
+
+def _precision(args: argparse.Namespace) -> Precision:
+    """The one precision flag given (ValueError naming them if several: each is a bundle of its own)."""
+    chosen = [kind for flag, kind in PRECISION_FLAGS.items() if getattr(args, flag, False)]
+    if len(chosen) > 1:
+        flags = " and ".join(f"--{kind}" for kind in chosen)
+        raise ValueError(
+            f"{flags} each make a bundle of their own (quantized for the CPU, fp16 for the GPU); choose one"
+        )
+    return Precision(chosen[0] if chosen else "fp32", args.block_size)
+
+
+def _eval_text(args: argparse.Namespace) -> str | None:
+    return args.eval_text.read_text(encoding="utf-8") if args.eval_text else None
+
+
 def cmd_onnx(args: argparse.Namespace) -> int:
     options = ExportOptions(
         model_name=args.name or args.checkpoint.stem,
         opset=args.opset,
-        int8=args.int8,
-        fp16=args.fp16,
+        precision=_precision(args),
         source=checkpoint_source(args.checkpoint) if args.checkpoint.is_file() else None,
         chat_template=args.chat_template.read_text(encoding="utf-8") if args.chat_template else None,
+        eval_text=_eval_text(args),
     )
     _print_result(export_checkpoint(args.checkpoint, args.out, options))
     return 0
 
 
 def cmd_hf(args: argparse.Namespace) -> int:
-    bundle = export_hf(args.model, args.out, name=args.name, int8=args.int8, fp16=args.fp16, opset=args.opset)
+    bundle = export_hf(
+        args.model,
+        args.out,
+        name=args.name,
+        precision=_precision(args),
+        opset=args.opset,
+        eval_text=_eval_text(args),
+    )
     _print_result(bundle)
     return 0
 
@@ -90,7 +129,7 @@ def _checkpoint_model(checkpoint: Path, bundle: Bundle) -> Decoder:
 def cmd_verify(args: argparse.Namespace) -> int:
     bundle = load_bundle(args.bundle)
     model = _checkpoint_model(args.checkpoint, bundle) if args.checkpoint else None
-    report = verify_bundle(bundle, model)
+    report = verify_bundle(bundle, model, eval_text=_eval_text(args))
     print(format_report(report))
     if not report["passed"]:
         print(f"textgen-export verify: {args.bundle} FAILED verification", file=sys.stderr)
@@ -99,7 +138,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_random(args: argparse.Namespace) -> int:
-    _print_result(random_bundle(args.preset, args.out, seed=args.seed, int8=args.int8))
+    precision = _precision(args)
+    _print_result(random_bundle(args.preset, args.out, args.seed, precision, eval_text=_eval_text(args)))
     return 0
 
 
@@ -120,6 +160,48 @@ def _opset(text: str) -> int:
     return value
 
 
+def _block_size(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+
+
+def _add_precision(parser: argparse.ArgumentParser, fp16: bool = True) -> None:
+    group = parser.add_argument_group("precision (one of; default float32)")
+    group.add_argument(
+        "--int8", action="store_true", help="8-bit weights, MatMulNBits (CPU; batch invariant)"
+    )
+    group.add_argument(
+        "--int4",
+        action="store_true",
+        help="4-bit weights, MatMulNBits + a 4-bit embedding (CPU; batch invariant)",
+    )
+    group.add_argument(
+        "--int8-dynamic",
+        action="store_true",
+        help="dynamic INT8 (CPU; fastest at large batches, NOT batch invariant)",
+    )
+    if fp16:
+        group.add_argument("--fp16", action="store_true", help="float16 graphs (CUDA/TensorRT)")
+    group.add_argument(
+        "--block-size",
+        type=_block_size,
+        help="weights per scale for --int8/--int4, a power of two >= 16 (default: 64 for --int8, 32 for "
+        "--int4; larger is smaller but no longer batch invariant)",
+    )
+    _add_eval_text(parser)
+
+
+def _add_eval_text(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--eval-text",
+        type=Path,
+        help="a text file to measure a quantized bundle's perplexity on (default: the stdlib's held-out "
+        "files)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="textgen-export", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -127,9 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     onnx = sub.add_parser("onnx", help="export a checkpoint to a verified bundle")
     onnx.add_argument("--checkpoint", type=Path, required=True, help="checkpoint file (textgen-checkpoint)")
     onnx.add_argument("--out", type=Path, required=True, help="bundle directory to write")
-    precision = onnx.add_mutually_exclusive_group()
-    precision.add_argument("--int8", action="store_true", help="dynamic INT8 weights (CPU serving)")
-    precision.add_argument("--fp16", action="store_true", help="float16 graphs (CUDA/TensorRT)")
+    _add_precision(onnx)
     onnx.add_argument("--opset", type=_opset, default=DEFAULT_OPSET, help=f"default {DEFAULT_OPSET}")
     onnx.add_argument("--name", help="model name in the manifest (default: the checkpoint's file name)")
     onnx.add_argument(
@@ -150,9 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", required=True, help="folder with config.json + safetensors, or a cached hub id"
     )
     hf.add_argument("--out", type=Path, required=True, help="bundle directory to write")
-    hf_precision = hf.add_mutually_exclusive_group()
-    hf_precision.add_argument("--int8", action="store_true", help="dynamic INT8 weights (CPU serving)")
-    hf_precision.add_argument("--fp16", action="store_true", help="float16 graphs (CUDA/TensorRT)")
+    _add_precision(hf)
     hf.add_argument("--opset", type=_opset, default=DEFAULT_OPSET, help=f"default {DEFAULT_OPSET}")
     hf.add_argument("--name", help="model name in the manifest (default: the folder's name or the hub id)")
     hf.set_defaults(handler=cmd_hf)
@@ -164,12 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="rerun parity, batch-invariance and NaN checks on a bundle")
     verify.add_argument("bundle", type=Path)
     verify.add_argument("--checkpoint", type=Path, help="compare against this checkpoint's PyTorch model")
+    _add_eval_text(verify)
     verify.set_defaults(handler=cmd_verify)
 
     rand = sub.add_parser("random", help="a bundle with random weights, for speed benchmarks")
     rand.add_argument("--preset", choices=sorted(PRESETS), required=True)
     rand.add_argument("--out", type=Path, required=True)
-    rand.add_argument("--int8", action="store_true")
+    _add_precision(rand, fp16=False)
     rand.add_argument("--seed", type=int, default=0)
     rand.set_defaults(handler=cmd_random)
 

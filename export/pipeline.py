@@ -1,6 +1,6 @@
 """Checkpoint (or in-memory model) -> verified bundle: the steps behind `textgen-export onnx/hf/demo/random`.
 
-trace the standard graph -> write the in-place serving graph -> [INT8 | FP16] -> stage the bundle ->
+trace the standard graph -> write the in-place serving graph -> [INT8 | INT4 | FP16] -> stage the bundle ->
 verify it (export.verify) -> write the report into the manifest -> rename into place. A bundle that fails
 verification is never put in place. Each graph is written into the staged bundle as soon as it is built and
 then dropped, so a model's weights are in memory at most three times over (the decoder, the graph being
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import onnx
 import torch
@@ -32,7 +32,13 @@ from export.model import Decoder, DecoderConfig
 from export.onnx_inplace import OPSET as INPLACE_OPSET
 from export.onnx_inplace import build_inplace_graph
 from export.onnx_standard import DEFAULT_OPSET, export_standard_graph
-from export.quantize import quantize_int8
+from export.quantize import (
+    DEFAULT_BLOCK_SIZE,
+    batch_invariant_scheme,
+    check_block_size,
+    quantize_int8,
+    quantize_nbits,
+)
 from export.tokenizer import EOS_ID, PAD_ID, tokenizer_to_json, train_tokenizer
 from export.train import load_corpus
 from export.verify import Reference, VerificationFailed, verify_bundle
@@ -63,12 +69,53 @@ PRESETS = {
 PRESET_TOKENIZER_TEXT_BYTES = 300_000  # of stdlib source: a few seconds of BPE training
 
 
+PrecisionKind = Literal["fp32", "fp16", "int8", "int8-dynamic", "int4"]
+_BITS = {"int8": 8, "int8-dynamic": 8, "int4": 4}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What the weights become: float32, float16 (CUDA/TensorRT), or quantized for the CPU
+    (export/quantize.py: MatMulNBits at 8 or 4 bits, or dynamic INT8)."""
+
+    kind: PrecisionKind = "fp32"
+    block_size: int | None = None  # MatMulNBits' weights per scale (int8, int4); None: the kind's default
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None:
+            if self.kind not in ("int8", "int4"):
+                raise ValueError("--block-size applies to --int8 and --int4 (MatMulNBits) only")
+            check_block_size(self.block_size)
+
+    @property
+    def bits(self) -> int | None:
+        return _BITS.get(self.kind)
+
+    @property
+    def block(self) -> int | None:
+        """The MatMulNBits block size; None for float and dynamic INT8."""
+        if self.kind not in ("int8", "int4"):
+            return None
+        return self.block_size or DEFAULT_BLOCK_SIZE[_BITS[self.kind]]
+
+    @property
+    def quantization(self) -> Literal["none", "int8", "int4"]:
+        return "int4" if self.kind == "int4" else "int8" if self.bits == 8 else "none"
+
+    @property
+    def fp16(self) -> bool:
+        return self.kind == "fp16"
+
+    @property
+    def batch_invariant(self) -> bool:
+        return batch_invariant_scheme(self.bits, self.block)
+
+
 @dataclass(frozen=True)
 class ExportOptions:
     model_name: str
     opset: int = DEFAULT_OPSET
-    int8: bool = False
-    fp16: bool = False
+    precision: Precision = Precision()
     progress: bool = True
     source: dict[str, str] | None = None  # where the weights came from (checkpoint, preset), for the report
     chat_template: str | None = None  # the manifest's chat_template (Jinja); None: the bundle serves no chat
@@ -76,12 +123,9 @@ class ExportOptions:
     eos_token_ids: tuple[int, ...] = (EOS_ID,)
     pad_token_id: int = PAD_ID
     bos_token_id: int | None = None
+    eval_text: str | None = None  # held-out text for the quantized bundle's perplexity (default: stdlib's)
 
     def __post_init__(self) -> None:
-        if self.int8 and self.fp16:
-            raise ValueError(
-                "--int8 and --fp16 are separate bundles (INT8 targets the CPU, FP16 the GPU); choose one"
-            )
         if not self.eos_token_ids:
             raise ValueError("a bundle needs at least one EOS token id")
 
@@ -96,16 +140,16 @@ def tensorrt_settings(cfg: DecoderConfig, fp16: bool) -> TensorRTSettings:
             past=ShapeRange(min=0, opt=ctx // 2, max=ctx - 1),
         ),
         fp16=fp16,
-        # INT8 bundles use ONNX Runtime's dynamic quantization (CPU); TensorRT INT8 would need calibration.
+        # Quantized bundles use ONNX Runtime's CPU kernels; TensorRT INT8 would need calibration.
         int8=False,
     )
 
 
 def _providers(options: ExportOptions) -> list[str]:
-    if options.int8:  # dynamic quantization's integer MatMuls are a CPU kernel
+    if options.precision.bits:  # quantized for the CPU's integer kernels
         return ["CPUExecutionProvider"]
     gpu = ["TensorrtExecutionProvider", "CUDAExecutionProvider"]
-    return gpu if options.fp16 else [*gpu, "CPUExecutionProvider"]
+    return gpu if options.precision.fp16 else [*gpu, "CPUExecutionProvider"]
 
 
 def _manifest_fields(cfg: DecoderConfig, options: ExportOptions, graphs: dict[str, Any]) -> dict[str, Any]:
@@ -127,13 +171,14 @@ def _manifest_fields(cfg: DecoderConfig, options: ExportOptions, graphs: dict[st
             "sliding_window": cfg.sliding_window,
         },
         "graphs": graphs,
-        "dtype": "float16" if options.fp16 else "float32",
-        "quantization": "int8" if options.int8 else "none",
+        "dtype": "float16" if options.precision.fp16 else "float32",
+        "quantization": options.precision.quantization,
+        "quantization_block_size": options.precision.block,
         "eos_token_ids": list(options.eos_token_ids),
         "bos_token_id": options.bos_token_id,
         "pad_token_id": options.pad_token_id,
         "execution_providers": _providers(options),
-        "tensorrt": tensorrt_settings(cfg, options.fp16),
+        "tensorrt": tensorrt_settings(cfg, options.precision.fp16),
         **({"chat_template": options.chat_template} if options.chat_template is not None else {}),
     }
 
@@ -156,16 +201,20 @@ class _Progress:
 class ExportedGraphs:
     standard: onnx.ModelProto
     inplace: onnx.ModelProto
-    stats: dict[str, Any]  # trace time, INT8 MatMul counts: into the report
+    stats: dict[str, Any]  # trace time, quantized MatMul counts: into the report
 
 
 def _convert(
     role: str, graph: onnx.ModelProto, options: ExportOptions, progress: _Progress, stats: dict[str, Any]
 ) -> onnx.ModelProto:
-    if options.int8:
+    precision = options.precision
+    if precision.kind == "int8-dynamic":
         with progress.step(f"INT8 dynamic quantization ({role} graph)"):
             graph, stats[f"int8_{role}"] = quantize_int8(graph)
-    if options.fp16:
+    elif precision.bits and precision.block:
+        with progress.step(f"{precision.kind.upper()} MatMulNBits, block {precision.block} ({role} graph)"):
+            graph, stats[f"{precision.kind}_{role}"] = quantize_nbits(graph, precision.bits, precision.block)
+    if precision.fp16:
         with progress.step(f"FP16 conversion ({role} graph)"):
             graph = convert_fp16(graph)
     return graph
@@ -208,13 +257,16 @@ def _verify_and_commit(
     with progress.step(f"verifying against {reference.name if reference else 'PyTorch'}"):
         stage.add_tokenizer(tokenizer_to_json(tokenizer))
         fields = _manifest_fields(model.cfg, options, dict(specs))
-        report = verify_bundle(stage.write_manifest(fields), model, reference)
+        report = verify_bundle(stage.write_manifest(fields), model, reference, options.eval_text)
         report["export"] = {**stats, "source": options.source}
         if stage.shared_bytes:  # weights both graphs read from the one external data file
             report["export"]["weights_shared_bytes"] = stage.shared_bytes
         if not report["passed"]:
             raise VerificationFailed(report)
-        stage.write_manifest({**fields, "verification": report})
+        # Claimed only where the format guarantees it and the bundle showed it: a dynamic INT8 bundle's
+        # tokens may agree on the prompt set by luck.
+        invariant = options.precision.batch_invariant and report["batch_invariant"]
+        stage.write_manifest({**fields, "verification": report, "batch_invariant": invariant})
     with progress.step("moving the bundle into place"):
         stage.commit()
 
@@ -250,7 +302,7 @@ def export_bundle(
     written into the staged bundle and dropped before the next is built."""
     check_replaceable(out)  # fail before minutes of work, not after
     model = model.eval()
-    conversions = 2 * (options.int8 or options.fp16)
+    conversions = 2 * (options.precision.kind != "fp32")
     progress = _Progress(options.progress, total=4 + conversions)
     try:
         with BundleStage(out) as stage:
@@ -283,10 +335,10 @@ def export_hf(
     out: Path,
     *,
     name: str | None = None,
-    int8: bool = False,
-    fp16: bool = False,
+    precision: Precision = Precision(),
     opset: int = DEFAULT_OPSET,
     progress: bool = True,
+    eval_text: str | None = None,
 ) -> Bundle:
     """A Hugging Face model (a local folder, or a hub id in the local cache) -> verified bundle at `out`.
 
@@ -321,14 +373,14 @@ def export_hf(
     options = ExportOptions(
         model_name=name or (str(model) if not Path(model).expanduser().is_dir() else folder.name),
         opset=opset,
-        int8=int8,
-        fp16=fp16,
+        precision=precision,
         progress=progress,
         source=source,
         chat_template=tok.chat_template or None,
         eos_token_ids=tok.eos_token_ids,
         pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_ids[0],
         bos_token_id=tok.bos_token_id,
+        eval_text=eval_text,
     )
     return export_bundle(ckpt.model, tokenizer, out, options, transformers_reference(folder))
 
@@ -380,7 +432,14 @@ def ensure_demo_bundle(out: Path | None = None, progress: bool = True) -> tuple[
         return export_checkpoint(checkpoint, out, options), True
 
 
-def random_bundle(preset: str, out: Path, seed: int = 0, int8: bool = False, progress: bool = True) -> Bundle:
+def random_bundle(
+    preset: str,
+    out: Path,
+    seed: int = 0,
+    precision: Precision = Precision(),
+    progress: bool = True,
+    eval_text: str | None = None,
+) -> Bundle:
     """A bundle of a preset shape with random weights and a tokenizer trained on a little stdlib text."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -395,9 +454,10 @@ def random_bundle(preset: str, out: Path, seed: int = 0, int8: bool = False, pro
     tokenizer.add_special_tokens([f"<|unused_{i}|>" for i in range(max(0, missing))])
     options = ExportOptions(
         model_name=f"{preset}-random",
-        int8=int8,
+        precision=precision,
         progress=progress,
         source={"preset": preset, "seed": str(seed)},
         chat_template=DEMO_CHAT_TEMPLATE,  # so the chat API can be tested and measured on random weights
+        eval_text=eval_text,
     )
     return export_bundle(model, tokenizer, out, options)

@@ -8,8 +8,10 @@ Layout (written by `export.bundle_writer`):
 
 Format versions: 2 (written now) adds grouped-query attention (`n_kv_heads`), a head_dim not tied to
 d_model / n_heads, the blocks of imported models (norm, activation, sliding window), several EOS ids, the BOS
-id and a chat template. A version 1 manifest (the decoder of this project only) is read by its own model,
-`ManifestV1`, exactly as before, and converted to a `Manifest` whose `format_version` stays 1.
+id and a chat template; later (still format 2, optional fields) 4-bit weights, the quantization block size
+and whether the bundle is batch invariant. A version 1 manifest (the decoder of this project only) is read
+by its own model, `ManifestV1`, exactly as before, and converted to a `Manifest` whose `format_version`
+stays 1.
 
 `load_bundle` refuses anything it cannot serve with a `BundleError` naming the file and the problem, so a
 bad bundle fails at start-up with one line instead of at the first request. Runtime side only: no torch, no
@@ -211,7 +213,12 @@ class Manifest(_Strict):
     architecture: Architecture
     graphs: Graphs
     dtype: Literal["float32", "float16"]
-    quantization: Literal["none", "int8"]
+    quantization: Literal["none", "int8", "int4"]
+    # Weights per scale of ONNX Runtime's MatMulNBits; None: float, or INT8 by dynamic quantization.
+    quantization_block_size: PositiveInt | None = None
+    # Whether a request's tokens are the same whatever it is batched with (export.verify checks it). A
+    # manifest written before the field: float bundles were verified so, dynamic INT8 ones were not.
+    batch_invariant: bool
     # Every one ends a generation (Llama 3 lists several); the first is the one reported as eos_token_id.
     eos_token_ids: list[NonNegativeInt] = Field(min_length=1)
     # What a chat template calls bos_token; a text's BOS is added by the tokenizer itself (tokenizer.json's
@@ -226,6 +233,13 @@ class Manifest(_Strict):
     # serves no chat (bundles written before this field keep loading without it).
     chat_template: str | None = Field(None, min_length=1)
     checksums: dict[str, str]  # file name -> sha256 hex, for every file but the manifest
+
+    @model_validator(mode="before")
+    @classmethod
+    def _batch_invariant_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "batch_invariant" not in data:
+            return {**data, "batch_invariant": data.get("quantization") == "none"}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:

@@ -93,6 +93,9 @@ def test_unsupported_format_version(bundle_copy: Path) -> None:
     assert "unsupported bundle format version 3" in message and "reads 1 and 2" in message
 
 
+FIELDS_ADDED_WITH_INT4 = ("quantization_block_size", "batch_invariant")
+
+
 def as_format_1(data: dict[str, Any]) -> None:
     """A format 2 manifest of this project's decoder rewritten as format 1 wrote it (with the optional chat
     template that format 1 bundles of the demo carry)."""
@@ -100,7 +103,8 @@ def as_format_1(data: dict[str, Any]) -> None:
     for key in ("n_kv_heads", "norm", "sliding_window"):
         del data["architecture"][key]
     data["eos_token_id"] = data.pop("eos_token_ids")[0]
-    del data["bos_token_id"]
+    for key in ("bos_token_id", *FIELDS_ADDED_WITH_INT4):
+        del data[key]
 
 
 def test_format_1_manifest_loads_as_before(bundle_copy: Path, tiny_bundle: Path) -> None:
@@ -135,6 +139,8 @@ def test_format_1_manifest_is_checked_as_format_1(
     [
         (lambda d: d["architecture"].update(n_kv_heads=3), "must divide n_heads"),
         (lambda d: d.update(dtype="int4"), "dtype"),
+        (lambda d: d.update(quantization="int3"), "quantization"),
+        (lambda d: d.update(quantization_block_size=0), "quantization_block_size"),
         (lambda d: d.update(surprise=1), "Extra inputs are not permitted"),
         (lambda d: d.update(eos_token_id=0), "Extra inputs are not permitted"),  # format 1's key
         (lambda d: d.update(eos_token_ids=[0, 10_000]), "must be below vocab_size"),
@@ -208,3 +214,26 @@ def test_format_2_n_kv_heads_defaults_to_n_heads(bundle_copy: Path) -> None:
     edit_manifest(bundle_copy, lambda d: d["architecture"].pop("n_kv_heads"))
     arch = load_bundle(bundle_copy).manifest.architecture
     assert arch.n_kv_heads == arch.n_heads == 2
+
+
+@pytest.mark.parametrize(("quantization", "invariant"), [("none", True), ("int8", False)])
+def test_a_manifest_written_before_batch_invariance_was_recorded(
+    bundle_copy: Path, quantization: str, invariant: bool
+) -> None:
+    """Float bundles were verified batch invariant; INT8 ones then were dynamic INT8, which is not."""
+
+    def older(data: dict[str, Any]) -> None:
+        for key in FIELDS_ADDED_WITH_INT4:
+            del data[key]
+        data["quantization"] = quantization
+
+    edit_manifest(bundle_copy, older)
+    m = load_bundle(bundle_copy).manifest
+    assert m.batch_invariant is invariant and m.quantization_block_size is None
+
+
+def test_an_int4_manifest_reads_back(bundle_copy: Path) -> None:
+    edit_manifest(bundle_copy, lambda d: d.update(quantization="int4", quantization_block_size=32))
+    m = load_bundle(bundle_copy).manifest
+    assert (m.quantization, m.quantization_block_size, m.batch_invariant) == ("int4", 32, True)
+    assert Manifest.model_validate_json(m.model_dump_json()) == m

@@ -52,10 +52,10 @@ def test_onnx_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str
 @pytest.mark.parametrize(
     "argv",
     [
-        ["onnx", "--checkpoint", "c.pt", "--out", "b", "--int8", "--fp16"],
         ["onnx", "--checkpoint", "c.pt", "--out", "b", "--opset", "12"],
         ["random", "--preset", "gpt-5", "--out", "b"],
         ["frobnicate"],
+        ["onnx", "--checkpoint", "c.pt", "--out", "b", "--int4", "--block-size", "big"],
     ],
 )
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -100,17 +100,45 @@ def test_verify_against_a_checkpoint_of_another_model(
     assert "does not match the bundle" in line and "d_model 64 vs 32" in line
 
 
-def test_onnx_end_to_end_int8(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--int4", "--int8"], "--int8 and --int4 each make a bundle of their own"),
+        (["--int4", "--fp16"], "--int4 and --fp16 each make a bundle of their own"),
+        (["--int8", "--fp16"], "choose one"),
+        (["--int4", "--block-size", "48"], "block size must be a power of two >= 16"),
+        (["--int4", "--block-size", "8"], "block size must be a power of two >= 16"),
+        (["--block-size", "32"], "--block-size applies to --int8 and --int4"),
+    ],
+)
+def test_precision_flag_errors_exit_1_with_one_line(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run(
+        ["onnx", "--checkpoint", str(tmp_path / "c.pt"), "--out", str(tmp_path / "b"), *argv], capsys
+    )
+    assert code == 1 and message in one_line(err)
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize(
+    ("flag", "scheme"), [("--int8", "MatMulNBits, block 64"), ("--int4", "MatMulNBits, block 32")]
+)
+def test_onnx_end_to_end_quantized(
+    flag: str, scheme: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     torch.manual_seed(1)
     tokenizer = load_bundle(tiny_bundle).tokenizer
     ckpt = save_checkpoint(tmp_path / "tiny.pt", Decoder(PRESETS["tiny"]), tokenizer, {})
     out = tmp_path / "bundle"
-    code, stdout, err = run(["onnx", "--checkpoint", str(ckpt), "--out", str(out), "--int8"], capsys)
+    code, stdout, err = run(["onnx", "--checkpoint", str(ckpt), "--out", str(out), flag], capsys)
     assert code == 0, err
-    assert "PASSED" in stdout and "weight MatMuls quantized: standard 9/9, inplace 9/9" in stdout
-    assert "int8 accuracy" in stdout and f"bundle written to {out}" in stdout
+    kind = flag.removeprefix("--")
+    assert "PASSED" in stdout and f"weight MatMuls quantized ({scheme}): standard 9/9, inplace 9/9" in stdout
+    assert f"{kind} accuracy" in stdout and f"bundle written to {out}" in stdout
     bundle = load_bundle(out)
-    assert bundle.manifest.quantization == "int8" and bundle.manifest.model_name == "tiny"
+    assert bundle.manifest.quantization == kind and bundle.manifest.model_name == "tiny"
+    assert bundle.manifest.batch_invariant
     assert bundle.manifest.verification["export"]["source"]["checkpoint"] == str(ckpt)
     assert not list(tmp_path.glob(".bundle.tmp-*"))  # nothing left staged
 

@@ -235,6 +235,7 @@ def test_model_info(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> 
     assert info.context_length == manifest.architecture.context_length
     assert info.eos_token_id == manifest.eos_token_id
     assert (info.dtype, info.quantization) == (manifest.dtype, manifest.quantization)
+    assert info.batch_invariant and manifest.batch_invariant  # a float bundle
     assert info.max_new_tokens_limit == min(32, info.context_length - 1)
     assert info.max_batch_size == server.model.info.max_batch_size == 16  # the default
     assert "CPUExecutionProvider" in info.execution_providers

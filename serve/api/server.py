@@ -444,6 +444,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 kv_cache_bytes=model.info.kv_bytes,
                 eos_token_ids=list(model.info.eos_token_ids or (model.info.eos_token_id,)),
                 max_model_len=model.limits.context_length,
+                batch_invariant=manifest.batch_invariant,
             )
 
     async def Tokenize(

@@ -210,7 +210,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "context_length", "max_new_tokens_limit", "max_batch_size", "dtype", "quantization", "execution_providers", "eos_token_id", "server_version", "prefix_cache_rows", "kv_cache_bytes", "eos_token_ids", "max_model_len")
+    __slots__ = ("model_name", "vocab_size", "context_length", "max_new_tokens_limit", "max_batch_size", "dtype", "quantization", "execution_providers", "eos_token_id", "server_version", "prefix_cache_rows", "kv_cache_bytes", "eos_token_ids", "max_model_len", "batch_invariant")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class ModelInfo(_message.Message):
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     context_length: int
@@ -239,7 +240,8 @@ class ModelInfo(_message.Message):
     kv_cache_bytes: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_model_len: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., execution_providers: _Optional[_Iterable[str]] = ..., eos_token_id: _Optional[int] = ..., server_version: _Optional[str] = ..., prefix_cache_rows: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    batch_invariant: bool
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., execution_providers: _Optional[_Iterable[str]] = ..., eos_token_id: _Optional[int] = ..., server_version: _Optional[str] = ..., prefix_cache_rows: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special_tokens")
