@@ -61,7 +61,7 @@ from bench.engine_bench import (
     run_anchors,
 )
 from bench.loadgen import LoadConfig, Prompt, RequestRecord, send
-from bench.proc import CpuMeter, descendants, peak_rss_mib
+from bench.proc import CpuMeter, descendants, main_thread_cpu_seconds, peak_rss_mib
 from bench.serving_bench import free_port, server_process
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 
@@ -235,8 +235,10 @@ async def served_runs(target: str, batch: int, repeats: int, server_pid: int) ->
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.TextGenerationStub(channel)
         await concurrent_streams(stub, batch, 0)  # warm-up
+        loop_before = main_thread_cpu_seconds(server_pid)
         with CpuMeter([os.getpid(), server_pid, *engine_pids]) as meter:
             runs = [await concurrent_streams(stub, batch, run) for run in range(1, repeats + 1)]
+        event_loop = main_thread_cpu_seconds(server_pid) - loop_before
     tokens = repeats * batch * NEW_TOKENS
     engine_cpu = sum(meter.cpu[p] for p in engine_pids)
     return rates(batch, [r["wall"] for r in runs], [r["ttft"] for r in runs]) | {
@@ -246,6 +248,7 @@ async def served_runs(target: str, batch: int, repeats: int, server_pid: int) ->
         "other_load": meter.other_load,
         "us_per_token": {
             "front_end": 1e6 * meter.cpu[server_pid] / tokens,
+            "event_loop": 1e6 * event_loop / tokens,  # of the front end's: the rest is gRPC's and the pipe's
             "engine": 1e6 * engine_cpu / tokens,
             "load_generator": 1e6 * meter.cpu[os.getpid()] / tokens,
         },
@@ -497,8 +500,10 @@ def ratios(medians: dict[str, Cell | None], precisions: list[str], batches: list
 def tax(medians: dict[str, Cell | None], precisions: list[str], batches: list[int]) -> list[str]:
     """Served ÷ engine at each batch, and where a served token's CPU went."""
     lines = [
-        "| served | " + " | ".join(f"÷ engine b{b}" for b in batches) + " | CPU µs/token front end, engine, "
-        "load generator (b1; b16) |",
+        "| served | "
+        + " | ".join(f"÷ engine b{b}" for b in batches)
+        + " | CPU µs/token: front end (its event "
+        "loop), engine, load generator (smallest; largest batch) |",
         "|---|" + "---|" * (len(batches) + 1),
     ]
     for precision in precisions:
@@ -512,7 +517,8 @@ def tax(medians: dict[str, Cell | None], precisions: list[str], batches: list[in
             cell = medians.get(cell_key("textgen served", precision, batch))
             if cell:
                 us: dict[str, float] = cell["us_per_token"]
-                cpu.append(f"{us['front_end']:.0f}, {us['engine']:.0f}, {us['load_generator']:.0f}")
+                front = f"{us['front_end']:.0f} ({us['event_loop']:.0f})"
+                cpu.append(f"{front}, {us['engine']:.0f}, {us['load_generator']:.0f}")
         lines.append(f"| {precision} | {' | '.join(cells)} | {'; '.join(cpu) or '—'} |")
     return lines
 
