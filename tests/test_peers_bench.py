@@ -4,6 +4,7 @@ engine cell."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -179,3 +180,13 @@ def test_a_served_cell_streams_the_engine_cells_tokens(
     us = served["us_per_token"]
     assert us["front_end"] >= us["event_loop"] > 0 and us["engine"] > 0
     assert 0 < served["server_rss_mb"] < served["peak_rss_mb"]
+
+
+def test_a_disturbed_cell_is_measured_again_and_the_least_disturbed_kept() -> None:
+    args = argparse.Namespace(idle_wait=0.0, attempts=3, max_other_load=0.2)
+    loads = iter([0.6, 0.4, 0.5])
+    cell = peers_bench.least_disturbed(lambda: {"tok_s": 1.0, "other_load": next(loads)}, args)
+    assert cell["other_load"] == 0.4 and cell["attempt"] == 2  # all three tried, the quietest kept
+    quiet = iter([0.1, 0.9])
+    assert peers_bench.least_disturbed(lambda: {"other_load": next(quiet)}, args)["attempt"] == 1
+    assert "error" in peers_bench.least_disturbed(lambda: {"error": "import failed"}, args)
