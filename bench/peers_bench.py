@@ -280,6 +280,7 @@ def peers_env(prepared: Path, scratch: Path) -> dict[str, str]:
     """The peers' run.sh in a work folder of this run: its results, logs and results.md go there, while its
     venv, models and artifacts are the prepared folder's (linked). No waiting for an idle machine and no
     reruns of a disturbed cell: textgen's cells get neither, and each cell's other load is recorded."""
+    prepared, scratch = prepared.resolve(), scratch.resolve()  # run.sh cds: relative paths would break
     scratch.mkdir(parents=True, exist_ok=True)
     for name in ("models", "artifacts"):
         link = scratch / name

@@ -101,7 +101,9 @@ def test_a_peer_cell_is_run_in_a_work_folder_of_its_own_and_read_from_its_file(
     prepared = tmp_path / "prepared"
     for name in ("models", "artifacts", "venv"):
         (prepared / name).mkdir(parents=True)
-    env = peers_env(prepared, tmp_path / "scratch")
+    monkeypatch.chdir(tmp_path)
+    env = peers_env(Path("prepared"), Path("scratch"))  # run.sh works in the scratch folder: made absolute
+    assert Path(env["ANCHOR_RESULTS"]).is_absolute() and Path(env["ANCHOR_VENV"]).is_absolute()
     assert (tmp_path / "scratch" / "models").resolve() == prepared / "models"
     assert env["ANCHOR_IDLE_WAIT"] == "0" and env["ANCHOR_ATTEMPTS"] == "1"  # as textgen's cells: no reruns
     calls: list[tuple[list[str], dict[str, str]]] = []
