@@ -354,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-flags", default="", help="more textgen-serve flags for the served cells")
     p.add_argument("--bundles", type=Path, default=REPO / "models" / "peers")
     p.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "peers.json")
+    p.add_argument("--report", type=Path, nargs="+", help="only report these runs' --output files, merged")
     p.add_argument("--served-cell", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -363,13 +364,16 @@ def main(argv: list[str] | None = None) -> int:
         flags = args.serve_flags.split()
         print(json.dumps(served_cell(args.served_cell, args.batch, args.repeats, flags, log)))
         return 0
+    precisions = args.precisions.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.report:
+        print(report(merged([json.loads(path.read_text()) for path in args.report]), precisions, batches))
+        return 0
     if args.anchors_dir is None:
         p.error("--anchors-dir is required")
     prepared = args.anchors_work or prepared_anchors()
     model_dir = args.model_dir or prepared / "models" / "llama-30m"
     check_same_weights(model_dir, prepared / "models" / "llama-30m")
-    precisions = args.precisions.split(",")
-    batches = [int(b) for b in args.batches.split(",")]
     record = run(args, prepared, model_dir, precisions, batches)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(record, indent=1))
@@ -467,10 +471,20 @@ def cell_line(stack: str, precision: str, batch: int, cell: Cell) -> str:
 # --- the report --------------------------------------------------------------------------------------------
 
 
-def median_cell(runs: list[Cell]) -> Cell | None:
-    """The pass whose tok/s is the median (the lower middle one of an even count); None if none ran."""
-    ok = sorted((r for r in runs if "error" not in r), key=lambda r: float(r["tok_s"]))
-    return ok[(len(ok) - 1) // 2] if ok else None
+def quietest_cell(runs: list[Cell]) -> Cell | None:
+    """Of a cell's passes, the one other processes disturbed least (as the peers keep the least disturbed
+    attempt of a cell); None if none ran."""
+    ok = [r for r in runs if "error" not in r]
+    return min(ok, key=lambda r: float(r["other_load"] or 0)) if ok else None
+
+
+def merged(records: list[Cell]) -> Cell:
+    """Several runs' records as one: every cell's passes together; the first run's machine and weights."""
+    cells: dict[str, list[Cell]] = {}
+    for record in records:
+        for key, runs in record["cells"].items():
+            cells.setdefault(key, []).extend(runs)
+    return records[0] | {"cells": cells, "runs": [(r["started"], r.get("finished")) for r in records]}
 
 
 def agreement(tokens: object, reference: object) -> str:
@@ -483,7 +497,7 @@ def agreement(tokens: object, reference: object) -> str:
 
 def report(record: Cell, precisions: list[str], batches: list[int]) -> str:
     cells: dict[str, list[Cell]] = record["cells"]
-    medians = {key: median_cell(runs) for key, runs in cells.items()}
+    medians = {key: quietest_cell(runs) for key, runs in cells.items()}  # a cell's figures: its quietest pass
     reference = record["reference"].get("first_row_tokens")
     head = " | ".join(f"b{b} tok/s" for b in batches) + " | " + " | ".join(f"b{b} TTFT ms" for b in batches)
     lines = [
@@ -579,7 +593,7 @@ def roofline(record: Cell, precisions: list[str]) -> list[str]:
             continue
         streamed = weights[precision]["streamed"]
         ceiling = bandwidth * 1e9 / streamed
-        engine = median_cell(cells.get(cell_key("textgen engine", precision, 1), []))
+        engine = quietest_cell(cells.get(cell_key("textgen engine", precision, 1), []))
         measured = f"{engine['tok_s']:.0f} ({float(engine['tok_s']) / ceiling:.2f} of it)" if engine else "—"
         lines.append(
             f"| {precision} | {streamed / 1e6:.1f} MB | {weights[precision]['lookup'] / 1e6:.1f} MB "
