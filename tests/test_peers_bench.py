@@ -142,7 +142,6 @@ def test_the_report_divides_by_the_best_peer_and_the_engine() -> None:
             _cell(200, ref, other_load=0.5),
             _cell(250, ref, other_load=0.1),
         ],
-        # median 250
         cell_key("textgen served", "fp32", 1): [_cell(125, ref, us_per_token=us)],
         cell_key("ort-genai", "fp32", 1): [_cell(500, ref)],
         cell_key("llama.cpp", "fp32", 1): [_cell(400, ref[:8] + [99] * 8)],
