@@ -192,3 +192,14 @@ def test_a_disturbed_cell_is_measured_again_and_the_least_disturbed_kept() -> No
     quiet = iter([0.1, 0.9])
     assert peers_bench.least_disturbed(lambda: {"other_load": next(quiet)}, args)["attempt"] == 1
     assert "error" in peers_bench.least_disturbed(lambda: {"error": "import failed"}, args)
+
+
+def test_runs_merge_and_a_cell_keeps_its_quietest_fastest_pass() -> None:
+    def record(machine: float, cell: dict[str, Any]) -> dict[str, Any]:
+        return {"started": "t", "machine": {"read_gbps": machine}, "cells": {"k": [cell]}, "weights": {}}
+
+    runs = [record(10.0, _cell(100, [], other_load=0.5)), record(20.0, _cell(90, [], other_load=0.02))]
+    runs.append(record(15.0, _cell(95, [], other_load=0.04)))  # as quiet as the quietest, and faster
+    both = peers_bench.merged(runs)
+    assert both["machine"]["read_gbps"] == 20.0 and len(both["cells"]["k"]) == 3
+    assert peers_bench.quietest_cell(both["cells"]["k"])["tok_s"] == 95
