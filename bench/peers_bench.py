@@ -236,10 +236,10 @@ async def served_runs(target: str, batch: int, repeats: int, server_pid: int) ->
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.TextGenerationStub(channel)
         await concurrent_streams(stub, batch, 0)  # warm-up
-        loop_before = main_thread_cpu_seconds(server_pid)
         with CpuMeter([os.getpid(), server_pid, *engine_pids]) as meter:
+            loop_before = main_thread_cpu_seconds(server_pid)  # inside the meter's window: never above it
             runs = [await concurrent_streams(stub, batch, run) for run in range(1, repeats + 1)]
-        event_loop = main_thread_cpu_seconds(server_pid) - loop_before
+            event_loop = main_thread_cpu_seconds(server_pid) - loop_before
     tokens = repeats * batch * NEW_TOKENS
     engine_cpu = sum(meter.cpu[p] for p in engine_pids)
     return rates(batch, [r["wall"] for r in runs], [r["ttft"] for r in runs]) | {
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--passes", type=int, default=1, help="runs of the whole interleaved plan (median)")
     p.add_argument("--threads", type=int, default=2, help="the engine cells' ONNX Runtime threads")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--idle-wait", type=float, default=30.0, help="seconds a cell waits for a quieter machine")
+    p.add_argument("--idle-wait", type=float, default=10.0, help="seconds a cell waits for a quieter machine")
     p.add_argument("--attempts", type=int, default=2, help="tries of a cell disturbed by other processes")
     p.add_argument(
         "--max-other-load", type=float, default=0.25, help="share of the cores other processes may take"
