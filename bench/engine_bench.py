@@ -20,10 +20,13 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from bench.proc import CpuMeter, peak_rss_mib
 
 if TYPE_CHECKING:  # a cell must not import torch (through export): its peak RSS would count it
     from export.pipeline import PrecisionKind
@@ -31,6 +34,7 @@ if TYPE_CHECKING:  # a cell must not import torch (through export): its peak RSS
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_LEN, NEW_TOKENS, SEED, VOCAB = 32, 128, 1234, 8192
 BATCHES = (1, 4, 16)
+CHECKED_TOKENS = 16  # the greedy tokens of row 0 a cell reports, compared across stacks
 PARAMS_BENCH_A = 29.94e6
 DEFAULT_ANCHOR_CELLS = (
     "torch A-gpt2",
@@ -47,17 +51,7 @@ def prompt_rows(batch: int) -> np.ndarray:
     return rng.integers(3, VOCAB, size=(max(16, batch), PROMPT_LEN), dtype=np.int64)[:batch]
 
 
-def peak_rss_mb() -> float:
-    """This process's own peak RSS. Not getrusage's ru_maxrss: Linux carries it across execve, so a cell
-    started from a parent would report at least the parent's RSS at the fork (measured: 326 MB for a cell of
-    11 MB under a parent holding 300 MB). VmHWM is the peak of the memory the process has now."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024  # kB
-    raise RuntimeError("no VmHWM in /proc/self/status: the engine benchmark measures memory on Linux only")
-
-
-def run_cell(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, object]:
+def run_cell(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, Any]:
     from serve.bundle import load_bundle
     from serve.engine.engine import Engine
     from serve.engine.sampling import SamplingParams
@@ -74,33 +68,44 @@ def run_cell(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, 
     def once() -> tuple[float, float, list[int]]:
         seqs = [NewSequence(str(i), rows[i].tolist(), SamplingParams()) for i in range(batch)]
         start = time.perf_counter()
-        first = engine.prefill(seqs)
+        first = [engine.prefill(seqs)[0].token_id]
         ttft = time.perf_counter() - start
         for _ in range(NEW_TOKENS - 1):
-            engine.decode()
+            outs = engine.decode()
+            if len(first) < CHECKED_TOKENS:  # row 0's, as the peers record theirs
+                first.append(next(o.token_id for o in outs if o.seq_id == "0"))
         wall = time.perf_counter() - start
         engine.release(s.seq_id for s in seqs)
-        return wall, ttft, [first[0].token_id]
+        return wall, ttft, first
 
     once()  # warm-up
-    runs = [once() for _ in range(repeats)]
-    walls = [r[0] for r in runs]
-    median = statistics.median(walls)
-    ttft = statistics.median(r[1] for r in runs)
+    with CpuMeter([os.getpid()]) as meter:
+        runs = [once() for _ in range(repeats)]
+    return rates(batch, [r[0] for r in runs], [r[1] for r in runs]) | {
+        "peak_rss_mb": peak_rss_mib(),
+        "load_s": load_seconds,
+        "providers": engine.providers,
+        "first_row_tokens": runs[-1][2],
+        "other_load": meter.other_load,
+    }
+
+
+def rates(batch: int, walls: list[float], ttfts: list[float]) -> dict[str, Any]:
+    """A cell's figures from its timed runs: tok/s of the median wall (NEW_TOKENS x batch each), the decode
+    rate after the first token, the median TTFT."""
+    median, ttft = statistics.median(walls), statistics.median(ttfts)
     return {
         "batch": batch,
         "walls": walls,
         "tok_s": NEW_TOKENS * batch / median,
         "decode_tok_s": (NEW_TOKENS - 1) * batch / (median - ttft),
         "ttft_s": ttft,
-        "peak_rss_mb": peak_rss_mb(),
-        "load_s": load_seconds,
-        "providers": engine.providers,
     }
 
 
 def machine_roofline(threads: int) -> dict[str, float]:
-    """fp32 GEMM GFLOP/s (numpy's BLAS, 1024^3) and memory read GB/s (sum over 256 MB), best of 5."""
+    """fp32 GEMM GFLOP/s (numpy's BLAS, 1024^3) and memory read GB/s (sum over 256 MB, on one thread and
+    on `threads`), best of 5."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     a = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
     gemm = []
@@ -109,12 +114,23 @@ def machine_roofline(threads: int) -> dict[str, float]:
         a @ a
         gemm.append(2 * 1024**3 / (time.perf_counter() - t) / 1e9)
     big = np.ones(64 * 2**20, np.float32)
-    read = []
-    for _ in range(5):
-        t = time.perf_counter()
-        big.sum()
-        read.append(big.nbytes / (time.perf_counter() - t) / 1e9)
-    return {"gemm_gflops": max(gemm), "read_gbps": max(read)}
+    return {
+        "gemm_gflops": max(gemm),
+        "read_gbps": read_gbps(big, 1),
+        "read_gbps_threads": read_gbps(big, threads),  # as ONNX Runtime reads weights: every thread
+    }
+
+
+def read_gbps(big: np.ndarray, threads: int) -> float:
+    """Best of 5 sums of `big`, split over `threads` threads (numpy lets go of the GIL while it sums)."""
+    parts = np.array_split(big, threads)
+    best = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(5):
+            t = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = max(best, big.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
 
 
 # Variant -> its precision (textgen-export's flag without the dashes; fp32: no flag).
@@ -145,22 +161,29 @@ def ensure_bundle(out: Path, kind: PrecisionKind) -> Path:
     return out
 
 
-def cell_in_subprocess(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, object]:
+def cell_in_subprocess(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.engine_bench", "--cell", str(bundle), "--batch", str(batch)]
     cmd += ["--threads", str(threads), "--repeats", str(repeats)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_anchors(anchors: Path, cells: list[str], pass_no: int) -> Path:
+def prepared_anchors() -> Path:
+    """The folder where the peer stacks' venv, models and artifacts were prepared (`$ANCHOR_WORK`)."""
+    return Path(os.environ.get("ANCHOR_WORK", "/tmp/textgen-anchors"))
+
+
+def run_anchors(anchors: Path, cells: list[str], pass_no: int, env: dict[str, str] | None = None) -> Path:
     """One pass of the peer stacks' cells (their own venv and models, in the folder `anchors`, whose run.sh
-    runs them).
+    runs them); `env` adds to or overrides the variables run.sh gets.
 
     `cells` are the anchors' cell labels without the batch, e.g. "optimum A-gpt2 int8-dyn".
     """
-    work = Path(os.environ.get("ANCHOR_WORK", "/tmp/textgen-anchors"))
-    env = {**os.environ, "ANCHOR_WORK": str(work), "ANCHOR_SKIP_LLAMA": "1"}
     tools = sorted({cell.split()[0] for cell in cells})
+    work = Path((env or {}).get("ANCHOR_WORK", prepared_anchors()))
+    # llama.cpp's compile is the long part of the peers' setup: skipped unless a llama.cpp cell is asked for
+    skip_llama = "0" if "llamacpp" in tools else "1"
+    env = {**os.environ, "ANCHOR_WORK": str(work), "ANCHOR_SKIP_LLAMA": skip_llama, **(env or {})}
     cmd = [
         "bash",
         str(anchors / "run.sh"),
@@ -173,10 +196,10 @@ def run_anchors(anchors: Path, cells: list[str], pass_no: int) -> Path:
     for cell in cells:
         cmd += ["--only", cell + " "]
     subprocess.run(cmd, check=True, env=env)
-    return work / "results" / f"pass{pass_no}"
+    return Path(env.get("ANCHOR_RESULTS", work / "results")) / f"pass{pass_no}"
 
 
-def anchor_rows(result_dir: Path) -> list[dict[str, object]]:
+def anchor_rows(result_dir: Path) -> list[dict[str, Any]]:
     rows = []
     for path in sorted(result_dir.glob("*.json")):
         data = json.loads(path.read_text())
@@ -212,8 +235,8 @@ def main() -> None:
     variants = {
         name: ensure_bundle(args.bundles / f"bench-a-{kind}", kind) for name, kind in VARIANTS.items()
     }
-    record: dict[str, object] = {"machine": machine_roofline(args.threads), "cells": {}}
-    cells: dict[str, dict[str, object]] = record["cells"]  # type: ignore[assignment]
+    record: dict[str, Any] = {"machine": machine_roofline(args.threads), "cells": {}}
+    cells: dict[str, dict[str, Any]] = record["cells"]
     for name, bundle in variants.items():
         for batch in BATCHES:
             cell = cell_in_subprocess(bundle, batch, args.threads, args.repeats)
@@ -225,7 +248,7 @@ def main() -> None:
             )
     if args.anchors and args.anchors_dir is not None:
         record["anchors"] = anchor_rows(run_anchors(args.anchors_dir, args.anchors.split(","), 1))
-        for row in record["anchors"]:  # type: ignore[union-attr]
+        for row in record["anchors"]:
             ttft = 1000 * (row.get("ttft_s_median") or float("nan"))
             print(
                 f"{row['tool']} {row['variant']} {row['model']} b{row['batch']}: "
@@ -234,8 +257,8 @@ def main() -> None:
             )
     machine = record["machine"]
     for cell in cells.values():
-        flops = cell["tok_s"] * 2 * PARAMS_BENCH_A / 1e9  # type: ignore[operator]
-        cell["gemm_fraction"] = flops / machine["gemm_gflops"]  # type: ignore[index]
+        flops = cell["tok_s"] * 2 * PARAMS_BENCH_A / 1e9
+        cell["gemm_fraction"] = flops / machine["gemm_gflops"]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(record, indent=2))
     print(f"machine: {machine}; wrote {args.output}")

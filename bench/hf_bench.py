@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.proc import tree_rss_mib
+
 ROOT = Path(__file__).resolve().parent.parent
 QWEN25_05B = {
     "vocab_size": 151936,
@@ -116,22 +118,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def rss_mib(pid: int) -> float:
-    """VmRSS of a process and its descendants."""
-    total = 0.0
-    pids = [pid]
-    while pids:
-        p = pids.pop()
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-            total += int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
-            for task in Path(f"/proc/{p}/task").iterdir():
-                pids += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, AttributeError):
-            continue
-    return total
-
-
 def wait_serving(port: int, process: subprocess.Popen[bytes], timeout: float = 600) -> dict[str, Any]:
     import grpc
 
@@ -169,7 +155,7 @@ def serve_and_load(bundle: Path, work: Path, args: argparse.Namespace) -> dict[s
     try:
         info = wait_serving(port, server)
         result: dict[str, Any] = {"start_seconds": time.perf_counter() - started, "info": info}
-        result["rss_idle_mib"] = rss_mib(server.pid)
+        result["rss_idle_mib"] = tree_rss_mib(server.pid)
         runs = {}
         for concurrency in (int(c) for c in args.concurrency.split(",")):
             out = work / f"load-c{concurrency}.json"
@@ -190,7 +176,7 @@ def serve_and_load(bundle: Path, work: Path, args: argparse.Namespace) -> dict[s
             }
             print(f"concurrency {concurrency}: {runs[concurrency]}")
         result["load"] = runs
-        result["rss_after_load_mib"] = rss_mib(server.pid)
+        result["rss_after_load_mib"] = tree_rss_mib(server.pid)
         return result
     finally:
         server.send_signal(signal.SIGTERM)

@@ -17,26 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import resource
 import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 from bench.loadgen import LoadConfig, Rpc, benchmark
+from bench.proc import cpu_seconds, own_cpu_seconds
 from bench.serving_bench import ROOT, free_port, server_process
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def run(load: LoadConfig, rpc: Rpc, http_target: str, server_pid: int) -> dict[str, float]:

@@ -210,6 +210,7 @@ class RequestRecord:
     error: str = ""
     prompt_tokens: int = 0  # from the server's usage message
     output_tokens: int = 0  # token ids received
+    token_ids: list[int] = field(default_factory=list)  # streamed: the ids received, in order
     finish_reason: str = ""
     ttft: float | None = None
     itl: list[float] = field(default_factory=list)
@@ -220,6 +221,12 @@ class RequestRecord:
         if self.ttft is None or self.output_tokens < 2:
             return None
         return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+def record_json(record: RequestRecord) -> dict[str, object]:
+    """A record as the output file keeps it: its timings and counts, with TPOT, without the token ids."""
+    fields = {name: value for name, value in asdict(record).items() if name != "token_ids"}
+    return fields | {"tpot": record.tpot}
 
 
 async def send(
@@ -268,6 +275,7 @@ async def _read_stream(
                 record.itl.append(now - last)
             last = now
             record.output_tokens += len(reply.token_ids)
+            record.token_ids.extend(reply.token_ids)
         if reply.HasField("usage"):
             _read_usage(reply, record)
 
@@ -764,7 +772,7 @@ class BenchmarkOutput:
             "summary": self.summary,
             "server_checks": [asdict(c) for c in self.checks],
             "server_steps": self.steps_json(),
-            "records": [asdict(r) | {"tpot": r.tpot} for r in self.records],
+            "records": [record_json(r) for r in self.records],
         }
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.proc import tree_rss_mib
 from bench.serving_bench import ROOT, free_port, server_process
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
@@ -124,30 +125,6 @@ async def load(target: str, clients: int, seconds: float, seed: int) -> Counter[
 # --- the server's state -----------------------------------------------------------------------------------
 
 
-def rss_mib(pid: int) -> float:
-    """Resident memory of the server process and its children (the engine process) together."""
-    return sum(_own_rss_mib(p) for p in (pid, *_children(pid)))
-
-
-def _own_rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
-
-
-def _children(pid: int) -> list[int]:
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended meanwhile
-            continue
-        if int(fields[1]) == pid:  # the field after the state is the parent's pid
-            children.append(int(stat.parent.name))
-    return children
-
-
 def gauges(metrics_url: str) -> dict[str, float]:
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         families = text_string_to_metric_families(response.read().decode())
@@ -192,7 +169,7 @@ def soak(args: argparse.Namespace, bundle: Path, log_path: Path) -> list[Round]:
         for number in range(args.rounds):
             codes = asyncio.run(load(target, args.clients, args.round_seconds, seed=number))
             values, idle_seconds = wait_idle(metrics_url)
-            rounds.append(Round(codes, rss_mib(process.pid), values, idle_seconds))
+            rounds.append(Round(codes, tree_rss_mib(process.pid), values, idle_seconds))
             print(f"round {number + 1}/{args.rounds}: {sum(codes.values())} calls", flush=True)
     return rounds
 
