@@ -156,7 +156,9 @@ def test_freezing_start_up_objects_collects_garbage_first() -> None:
     try:
         frozen = freeze_startup_objects()
         assert gone() is None, "garbage was frozen instead of collected"
-        assert frozen == gc.get_freeze_count() > 1000
+        # Frozen objects still die when their last reference goes (a thread of an earlier test may drop
+        # some meanwhile), so the count can only have shrunk since.
+        assert frozen >= gc.get_freeze_count() > 1000
         assert not any(obj is kept for obj in gc.get_objects())  # out of the collector's reach
     finally:
         gc.unfreeze()
