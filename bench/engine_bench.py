@@ -9,6 +9,10 @@ its own process so its peak RSS is its own (`peak_rss_mb`: VmHWM, the peak since
     python -m bench.engine_bench                 # textgen fp32, int8, int8-dynamic, int4, and the roofline
     python -m bench.engine_bench --anchors-dir DIR           # and the default peer cells in the same pass
     python -m bench.engine_bench --anchors-dir DIR --anchors "ortgenai B-llama fp32"   # chosen peer cells
+    python -m bench.engine_bench --cell BUNDLE --batch 1 [--no-spinning]   # one cell of any bundle, as JSON
+
+A cell's ONNX Runtime threads spin between operators, as GenAI's do by default; `--no-spinning` lets them
+sleep, as `textgen-serve` does by default, so a served figure can be set against the engine it runs.
 """
 
 from __future__ import annotations
@@ -51,14 +55,16 @@ def prompt_rows(batch: int) -> np.ndarray:
     return rng.integers(3, VOCAB, size=(max(16, batch), PROMPT_LEN), dtype=np.int64)[:batch]
 
 
-def run_cell(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, Any]:
+def run_cell(bundle: Path, batch: int, threads: int, repeats: int, spinning: bool = True) -> dict[str, Any]:
     from serve.bundle import load_bundle
     from serve.engine.engine import Engine
     from serve.engine.sampling import SamplingParams
     from serve.engine.types import EngineSettings, NewSequence, SessionConfig
 
     settings = EngineSettings(
-        max_batch_size=batch, capacity=PROMPT_LEN + NEW_TOKENS, session=SessionConfig(threads=threads)
+        max_batch_size=batch,
+        capacity=PROMPT_LEN + NEW_TOKENS,
+        session=SessionConfig(threads=threads, spinning=spinning),
     )
     t_load = time.perf_counter()
     engine = Engine.from_bundle(load_bundle(bundle), settings)
@@ -212,6 +218,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cell", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--no-spinning", action="store_true", help="a cell's ONNX Runtime threads sleep (serve's default)"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bundles", type=Path, default=REPO / "models" / "bench")
@@ -229,7 +238,7 @@ def main() -> None:
     p.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "engine.json")
     args = p.parse_args()
     if args.cell:
-        print(json.dumps(run_cell(args.cell, args.batch, args.threads, args.repeats)))
+        print(json.dumps(run_cell(args.cell, args.batch, args.threads, args.repeats, not args.no_spinning)))
         return
 
     variants = {
