@@ -25,6 +25,7 @@ from llguidance.numpy import apply_token_bitmask_inplace
 from scheduler_fakes import fake, letter_tokenizer
 
 from serve.bundle import Bundle, load_bundle
+from serve.engine import constraints
 from serve.engine.constraints import ConstraintCompiler
 from serve.engine.engine import Engine
 from serve.engine.runtime import SessionConfig
@@ -238,6 +239,17 @@ def test_the_same_schema_from_two_fields_compiles_once_and_each_refusal_names_it
         with pytest.raises(InvalidRequest, match=rf"^{re.escape(source)} is not valid: .*foo"):
             compiler.compile(replace(bad, source=source))
     assert compiler.compiles == 2
+
+
+def test_unread_compile_times_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server without metrics never takes the compile times: they must not pile up."""
+    monkeypatch.setattr(constraints, "MAX_UNREAD_COMPILE_TIMES", 2)
+    compiler = ConstraintCompiler(letter_tokenizer(), 300, [0])
+    for pattern in ("a", "b", "c"):
+        compiler.compile(Constraint.regex(pattern))
+    taken = compiler.take_compile_seconds()
+    assert len(taken) == 2 and all(seconds > 0 for seconds in taken)
+    assert compiler.take_compile_seconds() == []
 
 
 # --- outputs that parse and validate ------------------------------------------------------------------------

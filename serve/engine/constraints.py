@@ -48,6 +48,7 @@ DEFAULT_CACHE_SIZE = 128
 COMPILE_WORKERS = 2  # one pathological grammar does not hold every other compile back
 JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}  # compact; x-guidance may override
 MAX_ERROR_CHARS = 1_000  # of llguidance's message in a refusal
+MAX_UNREAD_COMPILE_TIMES = 1_024  # compile times kept for the metrics between two steps' reads
 
 
 class _Refused(Exception):
@@ -138,7 +139,8 @@ class ConstraintCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
         self.compiles = 0  # compiles started (cache misses)
-        self._compile_seconds: deque[float] = deque()  # of finished compiles, until `take_compile_seconds`
+        # Of finished compiles, until `take_compile_seconds` (bounded: a server without metrics never takes).
+        self._compile_seconds: deque[float] = deque(maxlen=MAX_UNREAD_COMPILE_TIMES)
 
     def submit(self, constraint: Constraint) -> Future[CompiledConstraint]:
         """The constraint's compile: the cached one, or one started now on a worker thread. Its result is the
