@@ -626,6 +626,22 @@ def _sentencepiece_tokenizer(folder: Path) -> Tokenizer:
     return Tokenizer.from_str(backend.to_str())
 
 
+def _check_encodes_text(tokenizer: Tokenizer, source: Path) -> None:
+    """A tokenizer that turns text into special tokens alone (a tokenizer.json written with an empty
+    vocabulary, as a failed conversion leaves it) would export a model nobody can prompt: refuse it here,
+    not as a puzzling error later."""
+    probe = tokenizer.encode("Hello, world")
+    if not any(special == 0 for special in probe.special_tokens_mask):
+        fix = "download it again"
+        if source.name == TOKENIZER_FILE and (source.parent / SENTENCEPIECE_FILE).is_file():
+            fix += f", or delete it so that {SENTENCEPIECE_FILE} is converted"
+        raise HFImportError(
+            source,
+            f"encodes text to special tokens only (its vocabulary has {tokenizer.get_vocab_size()} "
+            f"entries): a broken tokenizer file; {fix}",
+        )
+
+
 def load_tokenizer(folder: Path | str) -> HFTokenizer:
     """The folder's tokenizer with its special-token behaviour as transformers applies it:
 
@@ -674,6 +690,7 @@ def load_tokenizer(folder: Path | str) -> HFTokenizer:
         if any(not 0 <= i < vocab for i in ids):
             raise HFImportError(source, f"{name} token ids {list(ids)} lie outside the vocabulary of {vocab}")
 
+    _check_encodes_text(tokenizer, source)
     probe = tokenizer.encode("a")
     adds_bos = bool(probe.ids) and probe.ids[0] == bos_id and probe.special_tokens_mask[0] == 1
     return HFTokenizer(

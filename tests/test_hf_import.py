@@ -458,6 +458,22 @@ def test_layers_mixing_full_and_sliding_attention_are_refused(tmp_path: Path) ->
     assert "layers mixing full and sliding-window attention" in _error(tmp_path)
 
 
+def test_tokenizer_with_no_vocabulary_is_refused(tmp_path: Path) -> None:
+    """A tokenizer.json holding only its special tokens (what a failed SentencePiece conversion writes)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+
+    build(llama_config(), tmp_path)
+    empty = Tokenizer(BPE(vocab={"<unk>": 0, "<s>": 1, "</s>": 2}, merges=[], byte_fallback=True))
+    empty.add_special_tokens(["<unk>", "<s>", "</s>"])
+    empty.save(str(tmp_path / "tokenizer.json"))
+    message = _error(tmp_path)
+    assert "tokenizer.json: encodes text to special tokens only (its vocabulary has 3 entries)" in message
+    assert "download it again" in message and "tokenizer.model" not in message
+    (tmp_path / "tokenizer.model").write_bytes(b"")  # a SentencePiece file beside it: say to convert that
+    assert "or delete it so that tokenizer.model is converted" in _error(tmp_path)
+
+
 def test_tokenizer_larger_than_the_model(bpe: Any, tmp_path: Path) -> None:
     build(llama_config(vocab_size=200), tmp_path)
     save_tokenizer(bpe, tmp_path)
