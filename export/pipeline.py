@@ -37,6 +37,7 @@ from export.quantize import (
     DEFAULT_BLOCK_SIZE,
     batch_invariant_scheme,
     check_block_size,
+    pads_rows,
     quantize_int8,
     quantize_nbits,
 )
@@ -111,6 +112,11 @@ class Precision:
     def batch_invariant(self) -> bool:
         return batch_invariant_scheme(self.bits, self.block)
 
+    @property
+    def pads_odd_rows(self) -> bool:
+        """Whether quantize_nbits pads the MatMulNBits' odd row counts (export.quantize.pad_single_rows)."""
+        return self.bits is not None and self.block is not None and pads_rows(self.bits, self.block)
+
 
 @dataclass(frozen=True)
 class ExportOptions:
@@ -175,6 +181,7 @@ def _manifest_fields(cfg: DecoderConfig, options: ExportOptions, graphs: dict[st
         "dtype": "float16" if options.precision.fp16 else "float32",
         "quantization": options.precision.quantization,
         "quantization_block_size": options.precision.block,
+        "odd_rows_padded": options.precision.pads_odd_rows,
         "eos_token_ids": list(options.eos_token_ids),
         "bos_token_id": options.bos_token_id,
         "pad_token_id": options.pad_token_id,

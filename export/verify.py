@@ -18,8 +18,8 @@ rounding is relative. The report records the reference's largest logit and the t
   invariance (each prompt alone in the engine gets the tokens it got in the batch).
 
 Batch invariance is required of every bundle whose weight format ONNX Runtime computes row by row (float,
-MatMulNBits up to export.quantize.INVARIANT_MAX_BLOCK) on the graph the server runs (the standard graph's too
-for float bundles); for the others (dynamic INT8, larger blocks) it is measured and reported, and the
+MatMulNBits, odd row counts padded past export.quantize.INVARIANT_MAX_BLOCK) on the graph the server
+runs (the standard graph's too for float bundles); for dynamic INT8 it is measured and reported, and the
 manifest's `batch_invariant` says false. Quantized bundles are judged on accuracy against the fp32 model
 (held-out perplexity within 2% for 8 bits; reported only for 4 bits).
 """

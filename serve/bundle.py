@@ -219,6 +219,11 @@ class Manifest(_Strict):
     # Whether a request's tokens are the same whatever it is batched with (export.verify checks it). A
     # manifest written before the field: float bundles were verified so, dynamic INT8 ones were not.
     batch_invariant: bool
+    # MatMulNBits graphs that run every row count even (export.quantize.pad_single_rows), for the blocks
+    # at which whether a lone row takes another kernel depends on the CPU serving them. A MatMulNBits
+    # bundle written before the field was padded at no block, verified on its export machine only, and is
+    # not claimed batch invariant.
+    odd_rows_padded: bool = False
     # Every one ends a generation (Llama 3 lists several); the first is the one reported as eos_token_id.
     eos_token_ids: list[NonNegativeInt] = Field(min_length=1)
     # What a chat template calls bos_token; a text's BOS is added by the tokenizer itself (tokenizer.json's
@@ -237,8 +242,12 @@ class Manifest(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _batch_invariant_default(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "batch_invariant" not in data:
-            return {**data, "batch_invariant": data.get("quantization") == "none"}
+        if not isinstance(data, dict):
+            return data
+        if "batch_invariant" not in data:
+            data = {**data, "batch_invariant": data.get("quantization") == "none"}
+        if data.get("quantization_block_size") is not None and "odd_rows_padded" not in data:
+            data = {**data, "batch_invariant": False}
         return data
 
     @model_validator(mode="after")

@@ -93,7 +93,7 @@ def test_unsupported_format_version(bundle_copy: Path) -> None:
     assert "unsupported bundle format version 3" in message and "reads 1 and 2" in message
 
 
-FIELDS_ADDED_WITH_INT4 = ("quantization_block_size", "batch_invariant")
+FIELDS_ADDED_WITH_INT4 = ("quantization_block_size", "batch_invariant", "odd_rows_padded")
 
 
 def as_format_1(data: dict[str, Any]) -> None:
@@ -233,7 +233,20 @@ def test_a_manifest_written_before_batch_invariance_was_recorded(
 
 
 def test_an_int4_manifest_reads_back(bundle_copy: Path) -> None:
-    edit_manifest(bundle_copy, lambda d: d.update(quantization="int4", quantization_block_size=32))
+    int4 = {"quantization": "int4", "quantization_block_size": 32, "odd_rows_padded": True}
+    edit_manifest(bundle_copy, lambda d: d.update(int4))
     m = load_bundle(bundle_copy).manifest
     assert (m.quantization, m.quantization_block_size, m.batch_invariant) == ("int4", 32, True)
     assert Manifest.model_validate_json(m.model_dump_json()) == m
+
+
+def test_a_matmulnbits_manifest_without_padded_rows_is_not_claimed_batch_invariant(bundle_copy: Path) -> None:
+    """Written before the pad: verified invariant on its export machine, which another CPU need not repeat."""
+
+    def older(data: dict[str, Any]) -> None:
+        del data["odd_rows_padded"]
+        data.update(quantization="int8", quantization_block_size=64)
+
+    edit_manifest(bundle_copy, older)
+    m = load_bundle(bundle_copy).manifest
+    assert m.quantization_block_size == 64 and not m.odd_rows_padded and not m.batch_invariant

@@ -21,7 +21,13 @@ from export.generation import Shape, greedy, torch_step
 from export.model import Decoder, DecoderConfig
 from export.onnx_standard import export_standard_graph
 from export.pipeline import PRESETS, ExportOptions, Precision, write_verified_bundle
-from export.quantize import count_weight_matmuls, fold_weight_transposes, quantize_int8, quantize_nbits
+from export.quantize import (
+    INVARIANT_MAX_BLOCK,
+    count_weight_matmuls,
+    fold_weight_transposes,
+    quantize_int8,
+    quantize_nbits,
+)
 from export.verify import FP32_TOLERANCE, VerificationFailed, batch_invariant, verify_bundle
 from serve.bundle import MANIFEST_FILE, GraphSpec, load_bundle, sha256_file
 from serve.engine.engine import Engine
@@ -176,6 +182,76 @@ def test_fold_weight_transposes_keeps_results_and_enables_quantization() -> None
     assert np.corrcoef(after.ravel(), before.ravel())[0, 1] > 0.95  # int8 of a 4-wide dot: approximate
 
 
+def _projection_and_head_graph(k: int) -> onnx.ModelProto:
+    """input_ids [batch, seq] -> embedding -> a projection of [batch, seq, k] -> one position per row (as the
+    serving graph's head reads it) -> a head of [batch, k]: both ranks of MatMul input the exporter writes."""
+    rng = np.random.default_rng(3)
+    weights = {
+        "table": rng.normal(size=(64, k)),
+        "proj": rng.normal(size=(k, k)) / np.sqrt(k),
+        "head": rng.normal(size=(k, 48)) / np.sqrt(k),
+    }
+    nodes = [
+        helper.make_node("Gather", ["table", "input_ids"], ["x"], name="tok_emb"),
+        helper.make_node("MatMul", ["x", "proj"], ["hidden"]),
+        helper.make_node("Unsqueeze", ["last_index", "axes_last"], ["last_2d"]),
+        helper.make_node("GatherND", ["hidden", "last_2d"], ["last"], batch_dims=1),
+        helper.make_node("MatMul", ["last", "head"], ["logits"]),
+    ]
+    inits = [numpy_helper.from_array(w.astype(np.float32), n) for n, w in weights.items()]
+    inits.append(numpy_helper.from_array(np.array([-1], np.int64), "axes_last"))
+    graph = helper.make_graph(
+        nodes,
+        "projection_and_head",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("last_index", TensorProto.INT64, ["batch"]),
+        ],
+        [
+            helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch", "seq", k]),
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 48]),
+        ],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def _rows_that_differ_alone(model: onnx.ModelProto) -> list[tuple[int, int, int]]:
+    """(batch, seq, row) of every row whose outputs in a [batch, seq] run are not exactly its outputs run on
+    its own, over batches 1-5 and sequences 1-4 (odd and even row counts, either axis the longer)."""
+    sess = session(model)
+    rng = np.random.default_rng(4)
+    differ = []
+    for batch in range(1, 6):
+        for seq in range(1, 5):
+            ids = rng.integers(0, 64, size=(batch, seq))
+            last = rng.integers(0, seq, size=batch)
+            hidden, logits = sess.run(None, {"input_ids": ids, "last_index": last})
+            for b in range(batch):
+                h, lg = sess.run(None, {"input_ids": ids[b : b + 1], "last_index": last[b : b + 1]})
+                if not (np.array_equal(h[0], hidden[b]) and np.array_equal(lg[0], logits[b])):
+                    differ.append((batch, seq, b))
+    return differ
+
+
+@pytest.mark.parametrize(("bits", "block"), [(4, 16), (4, 32), (4, 128), (8, 64), (8, 128)])
+def test_nbits_rows_are_computed_alone_as_in_a_batch(bits: int, block: int) -> None:
+    """Past INVARIANT_MAX_BLOCK the odd row counts are padded, as some CPU's one-row kernel needs (which
+    blocks it takes depends on the CPU: export.quantize); either way every row must come out exact here."""
+    model = _projection_and_head_graph(k=2 * block)
+    quantized, counts = quantize_nbits(model, bits, block)
+    padded = block > INVARIANT_MAX_BLOCK[bits]
+    assert counts["quantized"] == 2 and counts["single_row_padded"] == (2 if padded else 0)
+    producers = {o: n.op_type for n in quantized.graph.node for o in n.output}
+    consumers = {i: n.op_type for n in quantized.graph.node for i in n.input}
+    for node in (n for n in quantized.graph.node if n.op_type == "MatMulNBits"):
+        wrapped = producers[node.input[0]] == "Pad" and consumers[node.output[0]] == "Slice"
+        assert wrapped == padded
+    assert _rows_that_differ_alone(quantized) == []
+    unpadded = quantize_nbits(model, bits, block, pad_rows=False)[0]
+    assert not {n.op_type for n in unpadded.graph.node} & {"Pad", "Slice"}
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_nbits_quantizes_every_weight_matmul_and_the_token_embedding(tiny_bundle: Path, bits: int) -> None:
     layers = PRESETS["tiny"].n_layers
@@ -223,6 +299,7 @@ def test_quantized_bundle_of_the_demo_model(
     m = bundle.manifest
     assert m.quantization == kind and m.execution_providers == ["CPUExecutionProvider"]
     assert m.quantization_block_size == precision.block and m.batch_invariant
+    assert m.odd_rows_padded == (kind == "int4")  # the defaults: 4 bits block 32, 8 bits block 64
     report = m.verification
     quant = report[kind]
     assert report["passed"], report["failed"]

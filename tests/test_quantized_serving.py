@@ -1,5 +1,6 @@
-"""Quantized bundles served end to end: INT8 and INT4 (MatMulNBits) of the tiny model load, report what they
-are over GetModelInfo, and give a request the same greedy tokens alone as in a batch with others."""
+"""Quantized bundles served end to end: INT8 and INT4 (MatMulNBits; INT4's odd row counts padded) of the tiny
+model load, report what they are over GetModelInfo, and give a request the same greedy tokens alone as in a
+batch with others."""
 
 from __future__ import annotations
 
