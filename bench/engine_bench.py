@@ -11,8 +11,8 @@ its own process so its peak RSS is its own (`peak_rss_mb`: VmHWM, the peak since
     python -m bench.engine_bench --anchors-dir DIR --anchors "ortgenai B-llama fp32"   # chosen peer cells
     python -m bench.engine_bench --cell BUNDLE --batch 1 [--no-spinning]   # one cell of any bundle, as JSON
 
-A cell's ONNX Runtime threads spin between operators, as GenAI's do by default; `--no-spinning` lets them
-sleep, as `textgen-serve` does by default, so a served figure can be set against the engine it runs.
+A cell's ONNX Runtime threads spin between operators, as GenAI's do by default (and as `textgen-serve`'s
+do within a step); `--no-spinning` lets them sleep, as `textgen-serve --no-spinning` does.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def main() -> None:
     p.add_argument("--cell", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument(
-        "--no-spinning", action="store_true", help="a cell's ONNX Runtime threads sleep (serve's default)"
+        "--no-spinning", action="store_true", help="a cell's ONNX Runtime threads sleep (serve --no-spinning)"
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)

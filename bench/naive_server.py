@@ -122,7 +122,10 @@ class NaiveService(pb_grpc.TextGenerationServicer):
 def build(settings: ServerSettings) -> NaiveService:
     bundle = load_bundle(settings.bundle)
     session = SessionConfig(
-        providers=tuple(settings.providers or ()), threads=settings.threads or 0, spinning=settings.spinning
+        providers=tuple(settings.providers or ()),
+        threads=settings.threads or 0,
+        spinning=settings.spinning,
+        spin_between_runs=settings.spin_between_steps,
     )
     # Warmed up as the real server's, so the first client does not pay for the set-up.
     engine = open_engine(bundle, EngineSettings(max_batch_size=1, session=session))

@@ -419,7 +419,8 @@ def run(args: argparse.Namespace) -> Results:
     max_batch = max(plan.levels)
 
     # The servers' session settings, so the ceiling differs from them only in what serving adds.
-    session = SessionConfig(threads=threads, spinning=args.spinning)
+    between = ServerSettings.model_fields["spin_between_steps"].default
+    session = SessionConfig(threads=threads, spinning=args.spinning, spin_between_runs=between)
     engine = Engine.from_bundle(bundle, EngineSettings(max_batch_size=max_batch, session=session))
     offline = offline_engine(engine, bundle, plan)
     hf = None if args.skip_hf else hf_generate(bundle, plan, threads, args.hf_venv)
@@ -514,7 +515,7 @@ def alternate(engine: Engine, bundle: Bundle, plan: Plan, load: LoadConfig, resu
     The table's offline and served cells are minutes apart, and this machine's speed drifts by ±15% over
     minutes (by up to half within a minute, seen on the demo model); a served run compared with the mean of
     the offline passes on either side of it does not carry a steady drift. The idle server waits meanwhile
-    (no spinning threads unless --spinning).
+    (its ONNX Runtime threads stop spinning when a step returns).
     """
     assert load.concurrency is not None
     rate = offline_rate(engine, bundle, plan, load.concurrency)
@@ -597,7 +598,8 @@ def main(argv: list[str] | None = None) -> int:
         "--spinning",
         action=argparse.BooleanOptionalAction,
         default=ServerSettings.model_fields["spinning"].default,
-        help="ONNX Runtime threads busy-wait, in the servers and the offline engine (default: the server's)",
+        help="ONNX Runtime threads busy-wait within a step, in the servers and the offline engine (default: "
+        "the server's)",
     )
     p.add_argument(
         "--stream-interval-ms",

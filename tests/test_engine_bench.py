@@ -37,7 +37,7 @@ def test_a_cell_reports_its_own_peak_rss_not_its_parents() -> None:
 def test_a_cell_runs_its_engine_spinning_or_not_and_generates_alike(
     tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch, spinning: bool
 ) -> None:
-    """`--no-spinning` reaches the cell's ONNX Runtime session (textgen-serve's default); same tokens."""
+    """`--no-spinning` reaches the cell's ONNX Runtime session (textgen-serve --no-spinning); same tokens."""
     seen: list[bool] = []
     original = Engine.from_bundle.__func__  # type: ignore[attr-defined]
 

@@ -11,7 +11,9 @@ import pytest
 from server_tools import make_pki
 
 from serve.api.config import ConfigError, ServerSettings, load_settings
-from serve.api.server import scheduler_limits
+from serve.api.server import engine_settings, scheduler_limits
+from serve.bundle import load_bundle
+from serve.engine.runtime import create_session
 from serve.process import freeze_startup_objects
 from serve.scheduling.limits import BatchingKnobs, SchedulerLimits
 
@@ -162,3 +164,22 @@ def test_freezing_start_up_objects_collects_garbage_first() -> None:
         assert not any(obj is kept for obj in gc.get_objects())  # out of the collector's reach
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize(
+    ("flags", "allow", "stop"),
+    [([], "1", "1"), (["--no-spinning"], "0", None), (["--spin-between-steps"], "1", None)],
+)
+def test_the_spinning_flags_reach_the_onnx_runtime_session(
+    tiny_bundle: Path, flags: list[str], allow: str, stop: str | None
+) -> None:
+    settings = load_settings(["--bundle", str(tiny_bundle), *flags])
+    bundle = load_bundle(tiny_bundle)
+    assert bundle.inplace_graph is not None
+    options = create_session(bundle.inplace_graph, engine_settings(settings).session).get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == allow
+    if stop is None:  # ONNX Runtime's default: threads spin on after a run until they give up
+        with pytest.raises(RuntimeError, match="force_spinning_stop"):
+            options.get_session_config_entry("session.force_spinning_stop")
+    else:
+        assert options.get_session_config_entry("session.force_spinning_stop") == stop

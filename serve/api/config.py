@@ -80,9 +80,15 @@ class ServerSettings(BaseSettings, BatchingKnobs):
     )
     threads: int | None = Field(None, ge=1, le=1024, description="ONNX Runtime intra-op threads")
     spinning: bool = Field(
+        True,
+        description="ONNX Runtime threads busy-wait between a step's operators instead of sleeping: steps "
+        "of small models run much faster (see docs/benchmarks.md); off: they sleep",
+    )
+    spin_between_steps: bool = Field(
         False,
-        description="ONNX Runtime threads busy-wait between ops: faster steps on idle cores, but they "
-        "take the CPU the gRPC event loop needs (see docs/benchmarks.md)",
+        description="with --spinning: ONNX Runtime threads go on spinning after a step returns, as ONNX "
+        "Runtime's own default; off: they stop at once, leaving the cores to the Python between steps and "
+        "the gRPC event loop, and spin again on the next step",
     )
     engine_process: bool = Field(
         True,

@@ -172,7 +172,12 @@ def engine_settings(settings: ServerSettings, sizing: KvSizing | None = None) ->
     """The engine's settings; `sizing` (the KV rows the memory budget allows) over the flags' own rows."""
     threads = settings.threads or len(engine_cpus(settings.engine_cpus) or ())  # 0: ONNX Runtime's choice
     providers = tuple(settings.providers or ())
-    session = SessionConfig(providers=providers, threads=threads, spinning=settings.spinning)
+    session = SessionConfig(
+        providers=providers,
+        threads=threads,
+        spinning=settings.spinning,
+        spin_between_runs=settings.spin_between_steps,
+    )
     return EngineSettings(
         max_batch_size=sizing.max_batch_size if sizing else settings.max_batch_size,
         capacity=sizing.max_model_len if sizing else settings.max_model_len,

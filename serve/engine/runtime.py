@@ -67,6 +67,8 @@ def create_session(model_path: Path | str, config: SessionConfig) -> ort.Inferen
     options.inter_op_num_threads = 1
     options.graph_optimization_level = rt.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.spinning else "0")
+    if config.spinning and not config.spin_between_runs:
+        options.add_session_config_entry("session.force_spinning_stop", "1")
     provider_args: list[str | tuple[str, dict[str, Any]]] = [
         (p, config.tensorrt_options) if p == "TensorrtExecutionProvider" else p for p in providers
     ]

@@ -21,6 +21,9 @@ class SessionConfig:
     providers: tuple[str, ...] = ()  # empty: best available; else short (cpu/cuda/tensorrt) or full names
     threads: int = 0  # intra-op threads; 0 lets ONNX Runtime use every core
     spinning: bool = True  # busy-wait between ops: faster steps, but burns the cores the event loop needs
+    # With spinning: whether the threads go on spinning after a run returns (ONNX Runtime's default) or stop
+    # until the next run (session.force_spinning_stop), leaving the cores to the Python between steps.
+    spin_between_runs: bool = True
     tensorrt_options: dict[str, Any] = field(default_factory=dict)
 
 
