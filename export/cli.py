@@ -211,7 +211,8 @@ def _add_precision(parser: argparse.ArgumentParser, fp16: bool = True) -> None:
         "--block-size",
         type=_block_size,
         help="weights per scale for --int8/--int4, a power of two >= 16 (default: 64 for --int8, 32 for "
-        "--int4; larger is smaller but no longer batch invariant)",
+        "--int4; larger is smaller; past 64 (--int8) and 16 (--int4) odd row counts are padded to even, "
+        "which keeps the bundle batch invariant)",
     )
     _add_eval_text(parser)
 
