@@ -26,11 +26,11 @@ from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.api.config import ConfigError, ServerSettings, load_settings
 from serve.api.grpc_requests import generation_request, prompt_ids
 from serve.api.grpc_status import grpc_status
-from serve.api.server import generate_response, request_limits, stream_message
+from serve.api.server import generate_response, request_limits, session_config, stream_message
 from serve.api.validation import check_request_id
 from serve.bundle import Bundle, load_bundle
 from serve.engine.engine import Engine, open_engine
-from serve.engine.types import EngineSettings, SessionConfig
+from serve.engine.types import EngineSettings
 from serve.errors import TextgenError
 from serve.scheduling.request import Completion, Event, GenerationRequest, RequestTracker, validate_request
 
@@ -121,12 +121,7 @@ class NaiveService(pb_grpc.TextGenerationServicer):
 
 def build(settings: ServerSettings) -> NaiveService:
     bundle = load_bundle(settings.bundle)
-    session = SessionConfig(
-        providers=tuple(settings.providers or ()),
-        threads=settings.threads or 0,
-        spinning=settings.spinning,
-        spin_between_runs=settings.spin_between_steps,
-    )
+    session = session_config(settings)
     # Warmed up as the real server's, so the first client does not pay for the set-up.
     engine = open_engine(bundle, EngineSettings(max_batch_size=1, session=session))
     return NaiveService(bundle, engine, settings)

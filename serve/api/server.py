@@ -168,20 +168,23 @@ def scheduler_limits(settings: ServerSettings, sizing: KvSizing | None = None) -
     return SchedulerLimits.of(settings, sizing.max_batch_size if sizing else settings.max_batch_size)
 
 
-def engine_settings(settings: ServerSettings, sizing: KvSizing | None = None) -> EngineSettings:
-    """The engine's settings; `sizing` (the KV rows the memory budget allows) over the flags' own rows."""
+def session_config(settings: ServerSettings) -> SessionConfig:
+    """The engine's ONNX Runtime session as the flags ask for it."""
     threads = settings.threads or len(engine_cpus(settings.engine_cpus) or ())  # 0: ONNX Runtime's choice
-    providers = tuple(settings.providers or ())
-    session = SessionConfig(
-        providers=providers,
+    return SessionConfig(
+        providers=tuple(settings.providers or ()),
         threads=threads,
         spinning=settings.spinning,
         spin_between_runs=settings.spin_between_steps,
     )
+
+
+def engine_settings(settings: ServerSettings, sizing: KvSizing | None = None) -> EngineSettings:
+    """The engine's settings; `sizing` (the KV rows the memory budget allows) over the flags' own rows."""
     return EngineSettings(
         max_batch_size=sizing.max_batch_size if sizing else settings.max_batch_size,
         capacity=sizing.max_model_len if sizing else settings.max_model_len,
-        session=session,
+        session=session_config(settings),
         prefix_cache_rows=sizing.prefix_cache_rows if sizing else settings.prefix_cache_rows,
         prefix_cache_min_tokens=settings.prefix_cache_min_tokens,
     )
