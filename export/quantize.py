@@ -193,7 +193,8 @@ def _input_ranks(model: onnx.ModelProto) -> dict[str, int]:
 
 def _row_pad_nodes(ranks: set[int]) -> list[onnx.NodeProto]:
     """The pads (and the shape to cut back to) shared by every wrapped MatMulNBits, from input_ids' shape.
-    Rank 3 [batch, seq, K]: when batch x seq is odd, one more row along the shorter axis. Rank 2 [batch, K]:
+    Rank 3 [batch, seq, K]: when batch x seq is odd, one more position along the longer axis, which adds the
+    fewer rows (one more seq position adds batch rows). Rank 2 [batch, K]:
     one more row when batch is odd."""
     p = ROW_PAD_PREFIX
     nodes = [helper.make_node("Shape", [TOKEN_IDS_INPUT], [f"{p}_shape"])]
@@ -205,8 +206,8 @@ def _row_pad_nodes(ranks: set[int]) -> list[onnx.NodeProto]:
             helper.make_node("Gather", [f"{p}_shape", f"{p}_one"], [f"{p}_s"], axis=0),
             helper.make_node("Greater", [f"{p}_s", f"{p}_b"], [f"{p}_seq_longer"]),
             helper.make_node("Cast", [f"{p}_seq_longer"], [f"{p}_seq_longer_i"], to=onnx.TensorProto.INT64),
-            helper.make_node("Mul", [f"{p}_odd", f"{p}_seq_longer_i"], [f"{p}_more_batch"]),
-            helper.make_node("Sub", [f"{p}_odd", f"{p}_more_batch"], [f"{p}_more_seq"]),
+            helper.make_node("Mul", [f"{p}_odd", f"{p}_seq_longer_i"], [f"{p}_more_seq"]),
+            helper.make_node("Sub", [f"{p}_odd", f"{p}_more_seq"], [f"{p}_more_batch"]),
             helper.make_node(
                 "Concat", [f"{p}_zeros", f"{p}_more_batch", f"{p}_more_seq"], [f"{p}_pads3"], axis=0
             ),
@@ -225,7 +226,8 @@ def pad_single_rows(model: onnx.ModelProto) -> int:
     """Runs every MatMulNBits on an even number of rows, so that no row takes the one-row kernel (the
     many-row kernel works through the rows in pairs and leaves an odd last row to it); returns how many
     MatMulNBits it wraps. When a MatMulNBits' row count is odd its input gets its last row repeated (Pad, edge
-    mode; along the shorter of batch and seq, so a batch-1 prompt of 31 tokens pads 1 row, not 31) and its
+    mode; one more position along the longer of batch and seq, so a batch-1 prompt of 31 tokens gains 1 row,
+    not 31) and its
     output is cut back (Slice). The pads are computed once per run from input_ids' shape; when they are zero
     the Pad and Slice copy a step's activations, not weights."""
     ranks = _input_ranks(model)
