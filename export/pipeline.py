@@ -114,7 +114,7 @@ class Precision:
 
     @property
     def pads_odd_rows(self) -> bool:
-        """Whether quantize_nbits pads the MatMulNBits' odd row counts (export.quantize.pad_single_rows)."""
+        """Whether quantize_nbits pads the MatMulNBits' odd row counts (export.row_pad.pad_single_rows)."""
         return self.bits is not None and self.block is not None and pads_rows(self.bits, self.block)
 
 

@@ -15,13 +15,13 @@
   count) to a one-row kernel whose sums differ by up to 5e-2 on the logits, and which block sizes take it
   depends on the CPU (ONNX Runtime 1.32, AMD EPYC: past block 32 at 4 bits and 64 at 8 bits with AVX-512
   VNNI; past 16 at 4 bits and at no block at 8 bits with AVX2 only). A bundle is exported on one machine
-  and served on another, so `pad_single_rows` makes every MatMulNBits' row count even past the largest
-  block every measured CPU computes alike (`INVARIANT_MAX_BLOCK`: 16 at 4 bits, 64 at 8 bits), and a row
-  then takes the pair kernel alone as in a batch (bench/batch_invariance.py measures with and without the
-  pad; measured exact for every even count up to 64 at 1 to 16 threads on both CPUs): every MatMulNBits
-  bundle is batch invariant. The pad costs speed where it applies (a Pad and a Slice around each
-  MatMulNBits, and a lone decode row computed as two; docs/benchmarks.md), so the 8-bit default, which no
-  measured CPU needs it for, goes without.
+  and served on another, so `export.row_pad.pad_single_rows` makes every MatMulNBits' row count even past
+  the largest block every measured CPU computes alike (`INVARIANT_MAX_BLOCK`: 16 at 4 bits, 64 at 8
+  bits), and a row then takes the pair kernel alone as in a batch (bench/batch_invariance.py measures with
+  and without the pad; measured exact for every even count up to 64 at 1 to 16 threads on both CPUs):
+  every MatMulNBits bundle is batch invariant. The pad costs speed where it applies (a lone decode row
+  computed as two, and a Pad and a Slice around each attention; docs/benchmarks.md), so the 8-bit default,
+  which no measured CPU needs it for, goes without.
 - `quantize_int8` (`--int8-dynamic`): dynamic INT8 (`quantize_dynamic`, QInt8 weights, activations quantized
   per tensor at run time). Fastest at large batches on this CPU, but one activation scale spans the whole
   batch, so a row's tokens depend on its neighbours: not batch invariant.
@@ -57,6 +57,7 @@ from tokenizers import Tokenizer
 
 from export.fp16 import copy_model
 from export.generation import PROMPTS, Shape, StepFn, agreement_prefix, encode_prompts, greedy
+from export.row_pad import TOKEN_IDS_INPUT, pad_single_rows
 from export.train import encode_stream, load_corpus
 
 MAX_PERPLEXITY_RATIO = 1.02
@@ -67,9 +68,7 @@ DEFAULT_BLOCK_SIZE = {4: 32, 8: 64}
 # The largest MatMulNBits block at which every CPU measured (module docstring) gave a row alone exactly
 # its result in a batch; past it `pad_single_rows` applies.
 INVARIANT_MAX_BLOCK = {4: 16, 8: 64}
-ROW_PAD_PREFIX = "single_row_pad"  # names of the nodes and constants pad_single_rows adds
 ACCURACY_LEVEL_INT8 = 4  # MatMulNBits' CPU compute in int8 (activations quantized per row, per block)
-TOKEN_IDS_INPUT = "input_ids"  # what the token embedding's Gather indexes (both graphs)
 HELDOUT_BUDGET_BYTES = 1_000_000  # of corpus read; its held-out share (~5%) is plenty for the estimate
 HELDOUT_PERCENT = 5
 LOSS_WINDOWS = 16
@@ -172,89 +171,6 @@ def batch_invariant_scheme(bits: int | None, block_size: int | None) -> bool:
 def pads_rows(bits: int, block_size: int) -> bool:
     """Whether quantize_nbits pads this format's odd row counts (`pad_single_rows`)."""
     return block_size > INVARIANT_MAX_BLOCK[bits]
-
-
-def _int64s(name: str, values: list[int]) -> onnx.TensorProto:
-    return numpy_helper.from_array(np.array(values, dtype=np.int64), f"{ROW_PAD_PREFIX}_{name}")
-
-
-def _input_ranks(model: onnx.ModelProto) -> dict[str, int]:
-    """The rank of each MatMulNBits input: declared (value_info, as the traced graph has them), or that of
-    the graph output it produces (the serving graph's head: [batch, vocab] from [batch, d]), or 3
-    (export.model's residual stream, [batch, seq, d], which every other projection reads)."""
-    declared = {v.name: len(v.type.tensor_type.shape.dim) for v in model.graph.value_info}
-    outputs = {v.name: len(v.type.tensor_type.shape.dim) for v in model.graph.output}
-    return {
-        n.input[0]: declared.get(n.input[0], outputs.get(n.output[0], 3))
-        for n in model.graph.node
-        if n.op_type == "MatMulNBits"
-    }
-
-
-def _row_pad_nodes(ranks: set[int]) -> list[onnx.NodeProto]:
-    """The pads (and the shape to cut back to) shared by every wrapped MatMulNBits, from input_ids' shape.
-    Rank 3 [batch, seq, K]: when batch x seq is odd, one more position along the longer axis, which adds the
-    fewer rows (one more seq position adds batch rows). Rank 2 [batch, K]:
-    one more row when batch is odd."""
-    p = ROW_PAD_PREFIX
-    nodes = [helper.make_node("Shape", [TOKEN_IDS_INPUT], [f"{p}_shape"])]
-    nodes.append(helper.make_node("Gather", [f"{p}_shape", f"{p}_zero"], [f"{p}_b"], axis=0))
-    if 3 in ranks:
-        nodes += [
-            helper.make_node("ReduceProd", [f"{p}_shape"], [f"{p}_rows"], keepdims=1),
-            helper.make_node("Mod", [f"{p}_rows", f"{p}_two"], [f"{p}_odd"]),
-            helper.make_node("Gather", [f"{p}_shape", f"{p}_one"], [f"{p}_s"], axis=0),
-            helper.make_node("Greater", [f"{p}_s", f"{p}_b"], [f"{p}_seq_longer"]),
-            helper.make_node("Cast", [f"{p}_seq_longer"], [f"{p}_seq_longer_i"], to=onnx.TensorProto.INT64),
-            helper.make_node("Mul", [f"{p}_odd", f"{p}_seq_longer_i"], [f"{p}_more_seq"]),
-            helper.make_node("Sub", [f"{p}_odd", f"{p}_more_seq"], [f"{p}_more_batch"]),
-            helper.make_node(
-                "Concat", [f"{p}_zeros", f"{p}_more_batch", f"{p}_more_seq"], [f"{p}_pads3"], axis=0
-            ),
-        ]
-    if 2 in ranks:
-        nodes += [
-            helper.make_node("Mod", [f"{p}_b", f"{p}_two"], [f"{p}_b_odd"]),
-            helper.make_node("Concat", [f"{p}_zero", f"{p}_b_odd"], [f"{p}_pads2"], axis=0),
-        ]
-    for i, node in enumerate(nodes):
-        node.name = f"{p}_{i}"
-    return nodes
-
-
-def pad_single_rows(model: onnx.ModelProto) -> int:
-    """Runs every MatMulNBits on an even number of rows, so that no row takes the one-row kernel (the
-    many-row kernel works through the rows in pairs and leaves an odd last row to it); returns how many
-    MatMulNBits it wraps. When a MatMulNBits' row count is odd its input gets its last row repeated (Pad, edge
-    mode; one more position along the longer of batch and seq, so a batch-1 prompt of 31 tokens gains 1 row,
-    not 31) and its
-    output is cut back (Slice). The pads are computed once per run from input_ids' shape; when they are zero
-    the Pad and Slice copy a step's activations, not weights."""
-    ranks = _input_ranks(model)
-    if not ranks:
-        return 0
-    if not set(ranks.values()) <= {2, 3}:
-        raise ValueError(f"MatMulNBits inputs of rank {sorted(set(ranks.values()))}: expected 2 or 3")
-    p = ROW_PAD_PREFIX
-    wrapped: list[onnx.NodeProto] = []
-    for node in model.graph.node:
-        if node.op_type != "MatMulNBits":
-            wrapped.append(node)
-            continue
-        x, y, rank = node.input[0], node.output[0], ranks[node.input[0]]
-        starts, ends, axes = (
-            (f"{p}_zeros", f"{p}_shape", f"{p}_axes") if rank == 3 else (f"{p}_zero", f"{p}_b", f"{p}_zero")
-        )
-        node.input[0], node.output[0] = f"{x}_{p}", f"{y}_{p}"
-        pad = helper.make_node("Pad", [x, f"{p}_pads{rank}", "", axes], [node.input[0]], mode="edge")
-        cut = helper.make_node("Slice", [node.output[0], starts, ends, axes], [y])
-        pad.name, cut.name = f"{y}_{p}_pad", f"{y}_{p}_cut"
-        wrapped += [pad, node, cut]
-    del model.graph.node[:]
-    model.graph.node.extend(_row_pad_nodes(set(ranks.values())) + wrapped)
-    consts = {"zero": [0], "one": [1], "two": [2], "zeros": [0, 0], "axes": [0, 1]}
-    model.graph.initializer.extend(_int64s(k, c) for k, c in consts.items())
-    return len(ranks)
 
 
 def _non_token_gathers(model: onnx.ModelProto) -> list[str]:
