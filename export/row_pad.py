@@ -107,10 +107,9 @@ class _Rewrite:
             return self._padded.get(rows[0], self._matmul_layouts[rows[0]])
         if not any(i in self._padded for i in rows):
             return None
-        layouts = {self._padded.get(i, self._layouts.get(i)) for i in rows}
-        layout = layouts.pop() if len(layouts) == 1 else None
+        layout = _one_layout({self._padded.get(i, self._layouts.get(i)) for i in rows})
         # Every input lines up (a real one gets padded too), and the op keeps rows apart.
-        return layout if layout in RANK and self._row_wise(node, RANK[layout]) else None
+        return layout if layout is not None and self._row_wise(node, RANK[layout]) else None
 
     def _real_layout(self, node: onnx.NodeProto) -> str | None:
         """The layout of a real node's first output, where its rows are known to line up with input_ids'."""
@@ -120,9 +119,8 @@ class _Rewrite:
             return BATCH_SEQ if axis == 0 and self._layouts.get(node.input[1]) == IDS else None
         if node.op_type in ROWS_KEPT:
             rows = rows[:1]  # the query: the other inputs are the KV cache and lengths
-        layouts = {self._layouts.get(i) for i in rows}
-        layout = layouts.pop() if len(layouts) == 1 else None
-        if layout not in RANK:
+        layout = _one_layout({self._layouts.get(i) for i in rows})
+        if layout is None:
             return None
         return layout if node.op_type in ROWS_KEPT or self._row_wise(node, RANK[layout]) else None
 
@@ -167,6 +165,12 @@ class _Rewrite:
             if name:
                 node.output[k] = _padded_name(name)
         return [*pads, node, *cuts]
+
+
+def _one_layout(layouts: set[str | None]) -> str | None:
+    """The layout all of a node's row inputs share, or None (none known, ids, or several)."""
+    layout = layouts.pop() if len(layouts) == 1 else None
+    return layout if layout in RANK else None
 
 
 def _padded_name(name: str) -> str:
