@@ -13,7 +13,12 @@ compared by their medians, do. Round r starts with configuration r mod k, so ove
 each goes first equally often (what runs first in a round may run slower or faster for it). Each round
 starts each configuration's server afresh, warms it up with a short load, then times `--requests`
 closed-loop requests from `--clients` clients (exactly `--new-tokens` tokens each, greedy). Prints one line
-per round and the medians; `--json` keeps every figure.
+per round and the medians, with the CPU a generated token cost in each process over the timed requests: the
+server's (the front end; in brackets its main thread, the event loop), its engine process, and the load
+generator (this process); `--json` keeps every figure.
+
+A configuration's `--bench-rpc=NAME` is the clients' call for it alone (`--rpc` for the rest), so a streamed
+run and a unary one alternate under one load: `--config='' --config='--bench-rpc=unary'`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import shlex
 import statistics
@@ -28,11 +34,17 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from bench.loadgen import RPC_NAMES, LoadConfig, benchmark
+from bench.loadgen import RPC_NAMES, LoadConfig, Rpc, benchmark
+from bench.proc import CpuMeter, descendants, main_thread_cpu_seconds
 from bench.serving_bench import ROOT, free_port, server_process
 from serve.process import beside, engine_cpus_flag
 
 ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
+
+
+BENCH_RPC = "--bench-rpc="
+CLIENT_RPCS: dict[str, Rpc] = {"stream": "stream", "unary": "unary"}  # what --bench-rpc may choose
+CPU_PARTS = ("front_end", "event_loop", "engine", "load_generator")  # Figures.cpu_us_per_token's keys
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,19 @@ class Figures:
     tokens_per_second: float
     itl_p50_ms: float
     itl_p99_ms: float
+    cpu_us_per_token: dict[str, float]  # by CPU_PARTS
+
+
+def client_rpc(flags: list[str], default: Rpc) -> tuple[Rpc, list[str]]:
+    """A configuration's own client call (`--bench-rpc=stream|unary`, else `default`) and its server flags."""
+    chosen = [f.removeprefix(BENCH_RPC) for f in flags if f.startswith(BENCH_RPC)]
+    rest = [f for f in flags if not f.startswith(BENCH_RPC)]
+    if not chosen:
+        return default, rest
+    rpc = chosen[-1]
+    if rpc in CLIENT_RPCS:
+        return CLIENT_RPCS[rpc], rest
+    raise ValueError(f"--bench-rpc is stream or unary, got {rpc!r}")
 
 
 def split_config(config: str) -> tuple[dict[str, str], list[str]]:
@@ -61,6 +86,7 @@ def round_order(configs: list[str], round_: int) -> list[str]:
 def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
     port = free_port()
     env, flags = split_config(config)
+    rpc, flags = client_rpc(flags, args.rpc)
     engine_cpus = engine_cpus_flag(flags)
     command = [
         sys.executable,
@@ -79,15 +105,27 @@ def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
         ignore_eos=True,
         percentiles=(50.0, 99.0),
         progress=False,
-        rpc=args.rpc,
+        rpc=rpc,
         cpus=None if engine_cpus is None else beside(engine_cpus),  # off them, as the server's process
     )
-    with server_process(command, log, load.target, env, cwd=Path(env.get("PYTHONPATH", ROOT))):
+    cwd = Path(env.get("PYTHONPATH", ROOT))
+    with server_process(command, log, load.target, env, cwd=cwd) as server:
         asyncio.run(benchmark(load))  # warm-up
-        summary = asyncio.run(benchmark(replace(load, num_requests=args.requests))).summary
+        engine_pids = descendants(server.pid)  # the engine process (and multiprocessing's resource tracker)
+        with CpuMeter([os.getpid(), server.pid, *engine_pids]) as meter:
+            loop_before = main_thread_cpu_seconds(server.pid)
+            summary = asyncio.run(benchmark(replace(load, num_requests=args.requests))).summary
+            event_loop = main_thread_cpu_seconds(server.pid) - loop_before
     itl: dict[str, float] = summary["itl_ms"]  # type: ignore[assignment]
     rate = float(summary["output_throughput"])  # type: ignore[arg-type]
-    return Figures(rate, itl["median"], itl["p99"])
+    tokens = args.requests * args.new_tokens
+    seconds = {
+        "front_end": meter.cpu[server.pid],
+        "event_loop": event_loop,
+        "engine": sum(meter.cpu[p] for p in engine_pids),
+        "load_generator": meter.cpu[os.getpid()],
+    }
+    return Figures(rate, itl["median"], itl["p99"], {k: v / tokens * 1e6 for k, v in seconds.items()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,8 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         rate = statistics.median(f.tokens_per_second for f in figures)
         p50 = statistics.median(f.itl_p50_ms for f in figures)
         p99 = statistics.median(f.itl_p99_ms for f in figures)
+        cpu = {k: statistics.median(f.cpu_us_per_token[k] for f in figures) for k in CPU_PARTS}
         name = config or "defaults"
-        print(f"  [{name}] {rate:.0f} tok/s ({rate / first:.2f}x), ITL p50 {p50:.1f} p99 {p99:.1f} ms")
+        print(
+            f"  [{name}] {rate:.0f} tok/s ({rate / first:.2f}x), ITL p50 {p50:.1f} p99 {p99:.1f} ms; "
+            f"CPU µs a token: front end {cpu['front_end']:.0f} ({cpu['event_loop']:.0f}), "
+            f"engine {cpu['engine']:.0f}, load generator {cpu['load_generator']:.0f}"
+        )
     if args.json is not None:
         args.json.write_text(json.dumps({c: [asdict(f) for f in fs] for c, fs in runs.items()}, indent=1))
     return 0

@@ -322,16 +322,34 @@ def test_a_killed_server_leaves_no_engine_process_behind(tiny_bundle: Path) -> N
 
 
 def test_the_ab_benchmark_alternates_server_configurations(tiny_bundle: Path, tmp_path: Path) -> None:
-    from bench.serve_ab import main
+    from bench.serve_ab import CPU_PARTS, main
 
     out = tmp_path / "ab.json"
-    flags = ["--config=TEXTGEN_ENGINE_PROCESS=false", "--config=--engine-process"]
+    flags = ["--config=TEXTGEN_ENGINE_PROCESS=false", "--config=--engine-process --bench-rpc=unary"]
     args = ["--bundle", str(tiny_bundle), "--rounds", "2", "--clients", "2", "--requests", "4"]
     assert main([*args, "--new-tokens", "5", "--threads", "1", *flags, "--json", str(out)]) == 0
     runs = json.loads(out.read_text())
-    assert list(runs) == ["TEXTGEN_ENGINE_PROCESS=false", "--engine-process"]
+    assert list(runs) == ["TEXTGEN_ENGINE_PROCESS=false", "--engine-process --bench-rpc=unary"]
     for rounds in runs.values():
         assert len(rounds) == 2 and all(r["tokens_per_second"] > 0 for r in rounds)
+        assert all(set(r["cpu_us_per_token"]) == set(CPU_PARTS) for r in rounds)
+    in_thread, in_process = runs.values()
+    # /proc counts CPU in clock ticks, so a short run may read 0 anywhere; but an engine thread's CPU is
+    # the server's own (no engine process to count), and the two runs together cost something.
+    assert all(r["cpu_us_per_token"]["engine"] == 0 for r in in_thread)
+    assert sum(c for r in [*in_thread, *in_process] for c in r["cpu_us_per_token"].values()) > 0
+    # The unary clients get no per-token messages: ITL is a streamed figure.
+    assert all(r["itl_p50_ms"] == r["itl_p50_ms"] for r in in_thread)  # not NaN
+    assert all(r["itl_p50_ms"] != r["itl_p50_ms"] for r in in_process)  # NaN: no stream
+
+
+def test_an_ab_configuration_may_choose_its_clients_call() -> None:
+    from bench.serve_ab import client_rpc
+
+    assert client_rpc(["--threads", "1", "--bench-rpc=unary"], "stream") == ("unary", ["--threads", "1"])
+    assert client_rpc(["--threads", "1"], "stream") == ("stream", ["--threads", "1"])
+    with pytest.raises(ValueError, match="stream or unary"):
+        client_rpc(["--bench-rpc=http"], "stream")
 
 
 def test_each_ab_configuration_goes_first_in_turn() -> None:
