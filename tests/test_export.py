@@ -11,6 +11,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from head_graphs import LOGITS, head_graph
 from onnx import TensorProto, helper, numpy_helper
 from quantized_bundles import quantized_graphs, tiny_model
 
@@ -189,7 +190,7 @@ def _projection_and_head_graph(k: int) -> onnx.ModelProto:
     weights = {
         "table": rng.normal(size=(64, k)),
         "proj": rng.normal(size=(k, k)) / np.sqrt(k),
-        "head": rng.normal(size=(k, 48)) / np.sqrt(k),
+        "head": rng.normal(size=(k, LOGITS)) / np.sqrt(k),
     }
     nodes = [
         helper.make_node("Gather", ["table", "input_ids"], ["x"], name="tok_emb"),
@@ -198,22 +199,7 @@ def _projection_and_head_graph(k: int) -> onnx.ModelProto:
         helper.make_node("GatherND", ["hidden", "last_2d"], ["last"], batch_dims=1),
         helper.make_node("MatMul", ["last", "head"], ["logits"]),
     ]
-    inits = [numpy_helper.from_array(w.astype(np.float32), n) for n, w in weights.items()]
-    inits.append(numpy_helper.from_array(np.array([-1], np.int64), "axes_last"))
-    graph = helper.make_graph(
-        nodes,
-        "projection_and_head",
-        [
-            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
-            helper.make_tensor_value_info("last_index", TensorProto.INT64, ["batch"]),
-        ],
-        [
-            helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch", "seq", k]),
-            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 48]),
-        ],
-        inits,
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    return head_graph("projection_and_head", nodes, weights, {"axes_last": [-1]}, k)
 
 
 def _rows_that_differ_alone(model: onnx.ModelProto) -> list[tuple[int, int, int]]:

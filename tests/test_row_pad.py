@@ -8,7 +8,8 @@ from collections import Counter
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper, numpy_helper
+from head_graphs import LOGITS, head_graph
+from onnx import TensorProto, helper
 
 from export.quantize import quantize_nbits
 
@@ -39,14 +40,11 @@ def _decoder_block_graph() -> onnx.ModelProto:
         "w_o": rng.normal(size=(K, K)) / np.sqrt(K),
         "w_gate_up": rng.normal(size=(K, 2 * K)) / np.sqrt(K),
         "w_down": rng.normal(size=(K, K)) / np.sqrt(K),
-        "head": rng.normal(size=(K, 48)) / np.sqrt(K),
+        "head": rng.normal(size=(K, LOGITS)) / np.sqrt(K),
         "norm_weight": 1 + 0.1 * rng.normal(size=K),
         "two": np.array([2.0]),
         "eps": np.array([1e-5]),
     }
-    inits = [numpy_helper.from_array(w.astype(np.float32), n) for n, w in weights.items()]
-    ints = {"last_axis": [-1], "seq_axis": [1], "halves": [K, K]}
-    inits += [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in ints.items()]
     nodes = [
         helper.make_node("Gather", ["table", "input_ids"], ["x"]),
         *_norm("x", "n1"),
@@ -68,20 +66,8 @@ def _decoder_block_graph() -> onnx.ModelProto:
         helper.make_node("GatherND", ["hidden", "last_2d"], ["last"], batch_dims=1),
         helper.make_node("MatMul", ["last", "head"], ["logits"]),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "decoder_block",
-        [
-            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
-            helper.make_tensor_value_info("last_index", TensorProto.INT64, ["batch"]),
-        ],
-        [
-            helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch", "seq", K]),
-            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 48]),
-        ],
-        inits,
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    ints = {"last_axis": [-1], "seq_axis": [1], "halves": [K, K]}
+    return head_graph("decoder_block", nodes, weights, ints, K)
 
 
 def _with_outputs(model: onnx.ModelProto, names: list[str]) -> ort.InferenceSession:
