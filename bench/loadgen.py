@@ -230,7 +230,7 @@ def record_json(record: RequestRecord) -> dict[str, object]:
 
 
 async def send(
-    stub: pb_grpc.TextGenerationStub,
+    stub: pb_grpc.TextGenerationStub | None,
     message: pb.GenerateRequest,
     origin: float,
     sent: float,
@@ -248,6 +248,7 @@ async def send(
             record.error = f"{type(exc).__name__}: {exc}"
         record.latency = time.perf_counter() - sent
         return record
+    assert stub is not None, "a gRPC call needs the server's stub"
     try:
         if rpc == "stream":
             await _read_stream(stub.GenerateStream(message, timeout=timeout), sent, record)
@@ -350,7 +351,7 @@ class HttpConnections:
                     record.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     record.output_tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk["choices"]:
-                    if choice["finish_reason"] is not None:
+                    if choice.get("finish_reason") is not None:
                         record.finish_reason = choice["finish_reason"]
                         continue
                     if last is None:  # every chunk but the last carries the tokens of one step or more
@@ -457,7 +458,11 @@ async def _open_loop(
     return list(await asyncio.gather(*tasks))
 
 
-async def run_load(config: LoadConfig, stub: pb_grpc.TextGenerationStub, prompts: list[Prompt]) -> RunResult:
+async def run_load(
+    config: LoadConfig, stub: pb_grpc.TextGenerationStub | None, prompts: list[Prompt]
+) -> RunResult:
+    """The load over gRPC (`stub`), or over HTTP (`config.http_target`; then `stub` may be None: any
+    OpenAI-compatible server)."""
     total = config.num_requests
     bar = tqdm(total=total, unit="req", disable=not config.progress, file=sys.stderr, leave=False)
     origin = time.perf_counter()

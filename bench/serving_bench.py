@@ -247,10 +247,16 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def server_process(
-    command: list[str], log_path: Path, target: str, env: dict[str, str] | None = None, cwd: Path = ROOT
+    command: list[str],
+    log_path: Path,
+    target: str,
+    env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
+    ready: Callable[[subprocess.Popen[bytes], Path], None] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """A server subprocess (`env`: variables set for it on top of ours; run in `cwd`), yielded once it
-    answers GetModelInfo; SIGTERM (then SIGKILL) afterwards."""
+    """A server subprocess (`env`: variables set for it on top of ours; run in `cwd`), yielded once it is
+    ready (`ready` returns; by default, once it answers GetModelInfo on `target`); SIGTERM (then SIGKILL)
+    afterwards."""
     assignments = [f"{name}={value}" for name, value in (env or {}).items()]
     print(f"$ {shlex.join(assignments + command)}", flush=True)
     with log_path.open("wb") as log:
@@ -258,7 +264,10 @@ def server_process(
             command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env={**os.environ, **(env or {})}
         )
         try:
-            wait_ready(process, target, log_path)
+            if ready is None:
+                wait_ready(process, target, log_path)
+            else:
+                ready(process, log_path)
             yield process
         finally:
             process.terminate()

@@ -1,0 +1,101 @@
+"""C-llama: a Llama of a real small model's size, made locally for the served benchmark (bench.served_peers).
+
+Qwen2.5-0.5B's transformer shape as a Llama: hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
+vocab 8192, untied head; 373M parameters, 1.49 GB in fp32. Its weights are far larger than a CPU's
+last-level cache at every precision, so a decode step is bound by reading them, as a real model's is.
+Random weights (seed 1234), saved as transformers writes them, with a SentencePiece BPE tokenizer trained on
+the Python standard library's sources: llama.cpp's GGUF converter and `textgen-export hf` both need one; the
+benchmark itself sends token ids.
+
+    python -m bench.c_llama OUT_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+SEED = 1234
+TOKENIZER_PIECES = 4000
+SHAPE: dict[str, Any] = {
+    "vocab_size": 8192,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+}
+SPECIALS: dict[str, Any] = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+def stdlib_lines(limit: int = 200_000) -> Iterator[str]:
+    """Non-empty lines of the standard library's sources, in a fixed order."""
+    from bench.loadgen import stdlib_texts
+
+    count = 0
+    for text in stdlib_texts():
+        for line in text.splitlines():
+            if line.strip():
+                yield line
+                count += 1
+                if count >= limit:
+                    return
+
+
+def make_tokenizer(out: Path) -> None:
+    """tokenizer.model (SentencePiece BPE with byte fallback: any text encodes) and its transformers files."""
+    import sentencepiece as spm
+    from transformers import LlamaTokenizer
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=stdlib_lines(),
+        model_writer=model,
+        vocab_size=TOKENIZER_PIECES,
+        model_type="bpe",
+        byte_fallback=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        hard_vocab_limit=False,
+        minloglevel=2,
+        num_threads=2,
+    )
+    (out / "tokenizer.model").write_bytes(model.getvalue())
+    # from the folder, not vocab_file=: transformers 5 then converts the SentencePiece model to tokenizer.json
+    tokenizer = LlamaTokenizer.from_pretrained(out, legacy=False, add_bos_token=True)
+    tokenizer.save_pretrained(out)
+
+
+def make_c_llama(out: Path) -> Path:
+    """Write C-llama to `out` (created); returns `out`."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE, **SPECIALS)).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(**SPECIALS).save_pretrained(out)
+    make_tokenizer(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("out", type=Path)
+    make_c_llama(parser.parse_args(argv).out)
+
+
+if __name__ == "__main__":
+    main()
