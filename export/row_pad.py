@@ -23,7 +23,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-ROW_PAD_PREFIX = "single_row_pad"  # names of the nodes and constants pad_single_rows adds
+from serve.bundle import ROW_PAD_PREFIX  # names of the nodes and constants pad_single_rows adds
+
 TOKEN_IDS_INPUT = "input_ids"  # [batch, seq]: its shape gives the pads (both graphs)
 
 # Rows laid out as [batch, seq, d] (the residual stream) or [batch, d] (the head after the last-position

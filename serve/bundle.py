@@ -206,6 +206,12 @@ def _graph_files(graphs: Graphs) -> list[str]:
     return [f for g in specs for f in g.files()]
 
 
+# The names of the nodes and constants export's row pad adds (export/row_pad.py): tensors computed on padded
+# rows are named `{real name}_{ROW_PAD_PREFIX}`; the engine takes them out where its CPU does not need them
+# (serve/engine/row_pad.py).
+ROW_PAD_PREFIX = "single_row_pad"
+
+
 class Manifest(_Strict):
     # 2 for every manifest written now; 1 for one read from a format 1 file (ManifestV1.upgraded).
     format_version: Literal[1, 2]

@@ -1,17 +1,26 @@
 """export.row_pad: every MatMulNBits runs on an even row count, the padded rows travel through the row-wise
-ops between projections, and every real row comes out as it would unpadded."""
+ops between projections, and every real row comes out as it would unpadded. serve.engine.row_pad: the
+engine takes the pads out again where this CPU computes a lone row as in a batch."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from head_graphs import LOGITS, head_graph
 from onnx import TensorProto, helper
 
 from export.quantize import quantize_nbits
+from serve.bundle import ROW_PAD_PREFIX
+from serve.engine import row_pad
+from serve.engine.row_pad import NBitsShape, lone_row_exact, strip_row_pads, unpadded_graph
+from serve.engine.runtime import create_session
+from serve.engine.types import SessionConfig
 
 K = 64  # hidden width: two 4-bit blocks of 32
 SHAPES = [(b, s) for b in range(1, 6) for s in range(1, 5)]  # odd and even row counts, either axis longer
@@ -120,3 +129,74 @@ def test_every_real_row_is_exact() -> None:
             alone = sess.run(None, {name: value[b : b + 1] for name, value in feeds.items()})
             np.testing.assert_array_equal(alone[0][0], hidden[b])
             np.testing.assert_array_equal(alone[1][0], logits[b])
+
+
+# --- serve.engine.row_pad: the pads taken out where the CPU does not need them ------------------------------
+
+
+def _probe_shape(bits: int, block: int, k: int = 256, n: int = 96) -> NBitsShape:
+    attributes = (("K", k), ("N", n), ("accuracy_level", 4), ("bits", bits), ("block_size", block))
+    return NBitsShape(attributes, (n, k // block, block * bits // 8), (n * (k // block),))
+
+
+def test_stripping_the_pads_gives_back_the_unpadded_graph() -> None:
+    padded = quantize_nbits(_decoder_block_graph(), 4, 32)[0]
+    unpadded = quantize_nbits(_decoder_block_graph(), 4, 32, pad_rows=False)[0]
+    assert strip_row_pads(padded) == 4
+    assert [n.op_type for n in padded.graph.node] == [n.op_type for n in unpadded.graph.node]
+    assert not [t.name for t in padded.graph.initializer if t.name.startswith(ROW_PAD_PREFIX)]
+    onnx.checker.check_model(padded)
+    providers = ["CPUExecutionProvider"]
+    stripped = ort.InferenceSession(padded.SerializeToString(), providers=providers)
+    plain = ort.InferenceSession(unpadded.SerializeToString(), providers=providers)
+    for batch, seq in SHAPES:
+        feeds = _inputs(batch, seq, seed=batch * 10 + seq)
+        for ours, theirs in zip(stripped.run(None, feeds), plain.run(None, feeds), strict=True):
+            np.testing.assert_array_equal(ours, theirs)
+
+
+def test_the_probe_finds_a_one_row_kernel_where_one_rounds_differently() -> None:
+    """At 4 bits, block 16 is computed alike alone and in a batch on every CPU measured (AVX2, AVX-512 VNNI:
+    export.quantize.INVARIANT_MAX_BLOCK), block 128 on none of them; 8 bits likewise at 64 and 256."""
+    config = SessionConfig(threads=2)
+    assert lone_row_exact(_probe_shape(4, 16), config)
+    assert not lone_row_exact(_probe_shape(4, 128), config)
+    assert lone_row_exact(_probe_shape(8, 64), config)
+    assert not lone_row_exact(_probe_shape(8, 256), config)
+
+
+def test_the_engine_serves_the_graph_unpadded_only_where_every_shape_is_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decided per graph from the probe's answers; the rewritten graph loads with its weights still in the
+    bundle's external data file, and computes what the unpadded export does."""
+    path = tmp_path / "model_inplace.onnx"
+    padded = quantize_nbits(_decoder_block_graph(), 4, 32)[0]
+    onnx.save(padded, str(path), save_as_external_data=True, location="weights.bin", size_threshold=0)
+    config = SessionConfig(providers=("cpu",), threads=1)
+    asked: list[NBitsShape] = []
+
+    def probe(answer: bool) -> Callable[[NBitsShape, SessionConfig], bool]:
+        def lone_row_exact(shape: NBitsShape, config: SessionConfig) -> bool:
+            asked.append(shape)
+            return answer
+
+        return lone_row_exact
+
+    monkeypatch.setattr(row_pad, "lone_row_exact", probe(False))
+    assert unpadded_graph(path, config) is None
+    assert len(asked) == 1  # a False ends the asking; the graph's MatMulNBits have 5 distinct shapes
+    monkeypatch.setattr(row_pad, "lone_row_exact", probe(True))
+    graph, pads = unpadded_graph(path, config) or pytest.fail("the pads were kept")
+    assert pads == 4 and len(asked) == 1 + len(row_pad.nbits_shapes(padded) or ())
+    unpadded = quantize_nbits(_decoder_block_graph(), 4, 32, pad_rows=False)[0]
+    plain = ort.InferenceSession(unpadded.SerializeToString(), providers=["CPUExecutionProvider"])
+    session = create_session(graph, config)
+    feeds = _inputs(3, 1)
+    for ours, theirs in zip(session.run(None, feeds), plain.run(None, feeds), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+    monkeypatch.setattr(row_pad, "cpu_only", lambda config: False)  # a GPU provider: its own kernels
+    assert unpadded_graph(path, config) is None
+    onnx.save(unpadded, str(tmp_path / "plain.onnx"))
+    monkeypatch.setattr(row_pad, "cpu_only", lambda config: True)
+    assert unpadded_graph(tmp_path / "plain.onnx", config) is None  # nothing to take out

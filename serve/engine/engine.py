@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -29,6 +30,7 @@ from serve.engine.constraints import ConstraintCompiler, ConstraintRows, MaskSta
 from serve.engine.kv_cache import KvCache
 from serve.engine.prefix_cache import PrefixCache
 from serve.engine.prompt_scoring import PromptScorer, scoring_session
+from serve.engine.row_pad import unpadded_graph
 from serve.engine.runtime import Device, create_session, kv_device, ortvalue, session_device_id
 from serve.engine.sampling import Alternatives, PromptScores, SamplingBatch, SamplingParams
 from serve.engine.types import ConstraintState, EngineInfo, EngineSettings, ModelSpec, NewSequence, TokenOut
@@ -117,7 +119,9 @@ class Engine:
         self.max_batch_size = settings.max_batch_size
         self.prefix_cache_rows = settings.prefix_cache_rows
         self.capacity = capacity
-        self.session = create_session(graph_path, settings.session)
+        unpadded = unpadded_graph(Path(graph_path), settings.session)
+        self.row_pads_removed = 0 if unpadded is None else unpadded[1]
+        self.session = create_session(graph_path if unpadded is None else unpadded[0], settings.session)
         self.providers: list[str] = self.session.get_providers()
         self.kv_device: Device = kv_device(self.providers, session_device_id(self.session))
         rows = settings.max_batch_size + settings.prefix_cache_rows

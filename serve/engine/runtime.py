@@ -59,7 +59,20 @@ def resolve_providers(requested: tuple[str, ...]) -> list[str]:
     return chosen
 
 
-def create_session(model_path: Path | str, config: SessionConfig) -> ort.InferenceSession:
+def cpu_only(config: SessionConfig) -> bool:
+    """Whether a session of `config` runs every node on the CPU."""
+    return resolve_providers(config.providers) == ["CPUExecutionProvider"]
+
+
+@dataclass(frozen=True)
+class InMemoryGraph:
+    """A graph rewritten at load: the serialized model, and the folder its external data files are in."""
+
+    model: bytes
+    folder: Path
+
+
+def create_session(model: Path | str | InMemoryGraph, config: SessionConfig) -> ort.InferenceSession:
     rt = onnxruntime()
     providers = resolve_providers(config.providers)
     options = rt.SessionOptions()
@@ -72,10 +85,14 @@ def create_session(model_path: Path | str, config: SessionConfig) -> ort.Inferen
     provider_args: list[str | tuple[str, dict[str, Any]]] = [
         (p, config.tensorrt_options) if p == "TensorrtExecutionProvider" else p for p in providers
     ]
+    source: str | bytes = str(model)
+    if isinstance(model, InMemoryGraph):
+        source, model = model.model, model.folder
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model))
     try:
-        session = rt.InferenceSession(str(model_path), options, providers=provider_args)
+        session = rt.InferenceSession(source, options, providers=provider_args)
     except Exception as exc:  # onnxruntime raises its own exception types for bad graphs
-        raise BundleError(f"{model_path}: ONNX Runtime cannot load this graph: {exc}") from exc
+        raise BundleError(f"{model}: ONNX Runtime cannot load this graph: {exc}") from exc
     log.info("onnxruntime %s session on %s", rt.__version__, session.get_providers())
     return session
 
