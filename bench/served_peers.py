@@ -337,6 +337,38 @@ def memory_table(cells: Cell, precisions: list[str]) -> list[str]:
     return lines
 
 
+def accuracy(bundles: dict[str, Path]) -> Cell:
+    """Each bundle's verification against transformers, as its export wrote it in the manifest."""
+    out = {}
+    for precision, bundle in bundles.items():
+        report = json.loads((bundle / "manifest.json").read_text())["verification"]
+        serving, quantized = report.get("inplace", {}), report.get(precision, {})
+        out[precision] = {
+            "passed": report.get("passed"),
+            "max_abs_logits_diff": serving.get("max_abs_logits_diff"),
+            "batch_invariant": report.get("batch_invariant"),
+            "perplexity_ratio": quantized.get("perplexity_ratio"),
+            "top1_agreement": quantized.get("top1_agreement"),
+        }
+    return out
+
+
+def accuracy_table(cells: Cell) -> list[str]:
+    lines = [
+        "| precision | verified | serving graph max abs logit diff | batch invariant | perplexity ÷ fp32 "
+        "| top-1 agreement with fp32 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for precision, a in cells.items():
+        ratio, top1 = a["perplexity_ratio"], a["top1_agreement"]
+        lines.append(
+            f"| {precision} | {'passed' if a['passed'] else 'FAILED'} | {a['max_abs_logits_diff']:.2g} "
+            f"| {a['batch_invariant']} | {'—' if ratio is None else f'{ratio:.3f}'} "
+            f"| {'—' if top1 is None else f'{top1:.2f}'} |"
+        )
+    return lines
+
+
 def _of(rate: float | None, ceiling: float) -> str:
     return "—" if rate is None else f"{rate:.1f} ({rate / ceiling:.2f})"
 
@@ -357,7 +389,10 @@ def report(result: Cell) -> str:
             parts += [f"{len(incomplete)} served cells lost requests or tokens: {incomplete}", ""]
     if result.get("offline"):
         parts += ["Offline engines (tok/s):", "", *offline_table(result["offline"], precisions), ""]
-        parts += memory_table(result["offline"], precisions)
+        parts += [*memory_table(result["offline"], precisions), ""]
+    if result.get("accuracy"):
+        parts += ["Against transformers (each bundle's export verification):", ""]
+        parts += accuracy_table(result["accuracy"])
     return "\n".join(parts)
 
 
@@ -404,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": asdict(work),
         "precisions": args.precisions,
         "clients": args.clients,
+        "accuracy": accuracy(ready.bundles),
     }
     if args.offline:
         result["offline"] = offline(ready, args.precisions, args.clients, work)

@@ -4,6 +4,7 @@ without gRPC)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -105,3 +106,25 @@ def test_a_served_cell_of_textgen_over_http(tiny_bundle: Path, tmp_path: Path) -
         assert cell["tok_s"] > 0 and 0 < cell["ttft_p50_ms"] <= cell["ttft_p90_ms"]
         # NaN when a fast tiny model's tokens arrive in one event (the stream coalesces what is ready)
         assert not cell["itl_p50_ms"] <= 0
+
+
+def test_accuracy_is_read_from_each_bundles_verification(tmp_path: Path) -> None:
+    reports = {
+        "fp32": {"passed": True, "batch_invariant": True, "inplace": {"max_abs_logits_diff": 2e-5}},
+        "int4": {
+            "passed": True,
+            "batch_invariant": True,
+            "inplace": {"max_abs_logits_diff": 1.3},
+            "int4": {"perplexity_ratio": 1.034, "top1_agreement": 0.33},
+        },
+    }
+    bundles = {}
+    for precision, verification in reports.items():
+        bundles[precision] = tmp_path / precision
+        bundles[precision].mkdir()
+        (bundles[precision] / "manifest.json").write_text(json.dumps({"verification": verification}))
+    cells = served_peers.accuracy(bundles)
+    assert cells["int4"]["perplexity_ratio"] == 1.034 and cells["fp32"]["perplexity_ratio"] is None
+    text = report({"precisions": ["fp32", "int4"], "clients": [1], "accuracy": cells})
+    assert "| fp32 | passed | 2e-05 | True | — | — |" in text
+    assert "| int4 | passed | 1.3 | True | 1.034 | 0.33 |" in text
