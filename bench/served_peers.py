@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     ready = prepare(args.work, args.model_dir, args.precisions)
     result: Cell = {
         "started": time.strftime("%Y-%m-%d %H:%M"),
-        "command": " ".join(sys.argv),
+        "command": " ".join(["python -m bench.served_peers", *(argv if argv is not None else sys.argv[1:])]),
         "workload": asdict(work),
         "precisions": args.precisions,
         "clients": args.clients,
