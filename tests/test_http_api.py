@@ -93,6 +93,31 @@ def test_models_lists_the_bundle(client: openai.OpenAI, server: RunningServer) -
     )
 
 
+def test_tokenize_and_detokenize_as_grpc_and_the_generation_routes_count(
+    base: str, client: openai.OpenAI, model: str, server: RunningServer, stub: pb_grpc.TextGenerationStub
+) -> None:
+    ours = httpx.post(f"{base}/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
+    theirs = stub.Tokenize(pb.TokenizeRequest(text=PROMPT))
+    assert ours["tokens"] == list(theirs.ids) and ours["token_strs"] == list(theirs.tokens)
+    assert (
+        ours["count"]
+        == len(ours["tokens"])
+        == client.completions.create(model=model, prompt=PROMPT, max_tokens=1).usage.prompt_tokens
+    )  # type: ignore[union-attr]
+    assert ours["max_model_len"] == server.model.limits.context_length
+    plain = httpx.post(f"{base}/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
+    unspecial = stub.Tokenize(pb.TokenizeRequest(text=PROMPT, add_special_tokens=False))
+    assert plain["tokens"] == list(unspecial.ids) and plain["token_strs"] is None
+    chat = httpx.post(f"{base}/tokenize", json={"messages": MESSAGES, "model": model}).json()
+    usage = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1).usage  # type: ignore[arg-type]
+    assert usage is not None and chat["count"] == usage.prompt_tokens
+    back = httpx.post(f"{base}/detokenize", json={"tokens": ours["tokens"]}).json()
+    assert back == {"prompt": stub.Detokenize(pb.DetokenizeRequest(ids=ours["tokens"])).text}
+    assert httpx.post(f"{base}/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+    assert server.metric("textgen_requests_total", rpc="/tokenize", code="OK") >= 3
+    assert server.metric("textgen_requests_total", rpc="/detokenize", code="OK") >= 2
+
+
 def test_completion_equals_grpc_generate_streamed_or_not(
     client: openai.OpenAI, stub: pb_grpc.TextGenerationStub, model: str
 ) -> None:
@@ -402,6 +427,18 @@ ERRORS: list[tuple[str, Any, int, str]] = [
     (C, {"prompt": PROMPT, "guided_choice": "x"}, 400, "guided_choice must be a list of strings"),
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_tokens = 0 generates nothing"),
     ("/v1/nothing", {}, 404, "no route POST /v1/nothing"),
+    ("/tokenize", {}, 400, "give exactly one of prompt and messages"),
+    ("/tokenize", {"prompt": PROMPT, "messages": USER}, 400, "give exactly one of prompt and messages"),
+    (
+        "/tokenize",
+        {"messages": USER, "add_special_tokens": True},
+        400,
+        "add_special_tokens applies to a prompt",
+    ),
+    ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role is 'robot'"),
+    ("/tokenize", {"prompt": PROMPT, "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist"),
+    ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens[1] = 1000000 is outside the vocabulary"),
+    ("/detokenize", {}, 400, "tokens: Field required"),
 ]
 
 

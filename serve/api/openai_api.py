@@ -29,7 +29,7 @@ import socket
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -38,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi import HTTPException as FastAPIHTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -49,6 +50,10 @@ from serve.api.openai_protocol import (
     MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
     Vocabulary,
     chat_constraint,
     chat_logprobs,
@@ -67,6 +72,7 @@ from serve.api.validation import (
     check_request_id,
     choice_seed,
     text_prompt,
+    token_ids,
     token_prompt,
 )
 from serve.engine.sampling import SamplingParams
@@ -78,7 +84,9 @@ from serve.scheduling.request import Completion, Event, FinishEvent, GenerationR
 log = logging.getLogger("textgen.http")
 
 COMPLETIONS, CHAT, MODELS, HEALTH = "/v1/completions", "/v1/chat/completions", "/v1/models", "/health"
-ROUTES = frozenset({COMPLETIONS, CHAT, MODELS})  # the `rpc` label values (health is not counted)
+TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"  # vLLM's and llama-server's paths
+# The `rpc` label values (health is not counted).
+ROUTES = frozenset({COMPLETIONS, CHAT, MODELS, TOKENIZE, DETOKENIZE})
 REQUEST_ID_HEADER = "x-request-id"
 REQUEST_ID_KEY = "textgen.request_id"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -403,6 +411,14 @@ class OpenAIApi:
         async def chat(body: ChatCompletionRequest, request: Request) -> Response:
             return await self._chat(body, request)
 
+        @app.post(TOKENIZE, summary="a prompt's or a chat's token ids", response_model=TokenizeResponse)
+        async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+            return await self._answer(TOKENIZE, request, self._tokenize(body))
+
+        @app.post(DETOKENIZE, summary="the text of token ids", response_model=DetokenizeResponse)
+        async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+            return await self._answer(DETOKENIZE, request, self._detokenize(body))
+
         return app
 
     def _ready(self) -> LoadedModel | None:
@@ -467,10 +483,15 @@ class OpenAIApi:
             vocab = self._vocabularies[id(model.tokenizer)] = Vocabulary(model.tokenizer)
         return vocab
 
-    def _begin(self, body: CompletionRequest | ChatCompletionRequest) -> LoadedModel:
+    def _named(self, name: str | None) -> LoadedModel:
+        """The served model, if `name` (a request's `model`) names it or is None."""
         model = self._state.ready_model()
-        if body.model is not None and body.model != model.name:
-            raise NotFound(f"the model {body.model!r} does not exist: this server serves {model.name!r}")
+        if name is not None and name != model.name:
+            raise NotFound(f"the model {name!r} does not exist: this server serves {model.name!r}")
+        return model
+
+    def _begin(self, body: CompletionRequest | ChatCompletionRequest) -> LoadedModel:
+        model = self._named(body.model)
         refuse_unsupported(body)
         n = body.n or 1
         if n > self._settings.max_n:
@@ -683,6 +704,42 @@ class OpenAIApi:
             return await self._run(plan, model, request, record, bool(body.stream), render, chunks)
         except Exception as exc:
             return self._failed(record, exc)
+
+    # -- the tokenizer's routes ------------------------------------------------------------------------------
+    async def _answer(self, route: str, request: Request, answer: Awaitable[BaseModel]) -> Response:
+        """A route that answers with one JSON object, or its error, accounted as `route`."""
+        record = CallRecord(rpc=route, request_id=request.scope[REQUEST_ID_KEY])
+        try:
+            body = await answer
+        except Exception as exc:
+            return self._failed(record, exc)
+        record.status = 200
+        self._account(record)
+        return JSONResponse(body.model_dump(), headers={"X-Request-Id": record.request_id})
+
+    async def _tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        model = self._named(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequest("give exactly one of prompt and messages")
+        if body.messages is not None:
+            if body.add_special_tokens:
+                raise InvalidRequest(
+                    "add_special_tokens applies to a prompt: a chat's special tokens are its template's"
+                )
+            ids = await asyncio.to_thread(model.chat_prompt, chat_messages(body.messages))
+        else:
+            special = body.add_special_tokens is not False
+            encode = model.tokenizer.encode
+            ids = (await asyncio.to_thread(encode, body.prompt, add_special_tokens=special)).ids
+        # "" for ids the model has but the tokenizer does not (a vocabulary padded for speed)
+        strs = [model.tokenizer.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
+        limit = model.limits.context_length
+        return TokenizeResponse(count=len(ids), max_model_len=limit, tokens=ids, token_strs=strs)
+
+    async def _detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        model = self._named(body.model)
+        ids = token_ids(body.tokens, model.info.vocab_size, "tokens")
+        return DetokenizeResponse(prompt=await asyncio.to_thread(model.tokenizer.decode, ids))
 
     async def _prompts(
         self, prompt: str | list[str] | list[int] | list[list[int]], model: LoadedModel

@@ -80,6 +80,39 @@ class ChatMessage(_Body):
     tool_call_id: str | None = Field(None, description="the call a tool message answers")
 
 
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a text prompt, or chat messages tokenized as a chat completion's prompt is."""
+
+    model: str | None = Field(None, description="the served model's name (GET /v1/models); default: it")
+    prompt: str | None = Field(None, description="text to tokenize (give this or messages)")
+    messages: list[ChatMessage] | None = Field(
+        None,
+        description="a chat, rendered by the model's chat template with the assistant's generation prompt",
+    )
+    add_special_tokens: bool | None = Field(
+        None, description="a prompt's special tokens (BOS), as a completion adds them; default true"
+    )
+    return_token_strs: bool | None = Field(False, description="each id's vocabulary entry too")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model: str | None = Field(None, description="the served model's name (GET /v1/models); default: it")
+    tokens: list[int] = Field(description="token ids, each in the model's vocabulary")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=0)
