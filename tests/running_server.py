@@ -13,6 +13,7 @@ from server_tools import LoopThread
 from serve.api.config import ServerSettings
 from serve.api.metrics import Metrics
 from serve.api.server import LoadedModel, TextgenServer
+from serve.api.tracing import RequestTracer
 from serve.scheduling.messages import EngineWrap
 from serve.scheduling.runner import SchedulerSnapshot
 
@@ -37,10 +38,14 @@ class RunningServer:
     """A TextgenServer started on a LoopThread; `stop()` stops it at once."""
 
     def __init__(
-        self, loop: LoopThread, settings: ServerSettings, engine_wrap: EngineWrap | None = None
+        self,
+        loop: LoopThread,
+        settings: ServerSettings,
+        engine_wrap: EngineWrap | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.loop = loop
-        self.server = TextgenServer(settings, Metrics(), engine_wrap)
+        self.server = TextgenServer(settings, Metrics(), engine_wrap, tracer=tracer)
         loop.run(self.server.start())
         self.target = f"127.0.0.1:{self.server.port}"
 

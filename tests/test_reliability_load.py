@@ -449,7 +449,7 @@ def test_a_stream_handler_closed_by_grpc_is_still_counted_and_frees_its_slot(
     the handler and closes it, without cancelling it: the call still needs its status in the log and metrics.
     (Seen once in 24 000 calls of the soak; here the handler is closed directly, as gRPC does.)"""
     server = serving()
-    context: Any = SimpleNamespace(time_remaining=lambda: None)
+    context: Any = SimpleNamespace(time_remaining=lambda: None, invocation_metadata=lambda: ())
 
     async def first_message_then_close() -> pb.GenerateStreamResponse:
         stream = server.server.service.GenerateStream(greedy(PROMPTS[0], LONG), context)

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from serve.api.chat import ChatTemplate, special_tokens
 from serve.api.metrics import Metrics
+from serve.api.tracing import RequestTracer, trace_context
 from serve.api.validation import RequestLimits
 from serve.bundle import MANIFEST_FILE, Bundle
 from serve.engine.types import EngineInfo
@@ -83,6 +84,7 @@ class CallRecord:
     finish: FinishEvent | None = None
     prompt: str | None = None
     text: str | None = None
+    trace: dict[str, str] | None = field(default_factory=trace_context)  # the caller's W3C trace headers
 
     def fields(self, log_prompts: bool) -> dict[str, Any]:
         out: dict[str, Any] = {"rpc": self.rpc, "request_id": self.request_id, "code": self.code}
@@ -105,8 +107,12 @@ class CallRecord:
         return out
 
 
-def account(record: CallRecord, log_prompts: bool, metrics: Metrics | None) -> None:
-    """The call's log line and request metric, written once, before the client sees how it ended."""
+def account(
+    record: CallRecord, log_prompts: bool, metrics: Metrics | None, tracer: RequestTracer | None = None
+) -> None:
+    """The call's log line, request metric and span, written once, before the client sees how it ended."""
     request_log.info(json.dumps(record.fields(log_prompts), ensure_ascii=False))
+    if tracer is not None:
+        tracer.record(record)
     if metrics is not None:
         metrics.on_request_done(record.rpc, record.code, time.perf_counter() - record.started)

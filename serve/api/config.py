@@ -156,6 +156,11 @@ class ServerSettings(BaseSettings, BatchingKnobs):
     )
     log_level: LogLevel = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_prompts: bool = Field(False, description="include prompt and completion text in request logs")
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP endpoint for a span per request (e.g. http://collector:4318/v1/traces; "
+        "needs the tracing extra); unset: no tracing",
+    )
 
     @field_validator("providers", mode="before")
     @classmethod

@@ -65,6 +65,7 @@ from serve.api.openai_protocol import (
 )
 from serve.api.tool_calls import Reply, ToolPlan, tool_plan
 from serve.api.tool_formats import tool_format
+from serve.api.tracing import RequestTracer, take_trace_context
 from serve.api.validation import (
     OPENAI_FIELDS,
     GenerationOptions,
@@ -147,6 +148,7 @@ class FrontDoor:
             request_id = uuid.uuid4().hex
             refusal = http_error(exc), "X-Request-Id"
         scope[REQUEST_ID_KEY] = request_id
+        take_trace_context((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"])
         if refusal is None and self._expected is not None and path != HEALTH:
             auth = headers.get(b"authorization")
             if auth is None:
@@ -343,10 +345,17 @@ def _usage(plan: Plan, finishes: Sequence[FinishEvent | None]) -> tuple[dict[str
 class OpenAIApi:
     """The handlers, on the server's event loop; `app` is the ASGI application uvicorn serves."""
 
-    def __init__(self, state: ServingState, settings: ServerSettings, metrics: Metrics | None) -> None:
+    def __init__(
+        self,
+        state: ServingState,
+        settings: ServerSettings,
+        metrics: Metrics | None,
+        tracer: RequestTracer | None = None,
+    ) -> None:
         self._state = state
         self._settings = settings
         self._metrics = metrics
+        self._tracer = tracer
         self._vocabularies: dict[int, Vocabulary] = {}
         self.fastapi = self._build()
         token = settings.auth_token.get_secret_value() if settings.auth_token is not None else None
@@ -355,10 +364,10 @@ class OpenAIApi:
     # -- accounting -----------------------------------------------------------------------------------------
     def _refused(self, route: str, code: str, status: int, request_id: str) -> None:
         record = CallRecord(rpc=route, request_id=request_id, code=code, status=status)
-        account(record, self._settings.log_prompts, self._metrics)
+        account(record, self._settings.log_prompts, self._metrics, self._tracer)
 
     def _account(self, record: CallRecord) -> None:
-        account(record, self._settings.log_prompts, self._metrics)
+        account(record, self._settings.log_prompts, self._metrics, self._tracer)
 
     def _failed(self, record: CallRecord, exc: BaseException, param: str | None = None) -> JSONResponse:
         error = http_error(exc, record.request_id or None)
@@ -1080,8 +1089,13 @@ class HttpServer:
         self._task = None
 
 
-def http_api(state: ServingState, settings: ServerSettings, metrics: Metrics | None) -> HttpServer:
-    return HttpServer(OpenAIApi(state, settings, metrics), settings)
+def http_api(
+    state: ServingState,
+    settings: ServerSettings,
+    metrics: Metrics | None,
+    tracer: RequestTracer | None = None,
+) -> HttpServer:
+    return HttpServer(OpenAIApi(state, settings, metrics, tracer), settings)
 
 
 __all__ = ["HttpServer", "OpenAIApi", "ServingState", "http_api"]

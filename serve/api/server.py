@@ -37,6 +37,7 @@ from serve.api.grpc_status import grpc_status
 from serve.api.metrics import Metrics
 from serve.api.openai_api import HttpServer, http_api
 from serve.api.sizing import KvSizing, size_kv_cache
+from serve.api.tracing import RequestTracer, take_trace_context
 from serve.api.validation import RequestLimits, check_request_id, token_ids
 from serve.bundle import Bundle, load_bundle
 from serve.engine.sampling import Alternatives
@@ -322,9 +323,12 @@ def checked(request: M | Undecodable) -> M:
 
 
 class TextGenerationService(pb_grpc.TextGenerationServicer):
-    def __init__(self, settings: ServerSettings, metrics: Metrics | None) -> None:
+    def __init__(
+        self, settings: ServerSettings, metrics: Metrics | None, tracer: RequestTracer | None = None
+    ) -> None:
         self._settings = settings
         self._metrics = metrics
+        self._tracer = tracer
         self.model: LoadedModel | None = None
         self.draining = False
 
@@ -341,6 +345,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
 
         The record is written before the status goes out, so whoever sees the status can find its log line.
         """
+        take_trace_context(context.invocation_metadata() or ())
         record = CallRecord(rpc=rpc)
         try:
             yield record
@@ -365,7 +370,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             self._account(record)
 
     def _account(self, record: CallRecord) -> None:
-        account(record, self._settings.log_prompts, self._metrics)
+        account(record, self._settings.log_prompts, self._metrics, self._tracer)
 
     async def _submit(
         self,
@@ -513,17 +518,21 @@ class TextgenServer:
         metrics: Metrics | None = None,
         engine_wrap: EngineWrap | None = None,
         freeze_heap: bool = False,
+        tracer: RequestTracer | None = None,
     ) -> None:
         """`engine_wrap` wraps the engine before the scheduler gets it (tests: a slow or failing step).
         `freeze_heap`: once loaded, freeze this process's start-up objects (`freeze_startup_objects`); for a
-        process that runs one server for its life, not for a test process that starts many."""
+        process that runs one server for its life, not for a test process that starts many. `tracer`: where
+        request spans go (default: `otlp_traces_endpoint`'s exporter, or none)."""
         self.settings = settings
         self._engine_wrap = engine_wrap
         self._freeze_heap = freeze_heap
         # Made in start(); completes with the reason if the engine process dies: the server then stops.
         self.failed: asyncio.Future[str] | None = None
         self.metrics = metrics if metrics is not None else Metrics()
-        self.service = TextGenerationService(settings, self.metrics)
+        endpoint = settings.otlp_traces_endpoint
+        self.tracer = tracer if tracer is not None or endpoint is None else RequestTracer.otlp(endpoint)
+        self.service = TextGenerationService(settings, self.metrics, self.tracer)
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.http_port = 0  # 0: the HTTP API is off (http_port 0)
@@ -583,7 +592,7 @@ class TextgenServer:
             "listening on %s (tls=%s)", _address(self.settings.host, self.port), self.settings.tls_enabled
         )
         if self.settings.http_port:
-            self._http = http_api(self.service, self.settings, self.metrics)
+            self._http = http_api(self.service, self.settings, self.metrics, self.tracer)
             self.http_port = await self._http.start()
             scheme = "https" if self.settings.tls_enabled else "http"
             log.info(
@@ -653,6 +662,8 @@ class TextgenServer:
         if self._server is not None:
             await self._server.stop(grace)
         await self._stop_metrics()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # sends the spans still batched
 
     async def _stop_metrics(self) -> None:
         server, self._metrics_server = self._metrics_server, None
