@@ -110,3 +110,16 @@ def missing_metrics(exposition: str) -> dict[str, set[str]]:
     exposed = exposed_names(exposition)
     missing = {source: names - exposed for source, names in references().items()}
     return {source: names for source, names in missing.items() if names}
+
+
+def promtool_input(exposition: str) -> str:
+    """The exposition less the inference-gateway aliases (serve.api.metrics.GATEWAY_ALIASES): vLLM's names
+    carry ':', which promtool's lint keeps for recording rules; everything else must pass it."""
+    from serve.api.metrics import GATEWAY_ALIASES
+
+    def alias(line: str) -> bool:  # a sample, or its family's # HELP / # TYPE line
+        words = line.split()
+        name = words[2] if line.startswith("# ") and len(words) > 2 else line.split("{")[0].split(" ")[0]
+        return name in GATEWAY_ALIASES
+
+    return "".join(line for line in exposition.splitlines(keepends=True) if not alias(line))

@@ -23,7 +23,7 @@ import kubernetes_validate
 import pytest
 import tomllib
 import yaml
-from metric_refs import REPO, missing_metrics
+from metric_refs import REPO, missing_metrics, promtool_input
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -229,7 +229,11 @@ def test_serving_lock_installs_and_serves_in_a_fresh_venv(tmp_path: Path, tiny_b
     promtool = shutil.which("promtool")
     if promtool is not None:  # CI installs it (.ci/system-deps.sh)
         check = subprocess.run(
-            [promtool, "check", "metrics"], input=scrape, capture_output=True, text=True, check=False
+            [promtool, "check", "metrics"],
+            input=promtool_input(scrape),
+            capture_output=True,
+            text=True,
+            check=False,
         )
         assert check.returncode == 0, check.stdout + check.stderr
 

@@ -8,10 +8,12 @@ import subprocess
 import urllib.request
 
 import pytest
+from metric_refs import promtool_input
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from serve.api.metrics import (
+    GATEWAY_ALIASES,
     INTER_TOKEN_BUCKETS,
     QUEUEING_LATENCY_BUCKETS,
     TOKEN_COUNT_BUCKETS,
@@ -38,6 +40,7 @@ EXPECTED_FAMILIES = {
     "textgen_requests_waiting",
     "textgen_kv_cache_slots_used",
     "textgen_kv_cache_slots_capacity",
+    "textgen_kv_cache_usage_ratio",
     "textgen_model_info",
     "textgen_ready",
     # issue 28: structured output
@@ -179,6 +182,24 @@ def test_gauges_follow_load_and_return_to_zero(metrics: Metrics) -> None:
         assert value(metrics, name) == 0
 
 
+def test_the_inference_gateways_names_repeat_the_load(metrics: Metrics) -> None:
+    metrics.set_load(running=4, waiting=7, kv_used=4, kv_capacity=16)
+    assert value(metrics, "textgen_kv_cache_usage_ratio") == 0.25
+    assert value(metrics, "vllm:num_requests_waiting") == 7
+    assert value(metrics, "vllm:num_requests_running") == 4
+    assert value(metrics, "vllm:kv_cache_usage_perc") == value(metrics, "vllm:gpu_cache_usage_perc") == 0.25
+    metrics.set_load(running=0, waiting=0, kv_used=0, kv_capacity=0)
+    for name in GATEWAY_ALIASES:
+        assert value(metrics, name) == 0
+    promtool = shutil.which("promtool")
+    if promtool is not None:  # the aliases are exactly what promtool's lint flags
+        lint = subprocess.run(
+            [promtool, "check", "metrics"], input=metrics.exposition(), capture_output=True, text=True
+        )
+        flagged = {line.split()[0] for line in (lint.stdout + lint.stderr).splitlines() if "':'" in line}
+        assert flagged == set(GATEWAY_ALIASES)
+
+
 def test_ready_and_model_info(metrics: Metrics) -> None:
     assert value(metrics, "textgen_ready") == 0
     metrics.set_ready(True)
@@ -243,7 +264,7 @@ def test_promtool_check_metrics(metrics: Metrics) -> None:
         pytest.skip("promtool absent: install Debian's prometheus package (.ci/system-deps.sh does in CI)")
     result = subprocess.run(
         [promtool, "check", "metrics"],
-        input=metrics.exposition(),
+        input=promtool_input(metrics.exposition()),
         capture_output=True,
         text=True,
         check=False,

@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 import pytest
 from engine_faults import InjectedFaults
-from metric_refs import missing_metrics
+from metric_refs import missing_metrics, promtool_input
 from prometheus_client.parser import text_string_to_metric_families
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, rpc_error
@@ -209,7 +209,11 @@ def test_promtool_accepts_the_live_scrape(traffic: tuple[Ledger, Scrape]) -> Non
         pytest.skip("promtool absent: install Debian's prometheus package (.ci/system-deps.sh does in CI)")
     _ledger, taken = traffic
     result = subprocess.run(
-        [promtool, "check", "metrics"], input=taken.text, capture_output=True, text=True, check=False
+        [promtool, "check", "metrics"],
+        input=promtool_input(taken.text),
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 

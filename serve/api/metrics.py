@@ -132,6 +132,19 @@ def new_registry() -> CollectorRegistry:
     return registry
 
 
+# The Kubernetes Gateway API Inference Extension's endpoint picker reads a model server's queue and KV-cache
+# use under vLLM's names unless told others (its model-server protocol; --total-queued-requests-metric and
+# --kv-cache-usage-percentage-metric name textgen's instead): the same gauges again under those names (older
+# pickers read gpu_cache_usage_perc, newer kv_cache_usage_perc). Alias -> the textgen gauge it repeats.
+# Prometheus keeps ':' for recording rules, so `promtool check metrics` lints these four names.
+GATEWAY_ALIASES = {
+    "vllm:num_requests_waiting": "textgen_requests_waiting",
+    "vllm:num_requests_running": "textgen_requests_running",
+    "vllm:kv_cache_usage_perc": "textgen_kv_cache_usage_ratio",
+    "vllm:gpu_cache_usage_perc": "textgen_kv_cache_usage_ratio",
+}
+
+
 class Metrics:
     """Every `textgen_*` metric, on one registry (a fresh one with the standard collectors by default)."""
 
@@ -276,6 +289,13 @@ class Metrics:
         self.kv_capacity = Gauge(
             "textgen_kv_cache_slots_capacity", "KV-cache slots (rows) in all.", registry=reg
         )
+        self.kv_usage = Gauge(
+            "textgen_kv_cache_usage_ratio", "KV-cache slots in use over all, 0 to 1.", registry=reg
+        )
+        self.gateway = {
+            name: Gauge(name, f"{source} under vLLM's name, for an inference gateway.", registry=reg)
+            for name, source in GATEWAY_ALIASES.items()
+        }
         self.ready = Gauge("textgen_ready", "1 when the server accepts requests, else 0.", registry=reg)
         self.model_info = Info("textgen_model", "The model being served.", registry=reg)
 
@@ -328,6 +348,11 @@ class Metrics:
         self.waiting.set(waiting)
         self.kv_used.set(kv_used)
         self.kv_capacity.set(kv_capacity)
+        usage = kv_used / kv_capacity if kv_capacity else 0.0
+        self.kv_usage.set(usage)
+        values = {"textgen_requests_waiting": waiting, "textgen_requests_running": running}
+        for name, source in GATEWAY_ALIASES.items():
+            self.gateway[name].set(values.get(source, usage))
 
     # Server side.
 
