@@ -613,6 +613,19 @@ def test_a_client_that_disconnects_cancels_its_request(base: str, server: Runnin
     assert 'textgen_requests_total{code="CANCELLED",rpc="/v1/completions"} 2.0' in scrape
 
 
+def test_a_client_that_leaves_a_streamed_response_cancels_it(base: str, server: RunningServer) -> None:
+    cancelled = server.snapshot().outcomes.get("cancelled", 0)
+    body = {"input": PROMPT, "max_output_tokens": 30, "stream": True, "ignore_eos": True}
+    headers = {"X-Request-Id": "slow-responses"}
+    with httpx.stream("POST", f"{base}/v1/responses", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line == "event: response.in_progress")
+        assert server.snapshot().running == 1
+    snapshot = server.wait_idle(5.0)  # closing the connection freed its row
+    assert snapshot.running == 0 and snapshot.kv_slots_used == 0
+    assert snapshot.outcomes.get("cancelled", 0) == cancelled + 1
+
+
 def test_the_http_socket_sends_small_chunks_at_once(server: RunningServer) -> None:
     """asyncio sets TCP_NODELAY on accepted sockets only when the listener names IPPROTO_TCP: without it, a
     keep-alive connection's stream chunks waited ~40 ms for the client's delayed ACK (TTFT 50 ms, not 5)."""

@@ -39,7 +39,8 @@ def test_no_server_errors(fuzzed: RunningServer) -> None:
     base = f"http://127.0.0.1:{fuzzed.server.http_port}"
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models"}
+    routes = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize")
+    assert {op.path for op in operations} >= {*routes, "/v1/models"}
     for operation in operations:
 
         @given(case=operation.as_strategy())
@@ -58,7 +59,7 @@ def test_no_server_errors(fuzzed: RunningServer) -> None:
 
         call()
     scrape = fuzzed.server.metrics.exposition()
-    for route in ("/v1/completions", "/v1/chat/completions"):
+    for route in routes:
         counted = sum(
             float(line.rsplit(" ", 1)[1])
             for line in scrape.splitlines()

@@ -38,7 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi import HTTPException as FastAPIHTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -63,6 +63,7 @@ from serve.api.openai_protocol import (
     refuse_unsupported,
     structured_output,
 )
+from serve.api.responses import Draft, ResponsesRequest, chat_body, events, from_chat
 from serve.api.tool_calls import Reply, ToolPlan, tool_plan
 from serve.api.tool_formats import tool_format
 from serve.api.tracing import RequestTracer, take_trace_context
@@ -86,8 +87,9 @@ log = logging.getLogger("textgen.http")
 
 COMPLETIONS, CHAT, MODELS, HEALTH = "/v1/completions", "/v1/chat/completions", "/v1/models", "/health"
 TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"  # vLLM's and llama-server's paths
+RESPONSES = "/v1/responses"
 # The `rpc` label values (health is not counted).
-ROUTES = frozenset({COMPLETIONS, CHAT, MODELS, TOKENIZE, DETOKENIZE})
+ROUTES = frozenset({COMPLETIONS, CHAT, MODELS, TOKENIZE, DETOKENIZE, RESPONSES})
 REQUEST_ID_HEADER = "x-request-id"
 REQUEST_ID_KEY = "textgen.request_id"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -420,6 +422,10 @@ class OpenAIApi:
         async def chat(body: ChatCompletionRequest, request: Request) -> Response:
             return await self._chat(body, request)
 
+        @app.post(RESPONSES, summary="OpenAI's Responses API, stateless: a chat completion in its shape")
+        async def responses(body: ResponsesRequest, request: Request) -> Response:
+            return await self._responses(body, request)
+
         @app.post(TOKENIZE, summary="a prompt's or a chat's token ids", response_model=TokenizeResponse)
         async def tokenize(body: TokenizeRequest, request: Request) -> Response:
             return await self._answer(TOKENIZE, request, self._tokenize(body))
@@ -714,6 +720,33 @@ class OpenAIApi:
         except Exception as exc:
             return self._failed(record, exc)
 
+    # -- the Responses API (serve/api/responses.py) ----------------------------------------------------------
+    async def _responses(self, body: ResponsesRequest, request: Request) -> Response:
+        try:
+            chat = ChatCompletionRequest.model_validate(chat_body(body))
+            model = self._named(body.model)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            return self._failed(self._record(RESPONSES, request), InvalidRequest(f"{where}: {first['msg']}"))
+        except Exception as exc:
+            return self._failed(self._record(RESPONSES, request), exc)
+        answer = await self._chat(chat, request, route=RESPONSES)
+        if answer.status_code != 200:  # an error, already in OpenAI's shape and accounted
+            return answer
+        draft = Draft(body, model.name)
+        headers = {"X-Request-Id": request.scope[REQUEST_ID_KEY]}
+        if isinstance(answer, StreamingResponse):
+            stream = events(draft, answer.body_iterator)
+            return StreamingResponse(
+                stream, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+            )
+        return JSONResponse(from_chat(draft, json.loads(bytes(answer.body))), headers=headers)
+
+    @staticmethod
+    def _record(route: str, request: Request) -> CallRecord:
+        return CallRecord(rpc=route, request_id=request.scope[REQUEST_ID_KEY])
+
     # -- the tokenizer's routes ------------------------------------------------------------------------------
     async def _answer(self, route: str, request: Request, answer: Awaitable[BaseModel]) -> Response:
         """A route that answers with one JSON object, or its error, accounted as `route`."""
@@ -782,8 +815,9 @@ class OpenAIApi:
         return await asyncio.to_thread(tokenized)  # a long prompt takes milliseconds: off the event loop
 
     # -- /v1/chat/completions --------------------------------------------------------------------------------
-    async def _chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        record = CallRecord(rpc=CHAT, request_id=request.scope[REQUEST_ID_KEY])
+    async def _chat(self, body: ChatCompletionRequest, request: Request, route: str = CHAT) -> Response:
+        """`route`: the route the call is accounted as (/v1/responses serves its requests through this)."""
+        record = CallRecord(rpc=route, request_id=request.scope[REQUEST_ID_KEY])
         try:
             model = self._begin(body)
             if body.top_logprobs and not body.logprobs:
