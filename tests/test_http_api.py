@@ -548,6 +548,10 @@ def test_auth_token_and_health(loop: LoopThread, tiny_bundle: Path) -> None:
         assert sdk.completions.create(model=running.model.name, prompt=PROMPT, max_tokens=2).choices
         scrape = running.server.metrics.exposition()
         assert 'textgen_requests_total{code="UNAUTHENTICATED",rpc="/v1/models"} 2.0' in scrape
+        for route, body in (("/tokenize", {"prompt": PROMPT}), ("/detokenize", {"tokens": [1]})):
+            assert httpx.post(f"{url}{route}", json=body).status_code == 401  # the same front door
+            authorized = httpx.post(f"{url}{route}", json=body, headers={"Authorization": "Bearer s3cret"})
+            assert authorized.status_code == 200
     finally:
         running.stop()
 
