@@ -29,13 +29,6 @@ OPSET = 20
 MS_DOMAIN = "com.microsoft"
 
 
-def inplace_io_names(n_layers: int) -> tuple[list[str], list[str]]:
-    kv_in = [f"past_{kind}.{i}" for i in range(n_layers) for kind in ("key", "value")]
-    kv_out = [f"present_{kind}.{i}" for i in range(n_layers) for kind in ("key", "value")]
-    inputs = ["input_ids", "position_ids", "seqlens_k", "total_sequence_length", "last_index", *kv_in]
-    return inputs, ["logits", *kv_out]
-
-
 class _GraphBuilder:
     def __init__(self) -> None:
         self.nodes: list[onnx.NodeProto] = []
