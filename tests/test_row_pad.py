@@ -200,3 +200,31 @@ def test_the_engine_serves_the_graph_unpadded_only_where_every_shape_is_exact(
     onnx.save(unpadded, str(tmp_path / "plain.onnx"))
     monkeypatch.setattr(row_pad, "cpu_only", lambda config: True)
     assert unpadded_graph(tmp_path / "plain.onnx", config) is None  # nothing to take out
+
+
+def test_only_a_bundle_marked_padded_is_read_for_its_pads(
+    tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading a graph to look for pads costs its whole size at start (seconds for a float 0.5B): the engine
+    does it only for a bundle whose manifest says its odd rows are padded."""
+    from dataclasses import replace
+
+    from serve.bundle import load_bundle
+    from serve.engine import engine as engine_module
+    from serve.engine.engine import Engine
+    from serve.engine.types import EngineSettings
+
+    asked: list[Path] = []
+
+    def spy(path: Path, config: SessionConfig) -> None:
+        asked.append(path)
+
+    monkeypatch.setattr(engine_module, "unpadded_graph", spy)
+    bundle = load_bundle(tiny_bundle)
+    settings = EngineSettings(max_batch_size=2, session=SessionConfig(providers=("cpu",), threads=1))
+    assert not bundle.manifest.odd_rows_padded
+    Engine.from_bundle(bundle, settings)
+    assert asked == []
+    padded = replace(bundle, manifest=bundle.manifest.model_copy(update={"odd_rows_padded": True}))
+    Engine.from_bundle(padded, settings)  # the spy keeps the pads: the graph loads as exported
+    assert asked == [bundle.inplace_graph]

@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -31,7 +30,14 @@ from serve.engine.kv_cache import KvCache
 from serve.engine.prefix_cache import PrefixCache
 from serve.engine.prompt_scoring import PromptScorer, scoring_session
 from serve.engine.row_pad import unpadded_graph
-from serve.engine.runtime import Device, create_session, kv_device, ortvalue, session_device_id
+from serve.engine.runtime import (
+    Device,
+    InMemoryGraph,
+    create_session,
+    kv_device,
+    ortvalue,
+    session_device_id,
+)
 from serve.engine.sampling import Alternatives, PromptScores, SamplingBatch, SamplingParams
 from serve.engine.types import ConstraintState, EngineInfo, EngineSettings, ModelSpec, NewSequence, TokenOut
 from serve.errors import BundleError
@@ -99,7 +105,7 @@ class _Staged:
 class Engine:
     def __init__(
         self,
-        graph_path: str,
+        graph: str | InMemoryGraph,  # the serving graph's path, or the graph rewritten at load
         tokenizer: Tokenizer,
         spec: ModelSpec,
         settings: EngineSettings,
@@ -119,9 +125,7 @@ class Engine:
         self.max_batch_size = settings.max_batch_size
         self.prefix_cache_rows = settings.prefix_cache_rows
         self.capacity = capacity
-        unpadded = unpadded_graph(Path(graph_path), settings.session)
-        self.row_pads_removed = 0 if unpadded is None else unpadded[1]
-        self.session = create_session(graph_path if unpadded is None else unpadded[0], settings.session)
+        self.session = create_session(graph, settings.session)
         self.providers: list[str] = self.session.get_providers()
         self.kv_device: Device = kv_device(self.providers, session_device_id(self.session))
         rows = settings.max_batch_size + settings.prefix_cache_rows
@@ -185,7 +189,11 @@ class Engine:
         trt = {k: v for k, v in bundle.tensorrt_options().items() if not k.startswith("trt_profile_")}
         session = replace(settings.session, tensorrt_options=trt)
         settings = replace(settings, session=session)
-        return cls(str(bundle.inplace_graph), bundle.tokenizer, spec, settings, str(bundle.standard_graph))
+        graph: str | InMemoryGraph = str(bundle.inplace_graph)
+        if m.odd_rows_padded:  # only such a graph has pads to take out: no other is read before its session
+            unpadded = unpadded_graph(bundle.inplace_graph, session)
+            graph = graph if unpadded is None else unpadded[0]
+        return cls(graph, bundle.tokenizer, spec, settings, str(bundle.standard_graph))
 
     def warm_up(self) -> None:
         """One prefill and one decode step, so the first request does not pay for ONNX Runtime's lazy
