@@ -252,11 +252,11 @@ def server_process(
     target: str,
     env: dict[str, str] | None = None,
     cwd: Path = ROOT,
-    ready: Callable[[subprocess.Popen[bytes], Path], None] | None = None,
+    answers: Callable[[], bool] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A server subprocess (`env`: variables set for it on top of ours; run in `cwd`), yielded once it is
-    ready (`ready` returns; by default, once it answers GetModelInfo on `target`); SIGTERM (then SIGKILL)
-    afterwards."""
+    ready (`answers()` is true; by default, once it answers GetModelInfo on `target`); SIGTERM (then
+    SIGKILL) afterwards."""
     assignments = [f"{name}={value}" for name, value in (env or {}).items()]
     print(f"$ {shlex.join(assignments + command)}", flush=True)
     with log_path.open("wb") as log:
@@ -264,10 +264,10 @@ def server_process(
             command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env={**os.environ, **(env or {})}
         )
         try:
-            if ready is None:
+            if answers is None:
                 wait_ready(process, target, log_path)
             else:
-                ready(process, log_path)
+                wait_until(process, log_path, answers)
             yield process
         finally:
             process.terminate()
@@ -279,21 +279,32 @@ def server_process(
 
 
 def wait_ready(process: subprocess.Popen[bytes], target: str, log_path: Path, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
+    """Until the server answers GetModelInfo on `target`."""
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.TextGenerationStub(channel)
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with code {process.returncode}; see {log_path}")
+
+        def answers() -> bool:
             try:
                 stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)
-                return
             except grpc.RpcError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"the server was not ready after {timeout:.0f} s; see {log_path}"
-                    ) from None
-                time.sleep(0.5)
+                return False
+            return True
+
+        wait_until(process, log_path, answers, timeout)
+
+
+def wait_until(
+    process: subprocess.Popen[bytes], log_path: Path, answers: Callable[[], bool], timeout: float = 300.0
+) -> None:
+    """Until `answers()` is true, asked every 0.5 s; an error naming the log if the server exits first or
+    `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not answers():
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with code {process.returncode}; see {log_path}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server was not ready after {timeout:.0f} s; see {log_path}")
+        time.sleep(0.5)
 
 
 def measure(name: str, config: LoadConfig, results: Path, metrics_url: str | None = None) -> BenchmarkOutput:
