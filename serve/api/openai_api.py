@@ -750,7 +750,7 @@ class OpenAIApi:
     # -- the tokenizer's routes ------------------------------------------------------------------------------
     async def _answer(self, route: str, request: Request, answer: Awaitable[BaseModel]) -> Response:
         """A route that answers with one JSON object, or its error, accounted as `route`."""
-        record = CallRecord(rpc=route, request_id=request.scope[REQUEST_ID_KEY])
+        record = self._record(route, request)
         try:
             body = await answer
         except Exception as exc:
