@@ -120,8 +120,9 @@ def _error_response(error: HttpError, request_id: str, param: str | None = None)
 
 
 class FrontDoor:
-    """Pure ASGI, outermost: takes (or makes) the request id and echoes it, refuses a call without the bearer
-    token (401) and a body over the limit (413), before any routing or parsing."""
+    """Pure ASGI, outermost: takes (or makes) the request id and echoes it, keeps the caller's trace context
+    when requests are traced, refuses a call without the bearer token (401) and a body over the limit (413),
+    before any routing or parsing."""
 
     def __init__(
         self,
@@ -129,8 +130,10 @@ class FrontDoor:
         token: str | None,
         max_body: int,
         on_refused: Callable[[str, str, int, str], None],
+        traced: bool = False,
     ) -> None:
         self._app = app
+        self._traced = traced
         self._expected = None if token is None else f"Bearer {token}".encode()
         self._max_body = max_body
         self._on_refused = on_refused  # (route, metric code, HTTP status, request id)
@@ -150,7 +153,8 @@ class FrontDoor:
             request_id = uuid.uuid4().hex
             refusal = http_error(exc), "X-Request-Id"
         scope[REQUEST_ID_KEY] = request_id
-        take_trace_context((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"])
+        if self._traced:
+            take_trace_context((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"])
         if refusal is None and self._expected is not None and path != HEALTH:
             auth = headers.get(b"authorization")
             if auth is None:
@@ -361,7 +365,8 @@ class OpenAIApi:
         self._vocabularies: dict[int, Vocabulary] = {}
         self.fastapi = self._build()
         token = settings.auth_token.get_secret_value() if settings.auth_token is not None else None
-        self.app = FrontDoor(self.fastapi, token, settings.max_message_bytes, self._refused)
+        traced = tracer is not None
+        self.app = FrontDoor(self.fastapi, token, settings.max_message_bytes, self._refused, traced)
 
     # -- accounting -----------------------------------------------------------------------------------------
     def _refused(self, route: str, code: str, status: int, request_id: str) -> None:

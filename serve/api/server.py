@@ -345,7 +345,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
 
         The record is written before the status goes out, so whoever sees the status can find its log line.
         """
-        take_trace_context(context.invocation_metadata() or ())
+        if self._tracer is not None:
+            take_trace_context(context.invocation_metadata() or ())
         record = CallRecord(rpc=rpc)
         try:
             yield record
