@@ -40,7 +40,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -93,18 +93,16 @@ def prompts(work: Workload, count: int, seed: int) -> list[Prompt]:
     ]
 
 
-def load(port: int, clients: int, work: Workload, seed: int, max_tokens: int | None = None) -> Cell:
+def load(port: int, clients: int, work: Workload, seed: int) -> Cell:
     """`clients` closed-loop clients over HTTP; the load generator's summary."""
     count = clients * work.requests
     shown = prompts(work, count, seed)
-    if max_tokens is not None:
-        shown = [Prompt(None, p.token_ids, max_tokens) for p in shown]
     config = LoadConfig(
         target="",
         concurrency=clients,
         num_requests=count,
         input_len=work.prompt_len,
-        max_new_tokens=shown[0].max_new_tokens,
+        max_new_tokens=work.max_tokens,
         ignore_eos=True,
         seed=seed,
         percentiles=(90.0,),
@@ -136,7 +134,7 @@ def serve_and_load(
     with server_process(command, log, f"127.0.0.1:{port}", answers=functools.partial(http_answers, port)):
         for count in clients:
             # prompts of their own for each count and the warm-up: no server reuses a cached prefix
-            load(port, count, work, seed + 500 + count, max_tokens=8)  # warm-up at this concurrency
+            load(port, count, replace(work, max_tokens=8), seed + 500 + count)  # warm-up at this concurrency
             cells[count] = served_cell(load(port, count, work, seed + count), count, work)
     return cells
 
