@@ -283,18 +283,14 @@ async def _merged(handles: Sequence[RequestHandle]) -> AsyncIterator[tuple[int, 
 
     async def pump(index: int, handle: RequestHandle) -> None:
         try:
-            async for event in handle:
-                if isinstance(event, TokenEvent):
-                    event = TokenEvent.join([event, *handle.ready_tokens()])
+            async for event in handle.coalesced():
                 queue.put_nowait((index, event))
         except Exception as exc:
             queue.put_nowait((index, exc))
 
     if len(handles) == 1:  # the usual case, without a task
         handle = handles[0]
-        async for event in handle:
-            if isinstance(event, TokenEvent):
-                event = TokenEvent.join([event, *handle.ready_tokens()])
+        async for event in handle.coalesced():
             yield 0, event
         return
     tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]

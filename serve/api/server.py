@@ -56,7 +56,7 @@ from serve.scheduling.engine_client import ProcessScheduler
 from serve.scheduling.handles import RequestHandle
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.messages import EngineSpec, EngineWrap
-from serve.scheduling.request import Completion, Event, FinishEvent, TokenEvent
+from serve.scheduling.request import Completion, Event, FinishEvent
 from serve.scheduling.scheduler import open_in_thread
 
 log = logging.getLogger("textgen.server")
@@ -434,11 +434,10 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             handle = await self._submit(request, context, record, stream=True)
             texts: list[str] = []
             try:
-                async for event in handle:
+                async for event in handle.coalesced():
                     if isinstance(event, FinishEvent):
                         record.finish = event
                     else:
-                        event = TokenEvent.join([event, *handle.ready_tokens()])
                         texts.append(event.text)
                     yield stream_message(record.request_id, event)
             finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from serve.errors import Cancelled, InvalidRequest, TextgenError
 from serve.scheduling.request import Event, FinishEvent, TokenEvent
@@ -56,9 +56,15 @@ class RequestHandle:
             self._exhausted = True
         return item
 
-    def ready_tokens(self) -> list[TokenEvent]:
-        """The TokenEvents already delivered, without waiting: a stream that fell behind the engine sends
-        them in one message instead of one message per step."""
+    async def coalesced(self) -> AsyncIterator[Event]:
+        """The events, each TokenEvent joined with those already delivered behind it: a stream that fell
+        behind the engine sends them in one message instead of one message per step."""
+        async for event in self:
+            if isinstance(event, TokenEvent):
+                event = TokenEvent.join([event, *self._ready_tokens()])
+            yield event
+
+    def _ready_tokens(self) -> list[TokenEvent]:
         ready: list[TokenEvent] = []
         while not self._cancelled and self._items and isinstance(self._items[0], TokenEvent):
             ready.append(self._items.popleft())  # type: ignore[arg-type]  # checked just above
