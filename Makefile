@@ -62,4 +62,4 @@ bench-quick: $(STAMP)
 ## examples an operation (the suite runs 40). Figures: docs/reliability.md.
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak
-	TEXTGEN_FUZZ_EXAMPLES=1000 $(BIN)/pytest -q tests/test_http_fuzz.py
+	TEXTGEN_FUZZ_EXAMPLES=1000 $(BIN)/pytest -q tests/api/test_http_fuzz.py

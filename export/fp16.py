@@ -10,7 +10,7 @@ float16, except:
   the residual streams of real models run to thousands. The converter isolates each kept node behind Casts
   of its own, so the float16 round trips between them are removed again (a round trip right after x^2
   would overflow just the same). The weight multiply runs in float16 on the normalized values.
-  tests/test_export.py checks the graph's types and that rows of |x| ~ 9000 come out finite and within
+  tests/export/test_export.py checks the graph's types and that rows of |x| ~ 9000 come out finite and within
   2e-3. On CPU, whose kernels widen float16 themselves, a naive conversion of the serving graph's norm
   stays finite too (the overflow there is a GPU kernel's); a float16 "+ eps" between the mean and the
   square root overflows anywhere, since mean(x^2) itself is rounded to float16 (the traced graph's test);

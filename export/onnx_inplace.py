@@ -104,7 +104,7 @@ class _GraphBuilder:
 def local_window_size(sliding_window: int) -> int:
     """GroupQueryAttention's local_window_size for a window of W keys (the query's own included, as
     transformers' Mistral): W itself, -1 (off) for no window. Measured on ONNX Runtime 1.32's CPU kernel
-    against transformers' Mistral with window 8 on sequences of up to 48 tokens (tests/test_hf_import.py):
+    against transformers' Mistral with window 8 on sequences of up to 48 tokens (tests/hf/test_hf_import.py):
     W matches to 1e-5 in prefill and decode, W - 1 and W + 1 differ by > 1 in the logits."""
     return sliding_window if sliding_window else -1
 

@@ -1,7 +1,7 @@
 """Write deploy/k8s/base/prometheusrule.yaml from deploy/prometheus/textgen-rules.yml.
 
 The rules file is the one source (promtool checks and unit-tests it); the Prometheus Operator wants the same
-groups wrapped in a PrometheusRule object. tests/test_prometheus_rules.py fails when the two differ.
+groups wrapped in a PrometheusRule object. tests/deploy/test_monitoring.py fails when the two differ.
 Run: python deploy/prometheus/to_prometheusrule.py [--check]
 """
 

@@ -1,6 +1,6 @@
 """Hugging Face models through the whole path: a folder -> `textgen-export hf` -> a running server -> tokens.
 
-For every family (tests/hf_models.py: a tiny random model with perturbed norms and biases, saved with
+For every family (tests/support/hf_models.py: a tiny random model with perturbed norms and biases, saved with
 save_pretrained beside a BPE tokenizer with the family's special tokens and chat template; Llama's checkpoint
 sharded and in bfloat16), the bundle `textgen-export hf` writes is served, and:
 - the greedy tokens of several text prompts sent together (so the server batches them) equal transformers'
@@ -38,7 +38,7 @@ from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.bundle import load_bundle
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TEXTS = ("the of and 12", "is for on that with which as by", " 7 be", "from this to it not 2001")
 CASES: dict[str, tuple[Family, dict[str, Any]]] = {
     "llama-sharded-bf16": (FAMILIES["llama"], {"dtype": torch.bfloat16, "max_shard_size": "40KB"}),

@@ -1,6 +1,6 @@
 """Hugging Face import: tiny random transformers models of every family, saved and read back.
 
-For each family (tests/hf_models.py builds the models; nothing is downloaded):
+For each family (tests/support/hf_models.py builds the models; nothing is downloaded):
 (a) our PyTorch decoder's logits equal transformers' within 1e-4, on full prompts and on KV-cache decode
     steps of a left-padded batch fed transformers' greedy tokens;
 (b) the in-place ONNX serving graph, run with bound KV buffers as the engine runs it, makes the same 20

@@ -17,7 +17,7 @@ from serve.bundle import Bundle
 from serve.engine.engine import Engine
 from serve.engine.types import EngineSettings
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HELD_MB = 256
 
 

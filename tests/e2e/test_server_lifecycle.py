@@ -29,8 +29,8 @@ from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.api.metrics import Metrics
 from serve.api.server import TextgenServer
 
-REPO = Path(__file__).resolve().parent.parent
-SLOW_SERVER = Path(__file__).resolve().parent / "slow_server"
+REPO = Path(__file__).resolve().parents[2]
+SLOW_SERVER = REPO / "tests" / "support" / "slow_server"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -118,7 +118,7 @@ def test_drain_fails_what_outlives_the_grace_period(loop: LoopThread, tiny_bundl
 
 class ServerProcess:
     """`python -m serve` with the given flags on loopback ports, its decode steps slowed by 20 ms
-    (tests/slow_server/sitecustomize.py) so streams are still running when a test acts."""
+    (tests/support/slow_server/sitecustomize.py) so streams are still running when a test acts."""
 
     def __init__(self, *args: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TEXTGEN_")}

@@ -1,6 +1,6 @@
 """Tool calls on /v1/chat/completions with the openai client, against a server of the tiny bundle whose chat
-template declares tools (tests/chat_templates.py: compact, for its 128-token context). The engine runs in
-its own process, so the constraint metrics cross the pipe as the server's do."""
+template declares tools (tests/support/chat_templates.py: compact, for its 128-token context). The engine
+runs in its own process, so the constraint metrics cross the pipe as the server's do."""
 
 from __future__ import annotations
 

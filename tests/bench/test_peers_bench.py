@@ -22,7 +22,7 @@ from bench import engine_bench, peers_bench
 from bench.peers_bench import STACKS, PeerCell, cell_key, peers_env, plan, report, run_peer, weight_bytes
 from bench.proc import CpuMeter, cpu_seconds, descendants, own_cpu_seconds, tree_rss_mib
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # --- /proc -------------------------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Which metric names the deploy files use, and which of them an exposition lacks.
 
-Used twice: against `Metrics`'s own exposition (tests/test_deploy_metrics.py) and against a scrape of a live
-server (`missing_metrics(scrape_text)`), so a renamed metric breaks a test, not a dashboard in production.
+Used twice: against `Metrics`'s own exposition (tests/deploy/test_monitoring.py) and against a scrape of a
+live server (`missing_metrics(scrape_text)`), so a renamed metric breaks a test, not a dashboard.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "textgen.json"
 RULES = REPO / "deploy" / "prometheus" / "textgen-rules.yml"
 HPA = REPO / "deploy" / "k8s" / "base" / "hpa.yaml"

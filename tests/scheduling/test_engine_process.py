@@ -1,7 +1,7 @@
 """The engine in a process of its own (serve/scheduling/engine_core.py and engine_client.py): what only that
 shape of the server does.
 
-Both shapes run the whole gRPC suite (tests/test_server.py); here: the scheduler's guarantees across the
+Both shapes run the whole gRPC suite (tests/api/test_server.py); here: the scheduler's guarantees across the
 process boundary (batch invariance, the queue bound, cancels), metrics recorded there and replayed here, and
 what happens when either process dies or the engine process will not stop.
 """
