@@ -18,7 +18,8 @@ server's (the front end; in brackets its main thread, the event loop), its engin
 generator (this process); `--json` keeps every figure.
 
 A configuration's `--bench-rpc=NAME` is the clients' call for it alone (`--rpc` for the rest), so a streamed
-run and a unary one alternate under one load: `--config='' --config='--bench-rpc=unary'`.
+run and a unary one alternate under one load: `--config='' --config='--bench-rpc=unary'`. `--rpc http` calls
+the server's OpenAI API (streamed /v1/completions) instead of gRPC.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 
 
 BENCH_RPC = "--bench-rpc="
-CLIENT_RPCS: dict[str, Rpc] = {"stream": "stream", "unary": "unary"}  # what --bench-rpc may choose
+CLIENT_RPCS: dict[str, Rpc] = {"stream": "stream", "unary": "unary", "http": "http"}  # --bench-rpc's choices
 CPU_PARTS = ("front_end", "event_loop", "engine", "load_generator")  # Figures.cpu_us_per_token's keys
 
 
@@ -64,7 +65,7 @@ def client_rpc(flags: list[str], default: Rpc) -> tuple[Rpc, list[str]]:
     rpc = chosen[-1]
     if rpc in CLIENT_RPCS:
         return CLIENT_RPCS[rpc], rest
-    raise ValueError(f"--bench-rpc is stream or unary, got {rpc!r}")
+    raise ValueError(f"--bench-rpc is one of {', '.join(CLIENT_RPCS)}, got {rpc!r}")
 
 
 def split_config(config: str) -> tuple[dict[str, str], list[str]]:
@@ -87,11 +88,12 @@ def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
     port = free_port()
     env, flags = split_config(config)
     rpc, flags = client_rpc(flags, args.rpc)
+    http_port = free_port() if rpc == "http" else 0  # the HTTP API only where the clients call it
     engine_cpus = engine_cpus_flag(flags)
     command = [
         sys.executable,
         *("-m", "serve", "--bundle", str(args.bundle.resolve())),
-        *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--http-port", "0"),
+        *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--http-port", str(http_port)),
         *("--max-batch-size", str(args.clients), "--log-level", "WARNING"),
         *(("--threads", str(args.threads)) if args.threads else ()),
         *flags,
@@ -107,6 +109,7 @@ def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
         progress=False,
         rpc=rpc,
         cpus=None if engine_cpus is None else beside(engine_cpus),  # off them, as the server's process
+        http_target=f"127.0.0.1:{http_port}" if http_port else None,
     )
     cwd = Path(env.get("PYTHONPATH", ROOT))
     with server_process(command, log, load.target, env, cwd=cwd) as server:
