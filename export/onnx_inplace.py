@@ -1,7 +1,7 @@
 """The serving graph: the decoder written directly as ONNX, with an in-place KV cache.
 
 Why not the traced graph: its attention concatenates past and new keys/values, so every decode step copies the
-whole cache (measured: 42% of a batch-16, 512-token decode). ONNX Runtime's
+whole cache (a large part of a long batched decode: docs/benchmarks.md). ONNX Runtime's
 `GroupQueryAttention` (com.microsoft) instead writes the new keys/values into a preallocated
 `[batch, kv heads, capacity, head_dim]` buffer; binding one OrtValue as both the past input and the present
 output makes the update in place. The graph is written from the state dict, as ONNX Runtime GenAI's builder
@@ -33,8 +33,7 @@ class _GraphBuilder:
     def __init__(self) -> None:
         self.nodes: list[onnx.NodeProto] = []
         # The weights go straight into the model they end in: helper.make_graph and helper.make_model would
-        # each copy every initializer (three copies of the weights at once: a 9.3 GiB peak for 1.84 GiB of
-        # weights, measured on a Qwen2.5-0.5B shape).
+        # each copy every initializer (three copies of the weights alive at once at the peak).
         self.model = onnx.ModelProto()
 
     @property

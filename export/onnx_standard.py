@@ -13,14 +13,10 @@ A zero-length past works (prefill): the trace uses past = 2 so the exporter does
 0 or 1, and ONNX Runtime accepts the empty tensors.
 
 Opset: 23 by default, where SDPA becomes the standard `Attention` op (one node per layer instead of the
-MatMul/Softmax/... decomposition: 125 vs 197 nodes on the demo model). Measured on this shared 2-core machine
-(ONNX Runtime 1.32, 2 threads, demo model: d_model 192, 4 layers; 5 prompts, 64 greedy tokens with the
-concatenating cache; A/B runs interleaved, median of 5, load average ~9 from other jobs): opset 23 84 tok/s
-at b1 and 332 at b8, opset 18 62 and 278; identical tokens. An earlier non-interleaved run at d_model 256
-saw no difference, the issue measured ~10% for 23: 23 is never slower. `--opset 18` gives the decomposed
-form for TensorRT older than 10.14, whose ONNX parser has no `Attention` importer. Export takes 10-60 s even
-for tiny models (torch.export plus the onnxscript optimizer; slowest on a loaded machine), so tests export
-once per session.
+MatMul/Softmax/... decomposition: 125 vs 197 nodes on the demo model); it gives the same tokens and was
+never slower than 18 in alternated runs. `--opset 18` gives the decomposed form for TensorRT older than
+10.14, whose ONNX parser has no `Attention` importer. Export takes tens of seconds even for tiny models
+(torch.export plus the onnxscript optimizer), so tests export once per session.
 """
 
 from __future__ import annotations

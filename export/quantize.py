@@ -23,10 +23,10 @@
   computed as two, and a Pad and a Slice around each attention; docs/benchmarks.md), so the 8-bit default,
   which no measured CPU needs it for, goes without.
 - `quantize_int8` (`--int8-dynamic`): dynamic INT8 (`quantize_dynamic`, QInt8 weights, activations quantized
-  per tensor at run time). Fastest at large batches on this CPU, but one activation scale spans the whole
-  batch, so a row's tokens depend on its neighbours: not batch invariant.
+  per tensor at run time). Fast at large batches (docs/benchmarks.md, "Quantization (INT8, INT4)"), but one
+  activation scale spans the whole batch, so a row's tokens depend on its neighbours: not batch invariant.
 
-QInt8 because the issue measured it faster than QUInt8 on this CPU. Known trap: when the exporter leaves the
+QInt8 because it measured faster than QUInt8 on the x86 CPUs tried. Known trap: when the exporter leaves the
 tied output head as `MatMul(x, Transpose(embedding))`, quantize_dynamic sees no constant weight and skips it
 (16 of 17 MatMuls on bench-a). `fold_weight_transposes` replaces such Transposes of initializers with
 pre-transposed initializers first, so the head, the largest MatMul, is quantized too. The in-place builder
