@@ -1,31 +1,59 @@
-"""bench.serve_ab reads a configuration: its environment words, its own client call, the round order."""
+"""bench.serve_ab: configurations alternated round by round against servers of the tiny bundle, and how it
+reads a configuration (its environment words, its own client call, the round order)."""
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import pytest
 
-from bench.serve_ab import client_rpc, round_order, split_config
+from bench.serve_ab import CPU_PARTS, client_rpc, main, round_order, split_config
 
 
-def test_a_configuration_splits_into_environment_and_flags() -> None:
-    env, flags = split_config("PYTHONPATH=/tmp/old A=1 --threads 2 --engine-process")
-    assert env == {"PYTHONPATH": "/tmp/old", "A": "1"}
-    assert flags == ["--threads", "2", "--engine-process"]
+def test_the_ab_benchmark_alternates_server_configurations(tiny_bundle: Path, tmp_path: Path) -> None:
+    out = tmp_path / "ab.json"
+    flags = ["--config=TEXTGEN_ENGINE_PROCESS=false", "--config=--engine-process --bench-rpc=unary"]
+    args = ["--bundle", str(tiny_bundle), "--rounds", "2", "--clients", "2", "--requests", "4"]
+    assert main([*args, "--new-tokens", "5", "--threads", "1", *flags, "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())
+    assert list(runs) == ["TEXTGEN_ENGINE_PROCESS=false", "--engine-process --bench-rpc=unary"]
+    for rounds in runs.values():
+        assert len(rounds) == 2 and all(r["tokens_per_second"] > 0 for r in rounds)
+        assert all(set(r["cpu_us_per_token"]) == set(CPU_PARTS) for r in rounds)
+    in_thread, in_process = runs.values()
+    # /proc counts CPU in clock ticks, so a short run may read 0 anywhere; but an engine thread's CPU is
+    # the server's own (no engine process to count), and the two runs together cost something.
+    assert all(r["cpu_us_per_token"]["engine"] == 0 for r in in_thread)
+    assert sum(c for r in [*in_thread, *in_process] for c in r["cpu_us_per_token"].values()) > 0
+    # The unary clients get no per-token messages: ITL is a streamed figure.
+    assert not any(math.isnan(r["itl_p50_ms"]) for r in in_thread)
+    assert all(math.isnan(r["itl_p50_ms"]) for r in in_process)
 
 
 @pytest.mark.parametrize("rpc", ["stream", "unary", "http"])
-def test_a_configuration_may_choose_its_clients_call(rpc: str) -> None:
-    assert client_rpc(["--x", f"--bench-rpc={rpc}"], "stream") == (rpc, ["--x"])
-    assert client_rpc(["--x"], rpc) == (rpc, ["--x"])
+def test_an_ab_configuration_may_choose_its_clients_call(rpc: str) -> None:
+    assert client_rpc(["--threads", "1", f"--bench-rpc={rpc}"], "stream") == (rpc, ["--threads", "1"])
+    assert client_rpc(["--threads", "1"], "stream") == ("stream", ["--threads", "1"])
 
 
-def test_an_unknown_call_is_refused_with_the_choices() -> None:
+def test_an_unknown_client_call_is_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="stream, unary, http"):
         client_rpc(["--bench-rpc=udp"], "stream")
 
 
-def test_each_configuration_goes_first_equally_often() -> None:
-    configs = ["a", "b", "c"]
-    firsts = [round_order(configs, r)[0] for r in range(1, 7)]
-    assert sorted(firsts) == ["a", "a", "b", "b", "c", "c"]
-    assert all(sorted(round_order(configs, r)) == configs for r in range(1, 7))
+def test_each_ab_configuration_goes_first_in_turn() -> None:
+    assert [round_order(["a", "b", "c"], r) for r in (1, 2, 3, 4)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
+
+
+def test_an_ab_configuration_starts_with_the_servers_environment() -> None:
+    env, flags = split_config("PYTHONPATH=/tmp/old A_B='x y' --threads 1 --label=K=V")
+    assert env == {"PYTHONPATH": "/tmp/old", "A_B": "x y"}
+    assert flags == ["--threads", "1", "--label=K=V"]
+    assert split_config("") == ({}, [])

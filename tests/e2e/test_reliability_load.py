@@ -29,8 +29,8 @@ import pytest
 from engine_faults import InjectedFaults
 from prometheus_client.parser import text_string_to_metric_families
 from running_server import RunningServer, loopback_settings
+from server_process import NOT_SERVING, ServerProcess, health_status, run_serve
 from server_tools import LoopThread, rpc_error
-from test_server_lifecycle import NOT_SERVING, ServerProcess, health_status, run_serve
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from server_process import ServerProcess
 from test_reliability_load import CALL_TIMEOUT, LONG, PROMPTS, Streamed, consume, greedy, started
-from test_server_lifecycle import ServerProcess
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc

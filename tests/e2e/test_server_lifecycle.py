@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -19,8 +15,8 @@ import grpc
 import httpx
 import pytest
 from engine_faults import InjectedFaults
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from running_server import RunningServer, loopback_settings
+from server_process import NOT_SERVING, SERVING, ServerProcess, health_status, run_serve
 from server_tools import LoopThread, free_port, rpc_error
 
 import serve.api.server
@@ -29,21 +25,11 @@ from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.api.metrics import Metrics
 from serve.api.server import TextgenServer
 
-REPO = Path(__file__).resolve().parents[2]
-SLOW_SERVER = REPO / "tests" / "support" / "slow_server"
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
 
 def long_request(max_new_tokens: int = 30) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         text="once upon a time", stopping=pb.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True)
     )
-
-
-def health_status(target: str) -> int:
-    with grpc.insecure_channel(target) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
 
 def test_health_is_not_serving_until_the_model_is_loaded(
@@ -116,48 +102,6 @@ def test_drain_fails_what_outlives_the_grace_period(loop: LoopThread, tiny_bundl
 # --- the process --------------------------------------------------------------------------------------------
 
 
-class ServerProcess:
-    """`python -m serve` with the given flags on loopback ports, its decode steps slowed by 20 ms
-    (tests/support/slow_server/sitecustomize.py) so streams are still running when a test acts."""
-
-    def __init__(self, *args: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TEXTGEN_")}
-        env["PYTHONPATH"] = os.pathsep.join([str(SLOW_SERVER), *filter(None, [env.get("PYTHONPATH")])])
-        env["SLOW_DECODE_SECONDS"] = "0.02"
-        loopback = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-host", "127.0.0.1"]
-        if "--http-port" not in args:
-            loopback += ["--http-port", "0"]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "serve", *loopback, *args],
-            cwd=REPO,
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self._port = threading.Event()
-        self.port = 0
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            found = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
-            if found:
-                self.port = int(found.group(1))
-                self._port.set()
-
-    def wait_serving(self, timeout: float = 60) -> str:
-        assert self._port.wait(timeout), "".join(self.lines)
-        target = f"127.0.0.1:{self.port}"
-        deadline = time.monotonic() + timeout
-        while health_status(target) != SERVING:
-            assert time.monotonic() < deadline and self.proc.poll() is None, "".join(self.lines)
-            time.sleep(0.05)
-        return target
-
-
 def test_sigterm_completes_streams_in_flight_and_exits_0(tiny_bundle: Path) -> None:
     server = ServerProcess("--bundle", str(tiny_bundle), "--grace-seconds", "30")
     try:
@@ -214,13 +158,6 @@ def test_sigterm_drains_http_streams_too(tiny_bundle: Path) -> None:
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
-
-
-def run_serve(*args: str) -> subprocess.CompletedProcess[str]:
-    """`python -m serve` on loopback (any metrics port) until it exits."""
-    loopback = ["--host", "127.0.0.1", "--metrics-port", "0", "--http-port", "0"]
-    command = [sys.executable, "-m", "serve", *loopback, *args]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
 def test_broken_bundle_exits_1_with_a_clear_error(tmp_path: Path) -> None:

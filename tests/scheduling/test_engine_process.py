@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import math
 import os
 import re
 import signal
@@ -26,8 +24,8 @@ import pytest
 from engine_faults import InjectedFaults
 from grpc_health.v1 import health_pb2
 from running_server import RunningServer, loopback_settings
+from server_process import ServerProcess, health_status, run_serve
 from server_tools import LoopThread, rpc_error
-from test_server_lifecycle import ServerProcess, health_status, run_serve
 
 import serve.scheduling.engine_client
 from serve._proto.textgen.v1 import textgen_pb2 as pb
@@ -320,54 +318,3 @@ def test_a_killed_server_leaves_no_engine_process_behind(tiny_bundle: Path) -> N
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
-
-
-def test_the_ab_benchmark_alternates_server_configurations(tiny_bundle: Path, tmp_path: Path) -> None:
-    from bench.serve_ab import CPU_PARTS, main
-
-    out = tmp_path / "ab.json"
-    flags = ["--config=TEXTGEN_ENGINE_PROCESS=false", "--config=--engine-process --bench-rpc=unary"]
-    args = ["--bundle", str(tiny_bundle), "--rounds", "2", "--clients", "2", "--requests", "4"]
-    assert main([*args, "--new-tokens", "5", "--threads", "1", *flags, "--json", str(out)]) == 0
-    runs = json.loads(out.read_text())
-    assert list(runs) == ["TEXTGEN_ENGINE_PROCESS=false", "--engine-process --bench-rpc=unary"]
-    for rounds in runs.values():
-        assert len(rounds) == 2 and all(r["tokens_per_second"] > 0 for r in rounds)
-        assert all(set(r["cpu_us_per_token"]) == set(CPU_PARTS) for r in rounds)
-    in_thread, in_process = runs.values()
-    # /proc counts CPU in clock ticks, so a short run may read 0 anywhere; but an engine thread's CPU is
-    # the server's own (no engine process to count), and the two runs together cost something.
-    assert all(r["cpu_us_per_token"]["engine"] == 0 for r in in_thread)
-    assert sum(c for r in [*in_thread, *in_process] for c in r["cpu_us_per_token"].values()) > 0
-    # The unary clients get no per-token messages: ITL is a streamed figure.
-    assert not any(math.isnan(r["itl_p50_ms"]) for r in in_thread)
-    assert all(math.isnan(r["itl_p50_ms"]) for r in in_process)
-
-
-def test_an_ab_configuration_may_choose_its_clients_call() -> None:
-    from bench.serve_ab import client_rpc
-
-    assert client_rpc(["--threads", "1", "--bench-rpc=unary"], "stream") == ("unary", ["--threads", "1"])
-    assert client_rpc(["--threads", "1"], "stream") == ("stream", ["--threads", "1"])
-    with pytest.raises(ValueError, match="stream or unary"):
-        client_rpc(["--bench-rpc=http"], "stream")
-
-
-def test_each_ab_configuration_goes_first_in_turn() -> None:
-    from bench.serve_ab import round_order
-
-    assert [round_order(["a", "b", "c"], r) for r in (1, 2, 3, 4)] == [
-        ["a", "b", "c"],
-        ["b", "c", "a"],
-        ["c", "a", "b"],
-        ["a", "b", "c"],
-    ]
-
-
-def test_an_ab_configuration_starts_with_the_servers_environment() -> None:
-    from bench.serve_ab import split_config
-
-    env, flags = split_config("PYTHONPATH=/tmp/old A_B='x y' --threads 1 --label=K=V")
-    assert env == {"PYTHONPATH": "/tmp/old", "A_B": "x y"}
-    assert flags == ["--threads", "1", "--label=K=V"]
-    assert split_config("") == ({}, [])
