@@ -34,6 +34,7 @@ from serve.scheduling.messages import (
     Stop,
     Submit,
 )
+from serve.scheduling.planner import StepKind
 from serve.scheduling.runner import BatchRunner, Delivery, StepRecord, draining_error, outcomes
 
 log = logging.getLogger("textgen.engine_process")
@@ -68,7 +69,7 @@ class MetricRecorder:
     ) -> None:
         self.calls.append(("on_finished", (reason, prompt_tokens, generation_tokens, cached_prompt_tokens)))
 
-    def on_step(self, phase: str, batch_size: int, padding_ratio: float, seconds: float) -> None:
+    def on_step(self, phase: StepKind, batch_size: int, padding_ratio: float, seconds: float) -> None:
         self.calls.append(("on_step", (phase, batch_size, padding_ratio, seconds)))
 
     def on_masks(self, masks: int, seconds: float, wait_seconds: float) -> None:

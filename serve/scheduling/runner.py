@@ -60,7 +60,7 @@ class StepRecord:
     context; prefill: rows prefilled together x their longest prompt, plus the uncached tokens of each
     prefix-cache hit, which runs alone); `real_tokens`: the tokens among them."""
 
-    phase: str  # prefill | decode
+    phase: StepKind  # PREFILL | DECODE
     rows: int
     padded_tokens: int
     real_tokens: int
@@ -104,7 +104,7 @@ class BatchRunner:
         self._steps: deque[StepRecord] = deque(maxlen=limits.step_history)
         self._outcomes: Counter[str] = Counter()
         self._planner = Planner(limits, engine)
-        self._last_phase = ""  # of the latest prefill or decode call: no two prefills in a row
+        self._last_phase: StepKind | None = None  # of the latest prefill or decode: no two prefills in a row
         self._background = NO_STEP  # the record the prefill beside the decode steps writes once joined
         self._partial: list[Delivery] = []
         self._load = _Load(0, engine.batch_size, engine.kv_shape(), 0)
@@ -316,7 +316,7 @@ class BatchRunner:
                 self._prefill(plan, deliveries)
             case StepKind.CONTINUE_PREFILL:
                 call = self.engine.continue_prefill
-                self._run_step("prefill", plan.group, plan.prefill_sizes, call, deliveries)
+                self._run_step(StepKind.PREFILL, plan.group, plan.prefill_sizes, call, deliveries)
             case StepKind.BEGIN_BACKGROUND:
                 if self._begin_background(plan, deliveries):
                     self._decode(plan, deliveries)
@@ -339,7 +339,7 @@ class BatchRunner:
     def _prefill(self, plan: StepPlan, deliveries: list[Delivery]) -> None:
         new = self._admit(plan)
         call = functools.partial(self.engine.prefill, new, plan.chunk)
-        self._run_step("prefill", plan.group, plan.prefill_sizes, call, deliveries)
+        self._run_step(StepKind.PREFILL, plan.group, plan.prefill_sizes, call, deliveries)
 
     def _begin_background(self, plan: StepPlan, deliveries: list[Delivery]) -> bool:
         """Start the plan's group prefilling beside the decode steps; False: it failed (and so did they)."""
@@ -361,15 +361,15 @@ class BatchRunner:
             log.exception("engine prefill failed for %d requests", len(plan.group))
             self._fail(plan.group, "the engine failed during prefill", exc, deliveries)
             return
-        self._record("prefill", plan.prefill_sizes, seconds)
+        self._record(StepKind.PREFILL, plan.prefill_sizes, seconds)
         self._accept(outs, deliveries)
 
     def _decode(self, plan: StepPlan, deliveries: list[Delivery]) -> None:
-        self._run_step("decode", plan.decoded, plan.decode_sizes, self.engine.decode, deliveries)
+        self._run_step(StepKind.DECODE, plan.decoded, plan.decode_sizes, self.engine.decode, deliveries)
 
     def _run_step(
         self,
-        phase: str,
+        phase: StepKind,
         trackers: Sequence[RequestTracker],
         sizes: StepShape,
         call: Callable[[], list[TokenOut]],
@@ -386,7 +386,7 @@ class BatchRunner:
         self._record(phase, sizes, time.perf_counter() - start)
         self._accept(outs, deliveries)
 
-    def _record(self, phase: str, sizes: StepShape, seconds: float) -> None:
+    def _record(self, phase: StepKind, sizes: StepShape, seconds: float) -> None:
         record = StepRecord(phase, *sizes, seconds)
         with self._stats_lock:
             self._steps.append(record)
