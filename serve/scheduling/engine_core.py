@@ -151,7 +151,7 @@ class _EngineLoop:
             try:  # the server checked both already; this is the scheduler's own word
                 self._runner.enqueue(self._runner.track(request))
             except TextgenError as exc:
-                self._send_now([(request.request_id, exc)])
+                self._send_now([Outcome(request.request_id, exc)])
         elif isinstance(command, Cancel):
             self._runner.request_cancel(command.request_id)
         elif isinstance(command, RejectWaiting):

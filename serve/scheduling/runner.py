@@ -75,15 +75,18 @@ class StepRecord:
 class SchedulerSnapshot:
     running: int
     waiting: int
-    kv_slots_used: int
+    kv_slots_used: int  # the engine's rows in use after the last step (its batch size)
     kv_slots_capacity: int
     kv_tokens_reserved: int  # sum of running requests' prompt + max_new_tokens
-    batch_size: int  # the engine's rows in use after the last step
     kv_shape: tuple[int, ...]  # the engine's live KV view after the last step
     outcomes: dict[str, int]  # finished / cancelled / expired / failed / rejected
 
 
-Delivery = tuple[RequestTracker, "Event | TextgenError"]
+class Delivery(NamedTuple):
+    """What a step produced for one request (an event or the error that ends it), for its tracker."""
+
+    tracker: RequestTracker
+    item: Event | TextgenError
 
 
 class BatchRunner:
@@ -223,7 +226,6 @@ class BatchRunner:
             kv_slots_used=load.batch_size,
             kv_slots_capacity=self.engine.max_batch_size,
             kv_tokens_reserved=load.reserved,
-            batch_size=load.batch_size,
             kv_shape=load.kv_shape,
             outcomes=outcomes,
         )
@@ -282,17 +284,17 @@ class BatchRunner:
             tracker.end(RequestState.FAILED, now)
             self.count("rejected")
             reason = tracker.compiled.exception()
-            out.append((tracker, InvalidRequest(f"request {tracker.request_id}: {reason}")))
+            out.append(Delivery(tracker, InvalidRequest(f"request {tracker.request_id}: {reason}")))
 
     def _sweep(self, trackers: list[RequestTracker], now: float, out: list[Delivery]) -> list[RequestTracker]:
         gone: list[RequestTracker] = []
         for tracker in trackers:
             if tracker.cancel_requested:
                 tracker.end(RequestState.CANCELLED, now)
-                out.append((tracker, Cancelled(f"request {tracker.request_id} was cancelled")))
+                out.append(Delivery(tracker, Cancelled(f"request {tracker.request_id} was cancelled")))
             elif tracker.expired(now):
                 tracker.end(RequestState.EXPIRED, now)
-                out.append((tracker, DeadlineExceeded(_deadline_message(tracker))))
+                out.append(Delivery(tracker, DeadlineExceeded(_deadline_message(tracker))))
             else:
                 continue
             self.count(tracker.state.value)
@@ -434,9 +436,9 @@ class BatchRunner:
                     self._metrics.on_token(now - previous)
             token = tracker.pace(token, now, self.limits.stream_interval_seconds, flush=finish is not None)
             if token is not None:
-                deliveries.append((tracker, token))
+                deliveries.append(Delivery(tracker, token))
             if finish is not None:
-                deliveries.append((tracker, finish))
+                deliveries.append(Delivery(tracker, finish))
                 finished.append(tracker)
                 self._on_finished(finish)
         self._leave(finished)
@@ -480,7 +482,7 @@ class BatchRunner:
                 continue
             tracker.end(RequestState.FAILED, now)
             self.count("failed")
-            out.append((tracker, error(tracker)))
+            out.append(Delivery(tracker, error(tracker)))
 
     def _leave(self, trackers: Sequence[RequestTracker]) -> None:
         joined = [t.request_id for t in trackers if self._running.pop(t.request_id, None) is not None]
@@ -522,7 +524,7 @@ def queue_full(request_id: str, max_queue: int) -> QueueFull:
 
 
 def outcomes(deliveries: list[Delivery]) -> list[Outcome]:
-    return [(tracker.request_id, item) for tracker, item in deliveries]
+    return [Outcome(tracker.request_id, item) for tracker, item in deliveries]
 
 
 def draining(request_id: str) -> Draining:
