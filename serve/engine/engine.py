@@ -431,8 +431,8 @@ class Engine:
         of the running sequences go on meanwhile, and `end_prefill` joins `new` to the batch.
 
         A prefill between two decode steps stalls every running stream for its whole length; beside them,
-        it shares the cores and the streams slow down instead (bench-a, 16 rows: decode steps of ~20 ms
-        take ~30 ms while a 32-token prefill of ~22 ms runs beside them, in ~34 ms). The two runs write
+        it shares the cores and the streams slow down instead (docs/benchmarks.md, "Latency under
+        arrivals", `--prefill-beside-decode`). The two runs write
         disjoint rows of the cache, and logits of their own. Prompts with a prefix-cache hit are not taken:
         theirs is a row copy and a piece run alone (`prefill`).
         """
@@ -556,7 +556,7 @@ class Engine:
 
         Admission asks this for every waiting prompt it considers, so the running rows are screened in one
         vectorized test first: a row can give `min_tokens` only if its first `min_tokens` tokens are the
-        prompt's (a miss among 16 running rows: ~70 µs row by row, a few µs so)."""
+        prompt's (one numpy test over all rows instead of a Python loop over them)."""
         head = self._prefix.min_tokens
         if not self._prefix.rows or len(prompt_ids) <= head:  # the prompt's last token is never reused
             return None

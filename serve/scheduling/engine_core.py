@@ -39,12 +39,13 @@ from serve.scheduling.runner import BatchRunner, Delivery, StepRecord, draining_
 
 log = logging.getLogger("textgen.engine_process")
 
-# The longest step records and metric calls wait to go with outcomes. A small model's decode step takes
-# ~1 ms, and unary requests have nothing to deliver in most steps: a message per step cost the engine
-# process ~8% of its time (pickling, the pipe) and woke the server's event loop a thousand times a second.
+# The longest step records and metric calls wait to go with outcomes. A small model's decode step is
+# short, and unary requests have nothing to deliver in most steps: a message per step cost the engine
+# process a share of its time (pickling, the pipe) and woke the server's event loop at every step
+# (docs/benchmarks.md, "Stream pacing, threads and spinning").
 FLUSH_SECONDS = 0.01
 # How often the loop looks whether a constraint has compiled while nothing else is to be done (a compile
-# takes about a millisecond; the pipe cannot be woken by one).
+# is short, docs/benchmarks.md "Structured output"; the pipe cannot be woken by one).
 COMPILE_POLL_SECONDS = 0.002
 
 
