@@ -89,7 +89,9 @@ def is_current_demo(path: Path) -> bool:
 
 
 @contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
+def exclusive_lock(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive file lock on `lock_path` (created if missing): one process at a time builds what it
+    guards, the others wait and then find it built."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with lock_path.open("w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -111,7 +113,7 @@ def ensure_demo_checkpoint(progress: bool = True) -> Path:
         return path
     if path.exists() and is_current_demo(path):
         return path
-    with _exclusive(path.with_name(".checkpoint.lock")):
+    with exclusive_lock(path.with_name(".checkpoint.lock")):
         # Another process may have finished training while this one waited for the lock.
         if path.exists() and is_current_demo(path):
             return path

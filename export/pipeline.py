@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from export.bundle_writer import BundleStage, check_replaceable
 from export.checkpoint import load_checkpoint
-from export.demo import DEMO_CHAT_TEMPLATE, _exclusive, demo_bundle_path, ensure_demo_checkpoint
+from export.demo import DEMO_CHAT_TEMPLATE, demo_bundle_path, ensure_demo_checkpoint, exclusive_lock
 from export.fp16 import convert_fp16
 from export.hf_import import CONFIG_FILE, TOKENIZER_FILE, HFImportError, import_checkpoint, locate_model
 from export.model import Decoder, DecoderConfig
@@ -440,7 +440,7 @@ def ensure_demo_bundle(out: Path | None = None, progress: bool = True) -> tuple[
     checkpoint = ensure_demo_checkpoint(progress=progress)
     source = checkpoint_source(checkpoint)
     # Parallel test sessions and a user may ask at once: one exports, the others wait and reuse it.
-    with _exclusive(out.parent / f".{out.name}.lock"):
+    with exclusive_lock(out.parent / f".{out.name}.lock"):
         bundle = _up_to_date(out, source, DEMO_CHAT_TEMPLATE)
         if bundle is not None:
             return bundle, False

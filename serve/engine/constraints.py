@@ -175,7 +175,8 @@ class ConstraintCompiler:
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's view of the model's tokenizer (built on first use: ~10-70 ms)."""
+        """llguidance's view of the model's tokenizer (built on first use: a server that never
+        constrains output never pays for it)."""
         with self._tokenizer_lock:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.LLTokenizer(

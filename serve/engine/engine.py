@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 
 from serve.engine.constraints import ConstraintCompiler, ConstraintRows, MaskStats, MaskWorker, PendingMasks
 from serve.engine.kv_cache import KvCache
-from serve.engine.prefix_cache import PrefixCache
+from serve.engine.prefix_cache import PrefixCache, PrefixHit
 from serve.engine.prompt_scoring import PromptScorer, scoring_session
 from serve.engine.row_pad import unpadded_graph
 from serve.engine.runtime import (
@@ -63,8 +63,13 @@ NO_ALLOWED_TOKEN = (
 )
 # Per row of a step: a constrained row's state after its token, and why the row cannot go on (or None).
 _Notes = dict[int, tuple[ConstraintState | None, str | None]]
-# The constraint rows of sequences about to join, and the fill of their first masks (None: unconstrained).
-_Joining = tuple[ConstraintRows, PendingMasks | None]
+
+
+class _Joining(NamedTuple):
+    """The constraint rows of sequences about to join, and the fill of their first masks."""
+
+    rows: ConstraintRows
+    first_masks: PendingMasks | None  # None: no sequence of theirs is constrained
 
 
 class _RunInputs(NamedTuple):
@@ -431,8 +436,8 @@ class Engine:
         of the running sequences go on meanwhile, and `end_prefill` joins `new` to the batch.
 
         A prefill between two decode steps stalls every running stream for its whole length; beside them,
-        it shares the cores and the streams slow down instead (bench-a, 16 rows: decode steps of ~20 ms
-        take ~30 ms while a 32-token prefill of ~22 ms runs beside them, in ~34 ms). The two runs write
+        it shares the cores and the streams slow down instead (docs/benchmarks.md, "Latency under
+        arrivals", `--prefill-beside-decode`). The two runs write
         disjoint rows of the cache, and logits of their own. Prompts with a prefix-cache hit are not taken:
         theirs is a row copy and a piece run alone (`prefill`).
         """
@@ -551,12 +556,12 @@ class Engine:
         positions = np.broadcast_to(np.arange(width, dtype=np.int64), (k, width))
         return _RunInputs(ids, positions, lens - 1, width, lens - 1)
 
-    def _hit(self, prompt_ids: Sequence[int]) -> tuple[int, int] | None:
+    def _hit(self, prompt_ids: Sequence[int]) -> PrefixHit | None:
         """The row (kept, or running) to copy a prompt's prefix from, and the tokens it gives; None: none.
 
         Admission asks this for every waiting prompt it considers, so the running rows are screened in one
         vectorized test first: a row can give `min_tokens` only if its first `min_tokens` tokens are the
-        prompt's (a miss among 16 running rows: ~70 µs row by row, a few µs so)."""
+        prompt's (one numpy test over all rows instead of a Python loop over them)."""
         head = self._prefix.min_tokens
         if not self._prefix.rows or len(prompt_ids) <= head:  # the prompt's last token is never reused
             return None
@@ -565,7 +570,7 @@ class Engine:
         rows = np.flatnonzero(same & (self._lengths[:n] >= head)).tolist()
         return self._prefix.match(prompt_ids, [(r, self._tokens[r, : self._lengths[r]]) for r in rows])
 
-    def _reuse(self, hit: tuple[int, int] | None, row: int, seq: NewSequence) -> int:
+    def _reuse(self, hit: PrefixHit | None, row: int, seq: NewSequence) -> int:
         """Copy a hit's row (kept or running) into `row`; returns the prompt tokens it gave (0: no hit)."""
         if hit is None:
             return 0
@@ -599,7 +604,7 @@ class Engine:
     def _joining(self, new: Sequence[NewSequence]) -> _Joining:
         """Fresh matchers for sequences about to join, and their first masks started on the masks' thread."""
         rows = self._constraints.group([seq.constraint for seq in new])
-        return rows, rows.start_fill()
+        return _Joining(rows, rows.start_fill())
 
     def _join(
         self,
@@ -733,8 +738,8 @@ class Engine:
 
 def _settle(joining: _Joining | None) -> None:
     """A join that failed: let its first masks' fill end (its thread holds the matchers until then)."""
-    if joining is not None and joining[1] is not None:
-        joining[1].settle()
+    if joining is not None and joining.first_masks is not None:
+        joining.first_masks.settle()
 
 
 def _forks(new: Sequence[NewSequence]) -> dict[str, NewSequence]:
@@ -749,8 +754,8 @@ def _forks(new: Sequence[NewSequence]) -> dict[str, NewSequence]:
     return forks
 
 
-def _reusable(hit: tuple[int, int] | None) -> int:
-    return 0 if hit is None else hit[1]
+def _reusable(hit: PrefixHit | None) -> int:
+    return 0 if hit is None else hit.tokens
 
 
 def open_engine(bundle: Bundle, settings: EngineSettings) -> Engine:

@@ -8,8 +8,8 @@ bound by pointer (buffer start + first row * row bytes; rows are contiguous alon
 the past input and the present output of the serving graph, so GroupQueryAttention appends each step's keys
 and values in place (see export/onnx_inplace.py for the graph's semantics). Row copies differ: on a device
 they run a tiny Identity graph on whole rows (runtime.copy_graph); in host memory numpy copies only each
-head's filled positions, through views of the same buffers — a row is mostly empty, and a whole bench-a row
-(32 MiB) took ~5 ms a copy on this machine.
+head's filled positions, through views of the same buffers — a row is mostly empty, and a whole row holds
+every layer's keys and values for the whole context (docs/benchmarks.md, "Prefix cache").
 
 Which rows hold what (running sequences, a prefill group, the prefix cache) is the engine's business
 (serve/engine/engine.py); this module knows rows only by index.
@@ -97,7 +97,7 @@ class KvCache:
         """Copy row `src` of every buffer over row `dst`: its first `length` positions in host memory, the
         whole row (contiguous) on a device. A run finishes before it returns (ONNX Runtime synchronizes the
         device at the end of a run), so the serving session's next step sees the copy. Bindings are kept per
-        row pair (binding costs ~10 µs a buffer in Python; the engine copies between a running row and the
+        row pair (binding from Python costs time per buffer; the engine copies between a running row and the
         last one, or a running row and a prefix-cache row, so there are at most rows²)."""
         if self._host_views is not None:
             for view in self._host_views:

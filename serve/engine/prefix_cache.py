@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,6 +27,13 @@ class _Kept:
     tokens: np.ndarray  # int64 token ids whose keys and values fill the row's first len(tokens) positions
     used: int  # the cache's clock when last stored or matched
     head: bytes = b""  # its first min_tokens token ids: a prompt can reuse the row only if it starts so
+
+
+class PrefixHit(NamedTuple):
+    """A row to copy a prompt's prefix from, and how many of the prompt's tokens it gives."""
+
+    row: int
+    tokens: int
 
 
 class PrefixCache:
@@ -42,7 +50,7 @@ class PrefixCache:
 
     def match(
         self, prompt_ids: Sequence[int], running: Sequence[tuple[int, np.ndarray]] = ()
-    ) -> tuple[int, int] | None:
+    ) -> PrefixHit | None:
         """The row sharing the longest prefix with `prompt_ids`, and how many of its tokens the prompt can
         reuse (its last token is always left to prefill: its logits choose the first new token), or None
         when no row offers `min_tokens` (or the cache has no rows: prefix caching is off). The rows are the
@@ -53,11 +61,11 @@ class PrefixCache:
         prompt = np.asarray(prompt_ids, dtype=np.int64)
         head = prompt[: self.min_tokens].tobytes()
         kept = ((k.row, k.tokens) for k in self._kept if k.head == head)
-        best: tuple[int, int] | None = None
+        best: PrefixHit | None = None
         for row, tokens in [*kept, *running]:
             reusable = min(_common_prefix(tokens, prompt), len(prompt) - 1)
-            if reusable >= self.min_tokens and (best is None or reusable > best[1]):
-                best = (row, reusable)
+            if reusable >= self.min_tokens and (best is None or reusable > best.tokens):
+                best = PrefixHit(row, reusable)
         return best
 
     def use(self, row: int) -> None:

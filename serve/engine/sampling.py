@@ -33,7 +33,8 @@ MAX_LOGIT_BIAS_TOKENS = 300  # entries per request
 # Top-p looks for its threshold among this many largest logits, then (rows whose nucleus is wider) among
 # the next size's, and sorts a whole row only past the last: O(vocab) for the usual case instead of a sort.
 # At a vocabulary of 151,936 a peaked row's tail alone can hold 10% of the mass, so its nucleus of 0.9
-# needs more than 256 tokens; the second size spares those rows the full sort (16 rows: 96 -> 30 ms).
+# needs more than 256 tokens; the second size spares those rows the full sort
+# (docs/benchmarks.md, "Sampling, logprobs and scoring costs").
 _TOP_P_CANDIDATES = (256, 4096)
 # Tokens per block of the two-level inverse-CDF draw.
 _DRAW_BLOCK = 64

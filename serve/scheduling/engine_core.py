@@ -34,16 +34,18 @@ from serve.scheduling.messages import (
     Stop,
     Submit,
 )
+from serve.scheduling.planner import StepKind
 from serve.scheduling.runner import BatchRunner, Delivery, StepRecord, draining_error, outcomes
 
 log = logging.getLogger("textgen.engine_process")
 
-# The longest step records and metric calls wait to go with outcomes. A small model's decode step takes
-# ~1 ms, and unary requests have nothing to deliver in most steps: a message per step cost the engine
-# process ~8% of its time (pickling, the pipe) and woke the server's event loop a thousand times a second.
+# The longest step records and metric calls wait to go with outcomes. A small model's decode step is
+# short, and unary requests have nothing to deliver in most steps: a message per step cost the engine
+# process a share of its time (pickling, the pipe) and woke the server's event loop at every step
+# (docs/benchmarks.md, "Stream pacing, threads and spinning").
 FLUSH_SECONDS = 0.01
 # How often the loop looks whether a constraint has compiled while nothing else is to be done (a compile
-# takes about a millisecond; the pipe cannot be woken by one).
+# is short, docs/benchmarks.md "Structured output"; the pipe cannot be woken by one).
 COMPILE_POLL_SECONDS = 0.002
 
 
@@ -68,7 +70,7 @@ class MetricRecorder:
     ) -> None:
         self.calls.append(("on_finished", (reason, prompt_tokens, generation_tokens, cached_prompt_tokens)))
 
-    def on_step(self, phase: str, batch_size: int, padding_ratio: float, seconds: float) -> None:
+    def on_step(self, phase: StepKind, batch_size: int, padding_ratio: float, seconds: float) -> None:
         self.calls.append(("on_step", (phase, batch_size, padding_ratio, seconds)))
 
     def on_masks(self, masks: int, seconds: float, wait_seconds: float) -> None:
@@ -150,7 +152,7 @@ class _EngineLoop:
             try:  # the server checked both already; this is the scheduler's own word
                 self._runner.enqueue(self._runner.track(request))
             except TextgenError as exc:
-                self._send_now([(request.request_id, exc)])
+                self._send_now([Outcome(request.request_id, exc)])
         elif isinstance(command, Cancel):
             self._runner.request_cancel(command.request_id)
         elif isinstance(command, RejectWaiting):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
+from typing import NamedTuple
 
 from serve.errors import Cancelled, InvalidRequest, TextgenError
 from serve.scheduling.request import Event, FinishEvent, TokenEvent
@@ -76,7 +77,11 @@ class RequestHandle:
         self._arrived.set()
 
 
-Outcome = tuple[str, "Event | TextgenError"]  # a request id and what the engine's side produced for it
+class Outcome(NamedTuple):
+    """What the engine's side produced for one request, addressed by its id (crosses the process pipe)."""
+
+    request_id: str
+    item: Event | TextgenError
 
 
 class HandleTable:
@@ -111,4 +116,4 @@ class HandleTable:
 
     def fail_all(self, error: Callable[[str], TextgenError]) -> None:
         """End every request in flight with `error(request_id)` (the engine's side is gone)."""
-        self.deliver([(request_id, error(request_id)) for request_id in list(self._handles)])
+        self.deliver([Outcome(request_id, error(request_id)) for request_id in list(self._handles)])

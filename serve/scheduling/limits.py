@@ -24,8 +24,8 @@ class BatchingKnobs(BaseModel):
         "batch; default: all the cache",
     )
     # A prefill stalls every running stream for its whole duration, and on CPU its cost grows with its
-    # tokens (bench-a: ~60 MFLOP a token at ~170 GFLOP/s, so 512 tokens ~0.2 s against ~10 ms a decode
-    # step). 512 still takes the usual burst of 16 x 32-token prompts in one step.
+    # tokens: 512 of them cost many decode steps (docs/benchmarks.md, "Latency under arrivals"). 512 still
+    # takes the usual burst of 16 x 32-token prompts in one step.
     max_prefill_tokens: int = Field(512, ge=1, description="padded prompt tokens prefilled per engine step")
     # A prefill while others decode stalls them for its whole duration; bounded, each stall is at most one
     # piece long and decode steps run in between (the arrivals' first tokens come later instead).

@@ -41,8 +41,9 @@ from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.request import RequestTracker
 
 
-class StepKind(enum.Enum):
-    """What a planned step asks of the engine."""
+class StepKind(enum.StrEnum):
+    """What a planned step asks of the engine; PREFILL and DECODE also name the phase of a step run (its
+    record, its metrics label)."""
 
     IDLE = "idle"  # nothing: no row decodes and nobody may be admitted
     DECODE = "decode"  # one token for every row past its prefill
@@ -91,7 +92,7 @@ class RunnerState:
     """What the planner reads of the runner, taken after the step's sweep of cancelled and expired ones."""
 
     running: tuple[RequestTracker, ...]  # admitted and not ended, in admission order
-    last_phase: str  # of the latest prefill or decode call: prefill | decode | "" (none yet)
+    last_phase: StepKind | None  # of the latest prefill or decode call: PREFILL | DECODE | None (none yet)
     now: float  # time.monotonic() at the step's start
     waiting: tuple[RequestTracker, ...] = ()  # oldest first
     background: StepShape = NO_STEP  # the record of the group prefilling beside the decode steps
@@ -120,7 +121,7 @@ class Planner:
         decoding = self._decoding(state)
         staged = self._staged(state)
         if staged is not None:
-            if decoding and state.last_phase == "prefill":
+            if decoding and state.last_phase is StepKind.PREFILL:
                 return self._decode(state)  # the decoders are not stalled by two prefill pieces in a row
             return self._continue(staged)
         group = None if self.engine.background_ids else self._select(state)
@@ -143,7 +144,7 @@ class Planner:
     def _select(self, state: RunnerState) -> _Group | None:
         """The next prefill group (None: decode instead)."""
         free_rows = self.limits.batch_size - len(state.running)
-        if not state.waiting or free_rows <= 0 or (state.running and state.last_phase == "prefill"):
+        if not state.waiting or free_rows <= 0 or (state.running and state.last_phase is StepKind.PREFILL):
             return None
         running = _Group.of(state.running)
         group = self._group_plus(_Group(), state.waiting[0])

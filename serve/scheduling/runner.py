@@ -60,7 +60,7 @@ class StepRecord:
     context; prefill: rows prefilled together x their longest prompt, plus the uncached tokens of each
     prefix-cache hit, which runs alone); `real_tokens`: the tokens among them."""
 
-    phase: str  # prefill | decode
+    phase: StepKind  # PREFILL | DECODE
     rows: int
     padded_tokens: int
     real_tokens: int
@@ -75,15 +75,18 @@ class StepRecord:
 class SchedulerSnapshot:
     running: int
     waiting: int
-    kv_slots_used: int
+    kv_slots_used: int  # the engine's rows in use after the last step (its batch size)
     kv_slots_capacity: int
     kv_tokens_reserved: int  # sum of running requests' prompt + max_new_tokens
-    batch_size: int  # the engine's rows in use after the last step
     kv_shape: tuple[int, ...]  # the engine's live KV view after the last step
     outcomes: dict[str, int]  # finished / cancelled / expired / failed / rejected
 
 
-Delivery = tuple[RequestTracker, "Event | TextgenError"]
+class Delivery(NamedTuple):
+    """What a step produced for one request (an event or the error that ends it), for its tracker."""
+
+    tracker: RequestTracker
+    item: Event | TextgenError
 
 
 class BatchRunner:
@@ -104,7 +107,7 @@ class BatchRunner:
         self._steps: deque[StepRecord] = deque(maxlen=limits.step_history)
         self._outcomes: Counter[str] = Counter()
         self._planner = Planner(limits, engine)
-        self._last_phase = ""  # of the latest prefill or decode call: no two prefills in a row
+        self._last_phase: StepKind | None = None  # of the latest prefill or decode: no two prefills in a row
         self._background = NO_STEP  # the record the prefill beside the decode steps writes once joined
         self._partial: list[Delivery] = []
         self._load = _Load(0, engine.batch_size, engine.kv_shape(), 0)
@@ -223,7 +226,6 @@ class BatchRunner:
             kv_slots_used=load.batch_size,
             kv_slots_capacity=self.engine.max_batch_size,
             kv_tokens_reserved=load.reserved,
-            batch_size=load.batch_size,
             kv_shape=load.kv_shape,
             outcomes=outcomes,
         )
@@ -282,17 +284,17 @@ class BatchRunner:
             tracker.end(RequestState.FAILED, now)
             self.count("rejected")
             reason = tracker.compiled.exception()
-            out.append((tracker, InvalidRequest(f"request {tracker.request_id}: {reason}")))
+            out.append(Delivery(tracker, InvalidRequest(f"request {tracker.request_id}: {reason}")))
 
     def _sweep(self, trackers: list[RequestTracker], now: float, out: list[Delivery]) -> list[RequestTracker]:
         gone: list[RequestTracker] = []
         for tracker in trackers:
             if tracker.cancel_requested:
                 tracker.end(RequestState.CANCELLED, now)
-                out.append((tracker, Cancelled(f"request {tracker.request_id} was cancelled")))
+                out.append(Delivery(tracker, Cancelled(f"request {tracker.request_id} was cancelled")))
             elif tracker.expired(now):
                 tracker.end(RequestState.EXPIRED, now)
-                out.append((tracker, DeadlineExceeded(_deadline_message(tracker))))
+                out.append(Delivery(tracker, DeadlineExceeded(_deadline_message(tracker))))
             else:
                 continue
             self.count(tracker.state.value)
@@ -316,7 +318,7 @@ class BatchRunner:
                 self._prefill(plan, deliveries)
             case StepKind.CONTINUE_PREFILL:
                 call = self.engine.continue_prefill
-                self._run_step("prefill", plan.group, plan.prefill_sizes, call, deliveries)
+                self._run_step(StepKind.PREFILL, plan.group, plan.prefill_sizes, call, deliveries)
             case StepKind.BEGIN_BACKGROUND:
                 if self._begin_background(plan, deliveries):
                     self._decode(plan, deliveries)
@@ -339,7 +341,7 @@ class BatchRunner:
     def _prefill(self, plan: StepPlan, deliveries: list[Delivery]) -> None:
         new = self._admit(plan)
         call = functools.partial(self.engine.prefill, new, plan.chunk)
-        self._run_step("prefill", plan.group, plan.prefill_sizes, call, deliveries)
+        self._run_step(StepKind.PREFILL, plan.group, plan.prefill_sizes, call, deliveries)
 
     def _begin_background(self, plan: StepPlan, deliveries: list[Delivery]) -> bool:
         """Start the plan's group prefilling beside the decode steps; False: it failed (and so did they)."""
@@ -361,15 +363,15 @@ class BatchRunner:
             log.exception("engine prefill failed for %d requests", len(plan.group))
             self._fail(plan.group, "the engine failed during prefill", exc, deliveries)
             return
-        self._record("prefill", plan.prefill_sizes, seconds)
+        self._record(StepKind.PREFILL, plan.prefill_sizes, seconds)
         self._accept(outs, deliveries)
 
     def _decode(self, plan: StepPlan, deliveries: list[Delivery]) -> None:
-        self._run_step("decode", plan.decoded, plan.decode_sizes, self.engine.decode, deliveries)
+        self._run_step(StepKind.DECODE, plan.decoded, plan.decode_sizes, self.engine.decode, deliveries)
 
     def _run_step(
         self,
-        phase: str,
+        phase: StepKind,
         trackers: Sequence[RequestTracker],
         sizes: StepShape,
         call: Callable[[], list[TokenOut]],
@@ -386,7 +388,7 @@ class BatchRunner:
         self._record(phase, sizes, time.perf_counter() - start)
         self._accept(outs, deliveries)
 
-    def _record(self, phase: str, sizes: StepShape, seconds: float) -> None:
+    def _record(self, phase: StepKind, sizes: StepShape, seconds: float) -> None:
         record = StepRecord(phase, *sizes, seconds)
         with self._stats_lock:
             self._steps.append(record)
@@ -434,9 +436,9 @@ class BatchRunner:
                     self._metrics.on_token(now - previous)
             token = tracker.pace(token, now, self.limits.stream_interval_seconds, flush=finish is not None)
             if token is not None:
-                deliveries.append((tracker, token))
+                deliveries.append(Delivery(tracker, token))
             if finish is not None:
-                deliveries.append((tracker, finish))
+                deliveries.append(Delivery(tracker, finish))
                 finished.append(tracker)
                 self._on_finished(finish)
         self._leave(finished)
@@ -480,7 +482,7 @@ class BatchRunner:
                 continue
             tracker.end(RequestState.FAILED, now)
             self.count("failed")
-            out.append((tracker, error(tracker)))
+            out.append(Delivery(tracker, error(tracker)))
 
     def _leave(self, trackers: Sequence[RequestTracker]) -> None:
         joined = [t.request_id for t in trackers if self._running.pop(t.request_id, None) is not None]
@@ -522,7 +524,7 @@ def queue_full(request_id: str, max_queue: int) -> QueueFull:
 
 
 def outcomes(deliveries: list[Delivery]) -> list[Outcome]:
-    return [(tracker.request_id, item) for tracker, item in deliveries]
+    return [Outcome(tracker.request_id, item) for tracker, item in deliveries]
 
 
 def draining(request_id: str) -> Draining:

@@ -128,7 +128,7 @@ def test_a_cancelled_constrained_stream_frees_its_row(
     next(call), next(call)
     call.cancel()
     snapshot = server.wait_idle(5.0)
-    assert snapshot.running == 0 and snapshot.batch_size == 0
+    assert snapshot.running == 0 and snapshot.kv_slots_used == 0
     assert snapshot.outcomes.get("cancelled", 0) == cancelled + 1
     engine = getattr(server.model.scheduler, "_engine", None)  # the engine thread's: here to look at
     if engine is not None:

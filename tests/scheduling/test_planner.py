@@ -74,7 +74,7 @@ def plan(
     view: View,
     running: Sequence[RequestTracker] = (),
     waiting: Sequence[RequestTracker] = (),
-    last_phase: str = "decode",
+    last_phase: StepKind | None = StepKind.DECODE,
     now: float = 0.0,
     **kw: Any,
 ) -> StepPlan:
@@ -137,11 +137,11 @@ def test_max_prefill_tokens_splits_a_burst_and_a_larger_prompt_goes_alone() -> N
 
 def test_no_two_prefills_in_a_row_while_others_decode() -> None:
     running, waiting = [decoding("r", 4)], [queued("a", 5)]
-    after_prefill = plan(View(), running, waiting, last_phase="prefill")
+    after_prefill = plan(View(), running, waiting, last_phase=StepKind.PREFILL)
     assert after_prefill.kind is StepKind.DECODE and ids(after_prefill.decoded) == ["r"]
-    assert plan(View(), running, waiting, last_phase="decode").kind is StepKind.PREFILL
+    assert plan(View(), running, waiting, last_phase=StepKind.DECODE).kind is StepKind.PREFILL
     # Nobody is stalled when nothing else runs: prefills follow each other.
-    assert plan(View(), (), waiting, last_phase="prefill").kind is StepKind.PREFILL
+    assert plan(View(), (), waiting, last_phase=StepKind.PREFILL).kind is StepKind.PREFILL
 
 
 def test_a_lone_long_prompt_is_prefilled_in_pieces_while_others_decode() -> None:
@@ -151,9 +151,9 @@ def test_a_lone_long_prompt_is_prefilled_in_pieces_while_others_decode() -> None
     assert (first.chunk, first.prefill_sizes) == (4, StepShape(1, 4, 4))  # the record shows one piece
     # The engine now holds it staged: the others decode between its pieces, and nobody else is admitted.
     view = View(staged_id="late", staged_done=4)
-    between = plan(view, [r, late], [other], last_phase="prefill", prefill_chunk_tokens=4)
+    between = plan(view, [r, late], [other], last_phase=StepKind.PREFILL, prefill_chunk_tokens=4)
     assert between.kind is StepKind.DECODE and ids(between.decoded) == ["r"]
-    piece = plan(view, [r, late], [other], last_phase="decode", prefill_chunk_tokens=4)
+    piece = plan(view, [r, late], [other], last_phase=StepKind.DECODE, prefill_chunk_tokens=4)
     assert piece.kind is StepKind.CONTINUE_PREFILL and ids(piece.group) == ["late"]
     assert piece.prefill_sizes == StepShape(1, 4, 4) and piece.admitted == ()
     view.staged_done = 12
@@ -166,7 +166,8 @@ def test_a_lone_long_prompt_is_prefilled_in_pieces_while_others_decode() -> None
 
 def test_a_staged_prompt_continues_at_once_when_nothing_else_decodes() -> None:
     late = decoding("late", 14, produced=0)  # admitted, still prefilling
-    got = plan(View(staged_id="late", staged_done=4), [late], last_phase="prefill", prefill_chunk_tokens=4)
+    view = View(staged_id="late", staged_done=4)
+    got = plan(view, [late], last_phase=StepKind.PREFILL, prefill_chunk_tokens=4)
     assert got.kind is StepKind.CONTINUE_PREFILL
 
 
