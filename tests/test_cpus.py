@@ -12,7 +12,7 @@ import pytest
 
 from bench.loadgen import LoadConfig, main
 from serve.api.config import ConfigError, ServerSettings, load_settings
-from serve.api.server import checked_engine_cpus
+from serve.api.loading import checked_engine_cpus
 from serve.process import (
     beside,
     check_cpus,

@@ -23,11 +23,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, free_port, rpc_error
 
-import serve.api.server
+import serve.api.lifecycle
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.api.common import LoadedModel
+from serve.api.lifecycle import TextgenServer
 from serve.api.metrics import Metrics
-from serve.api.server import TextgenServer
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW_SERVER = Path(__file__).resolve().parent / "slow_server"
@@ -50,13 +51,13 @@ def test_health_is_not_serving_until_the_model_is_loaded(
     loop: LoopThread, tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = asyncio.Event()
-    load_model = serve.api.server.load_model
+    load_model = serve.api.lifecycle.load_model
 
-    async def gated_load(*args: object) -> serve.api.server.LoadedModel:
+    async def gated_load(*args: object) -> LoadedModel:
         await gate.wait()
         return await load_model(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(serve.api.server, "load_model", gated_load)
+    monkeypatch.setattr(serve.api.lifecycle, "load_model", gated_load)
     server = TextgenServer(loopback_settings(tiny_bundle, http_port=free_port()), Metrics())
     starting = loop.submit(server.start())
     deadline = time.monotonic() + 10
