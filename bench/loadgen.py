@@ -45,9 +45,10 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
+from bench.cpus import pinned
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
-from serve.process import check_cpus, parse_cpu_list, pinned
+from serve.process import check_cpus, parse_cpu_list
 
 Dataset = Literal["synthetic", "corpus"]
 Rpc = Literal["stream", "unary", "http"]

@@ -25,8 +25,9 @@ from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.api.config import ConfigError, ServerSettings, load_settings
 from serve.api.grpc_requests import generation_request, prompt_ids
+from serve.api.grpc_service import generate_response, stream_message
 from serve.api.grpc_status import grpc_status
-from serve.api.server import generate_response, request_limits, session_config, stream_message
+from serve.api.loading import request_limits, session_config
 from serve.api.validation import check_request_id
 from serve.bundle import Bundle, load_bundle
 from serve.engine.engine import Engine, open_engine

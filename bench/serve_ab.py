@@ -35,10 +35,11 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from bench.cpus import engine_cpus_flag
 from bench.loadgen import RPC_NAMES, LoadConfig, Rpc, benchmark
 from bench.proc import CpuMeter, descendants, main_thread_cpu_seconds
 from bench.serving_bench import ROOT, free_port, server_process
-from serve.process import beside, engine_cpus_flag
+from serve.process import beside
 
 ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.cpus import resolve_engine_cpus
 from bench.loadgen import (
     RPC_NAMES,
     BenchmarkOutput,
@@ -55,7 +56,7 @@ from serve.api.config import ServerSettings
 from serve.bundle import Bundle, load_bundle
 from serve.engine.engine import Engine
 from serve.engine.types import EngineSettings, SessionConfig
-from serve.process import beside, format_cpu_list, resolve_engine_cpus
+from serve.process import beside, format_cpu_list
 from serve.scheduling.offline import OFFLINE_LIMITS, generate
 
 ROOT = Path(__file__).resolve().parent.parent

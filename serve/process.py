@@ -11,12 +11,11 @@ its compute threads and leaves a core to its front end). Linux only: `os.sched_s
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -67,11 +66,6 @@ def engine_cpus(setting: frozenset[int] | str | None) -> frozenset[int] | None:
     return frozenset(allowed[1:]) if len(allowed) > 1 else None
 
 
-def resolve_engine_cpus(text: str) -> frozenset[int] | None:
-    """An `--engine-cpus` value as written, resolved as the server resolves it; ValueError for a bad list."""
-    return engine_cpus(read_engine_cpus(text))
-
-
 def beside(engine_cpus: frozenset[int]) -> tuple[int, ...] | None:
     """The CPUs this process may use that `engine_cpus` leaves free, for the server's threads or a load
     generator on the same machine (None when none are left: they stay where they are)."""
@@ -102,31 +96,6 @@ def pin_process(cpus: frozenset[int]) -> None:
             continue
 
 
-@contextlib.contextmanager
-def pinned(cpus: frozenset[int] | None) -> Iterator[None]:
-    """This process on `cpus` for the duration (None: where it was), then back where it was."""
-    if cpus is None:
-        yield
-        return
-    before = allowed_cpus()
-    pin_process(cpus)
-    try:
-        yield
-    finally:
-        pin_process(before)
-
-
-def engine_cpus_flag(flags: Sequence[str]) -> frozenset[int] | None:
-    """The CPUs a textgen-serve command line gives `--engine-cpus`, if it does (benchmarks keep their load
-    generator off them)."""
-    for index, flag in enumerate(flags):
-        if flag == "--engine-cpus" and index + 1 < len(flags):
-            return resolve_engine_cpus(flags[index + 1])
-        if flag.startswith("--engine-cpus="):
-            return resolve_engine_cpus(flag.split("=", 1)[1])
-    return None
-
-
 def configure_logging(level: str) -> None:
     logging.basicConfig(
         level=level,
@@ -139,8 +108,9 @@ def configure_logging(level: str) -> None:
 def freeze_startup_objects() -> int:
     """Collect, then move every object alive now (modules, the tokenizer, ONNX Runtime's and gRPC's Python
     objects) out of the garbage collector's reach, as vLLM does after start-up: its full collections then
-    walk only what serving allocated since. On the demo engine a full collection took up to 39 ms before
-    and 3 ms after (docs/benchmarks.md), a stall every running stream sees. Returns the objects frozen."""
+    walk only what serving allocated since, and each full collection is a stall every running stream of the
+    process sees (measured: docs/benchmarks.md#start-up-and-memory, "Heap freeze"). Returns the objects
+    frozen."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -11,7 +11,7 @@ import logging
 import sys
 
 from serve.api.config import ConfigError, load_settings
-from serve.api.server import serve
+from serve.api.lifecycle import serve
 from serve.errors import TextgenError
 from serve.process import configure_logging
 

@@ -16,7 +16,7 @@ from server_tools import LoopThread
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.api.config import ConfigError, load_settings, parse_memory
-from serve.api.server import TextgenServer
+from serve.api.lifecycle import TextgenServer
 from serve.api.sizing import DEFAULT_MAX_MODEL_LEN, size_kv_cache
 from serve.bundle import load_bundle
 

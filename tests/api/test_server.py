@@ -24,7 +24,9 @@ from server_tools import LoopThread, rpc_error
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
-from serve.api.server import CallRecord, batch_invariant, scheduler_limits
+from serve.api.common import CallRecord
+from serve.api.grpc_service import batch_invariant
+from serve.api.loading import scheduler_limits
 from serve.engine.engine import Engine
 from serve.engine.types import EngineSettings
 

@@ -11,7 +11,7 @@ import pytest
 from server_tools import make_pki
 
 from serve.api.config import ConfigError, ServerSettings, load_settings
-from serve.api.server import engine_settings, scheduler_limits
+from serve.api.loading import engine_settings, scheduler_limits
 from serve.bundle import load_bundle
 from serve.engine.runtime import create_session
 from serve.process import freeze_startup_objects

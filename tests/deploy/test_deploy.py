@@ -205,8 +205,8 @@ def test_serving_lock_installs_and_serves_in_a_fresh_venv(tmp_path: Path, tiny_b
     subprocess.run([*pip, "--no-deps", str(context)], check=True)
     python = str(venv / "bin" / "python")
     imports = (
-        "import serve.api.server, serve.api.cli, serve.api.client, serve.engine.engine, serve.api.metrics, "
-        "serve.api.openai_api"
+        "import serve.api.lifecycle, serve.api.cli, serve.api.client, serve.engine.engine, "
+        "serve.api.metrics, serve.api.openai_api"
     )
     subprocess.run([python, "-c", imports], check=True, cwd=tmp_path)
     no_torch = subprocess.run([python, "-c", "import torch"], capture_output=True, cwd=tmp_path, check=False)

@@ -15,7 +15,10 @@ SERVE_MODULES = [
     "serve.api.metrics",
     "serve.scheduling.offline",
     "serve.scheduling.scheduler",
-    "serve.api.server",
+    "serve.api.grpc_service",
+    "serve.api.lifecycle",
+    "serve.api.loading",
+    "serve.api.state",
 ]
 
 

@@ -19,11 +19,12 @@ from running_server import RunningServer, loopback_settings
 from server_process import NOT_SERVING, SERVING, ServerProcess, health_status, run_serve
 from server_tools import LoopThread, free_port, rpc_error
 
-import serve.api.server
+import serve.api.lifecycle
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.api.common import LoadedModel
+from serve.api.lifecycle import TextgenServer
 from serve.api.metrics import Metrics
-from serve.api.server import TextgenServer
 
 
 def long_request(max_new_tokens: int = 30) -> pb.GenerateRequest:
@@ -36,13 +37,13 @@ def test_health_is_not_serving_until_the_model_is_loaded(
     loop: LoopThread, tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = asyncio.Event()
-    load_model = serve.api.server.load_model
+    load_model = serve.api.lifecycle.load_model
 
-    async def gated_load(*args: object) -> serve.api.server.LoadedModel:
+    async def gated_load(*args: object) -> LoadedModel:
         await gate.wait()
         return await load_model(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(serve.api.server, "load_model", gated_load)
+    monkeypatch.setattr(serve.api.lifecycle, "load_model", gated_load)
     server = TextgenServer(loopback_settings(tiny_bundle, http_port=free_port()), Metrics())
     starting = loop.submit(server.start())
     deadline = time.monotonic() + 10

@@ -1,5 +1,6 @@
-"""CPU placement (serve.process): the CPU lists `--engine-cpus` and `textgen-bench --cpus` take, and moving a
-process's threads (the server's own placement is tested with a real engine process in test_engine_process)."""
+"""CPU placement (serve.process, and bench.cpus for the benchmarks): the CPU lists `--engine-cpus` and
+`textgen-bench --cpus` take, and moving a process's threads (the server's own placement is tested with a real
+engine process in test_engine_process)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.cpus import engine_cpus_flag, pinned
 from bench.loadgen import LoadConfig, main
 from serve.api.config import ConfigError, ServerSettings, load_settings
-from serve.api.server import checked_engine_cpus
-from serve.process import (
-    beside,
-    check_cpus,
-    engine_cpus,
-    engine_cpus_flag,
-    format_cpu_list,
-    parse_cpu_list,
-    pinned,
-)
+from serve.api.loading import checked_engine_cpus
+from serve.process import beside, check_cpus, engine_cpus, format_cpu_list, parse_cpu_list
 
 
 @pytest.mark.parametrize(

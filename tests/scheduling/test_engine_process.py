@@ -30,8 +30,8 @@ from server_tools import LoopThread, rpc_error
 import serve.scheduling.engine_client
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.api.loading import engine_settings
 from serve.api.metrics import Metrics, new_registry
-from serve.api.server import engine_settings
 from serve.bundle import Bundle, load_bundle
 from serve.engine.engine import Engine
 from serve.engine.sampling import SamplingParams

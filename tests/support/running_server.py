@@ -10,9 +10,10 @@ from typing import Any
 import openai
 from server_tools import LoopThread
 
+from serve.api.common import LoadedModel
 from serve.api.config import ServerSettings
+from serve.api.lifecycle import TextgenServer
 from serve.api.metrics import Metrics
-from serve.api.server import LoadedModel, TextgenServer
 from serve.api.tracing import RequestTracer
 from serve.scheduling.messages import EngineWrap
 from serve.scheduling.runner import SchedulerSnapshot
@@ -64,7 +65,7 @@ class RunningServer:
 
     @property
     def model(self) -> LoadedModel:
-        model = self.server.service.model
+        model = self.server.state.model
         assert model is not None, "the server has not loaded its model"
         return model
 

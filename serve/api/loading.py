@@ -1,0 +1,146 @@
+"""Loading the model: the bundle, the KV rows its memory budget allows (`kv_sizing`), the engine's settings
+from the server's (`engine_settings`, `session_config`, `scheduler_limits`, `request_limits`), the engine
+process's CPUs and this process's (`checked_engine_cpus`, `place_server`), then the warmed-up engine and its
+started scheduler (`load_model`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from serve.api.common import LoadedModel
+from serve.api.config import ConfigError, ServerSettings
+from serve.api.metrics import Metrics
+from serve.api.sizing import KvSizing, size_kv_cache
+from serve.api.validation import RequestLimits
+from serve.bundle import Bundle, load_bundle
+from serve.engine.types import EngineInfo, EngineSettings, SessionConfig
+from serve.process import (
+    allowed_cpus,
+    beside,
+    check_cpus,
+    engine_cpus,
+    format_cpu_list,
+    pin_process,
+)
+from serve.scheduling.engine_client import ProcessScheduler
+from serve.scheduling.limits import SchedulerLimits
+from serve.scheduling.messages import EngineSpec, EngineWrap
+from serve.scheduling.scheduler import open_in_thread
+
+log = logging.getLogger("textgen.server")
+
+
+def request_limits(settings: ServerSettings, info: EngineInfo, max_total_tokens: int) -> RequestLimits:
+    # A KV slot, or the whole batch budget when that is smaller, bounds prompt + new tokens.
+    context = max_total_tokens
+    return RequestLimits(
+        vocab_size=info.vocab_size,
+        context_length=context,
+        max_prompt_tokens=min(settings.max_prompt_tokens or context - 1, context - 1),
+        default_max_new_tokens=settings.default_max_new_tokens,
+        max_new_tokens=settings.max_new_tokens,
+        max_stop_strings=settings.max_stop_strings,
+        max_stop_length=settings.max_stop_length,
+    )
+
+
+def scheduler_limits(settings: ServerSettings, sizing: KvSizing | None = None) -> SchedulerLimits:
+    return SchedulerLimits.of(settings, sizing.max_batch_size if sizing else settings.max_batch_size)
+
+
+def session_config(settings: ServerSettings) -> SessionConfig:
+    """The engine's ONNX Runtime session as the flags ask for it."""
+    threads = settings.threads or len(engine_cpus(settings.engine_cpus) or ())  # 0: ONNX Runtime's choice
+    return SessionConfig(
+        providers=tuple(settings.providers or ()),
+        threads=threads,
+        spinning=settings.spinning,
+        spin_between_runs=settings.spin_between_steps,
+    )
+
+
+def engine_settings(settings: ServerSettings, sizing: KvSizing | None = None) -> EngineSettings:
+    """The engine's settings; `sizing` (the KV rows the memory budget allows) over the flags' own rows."""
+    return EngineSettings(
+        max_batch_size=sizing.max_batch_size if sizing else settings.max_batch_size,
+        capacity=sizing.max_model_len if sizing else settings.max_model_len,
+        session=session_config(settings),
+        prefix_cache_rows=sizing.prefix_cache_rows if sizing else settings.prefix_cache_rows,
+        prefix_cache_min_tokens=settings.prefix_cache_min_tokens,
+    )
+
+
+def kv_sizing(settings: ServerSettings, bundle: Bundle) -> KvSizing:
+    """The KV rows to allocate for this bundle (ConfigError: none fits the budget), logged."""
+    sizing = size_kv_cache(
+        bundle.manifest,
+        settings.max_model_len,
+        settings.kv_cache_memory,
+        settings.max_batch_size,
+        settings.prefix_cache_rows,
+    )
+    log.info("%s", sizing.describe())
+    if sizing.max_batch_size < settings.max_batch_size:
+        log.warning(
+            "max_batch_size %d -> %d: kv_cache_memory holds %d rows of %d tokens",
+            settings.max_batch_size,
+            sizing.max_batch_size,
+            sizing.max_batch_size,
+            sizing.max_model_len,
+        )
+    return sizing
+
+
+def checked_engine_cpus(settings: ServerSettings) -> frozenset[int] | None:
+    """The engine process's CPUs (`engine_cpus` resolved); ConfigError for CPUs this process may not use."""
+    cpus = engine_cpus(settings.engine_cpus)
+    if cpus is None and settings.engine_cpus == "auto":
+        log.warning("engine_cpus auto: this process may run on one CPU only; nothing to keep apart")
+    elif cpus is not None:
+        try:
+            check_cpus(cpus, "engine_cpus")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if settings.threads is not None and settings.threads > len(cpus):
+            log.warning(
+                "threads %d on %d engine CPUs: ONNX Runtime's threads will take turns (leave threads unset)",
+                settings.threads,
+                len(cpus),
+            )
+    return cpus
+
+
+def place_server(engine_cpus: frozenset[int]) -> None:
+    """Move this process off the engine process's CPUs onto the rest of those it may use (none left: stay)."""
+    rest = beside(engine_cpus)
+    if rest is not None:
+        pin_process(frozenset(rest))
+    log.info(
+        "engine process on CPUs %s; the server's process on %s",
+        format_cpu_list(engine_cpus),
+        format_cpu_list(rest or allowed_cpus()),
+    )
+
+
+async def load_model(
+    settings: ServerSettings, metrics: Metrics | None, wrap: EngineWrap | None = None
+) -> LoadedModel:
+    """Bundle, warmed-up engine (in its own process, or here), started scheduler; raises BundleError for a
+    bundle that cannot be served. `wrap` wraps the engine before the scheduler gets it (tests)."""
+    bundle = await asyncio.to_thread(load_bundle, settings.bundle)
+    sizing = kv_sizing(settings, bundle)
+    cpus = checked_engine_cpus(settings) if settings.engine_process else None
+    limits = scheduler_limits(settings, sizing)
+    spec = EngineSpec(bundle, engine_settings(settings, sizing), limits, settings.log_level, wrap, cpus)
+    if not settings.engine_process:
+        scheduler, info = await open_in_thread(spec, metrics)
+        return LoadedModel(
+            bundle, info, scheduler, request_limits(settings, info, scheduler.max_total_tokens)
+        )
+    process = ProcessScheduler(spec, metrics)
+    await process.start()
+    if cpus is not None:
+        place_server(cpus)
+    checks = request_limits(settings, process.info, process.max_total_tokens)
+    return LoadedModel(bundle, process.info, process, checks)
