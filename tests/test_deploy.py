@@ -171,8 +171,9 @@ def locked(lock: Path) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("lock", "extras", "python"),
     [
-        ("requirements-serve.txt", ["cpu"], "3.11"),
-        ("requirements-serve-gpu.txt", ["gpu"], "3.12"),
+        # tracing: the serving images export request spans with --otlp-traces-endpoint.
+        ("requirements-serve.txt", ["cpu", "tracing"], "3.11"),
+        ("requirements-serve-gpu.txt", ["gpu", "tracing"], "3.12"),
         ("requirements-export.txt", ["cpu", "export"], "3.11"),
     ],
 )
