@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Regenerate the images' hash-locked requirements from pyproject.toml (run from anywhere; needs `uv`:
 # pip install uv). Each lock is resolved for the image's Python and platform, not this machine's.
-#   requirements-serve.txt      Dockerfile.cpu     python:3.11 slim (Debian bookworm)   [cpu] extra, no torch
-#   requirements-serve-gpu.txt  Dockerfile.gpu     Ubuntu 24.04 python3.12              [gpu] extra, no torch
+#   requirements-serve.txt      Dockerfile.cpu     python:3.11 slim (Debian bookworm)   [cpu,tracing], no torch
+#   requirements-serve-gpu.txt  Dockerfile.gpu     Ubuntu 24.04 python3.12              [gpu,tracing], no torch
 #   requirements-export.txt     Dockerfile.export  python:3.11 slim                     [cpu,export] + CPU torch
 # The CPU torch wheel comes from the PyTorch index; pass its location as TORCH_FIND_LINKS (a directory holding
 # the wheel, or https://download.pytorch.org/whl/cpu/torch/) so the lock records its hash.
@@ -14,8 +14,8 @@ compile() {
     uv pip compile pyproject.toml "$@" --python-platform x86_64-manylinux_2_31 --generate-hashes --quiet
 }
 
-compile --extra cpu --python-version 3.11 -o deploy/docker/requirements-serve.txt
-compile --extra gpu --python-version 3.12 -o deploy/docker/requirements-serve-gpu.txt
+compile --extra cpu --extra tracing --python-version 3.11 -o deploy/docker/requirements-serve.txt
+compile --extra gpu --extra tracing --python-version 3.12 -o deploy/docker/requirements-serve-gpu.txt
 compile deploy/docker/torch-cpu.in --extra cpu --extra export --python-version 3.11 \
     --find-links "${TORCH_FIND_LINKS:-https://download.pytorch.org/whl/cpu/torch/}" \
     -o deploy/docker/requirements-export.txt

@@ -40,6 +40,12 @@ HTTP_PORT = ServerSettings.model_fields["http_port"].default
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 # Custom resources of the Prometheus Operator: no schema in kubernetes-validate; checked by hand below.
 CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule"}
+# Custom resources of the Gateway API Inference Extension: no schema in kubernetes-validate, and no package on
+# the registries the project installs from ships their CRDs; checked by hand below.
+GATEWAY_KINDS = {"InferencePool", "InferenceObjective"}
+# The gauges the extension's endpoint picker scrapes from a model server by default (its flags
+# --total-queued-requests-metric and --kv-cache-usage-percentage-metric).
+GATEWAY_SCRAPED_METRICS = {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
 
 
 # Dockerfiles --------------------------------------------------------------------------------
@@ -171,8 +177,9 @@ def locked(lock: Path) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("lock", "extras", "python"),
     [
-        ("requirements-serve.txt", ["cpu"], "3.11"),
-        ("requirements-serve-gpu.txt", ["gpu"], "3.12"),
+        # tracing: the serving images export request spans with --otlp-traces-endpoint.
+        ("requirements-serve.txt", ["cpu", "tracing"], "3.11"),
+        ("requirements-serve-gpu.txt", ["gpu", "tracing"], "3.12"),
         ("requirements-export.txt", ["cpu", "export"], "3.11"),
     ],
 )
@@ -318,7 +325,7 @@ def render(kustomization: str) -> tuple[dict[str, Any], ...]:
     return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
 
 
-KUSTOMIZATIONS = ("overlays/cpu", "overlays/gpu", "export")
+KUSTOMIZATIONS = ("overlays/cpu", "overlays/gpu", "overlays/inference-gateway", "export")
 
 
 def one(objects: tuple[dict[str, Any], ...], kind: str, name: str | None = None) -> dict[str, Any]:
@@ -340,7 +347,7 @@ def test_manifests_validate_against_kubernetes_schemas(kustomization: str) -> No
     objects = render(kustomization)
     assert objects
     for obj in objects:
-        if obj["kind"] in CUSTOM_KINDS:
+        if obj["kind"] in CUSTOM_KINDS | GATEWAY_KINDS:
             continue
         for version in K8S_VERSIONS:
             # strict: unknown fields are errors, as `kubectl apply --validate=strict` would make them.
@@ -476,6 +483,51 @@ def test_service_monitor_selects_the_metrics_service() -> None:
     port_names = {p["name"] for p in selected[0]["spec"]["ports"]}
     assert {e["port"] for e in monitor["spec"]["endpoints"]} <= port_names
     assert monitor["spec"]["namespaceSelector"]["matchNames"] == [selected[0]["metadata"]["namespace"]]
+
+
+def test_inference_gateway_overlay_adds_only_the_pool_and_objective() -> None:
+    gateway = render("overlays/inference-gateway")
+    assert sorted({o["kind"] for o in gateway} - {o["kind"] for o in render("overlays/cpu")}) == sorted(
+        GATEWAY_KINDS
+    )
+    assert identities(tuple(o for o in gateway if o["kind"] not in GATEWAY_KINDS)) == identities(
+        render("overlays/cpu")
+    )
+
+
+def test_inference_pool_selects_the_pods_and_their_http_port() -> None:
+    """InferencePool has no schema offline: check that it selects the Deployment's pods on the HTTP port."""
+    objects = render("overlays/inference-gateway")
+    pool = one(objects, "InferencePool", "textgen")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    deployment = one(objects, "Deployment", "textgen")
+    assert pool["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert labels_match(pool["spec"]["selector"]["matchLabels"], pod_labels)
+    ports = {p["name"]: p["containerPort"] for p in container(objects)["ports"]}
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [ports["http"]] == [HTTP_PORT]
+    picker = pool["spec"]["endpointPickerRef"]
+    assert picker["name"] and 0 < picker["port"]["number"] < 65536
+    assert picker["failureMode"] in {"FailOpen", "FailClose"}
+
+
+def test_inference_objective_references_the_pool() -> None:
+    objects = render("overlays/inference-gateway")
+    objective = one(objects, "InferenceObjective")
+    assert objective["apiVersion"] == "inference.networking.x-k8s.io/v1alpha2"
+    ref = objective["spec"]["poolRef"]
+    pool = one(objects, "InferencePool", ref["name"])
+    assert (ref["group"], ref["kind"]) == (pool["apiVersion"].split("/")[0], pool["kind"])
+    assert isinstance(objective["spec"]["priority"], int)
+
+
+def test_the_gateway_scrapes_what_the_server_exposes() -> None:
+    """The endpoint picker's default metric names are among the aliases the server exports."""
+    from serve.api.metrics import GATEWAY_ALIASES
+
+    assert set(GATEWAY_ALIASES) >= GATEWAY_SCRAPED_METRICS
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    assert all(name in docs for name in GATEWAY_SCRAPED_METRICS)
 
 
 def test_prometheus_rule_is_well_formed() -> None:
