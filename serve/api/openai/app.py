@@ -29,16 +29,15 @@ import socket
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi import HTTPException as FastAPIHTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -46,39 +45,37 @@ from serve.api.common import CallRecord, LoadedModel, account
 from serve.api.config import ConfigError, ServerSettings
 from serve.api.http_status import NOT_FOUND, TOO_LARGE, HttpError, http_error
 from serve.api.metrics import Metrics
-from serve.api.openai_protocol import (
-    MAX_PROMPTS,
+from serve.api.openai.logprobs import Vocabulary, chat_logprobs, completion_logprobs
+from serve.api.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionLogprobs,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
+    ModelList,
     TokenizeRequest,
     TokenizeResponse,
-    Vocabulary,
-    chat_constraint,
-    chat_logprobs,
-    chat_messages,
-    completion_logprobs,
-    finish_reason,
-    refuse_unsupported,
-    structured_output,
 )
-from serve.api.responses import Draft, ResponsesRequest, chat_body, events, from_chat
-from serve.api.tool_calls import Reply, ToolPlan, tool_plan
-from serve.api.tool_formats import tool_format
+from serve.api.openai.responses import Draft, ResponsesRequest, chat_body, events, from_chat
+from serve.api.openai.translate import (
+    NotFound,
+    Plan,
+    Prompt,
+    ServingState,
+    chat_messages,
+    chat_plan,
+    completion_plan,
+    named_model,
+)
+from serve.api.tool_calls import Reply
 from serve.api.tracing import RequestTracer, take_trace_context
 from serve.api.validation import (
-    OPENAI_FIELDS,
-    GenerationOptions,
-    build_request,
     check_request_id,
-    choice_seed,
-    text_prompt,
     token_ids,
-    token_prompt,
 )
-from serve.engine.sampling import SamplingParams
-from serve.engine.types import Constraint
 from serve.errors import Cancelled, Draining, InvalidRequest, Unauthenticated
 from serve.scheduling.handles import RequestHandle
 from serve.scheduling.request import Completion, Event, FinishEvent, GenerationRequest, TokenEvent
@@ -92,24 +89,16 @@ RESPONSES = "/v1/responses"
 ROUTES = frozenset({COMPLETIONS, CHAT, MODELS, TOKENIZE, DETOKENIZE, RESPONSES})
 REQUEST_ID_HEADER = "x-request-id"
 REQUEST_ID_KEY = "textgen.request_id"
+# The error statuses a route may answer with, each in OpenAI's error shape (/openapi.json says so).
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503, 504)
+}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class ServingState(Protocol):
-    """What the front ends share of the server's state (the gRPC service holds it)."""
-
-    draining: bool
-
-    def ready_model(self) -> LoadedModel: ...
 
 
 class BodyTooLarge(FastAPIHTTPException):  # FastAPI's: its body reader re-raises these as they are
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"the request body exceeds the server's limit of {limit} bytes")
-
-
-class NotFound(Exception):
-    """An unknown model (404)."""
 
 
 def _error_response(error: HttpError, request_id: str, param: str | None = None) -> JSONResponse:
@@ -212,21 +201,6 @@ class FrontDoor:
 
 
 # --- one request's choices ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Prompt:
-    ids: list[int]
-    text: str  # what echo returns
-
-
-@dataclass
-class Plan:
-    """What one HTTP request submits: a request per (prompt, choice), index = prompt x n + choice."""
-
-    prompts: list[Prompt]
-    requests: list[GenerationRequest]
-    n: int
 
 
 def _submit_all(model: LoadedModel, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
@@ -404,7 +378,7 @@ class OpenAIApi:
             body = {"status": "serving" if serving else "not serving"}
             return JSONResponse(body, status_code=200 if serving else 503)
 
-        @app.get(MODELS, summary="the served model")
+        @app.get(MODELS, summary="the served model", response_model=ModelList, responses=ERRORS)
         async def models(request: Request) -> Response:
             record = CallRecord(rpc=MODELS, request_id=request.scope[REQUEST_ID_KEY])
             try:
@@ -415,11 +389,21 @@ class OpenAIApi:
             self._account(record)
             return JSONResponse({"object": "list", "data": [self._model_card(model)]})
 
-        @app.post(COMPLETIONS, summary="completions of one or more prompts")
+        @app.post(
+            COMPLETIONS,
+            summary="completions of one or more prompts",
+            response_model=CompletionResponse,
+            responses=ERRORS,
+        )
         async def completions(body: CompletionRequest, request: Request) -> Response:
             return await self._completions(body, request)
 
-        @app.post(CHAT, summary="the assistant's next message in a chat")
+        @app.post(
+            CHAT,
+            summary="the assistant's next message in a chat",
+            response_model=ChatCompletionResponse,
+            responses=ERRORS,
+        )
         async def chat(body: ChatCompletionRequest, request: Request) -> Response:
             return await self._chat(body, request)
 
@@ -427,11 +411,18 @@ class OpenAIApi:
         async def responses(body: ResponsesRequest, request: Request) -> Response:
             return await self._responses(body, request)
 
-        @app.post(TOKENIZE, summary="a prompt's or a chat's token ids", response_model=TokenizeResponse)
+        @app.post(
+            TOKENIZE,
+            summary="a prompt's or a chat's token ids",
+            response_model=TokenizeResponse,
+            responses=ERRORS,
+        )
         async def tokenize(body: TokenizeRequest, request: Request) -> Response:
             return await self._answer(TOKENIZE, request, self._tokenize(body))
 
-        @app.post(DETOKENIZE, summary="the text of token ids", response_model=DetokenizeResponse)
+        @app.post(
+            DETOKENIZE, summary="the text of token ids", response_model=DetokenizeResponse, responses=ERRORS
+        )
         async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
             return await self._answer(DETOKENIZE, request, self._detokenize(body))
 
@@ -485,106 +476,6 @@ class OpenAIApi:
         request_id = request.scope.get(REQUEST_ID_KEY, "")
         log.error("request %s failed", request_id, exc_info=exc)
         return _error_response(http_error(exc, request_id or None), request_id)
-
-    # -- shared by both generation routes --------------------------------------------------------------------
-    def _count_constraint(self, constraint: Constraint | None, tools: ToolPlan | None = None) -> None:
-        """The constrained-request metric, by kind ("tool": a call that tool_choice forces)."""
-        if self._metrics is not None and constraint is not None:
-            forced = tools is not None and tools.constrained
-            self._metrics.on_constrained("tool" if forced else constraint.kind.value)
-
-    def _vocabulary(self, model: LoadedModel) -> Vocabulary:
-        vocab = self._vocabularies.get(id(model.tokenizer))
-        if vocab is None:
-            vocab = self._vocabularies[id(model.tokenizer)] = Vocabulary(model.tokenizer)
-        return vocab
-
-    def _named(self, name: str | None) -> LoadedModel:
-        """The served model, if `name` (a request's `model`) names it or is None."""
-        model = self._state.ready_model()
-        if name is not None and name != model.name:
-            raise NotFound(f"the model {name!r} does not exist: this server serves {model.name!r}")
-        return model
-
-    def _begin(self, body: CompletionRequest | ChatCompletionRequest) -> LoadedModel:
-        model = self._named(body.model)
-        refuse_unsupported(body)
-        n = body.n or 1
-        if n > self._settings.max_n:
-            raise InvalidRequest(f"n = {n}; allowed 1..{self._settings.max_n} (the server's max_n)")
-        return model
-
-    def _options(
-        self,
-        body: CompletionRequest | ChatCompletionRequest,
-        max_tokens: int | None,
-        constraint: Constraint | None,
-        *,
-        logprobs: bool,
-        top_logprobs: int,
-        echo: bool = False,
-    ) -> GenerationOptions:
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
-        score_only = echo and max_tokens == 0
-        if max_tokens == 0 and not score_only:
-            raise InvalidRequest(
-                "max_tokens = 0 generates nothing: give 1 or more (or leave it out for the server's "
-                "default); with echo, /v1/completions returns the prompt and scores it"
-            )
-        return GenerationOptions(
-            sampling=_sampling(body),
-            max_new_tokens=max_tokens or 0,
-            stop=stop,
-            ignore_eos=bool(body.ignore_eos),
-            stop_token_ids=list(body.stop_token_ids or ()),
-            min_new_tokens=body.min_tokens or 0,
-            include_stop_str_in_output=bool(body.include_stop_str_in_output),
-            include_logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            prompt_logprobs=echo and (logprobs or score_only),
-            prompt_top_logprobs=top_logprobs if echo and logprobs else 0,
-            truncate_prompt_tokens=body.truncate_prompt_tokens or 0,
-            score_only=score_only,
-            constraint=constraint,
-        )
-
-    def _plan(
-        self,
-        prompts: list[Prompt],
-        options: GenerationOptions,
-        n: int,
-        model: LoadedModel,
-        request_id: str,
-        stream: bool,
-    ) -> Plan:
-        requests = []
-        total = len(prompts) * n
-        for p, prompt in enumerate(prompts):
-            for c in range(n):
-                index = p * n + c
-                sampling = replace(options.sampling, seed=choice_seed(options.sampling.seed, c))
-                requests.append(
-                    build_request(
-                        replace(options, sampling=sampling),
-                        request_id=request_id if total == 1 else f"{request_id}-{index}",
-                        prompt=prompt.ids,
-                        limits=model.limits,
-                        deadline=None,
-                        stream=stream,
-                        fields=OPENAI_FIELDS,
-                    )
-                )
-        # Choices 1..n-1 fork choice 0's prefilled row when admitted with it (the engine copies its KV row and
-        # first-step logits instead of computing the prompt again).
-        for p in range(len(prompts)):
-            for c in range(1, n):
-                requests[p * n + c] = replace(requests[p * n + c], fork_of=requests[p * n].request_id)
-        # What truncate_prompt_tokens kept is what was served (and what echo returns).
-        for p, prompt in enumerate(prompts):
-            kept = requests[p * n].prompt_ids
-            if len(kept) != len(prompt.ids):
-                prompts[p] = Prompt(kept, model.tokenizer.decode(kept, skip_special_tokens=False))
-        return Plan(prompts, requests, n)
 
     async def _run(
         self,
@@ -660,25 +551,13 @@ class OpenAIApi:
     async def _completions(self, body: CompletionRequest, request: Request) -> Response:
         record = CallRecord(rpc=COMPLETIONS, request_id=request.scope[REQUEST_ID_KEY])
         try:
-            model = self._begin(body)
-            k = body.logprobs
-            constraint = structured_output(body)
-            options = self._options(
-                body,
-                body.max_tokens,
-                constraint,
-                logprobs=k is not None,
-                top_logprobs=k or 0,
-                echo=bool(body.echo),
-            )
-            prompts = await self._prompts(body.prompt, model)
-            record.prompt = prompts[0].text
-            plan = self._plan(prompts, options, body.n or 1, model, record.request_id, bool(body.stream))
+            model = named_model(self._state, body.model)
+            plan = await completion_plan(body, model, self._settings.max_n, record)
             created = int(time.time())
             vocab = self._vocabulary(model)
-            echo, include_usage = bool(body.echo), _include_usage(body)
+            echo, k, include_usage = plan.echo, plan.logprobs, plan.include_usage
             ident = f"cmpl-{record.request_id}"
-            self._count_constraint(constraint)
+            self._count_constraint(plan)
 
             def render(plan: Plan, done: list[Completion]) -> dict[str, Any]:
                 choices = [
@@ -721,11 +600,11 @@ class OpenAIApi:
         except Exception as exc:
             return self._failed(record, exc)
 
-    # -- the Responses API (serve/api/responses.py) ----------------------------------------------------------
+    # -- the Responses API (serve/api/openai/responses.py) ---------------------------------------------------
     async def _responses(self, body: ResponsesRequest, request: Request) -> Response:
         try:
             chat = ChatCompletionRequest.model_validate(chat_body(body))
-            model = self._named(body.model)
+            model = named_model(self._state, body.model)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(part) for part in first["loc"])
@@ -748,8 +627,19 @@ class OpenAIApi:
     def _record(route: str, request: Request) -> CallRecord:
         return CallRecord(rpc=route, request_id=request.scope[REQUEST_ID_KEY])
 
+    def _vocabulary(self, model: LoadedModel) -> Vocabulary:
+        vocab = self._vocabularies.get(id(model.tokenizer))
+        if vocab is None:
+            vocab = self._vocabularies[id(model.tokenizer)] = Vocabulary(model.tokenizer)
+        return vocab
+
+    def _count_constraint(self, plan: Plan) -> None:
+        """The constrained-request metric, by kind ("tool": a call that tool_choice forces)."""
+        if self._metrics is not None and plan.constraint_label is not None:
+            self._metrics.on_constrained(plan.constraint_label)
+
     # -- the tokenizer's routes ------------------------------------------------------------------------------
-    async def _answer(self, route: str, request: Request, answer: Awaitable[BaseModel]) -> Response:
+    async def _answer(self, route: str, request: Request, answer: Awaitable[Mapping[str, Any]]) -> Response:
         """A route that answers with one JSON object, or its error, accounted as `route`."""
         record = self._record(route, request)
         try:
@@ -758,10 +648,10 @@ class OpenAIApi:
             return self._failed(record, exc)
         record.status = 200
         self._account(record)
-        return JSONResponse(body.model_dump(), headers={"X-Request-Id": record.request_id})
+        return JSONResponse(body, headers={"X-Request-Id": record.request_id})
 
     async def _tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
-        model = self._named(body.model)
+        model = named_model(self._state, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("give exactly one of prompt and messages")
         if body.messages is not None:
@@ -777,73 +667,25 @@ class OpenAIApi:
         # "" for ids the model has but the tokenizer does not (a vocabulary padded for speed)
         strs = [model.tokenizer.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
         limit = model.limits.context_length
-        return TokenizeResponse(count=len(ids), max_model_len=limit, tokens=ids, token_strs=strs)
+        return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strs}
 
     async def _detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
-        model = self._named(body.model)
+        model = named_model(self._state, body.model)
         ids = token_ids(body.tokens, model.info.vocab_size, "tokens")
-        return DetokenizeResponse(prompt=await asyncio.to_thread(model.tokenizer.decode, ids))
-
-    async def _prompts(
-        self, prompt: str | list[str] | list[int] | list[list[int]], model: LoadedModel
-    ) -> list[Prompt]:
-        vocab_size = model.limits.vocab_size
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        if not prompt:
-            raise InvalidRequest("prompt is empty: give a string, a list of strings or of token ids")
-        if len(prompt) > MAX_PROMPTS and not isinstance(prompt[0], int):
-            raise InvalidRequest(f"{len(prompt)} prompts given; at most {MAX_PROMPTS} in one request")
-        if isinstance(prompt[0], int):
-            ids = token_prompt([int(t) for t in prompt], vocab_size, "prompt")
-            return [Prompt(ids, model.tokenizer.decode(ids, skip_special_tokens=False))]
-        if isinstance(prompt[0], list):
-            out = []
-            for i, item in enumerate(prompt):
-                ids = token_prompt(item, vocab_size, f"prompt[{i}]")
-                out.append(Prompt(ids, model.tokenizer.decode(ids, skip_special_tokens=False)))
-            return out
-        texts: list[str] = prompt
-        encode = model.tokenizer.encode
-
-        def tokenized() -> list[Prompt]:
-            field = "prompt" if len(texts) == 1 else "prompt[{}]"
-            return [
-                Prompt(text_prompt(t, lambda s: encode(s).ids, field.format(i)), t)
-                for i, t in enumerate(texts)
-            ]
-
-        return await asyncio.to_thread(tokenized)  # a long prompt takes milliseconds: off the event loop
+        return {"prompt": await asyncio.to_thread(model.tokenizer.decode, ids)}
 
     # -- /v1/chat/completions --------------------------------------------------------------------------------
     async def _chat(self, body: ChatCompletionRequest, request: Request, route: str = CHAT) -> Response:
         """`route`: the route the call is accounted as (/v1/responses serves its requests through this)."""
         record = CallRecord(rpc=route, request_id=request.scope[REQUEST_ID_KEY])
         try:
-            model = self._begin(body)
-            if body.top_logprobs and not body.logprobs:
-                raise InvalidRequest("top_logprobs needs logprobs: true")
-            top = body.top_logprobs or 0
-            max_tokens = (
-                body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            )
-            form = tool_format(model.chat.source if model.chat is not None else None)
-            tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, form)
-            constraint = chat_constraint(body, tools)
-            options = self._options(
-                body, max_tokens, constraint, logprobs=bool(body.logprobs), top_logprobs=top
-            )
-            messages = chat_messages(body.messages)
-            ids = await asyncio.to_thread(model.chat_prompt, messages, tools.template_tools)
-            record.prompt = json.dumps(messages, ensure_ascii=False)
-            plan = self._plan(
-                [Prompt(ids, "")], options, body.n or 1, model, record.request_id, bool(body.stream)
-            )
+            model = named_model(self._state, body.model)
+            plan = await chat_plan(body, model, self._settings.max_n, record)
             created = int(time.time())
             vocab = self._vocabulary(model)
-            want_logprobs, include_usage = bool(body.logprobs), _include_usage(body)
+            tools, want_logprobs, include_usage = plan.tools, plan.logprobs, plan.include_usage
             ident = f"chatcmpl-{record.request_id}"
-            self._count_constraint(constraint, tools)
+            self._count_constraint(plan)
 
             def render(plan: Plan, done: list[Completion]) -> dict[str, Any]:
                 choices = []
@@ -919,35 +761,9 @@ class OpenAIApi:
 # --- helpers of the two routes ------------------------------------------------------------------------------
 
 
-def _sampling(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
-    bias: list[tuple[int, float]] = []
-    for key, value in (body.logit_bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise InvalidRequest(
-                f"logit_bias keys are token ids (integers, as strings); got {key!r}"
-            ) from None
-        bias.append((token, value))
-    temperature = 1.0 if body.temperature is None else body.temperature
-    top_p = 0.0 if body.top_p is None or body.top_p == 1.0 else body.top_p
-    if body.top_p == 0.0:  # OpenAI's top_p 0 keeps only the most likely token: greedy
-        temperature, top_p = 0.0, 0.0
-    return SamplingParams(
-        temperature=temperature,
-        top_k=max(body.top_k or 0, 0),
-        top_p=top_p,
-        repetition_penalty=body.repetition_penalty or 0.0,
-        seed=None if body.seed is None else body.seed % 2**64,
-        min_p=body.min_p or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        presence_penalty=body.presence_penalty or 0.0,
-        logit_bias=tuple(sorted(bias)),
-    )
-
-
-def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
-    return bool(body.stream and body.stream_options is not None and body.stream_options.include_usage)
+def finish_reason(reason: str) -> str:
+    """textgen's finish reason as OpenAI's: EOS and stop sequences are "stop", the limits "length"."""
+    return "stop" if reason in ("eos", "stop") else "length"
 
 
 def _sse_data(obj: dict[str, Any], usage_field: bool = False) -> str:
@@ -983,7 +799,7 @@ def _prompt_scores(
 
 def _event_completion_logprobs(
     vocab: Vocabulary, event: TokenEvent, prompt: Prompt | None, offset: int
-) -> tuple[dict[str, Any], int]:
+) -> tuple[CompletionLogprobs, int]:
     ids: list[int] = []
     lps: list[float | None] = []
     tops: list[Any] = []
