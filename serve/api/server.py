@@ -35,7 +35,7 @@ from serve.api.config import ConfigError, ServerSettings
 from serve.api.grpc_requests import generation_request, prompt_ids, reject_unknown_fields
 from serve.api.grpc_status import grpc_status
 from serve.api.metrics import Metrics
-from serve.api.openai.app import HttpServer, http_api
+from serve.api.openai.http_server import HttpServer, http_api
 from serve.api.sizing import KvSizing, size_kv_cache
 from serve.api.tracing import RequestTracer, take_trace_context
 from serve.api.validation import RequestLimits, check_request_id, token_ids

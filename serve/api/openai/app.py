@@ -22,30 +22,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
-import socket
-import ssl
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
-from fastapi import HTTPException as FastAPIHTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.api.common import CallRecord, LoadedModel, account
-from serve.api.config import ConfigError, ServerSettings
+from serve.api.config import ServerSettings
 from serve.api.http_status import NOT_FOUND, TOO_LARGE, HttpError, http_error
 from serve.api.metrics import Metrics
+from serve.api.openai.front_door import FrontDoor, error_response
 from serve.api.openai.logprobs import Vocabulary, chat_logprobs, completion_logprobs
+from serve.api.openai.paths import (
+    CHAT,
+    COMPLETIONS,
+    DETOKENIZE,
+    HEALTH,
+    MODELS,
+    REQUEST_ID_KEY,
+    RESPONSES,
+    ROUTES,
+    TOKENIZE,
+)
 from serve.api.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -59,6 +64,15 @@ from serve.api.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from serve.api.openai.request_events import (
+    complete,
+    first_event,
+    merged,
+    plan_usage,
+    prepend,
+    submit_all,
+    until_done,
+)
 from serve.api.openai.responses import Draft, ResponsesRequest, chat_body, events, from_chat
 from serve.api.openai.translate import (
     NotFound,
@@ -71,248 +85,21 @@ from serve.api.openai.translate import (
     named_model,
 )
 from serve.api.tool_calls import Reply
-from serve.api.tracing import RequestTracer, take_trace_context
+from serve.api.tracing import RequestTracer
 from serve.api.validation import (
-    check_request_id,
     token_ids,
 )
-from serve.errors import Cancelled, Draining, InvalidRequest, Unauthenticated
+from serve.errors import Draining, InvalidRequest
 from serve.scheduling.handles import RequestHandle
-from serve.scheduling.request import Completion, Event, FinishEvent, GenerationRequest, TokenEvent
+from serve.scheduling.request import Completion, Event, FinishEvent, TokenEvent
 
 log = logging.getLogger("textgen.http")
 
-COMPLETIONS, CHAT, MODELS, HEALTH = "/v1/completions", "/v1/chat/completions", "/v1/models", "/health"
-TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"  # vLLM's and llama-server's paths
-RESPONSES = "/v1/responses"
-# The `rpc` label values (health is not counted).
-ROUTES = frozenset({COMPLETIONS, CHAT, MODELS, TOKENIZE, DETOKENIZE, RESPONSES})
-REQUEST_ID_HEADER = "x-request-id"
-REQUEST_ID_KEY = "textgen.request_id"
 # The error statuses a route may answer with, each in OpenAI's error shape (/openapi.json says so).
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503, 504)
 }
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class BodyTooLarge(FastAPIHTTPException):  # FastAPI's: its body reader re-raises these as they are
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the request body exceeds the server's limit of {limit} bytes")
-
-
-def _error_response(error: HttpError, request_id: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error.body(param), status_code=error.status, headers={"X-Request-Id": request_id})
-
-
-# --- the front door: request id, bearer token, body size ----------------------------------------------------
-
-
-class FrontDoor:
-    """Pure ASGI, outermost: takes (or makes) the request id and echoes it, keeps the caller's trace context
-    when requests are traced, refuses a call without the bearer token (401) and a body over the limit (413),
-    before any routing or parsing."""
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        token: str | None,
-        max_body: int,
-        on_refused: Callable[[str, str, int, str], None],
-        traced: bool = False,
-    ) -> None:
-        self._app = app
-        self._traced = traced
-        self._expected = None if token is None else f"Bearer {token}".encode()
-        self._max_body = max_body
-        self._on_refused = on_refused  # (route, metric code, HTTP status, request id)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self._app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        supplied = headers.get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
-        request_id = supplied or uuid.uuid4().hex
-        path = scope["path"]
-        refusal: tuple[HttpError, str | None] | None = None
-        try:
-            check_request_id(request_id)
-        except InvalidRequest as exc:
-            request_id = uuid.uuid4().hex
-            refusal = http_error(exc), "X-Request-Id"
-        scope[REQUEST_ID_KEY] = request_id
-        if self._traced:
-            take_trace_context((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"])
-        if refusal is None and self._expected is not None and path != HEALTH:
-            auth = headers.get(b"authorization")
-            if auth is None:
-                refused = Unauthenticated(
-                    "missing credentials: send the header 'Authorization: Bearer <token>'"
-                )
-                refusal = http_error(refused), "Authorization"
-            elif not hmac.compare_digest(auth, self._expected):  # constant time: no timing oracle
-                refusal = (
-                    http_error(Unauthenticated("invalid bearer token in the Authorization header")),
-                    None,
-                )
-        length = headers.get(b"content-length")
-        if refusal is None and length is not None and length.isdigit() and int(length) > self._max_body:
-            status, kind, code = TOO_LARGE
-            message = f"the request body ({int(length)} bytes) exceeds the server's limit of {self._max_body}"
-            refusal = HttpError(status, kind, code, message), None
-        if refusal is not None:
-            error, param = refusal
-            if path in ROUTES:
-                self._on_refused(path, error.code, error.status, request_id)
-            await _error_response(error, request_id, param)(scope, receive, send)
-            return
-        if path in ROUTES and scope["method"] == "POST":
-            # The body is JSON whatever the Content-Type says (`curl -d` sends a form's type).
-            raw = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
-            scope = {**scope, "headers": [*raw, (b"content-type", b"application/json")]}
-        await self._app(scope, self._counting(receive), self._echoing(send, request_id))
-
-    def _counting(self, receive: Receive) -> Receive:
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self._max_body:
-                    raise BodyTooLarge(self._max_body)
-            return message
-
-        return counted
-
-    @staticmethod
-    def _echoing(send: Send, request_id: str) -> Send:
-        header = (b"x-request-id", request_id.encode("latin-1", "replace"))
-
-        async def echoed(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
-                message = {**message, "headers": [*headers, header]}
-            await send(message)
-
-        return echoed
-
-
-# --- one request's choices ----------------------------------------------------------------------------------
-
-
-def _submit_all(model: LoadedModel, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
-    handles: list[RequestHandle] = []
-    try:
-        for request in requests:
-            handles.append(model.scheduler.submit(request))
-    except BaseException:
-        for handle in handles:
-            handle.cancel()
-        raise
-    return handles
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone away (the body is read already: the next message is the end)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            raise Cancelled("the client went away")
-
-
-async def _complete(handle: RequestHandle) -> Completion:
-    completion = Completion(handle.request_id)
-    async for event in handle:
-        completion.add(event)
-    return completion
-
-
-async def _until_done(
-    tasks: Sequence[asyncio.Future[Any]], request: Request, handles: Sequence[RequestHandle]
-) -> None:
-    """Waits for every task; the first error (or the client going away) cancels the rest and is raised."""
-    watcher = asyncio.ensure_future(_disconnected(request))
-    pending: set[asyncio.Future[Any]] = {*tasks, watcher}
-    try:
-        while any(not t.done() for t in tasks):
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for future in done:
-                if future.exception() is not None:
-                    raise future.exception()  # type: ignore[misc]
-    finally:
-        watcher.cancel()
-        for handle in handles:
-            handle.cancel()  # no effect once finished
-        for task in tasks:
-            task.cancel()
-
-
-async def _merged(handles: Sequence[RequestHandle]) -> AsyncIterator[tuple[int, Event]]:
-    """Every choice's events as they come, tagged with its index; a stream that fell behind the engine gets
-    what arrived meanwhile in one event."""
-    queue: asyncio.Queue[tuple[int, Event | Exception]] = asyncio.Queue()
-
-    async def pump(index: int, handle: RequestHandle) -> None:
-        try:
-            async for event in handle.coalesced():
-                queue.put_nowait((index, event))
-        except Exception as exc:
-            queue.put_nowait((index, exc))
-
-    if len(handles) == 1:  # the usual case, without a task
-        handle = handles[0]
-        async for event in handle.coalesced():
-            yield 0, event
-        return
-    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
-    try:
-        left = len(handles)
-        while left:
-            index, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if isinstance(item, FinishEvent):
-                left -= 1
-            yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-def _merged_finish(finishes: Sequence[FinishEvent], prompt_tokens: int, cached: int) -> FinishEvent:
-    """One log line's finish for all of a request's choices."""
-    first = finishes[0]
-    return FinishEvent(
-        finish_reason=first.finish_reason,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=sum(f.completion_tokens for f in finishes),
-        cached_prompt_tokens=cached,
-        queue_seconds=min(f.queue_seconds for f in finishes),
-        ttft_seconds=min(f.ttft_seconds for f in finishes),
-        total_seconds=max(f.total_seconds for f in finishes),
-    )
-
-
-def _usage(plan: Plan, finishes: Sequence[FinishEvent | None]) -> tuple[dict[str, Any], FinishEvent | None]:
-    done = [f for f in finishes if f is not None]
-    prompt = sum(len(p.ids) for p in plan.prompts)
-    # The prompt is counted once per prompt, not once per choice (as OpenAI does).
-    cached = (
-        sum((finishes[i * plan.n] or done[0]).cached_prompt_tokens for i in range(len(plan.prompts)))
-        if done
-        else 0
-    )
-    completion = sum(f.completion_tokens for f in done)
-    usage = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-    return usage, (_merged_finish(done, prompt, cached) if done else None)
 
 
 # --- the API ------------------------------------------------------------------------------------------------
@@ -457,7 +244,7 @@ class OpenAIApi:
             message = f"{where or 'body'}: {first['msg']}{got}"
         record = CallRecord(rpc=request.url.path, request_id=request.scope.get(REQUEST_ID_KEY, ""))
         if record.rpc not in ROUTES:
-            return _error_response(http_error(InvalidRequest(message)), record.request_id, where or None)
+            return error_response(http_error(InvalidRequest(message)), record.request_id, where or None)
         return self._failed(record, InvalidRequest(message), where or None)
 
     async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
@@ -475,7 +262,7 @@ class OpenAIApi:
     async def _unexpected(self, request: Request, exc: Exception) -> Response:
         request_id = request.scope.get(REQUEST_ID_KEY, "")
         log.error("request %s failed", request_id, exc_info=exc)
-        return _error_response(http_error(exc, request_id or None), request_id)
+        return error_response(http_error(exc, request_id or None), request_id)
 
     async def _run(
         self,
@@ -491,23 +278,23 @@ class OpenAIApi:
     ) -> Response:
         if self._state.draining:  # the drain may have begun while the prompt was being tokenized
             raise Draining("the server is shutting down: retry on another replica")
-        handles = _submit_all(model, plan.requests)
+        handles = submit_all(model, plan.requests)
         headers = {"X-Request-Id": record.request_id}
         if not stream:
-            tasks = [asyncio.ensure_future(_complete(h)) for h in handles]
-            await _until_done(tasks, request, handles)
+            tasks = [asyncio.ensure_future(complete(h)) for h in handles]
+            await until_done(tasks, request, handles)
             completions = [t.result() for t in tasks]
             body = render(plan, completions)
-            _usage_of, record.finish = _usage(plan, [c.finish for c in completions])
+            _usage_of, record.finish = plan_usage(plan, [c.finish for c in completions])
             record.text = completions[0].text
             record.status = 200
             self._account(record)
             return JSONResponse(body, headers=headers)
-        events = _merged(handles)
+        events = merged(handles)
         # The response starts with the first event, so a request refused before it (a drain, a failed
         # prefill) gets its HTTP status, and one whose client leaves while queued is cancelled.
         try:
-            first = await _first(events, request)
+            first = await first_event(events, request)
         except BaseException:
             for handle in handles:
                 handle.cancel()
@@ -515,7 +302,7 @@ class OpenAIApi:
                 await events.aclose()  # type: ignore[attr-defined]  # an async generator
             raise
         finishes: list[FinishEvent | None] = [None] * len(handles)
-        sse = self._sse(chunks(plan, _prepend(first, events), finishes), handles, record, plan, finishes)
+        sse = self._sse(chunks(plan, prepend(first, events), finishes), handles, record, plan, finishes)
         return StreamingResponse(sse, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
 
     async def _sse(
@@ -544,7 +331,7 @@ class OpenAIApi:
         finally:
             for handle in handles:
                 handle.cancel()  # frees the rows of a stream whose client went away; no effect once finished
-            _, record.finish = _usage(plan, finishes)
+            _, record.finish = plan_usage(plan, finishes)
             self._account(record)
 
     # -- /v1/completions ------------------------------------------------------------------------------------
@@ -564,7 +351,7 @@ class OpenAIApi:
                     _completion_choice(i, plan.prompts[i // plan.n], c, echo, k, vocab)
                     for i, c in enumerate(done)
                 ]
-                usage, _ = _usage(plan, [c.finish for c in done])
+                usage, _ = plan_usage(plan, [c.finish for c in done])
                 return _completion_object(ident, created, model.name, choices) | {"usage": usage}
 
             async def chunks(
@@ -593,7 +380,7 @@ class OpenAIApi:
                     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
                     yield _sse_data(_completion_object(ident, created, model.name, [choice]), include_usage)
                 if include_usage:
-                    usage, _ = _usage(plan, finishes)
+                    usage, _ = plan_usage(plan, finishes)
                     yield _sse_data(_completion_object(ident, created, model.name, []) | {"usage": usage})
 
             return await self._run(plan, model, request, record, bool(body.stream), render, chunks)
@@ -711,7 +498,7 @@ class OpenAIApi:
                             "finish_reason": reason,
                         }
                     )
-                usage, _ = _usage(plan, [c.finish for c in done])
+                usage, _ = plan_usage(plan, [c.finish for c in done])
                 return _chat_object(ident, created, model.name, choices, "chat.completion") | {"usage": usage}
 
             async def chunks(
@@ -750,7 +537,7 @@ class OpenAIApi:
                     if delta or logprobs is not None:
                         yield chunk(index, delta, logprobs, None)
                 if include_usage:
-                    usage, _ = _usage(plan, finishes)
+                    usage, _ = plan_usage(plan, finishes)
                     yield _sse_data(_chat_object(ident, created, model.name, [], kind) | {"usage": usage})
 
             return await self._run(plan, model, request, record, bool(body.stream), render, chunks)
@@ -836,117 +623,4 @@ def _completion_choice(
     }
 
 
-async def _first(events: AsyncIterator[tuple[int, Event]], request: Request) -> tuple[int, Event]:
-    """The first event, unless the client goes away first (Cancelled)."""
-    nxt = asyncio.ensure_future(events.__anext__())
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not nxt.done():
-            nxt.cancel()
-            await asyncio.wait({nxt})  # the generator must have stopped before it is closed
-            watcher.result()  # raises Cancelled
-        return nxt.result()
-    finally:
-        watcher.cancel()
-
-
-async def _prepend(
-    first: tuple[int, Event], rest: AsyncIterator[tuple[int, Event]]
-) -> AsyncIterator[tuple[int, Event]]:
-    yield first
-    async for item in rest:
-        yield item
-
-
-# --- the HTTP server on the event loop ----------------------------------------------------------------------
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server without its signal handlers: textgen-serve's own drive the drain."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP named, so asyncio's transports set TCP_NODELAY on the accepted sockets (it checks the
-    # protocol); with Nagle's algorithm a stream's small chunks wait for the client's delayed ACK (~40 ms).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        sock.bind((host.strip("[]"), port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen for HTTP on {host}:{port}: {exc}") from None
-    sock.setblocking(False)
-    return sock
-
-
-class HttpServer:
-    """uvicorn serving the API on the running loop: `await start()` (its port), `await stop(grace)`."""
-
-    def __init__(self, api: OpenAIApi, settings: ServerSettings) -> None:
-        self._settings = settings
-        tls: dict[str, Any] = {}
-        if settings.tls_cert is not None and settings.tls_key is not None:
-            tls = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
-            if settings.tls_client_ca is not None:
-                tls |= {"ssl_ca_certs": str(settings.tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
-        self._config = uvicorn.Config(
-            api.app,
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            http="httptools",  # the C parser: less CPU per request and per SSE chunk than h11
-            ws="none",
-            server_header=False,
-            timeout_graceful_shutdown=None,
-            **tls,
-        )
-        self._server = _Server(self._config)
-        self._task: asyncio.Task[None] | None = None
-        self._socket: socket.socket | None = None
-        self.port = 0
-
-    async def start(self) -> int:
-        self._socket = _bind(self._settings.http_host, self._settings.http_port)
-        self.port = int(self._socket.getsockname()[1])
-        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()  # raises what start-up raised
-                raise ConfigError("the HTTP server stopped during start-up")
-            await asyncio.sleep(0.005)
-        return self.port
-
-    async def stop(self, grace: float | None) -> None:
-        """Stop listening; open responses get `grace` seconds (None: none) to end."""
-        if self._task is None:
-            return
-        self._config.timeout_graceful_shutdown = None if grace is None else max(int(grace), 1)
-        self._server.should_exit = True
-        if grace is None:
-            self._server.force_exit = True
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(asyncio.shield(self._task), timeout=(grace or 0) + 5)
-        if not self._task.done():
-            self._task.cancel()
-        if self._socket is not None:
-            self._socket.close()
-        self._task = None
-
-
-def http_api(
-    state: ServingState,
-    settings: ServerSettings,
-    metrics: Metrics | None,
-    tracer: RequestTracer | None = None,
-) -> HttpServer:
-    return HttpServer(OpenAIApi(state, settings, metrics, tracer), settings)
-
-
-__all__ = ["HttpServer", "OpenAIApi", "ServingState", "http_api"]
+__all__ = ["OpenAIApi"]
