@@ -96,3 +96,17 @@ def test_the_front_end_reaches_the_engine_only_through_its_public_types() -> Non
     }
     assert {path: bad for path, bad in reached.items() if bad} == {}
     assert modules("api"), "no front-end modules found: the test would pass on nothing"
+
+
+WEB = ("fastapi", "starlette", "uvicorn")
+
+
+def test_only_the_http_package_knows_the_web_framework() -> None:
+    outside = {path: bad for path, bad in offenders("api", WEB).items() if "/openai/" not in path}
+    assert outside == {}
+
+
+@pytest.mark.parametrize("module", ["protocol", "translate", "structured_output", "logprobs"])
+def test_the_http_translation_is_free_of_the_web_framework(module: str) -> None:
+    imported = imports_of((SERVE / "api" / "openai" / f"{module}.py").read_text())
+    assert sorted(m for m in imported if is_under(m, WEB)) == []

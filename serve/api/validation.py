@@ -1,6 +1,6 @@
 """Plain values → a `GenerationRequest`, or InvalidRequest: the protocol-neutral core both front ends use.
 
-gRPC (`serve.api.grpc_requests`) and the OpenAI-compatible HTTP API (`serve.api.openai_api`) read their wire
+gRPC (`serve.api.grpc_requests`) and the OpenAI-compatible HTTP API (`serve.api.openai`) read their wire
 formats into `GenerationOptions` and a prompt of token ids; `build_request` checks them against the server's
 `RequestLimits` and makes the scheduler's request. Every message names the field, the value received and the
 allowed range, so a client can fix its request without reading the server's source (`Fields` holds the names

@@ -488,6 +488,21 @@ def test_structured_output_from_response_format_and_vllms_fields(client: openai.
     assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) in choices
 
 
+def test_openapi_describes_the_generation_routes_answers(base: str) -> None:
+    schema = httpx.get(f"{base}/openapi.json", timeout=10).json()
+    schemas = schema["components"]["schemas"]
+
+    def answer(path: str, status: str = "200") -> dict[str, Any]:
+        content = schema["paths"][path]["post"]["responses"][status]["content"]["application/json"]
+        return schemas[content["schema"]["$ref"].rsplit("/", 1)[1]]
+
+    chat, completion = answer("/v1/chat/completions"), answer("/v1/completions")
+    assert {"choices", "usage"} <= set(chat["properties"]) and "usage" in chat["required"]
+    assert {"choices", "usage"} <= set(completion["properties"]) and "usage" not in completion["required"]
+    assert set(answer("/v1/chat/completions", "400")["properties"]) == {"error"}
+    assert "tokens" in answer("/tokenize")["required"]
+
+
 def test_the_body_is_json_whatever_its_content_type(base: str) -> None:
     body = json.dumps({"prompt": PROMPT, "max_tokens": 2})
     for content_type in ("application/x-www-form-urlencoded", "text/plain"):  # curl -d, a bare client

@@ -1,0 +1,125 @@
+"""The HTTP API's front door, pure ASGI and outermost: request id, bearer token, body size."""
+
+from __future__ import annotations
+
+import hmac
+import uuid
+from collections.abc import Callable
+
+from fastapi import HTTPException as FastAPIHTTPException
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve.api.http_status import TOO_LARGE, HttpError, http_error
+from serve.api.openai.paths import (
+    HEALTH,
+    REQUEST_ID_HEADER,
+    REQUEST_ID_KEY,
+    ROUTES,
+)
+from serve.api.tracing import take_trace_context
+from serve.api.validation import (
+    check_request_id,
+)
+from serve.errors import InvalidRequest, Unauthenticated
+
+
+class BodyTooLarge(FastAPIHTTPException):  # FastAPI's: its body reader re-raises these as they are
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body exceeds the server's limit of {limit} bytes")
+
+
+def error_response(error: HttpError, request_id: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error.body(param), status_code=error.status, headers={"X-Request-Id": request_id})
+
+
+class FrontDoor:
+    """Pure ASGI, outermost: takes (or makes) the request id and echoes it, keeps the caller's trace context
+    when requests are traced, refuses a call without the bearer token (401) and a body over the limit (413),
+    before any routing or parsing."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        token: str | None,
+        max_body: int,
+        on_refused: Callable[[str, str, int, str], None],
+        traced: bool = False,
+    ) -> None:
+        self._app = app
+        self._traced = traced
+        self._expected = None if token is None else f"Bearer {token}".encode()
+        self._max_body = max_body
+        self._on_refused = on_refused  # (route, metric code, HTTP status, request id)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        supplied = headers.get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
+        request_id = supplied or uuid.uuid4().hex
+        path = scope["path"]
+        refusal: tuple[HttpError, str | None] | None = None
+        try:
+            check_request_id(request_id)
+        except InvalidRequest as exc:
+            request_id = uuid.uuid4().hex
+            refusal = http_error(exc), "X-Request-Id"
+        scope[REQUEST_ID_KEY] = request_id
+        if self._traced:
+            take_trace_context((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"])
+        if refusal is None and self._expected is not None and path != HEALTH:
+            auth = headers.get(b"authorization")
+            if auth is None:
+                refused = Unauthenticated(
+                    "missing credentials: send the header 'Authorization: Bearer <token>'"
+                )
+                refusal = http_error(refused), "Authorization"
+            elif not hmac.compare_digest(auth, self._expected):  # constant time: no timing oracle
+                refusal = (
+                    http_error(Unauthenticated("invalid bearer token in the Authorization header")),
+                    None,
+                )
+        length = headers.get(b"content-length")
+        if refusal is None and length is not None and length.isdigit() and int(length) > self._max_body:
+            status, kind, code = TOO_LARGE
+            message = f"the request body ({int(length)} bytes) exceeds the server's limit of {self._max_body}"
+            refusal = HttpError(status, kind, code, message), None
+        if refusal is not None:
+            error, param = refusal
+            if path in ROUTES:
+                self._on_refused(path, error.code, error.status, request_id)
+            await error_response(error, request_id, param)(scope, receive, send)
+            return
+        if path in ROUTES and scope["method"] == "POST":
+            # The body is JSON whatever the Content-Type says (`curl -d` sends a form's type).
+            raw = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+            scope = {**scope, "headers": [*raw, (b"content-type", b"application/json")]}
+        await self._app(scope, self._counting(receive), self._echoing(send, request_id))
+
+    def _counting(self, receive: Receive) -> Receive:
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self._max_body:
+                    raise BodyTooLarge(self._max_body)
+            return message
+
+        return counted
+
+    @staticmethod
+    def _echoing(send: Send, request_id: str) -> Send:
+        header = (b"x-request-id", request_id.encode("latin-1", "replace"))
+
+        async def echoed(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, header]}
+            await send(message)
+
+        return echoed

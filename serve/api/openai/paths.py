@@ -1,0 +1,11 @@
+"""The HTTP API's paths and the names its front door gives a request's id."""
+
+from __future__ import annotations
+
+COMPLETIONS, CHAT, MODELS, HEALTH = "/v1/completions", "/v1/chat/completions", "/v1/models", "/health"
+TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"  # vLLM's and llama-server's paths
+RESPONSES = "/v1/responses"
+# The `rpc` label values (health is not counted).
+ROUTES = frozenset({COMPLETIONS, CHAT, MODELS, TOKENIZE, DETOKENIZE, RESPONSES})
+REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID_KEY = "textgen.request_id"

@@ -1,0 +1,285 @@
+"""The HTTP API's wire objects: OpenAI's request bodies (pydantic) and the response objects (typed dicts
+whose schemas pydantic writes into /openapi.json), for every route but /v1/responses (its own module).
+
+Requests follow OpenAI's API reference, with vLLM's extra sampling fields (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
+truncate_prompt_tokens). Ranges are OpenAI's: temperature 0..2, top_p 0..1, the penalties -2..2, n >= 1,
+top_logprobs (and the completions' logprobs) 0..20, max_tokens >= 0. Chat takes `tools`, `tool_choice` and
+`parallel_tool_calls` (serve/api/tool_calls.py) and the history's tool calls and tool results. Unknown
+fields that do not change the output (user, metadata, store, ...) are accepted and ignored; those that would
+and are not supported here are refused (serve/api/openai/translate.py).
+
+Responses are typed dicts, not models: a stream sends one object per token, and a dict is serialized as it
+is built (no model to construct and dump on that path), while the schema still says every field. A key
+that is sometimes absent (a chat message's `tool_calls`, a chunk's `usage`) is `NotRequired`; one that is
+always sent, null or not, is required.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import NotRequired, TypedDict
+
+from serve.api.tool_calls import Tool, ToolCallIn, ToolChoice
+from serve.engine.sampling import MAX_TOP_LOGPROBS
+
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each takes n rows)
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+# --- requests -----------------------------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")  # see UNSUPPORTED: the rest is ignored
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False
+
+
+class SamplingRequest(_Body):
+    """What both generation routes take."""
+
+    model: str | None = Field(None, description="the served model's name (GET /v1/models); default: it")
+    max_tokens: int | None = Field(None, ge=0, description="default: the server's default_max_new_tokens")
+    temperature: float | None = Field(None, ge=0, le=2, description="default 1; 0: greedy")
+    top_p: float | None = Field(None, ge=0, le=1)
+    n: int | None = Field(1, ge=1, description="choices per prompt (at most the server's max_n)")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in -100..100"
+    )
+    user: str | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, description="1: off")
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a string, a list of strings, token ids, or a list of token-id lists"
+    )
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="an assistant's calls")
+    tool_call_id: str | None = Field(None, description="the call a tool message answers")
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a text prompt, or chat messages tokenized as a chat completion's prompt is."""
+
+    model: str | None = Field(None, description="the served model's name (GET /v1/models); default: it")
+    prompt: str | None = Field(None, description="text to tokenize (give this or messages)")
+    messages: list[ChatMessage] | None = Field(
+        None,
+        description="a chat, rendered by the model's chat template with the assistant's generation prompt",
+    )
+    add_special_tokens: bool | None = Field(
+        None, description="a prompt's special tokens (BOS), as a completion adds them; default true"
+    )
+    return_token_strs: bool | None = Field(False, description="each id's vocabulary entry too")
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model: str | None = Field(None, description="the served model's name (GET /v1/models); default: it")
+    tokens: list[int] = Field(description="token ids, each in the model's vocabulary")
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(None, description="functions the model may call")
+    tool_choice: ToolChoice | None = Field(
+        None, description='"none", "auto" (the default with tools), "required" or a named function'
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: tool_choice required makes one call")
+
+
+# --- responses ----------------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(TypedDict):
+    cached_tokens: int
+
+
+class Usage(TypedDict):
+    """Prompts are counted once per prompt, not once per choice (as OpenAI does)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(TypedDict):
+    """The legacy completions `logprobs`: each token's text, logprob (none for an echoed prompt's first),
+    alternatives (text -> logprob) and where its text begins in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(TypedDict):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(TypedDict):
+    """/v1/completions' answer; a stream sends it in chunks of one choice each, `usage` only on the last
+    (null on the others) when `stream_options.include_usage` asks for it."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: NotRequired[Usage | None]
+
+
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(TypedDict):
+    content: list[TokenLogprob]
+
+
+class CalledFunctionOut(TypedDict):
+    name: NotRequired[str | None]
+    arguments: str
+
+
+class ToolCallOut(TypedDict):
+    """A call as the answer gives it; a stream's later pieces of a call carry its `index` and new
+    `arguments` only."""
+
+    index: NotRequired[int]
+    id: NotRequired[str | None]
+    type: NotRequired[Literal["function"]]
+    function: CalledFunctionOut
+
+
+class AssistantMessage(TypedDict):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: NotRequired[list[ToolCallOut]]
+
+
+class ChatChoice(TypedDict):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str
+
+
+class ChatCompletionResponse(TypedDict):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(TypedDict):
+    """What a chunk adds to a choice's message: the role on its first chunk, then text or call pieces."""
+
+    role: NotRequired[Literal["assistant"]]
+    content: NotRequired[str | None]
+    tool_calls: NotRequired[list[ToolCallOut]]
+
+
+class ChatChunkChoice(TypedDict):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(TypedDict):
+    """One server-sent event of a streamed chat completion (`data: {...}`, then `data: [DONE]`); `usage`
+    as a completion's chunks have it."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[ChatChunkChoice]
+    usage: NotRequired[Usage | None]
+
+
+class ModelCard(TypedDict):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(TypedDict):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(TypedDict):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(TypedDict):
+    prompt: str
+
+
+class ErrorObject(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(TypedDict):
+    """Every error, in OpenAI's shape (serve/api/http_status.py maps each kind to its status and type)."""
+
+    error: ErrorObject

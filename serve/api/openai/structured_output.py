@@ -1,0 +1,90 @@
+"""What a generation request's output must match: OpenAI's response_format, vLLM's structured-output fields,
+or the call a chat's tool_choice forces, as the neutral `Constraint` the engine enforces token by token
+(serve/engine/constraints.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from serve.api.openai.protocol import ChatCompletionRequest, SamplingRequest
+from serve.api.tool_calls import ToolPlan
+from serve.engine.types import Constraint
+from serve.errors import InvalidRequest
+
+
+def _constraint_of(kind: str, value: Any, where: str) -> Constraint:
+    """vLLM's structured-output kinds (guided_* and structured_outputs.*) as a neutral constraint, whose
+    errors name the field `where`."""
+    return replace(_constraint_kind(kind, value, where), source=where)
+
+
+def _constraint_kind(kind: str, value: Any, where: str) -> Constraint:
+    if kind == "json":
+        if isinstance(value, str):
+            return Constraint.json_schema(value)
+        if isinstance(value, dict | bool):
+            return Constraint.json_schema(value)
+        raise InvalidRequest(f"{where} must be a JSON Schema (an object, or its JSON text)")
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise InvalidRequest(f"{where} must be a list of strings")
+        return Constraint.choice(value)
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{where} must be a string")
+    return Constraint.regex(value) if kind == "regex" else Constraint.grammar(value)
+
+
+def _response_format(value: Any) -> Constraint | None:
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise InvalidRequest("response_format.type must be text, json_object or json_schema")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return Constraint.json_object()
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise InvalidRequest('response_format.json_schema needs a schema: {"name": ..., "schema": {...}}')
+    return _constraint_of("json", spec["schema"], "response_format.json_schema.schema")
+
+
+def structured_output(body: SamplingRequest) -> Constraint | None:
+    """What the output must match: OpenAI's response_format, or vLLM's guided_json / guided_regex /
+    guided_choice / guided_grammar, or its newer structured_outputs {json, regex, choice, grammar}. At most
+    one may be given; each is enforced token by token (serve/engine/constraints.py)."""
+    extra = body.model_extra or {}
+    found: list[tuple[str, Constraint]] = []
+    if extra.get("response_format") is not None:
+        constraint = _response_format(extra["response_format"])
+        if constraint is not None:
+            found.append(("response_format", constraint))
+    for kind in ("json", "regex", "choice", "grammar"):
+        if extra.get(f"guided_{kind}") is not None:
+            found.append((f"guided_{kind}", _constraint_of(kind, extra[f"guided_{kind}"], f"guided_{kind}")))
+    outputs = extra.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise InvalidRequest('structured_outputs must be an object such as {"json": {...}}')
+        for kind in ("json", "regex", "choice", "grammar"):
+            if outputs.get(kind) is not None:
+                where = f"structured_outputs.{kind}"
+                found.append((where, _constraint_of(kind, outputs[kind], where)))
+    if len(found) > 1:
+        raise InvalidRequest(
+            f"give one structured-output constraint, not {len(found)}: {[w for w, _ in found]}"
+        )
+    return found[0][1] if found else None
+
+
+def chat_constraint(body: ChatCompletionRequest, plan: ToolPlan) -> Constraint | None:
+    """A chat's constraint: a forced tool call's, or the structured output asked for (not both)."""
+    constraint = structured_output(body)
+    forced = plan.constraint()
+    if forced is None:
+        return constraint
+    if constraint is not None:
+        raise InvalidRequest(
+            f"tool_choice {plan.named or plan.mode!r} constrains the output to a tool call: leave out "
+            "response_format (and vLLM's structured-output fields)"
+        )
+    return forced
