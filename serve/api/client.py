@@ -7,6 +7,8 @@
 
 Exit codes: 0 on success (`health`: SERVING), 1 when the server answers with an error (or NOT_SERVING),
 2 for bad arguments. The token may also come from TEXTGEN_AUTH_TOKEN.
+
+Just over 400 lines: one command line, its subcommands and their printing, for users to read in one place.
 """
 
 from __future__ import annotations

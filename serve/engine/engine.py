@@ -10,6 +10,10 @@ serving graph, so each step appends its keys and values in place. Small inputs a
 and logits are written into a host array (ONNX Runtime copies them from the device): sampling is numpy.
 
 Not thread-safe: the scheduler calls it from its one engine thread.
+
+Over 400 lines on purpose: prefill, chunked and background prefill, forks, decode and the prefix cache all
+move rows of the same cache under the same run bindings, so they stay one class; what stands apart has its own
+module (kv_cache, prefix_cache, runtime, row_pad, sampling, constraints, prompt_scoring).
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@
 context full, a constraint complete) and what it emits; the scheduler and the offline API both drive it
 with the engine's tokens.
 It records the timestamps the metrics need (all `time.monotonic()` values).
+
+Over 400 lines: the request, its events and `RequestTracker` stay together, because the tracker is the
+request's state machine and the only producer of its events.
 """
 
 from __future__ import annotations

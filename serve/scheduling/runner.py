@@ -11,6 +11,9 @@ without an engine.
 The offline API drives the runner in a plain loop; `Scheduler` runs it on ONE dedicated thread (ONNX
 Runtime releases the GIL while it computes) and hands events to the event loop with
 `loop.call_soon_threadsafe`, one call per step.
+
+Over 400 lines: each step kind's engine call and the delivery of its tokens share the runner's queue and in-
+flight rows; the admission policy is planner.py, the stopping rules request.py.
 """
 
 from __future__ import annotations

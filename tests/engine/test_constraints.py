@@ -28,8 +28,9 @@ from serve.bundle import Bundle, load_bundle
 from serve.engine import constraints
 from serve.engine.constraints import ConstraintCompiler
 from serve.engine.engine import Engine
+from serve.engine.logits_processors import apply_token_bitmask
 from serve.engine.runtime import SessionConfig
-from serve.engine.sampling import SamplingBatch, SamplingParams, apply_token_bitmask
+from serve.engine.sampling import SamplingBatch, SamplingParams
 from serve.engine.types import Constraint, ConstraintState, EngineSettings
 from serve.errors import Cancelled, InvalidRequest, TextgenError
 from serve.scheduling.limits import SchedulerLimits

@@ -12,9 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from serve.engine.sampling import (
-    SamplingBatch,
-    SamplingParams,
+from serve.engine.logits_processors import (
     apply_frequency_presence,
     apply_logit_bias,
     apply_min_p,
@@ -23,6 +21,7 @@ from serve.engine.sampling import (
     apply_top_k,
     apply_top_p,
 )
+from serve.engine.sampling import SamplingBatch, SamplingParams
 from serve.errors import InvalidRequest
 
 # ---------------------------------------------------------------- references: one row at a time, float64
