@@ -127,6 +127,23 @@ class ServerSettings(BaseSettings, BatchingKnobs):
     prefix_cache_min_tokens: int = Field(
         16, ge=1, description="the shortest shared prefix the prefix cache keeps or reuses"
     )
+    speculative: Literal["off", "ngram"] = Field(
+        "off",
+        description="speculative decoding: ngram (prompt lookup) proposes the tokens that followed the last "
+        "n-gram's earlier occurrence in the prompt or output, and one engine run checks them all; a "
+        "request's tokens are the same either way (faster on text that repeats itself: code to edit, a "
+        "document to quote). It runs while one request decodes alone (see docs/benchmarks.md)",
+    )
+    num_speculative_tokens: int = Field(
+        5,
+        ge=1,
+        le=32,
+        description="with --speculative: the most tokens proposed per step (requests may ask fewer)",
+    )
+    prompt_lookup_min: int = Field(
+        2, ge=1, le=64, description="with --speculative ngram: the shortest n-gram"
+    )
+    prompt_lookup_max: int = Field(4, ge=1, le=64, description="with --speculative ngram: the longest n-gram")
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="longest prompt in tokens; default and upper bound: the context length - 1"
     )
@@ -197,6 +214,11 @@ class ServerSettings(BaseSettings, BatchingKnobs):
             )
         if self.engine_cpus is not None and not self.engine_process:
             raise ValueError("engine_cpus pins the engine process: it needs engine_process")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
         if self.providers == []:
             raise ValueError("providers must name at least one execution provider when given")
         if self.auth_token is not None and not self.auth_token.get_secret_value().strip():

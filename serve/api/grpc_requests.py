@@ -100,6 +100,9 @@ def options(request: pb.GenerateRequest) -> GenerationOptions:
         prompt_top_logprobs=request.prompt_top_logprobs,
         truncate_prompt_tokens=request.truncate_prompt_tokens,
         constraint=constraint(request.constraint),
+        speculative_tokens=(
+            request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
+        ),
     )
 
 

@@ -14,7 +14,7 @@ from serve.api.metrics import Metrics
 from serve.api.sizing import KvSizing, size_kv_cache
 from serve.api.validation import RequestLimits
 from serve.bundle import Bundle, load_bundle
-from serve.engine.types import EngineInfo, EngineSettings, SessionConfig
+from serve.engine.types import EngineInfo, EngineSettings, SessionConfig, SpeculationSettings
 from serve.process import (
     allowed_cpus,
     beside,
@@ -68,6 +68,15 @@ def engine_settings(settings: ServerSettings, sizing: KvSizing | None = None) ->
         session=session_config(settings),
         prefix_cache_rows=sizing.prefix_cache_rows if sizing else settings.prefix_cache_rows,
         prefix_cache_min_tokens=settings.prefix_cache_min_tokens,
+        speculation=speculation_settings(settings),
+    )
+
+
+def speculation_settings(settings: ServerSettings) -> SpeculationSettings:
+    return SpeculationSettings(
+        num_tokens=settings.num_speculative_tokens if settings.speculative == "ngram" else 0,
+        ngram_min=settings.prompt_lookup_min,
+        ngram_max=settings.prompt_lookup_max,
     )
 
 

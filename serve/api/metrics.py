@@ -4,7 +4,8 @@ One `Metrics` object owns every metric, registered on a `CollectorRegistry` pass
 instances and the server exposes exactly one registry on its own HTTP port (`start_http_server`).
 
 The hooks are called from two places: the scheduler's engine thread (`on_admitted`, `on_first_token`,
-`on_token`, `on_finished`, `on_step`, `on_masks`, `on_constraint_compiled`, `set_load`) and the front
+`on_token`, `on_finished`, `on_step`, `on_masks`, `on_constraint_compiled`, `on_speculated`,
+`on_speculation_done`, `set_load`) and the front
 ends (`on_request_done`, `on_constrained`, `set_ready`, `set_model_info`). prometheus_client's metrics are
 thread-safe, so no locking is needed here.
 
@@ -24,6 +25,9 @@ finite bucket is reported as that bucket's bound, so the largest bucket must exc
 - A constraint's compile (llguidance) takes about a millisecond for a small schema, regex or choice list and
   is bounded by the compiler's limits; buckets reach 10 s. Token masks are counted as totals (masks, seconds
   computing them, seconds a step waited for them): their ratio is the mask cost per constrained token.
+- Speculation is counted as vLLM's spec-decode metrics are (drafts, proposed tokens, accepted tokens) plus
+  the tokens its steps emitted; a request's acceptance rate (accepted over proposed) is a fraction in 0.1
+  buckets.
 """
 
 from __future__ import annotations
@@ -113,6 +117,7 @@ STEP_BUCKETS = (
 TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(17))  # 1 .. 65536
 BATCH_SIZE_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
 PADDING_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+ACCEPTANCE_BUCKETS = PADDING_RATIO_BUCKETS  # a fraction in [0, 1] as well
 # A constraint's compile: ~1 ms for a small schema or regex, up to the compiler's limits (seconds).
 COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -222,6 +227,12 @@ class Metrics:
             buckets=PADDING_RATIO_BUCKETS,
             registry=reg,
         )
+        self.spec_acceptance = Histogram(
+            "textgen_spec_decode_acceptance_rate",
+            "Per finished request that speculated: proposed tokens accepted over proposed.",
+            buckets=ACCEPTANCE_BUCKETS,
+            registry=reg,
+        )
 
     def _define_counters(self) -> None:
         reg = self.registry
@@ -271,6 +282,22 @@ class Metrics:
         self.constraint_mask_wait_seconds = Counter(
             "textgen_constraint_mask_wait_seconds",
             "Time engine steps waited for their masks after ONNX Runtime's run: the mask cost not hidden.",
+            registry=reg,
+        )
+        self.spec_drafts = Counter(
+            "textgen_spec_decode_drafts", "Speculating steps: proposals verified in one run.", registry=reg
+        )
+        self.spec_draft_tokens = Counter(
+            "textgen_spec_decode_draft_tokens", "Tokens proposed by speculation.", registry=reg
+        )
+        self.spec_accepted_tokens = Counter(
+            "textgen_spec_decode_accepted_tokens",
+            "Proposed tokens that sampling picked (emitted without a step of their own).",
+            registry=reg,
+        )
+        self.spec_emitted_tokens = Counter(
+            "textgen_spec_decode_emitted_tokens",
+            "Tokens emitted by speculating steps: the accepted ones and one sampled token per step.",
             registry=reg,
         )
         # Known label values exist from the start, so rate() sees their first increment.
@@ -341,6 +368,17 @@ class Metrics:
     def on_constraint_compiled(self, seconds: float) -> None:
         """Once per compile (a cache miss that llguidance accepted)."""
         self.constraint_compile.observe(seconds)
+
+    def on_speculated(self, proposed: int, accepted: int) -> None:
+        """Once per speculating step of a request: tokens proposed, and how many of them were accepted."""
+        self.spec_drafts.inc()
+        self.spec_draft_tokens.inc(proposed)
+        self.spec_accepted_tokens.inc(accepted)
+        self.spec_emitted_tokens.inc(accepted + 1)
+
+    def on_speculation_done(self, acceptance: float) -> None:
+        """Once per finished request that speculated: its accepted over its proposed tokens."""
+        self.spec_acceptance.observe(acceptance)
 
     def set_load(self, running: int, waiting: int, kv_used: int, kv_capacity: int) -> None:
         """After every change of the queue or the batch, so the gauges return to 0 when idle."""

@@ -76,6 +76,7 @@ class GenerationOptions:
     truncate_prompt_tokens: int = 0  # keep the prompt's last N tokens (0: all of it)
     score_only: bool = False
     constraint: Constraint | None = None  # structured output (checked by `checked_constraint`)
+    speculative_tokens: int | None = None  # most tokens speculation proposes per step; None: the server's
 
 
 def check_request_id(request_id: str) -> str:
@@ -258,4 +259,5 @@ def build_request(
         prompt_logprobs=options.prompt_logprobs,
         prompt_top_logprobs=options.prompt_top_logprobs,
         constraint=checked_constraint(options.constraint),
+        speculative_tokens=options.speculative_tokens,
     )

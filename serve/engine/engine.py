@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -43,7 +44,9 @@ from serve.engine.runtime import (
     session_device_id,
 )
 from serve.engine.sampling import Alternatives, PromptScores, SamplingBatch, SamplingParams
+from serve.engine.speculation import Backoff, propose
 from serve.engine.types import ConstraintState, EngineInfo, EngineSettings, ModelSpec, NewSequence, TokenOut
+from serve.engine.verify_graph import PICK_INDEX, verification_graph
 from serve.errors import BundleError
 
 if TYPE_CHECKING:
@@ -82,6 +85,9 @@ class _RunInputs(NamedTuple):
     seqlens_k: np.ndarray  # [rows]: each row's tokens after the run, minus one
     total: int  # the longest row's tokens after the run
     last_index: np.ndarray  # [rows]: the position in the run whose logits each row returns
+    # Flat positions (row * tokens + position) whose logits return instead, in order: a speculating row's
+    # every position. Only the verification graph (serve/engine/verify_graph.py) takes them.
+    picks: np.ndarray | None = None
 
 
 @dataclass
@@ -100,6 +106,14 @@ def _timed(call: Callable[..., object], *args: object) -> float:
     start = time.perf_counter()
     call(*args)
     return time.perf_counter() - start
+
+
+@dataclass
+class _Speculating:
+    """A running row's prompt lookup: the most tokens it proposes per step (0: none), and when."""
+
+    limit: int
+    backoff: Backoff = field(default_factory=Backoff)
 
 
 @dataclass
@@ -166,12 +180,22 @@ class Engine:
         self._constraints = ConstraintRows(self._masks)  # the running rows' matchers, as _sampling's rows
         self._compiler: ConstraintCompiler | None = None
         self._compiler_lock = threading.Lock()
-        self._logits = np.zeros((settings.max_batch_size, spec.vocab_size), types["logits"])
-        self._side_logits = np.zeros_like(self._logits)  # the prefill that runs beside a decode step
+        self.speculation = settings.speculation
+        self.speculation.validate()
+        self._flat_picks = PICK_INDEX in types
+        if self.speculation.enabled and not self._flat_picks:
+            raise ValueError("speculation needs the verification graph (serve/engine/verify_graph.py)")
+        self._speculating: list[_Speculating] = []  # the running rows', in row order
+        # A speculating row returns the logits of its pending token and of each proposed one.
+        logit_rows = max(settings.max_batch_size, self.speculation.num_tokens + 1)
+        self._logits = np.zeros((logit_rows, spec.vocab_size), types["logits"])
+        # the prefill that runs beside a decode step
+        self._side_logits = np.zeros((settings.max_batch_size, spec.vocab_size), types["logits"])
         self._side: ThreadPoolExecutor | None = None  # its thread, started by the first such prefill
         self._background: _Background | None = None
         self.last_logits = self._logits[:0]
-        self._bindings: dict[tuple[int, int, bool], Any] = {}  # (first row, end row, side) -> its binding
+        # (first row, end row, side, logits rows) -> its binding
+        self._bindings: dict[tuple[int, int, bool, int], Any] = {}
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, settings: EngineSettings) -> Engine:
@@ -202,6 +226,8 @@ class Engine:
         if m.odd_rows_padded:  # only such a graph has pads to take out: no other is read before its session
             unpadded = unpadded_graph(bundle.inplace_graph, session)
             graph = graph if unpadded is None else unpadded[0]
+        if settings.speculation.enabled:
+            graph = verification_graph(Path(graph) if isinstance(graph, str) else graph)
         return cls(graph, bundle.tokenizer, spec, settings, str(bundle.standard_graph))
 
     def warm_up(self) -> None:
@@ -260,6 +286,7 @@ class Engine:
             prefix_cache_rows=self.prefix_cache_rows,
             kv_bytes=self.kv_bytes,
             eos_token_ids=self.eos_token_ids,
+            speculation=self.speculation,
         )
 
     def kv_buffer_devices(self) -> list[str]:
@@ -413,6 +440,10 @@ class Engine:
             raise ValueError(
                 f"sequences {full} filled their {self.capacity}-token KV slot; release them first"
             )
+        if n == 1 and self._speculating[0].limit:
+            proposal = self._proposal()
+            if proposal.size:
+                return self._speculate(proposal)
         # The constrained rows' masks are computed on the masks' thread while ONNX Runtime runs the step.
         pending = self._constraints.start_fill()
         try:
@@ -434,6 +465,43 @@ class Engine:
         self._lengths[:n] += 1
         tokens, logprobs, notes = self._pick(self._sampling, self._constraints, logits, pending)
         return self._emit(0, tokens, logprobs, self._sampling.alternatives, notes)
+
+    def _proposal(self) -> np.ndarray:
+        """The tokens prompt lookup proposes after the one running row's pending token (empty: none), no
+        more than its slot has room for: the run writes the keys and values of every proposed position."""
+        row = self._speculating[0]
+        length = int(self._lengths[0])
+        room = min(row.limit, self.capacity - length - 1)
+        if room <= 0 or not row.backoff.ready():
+            return self._pending[:0]
+        context = np.append(self._tokens[0, :length], self._pending[0])
+        return propose(context, self.speculation.ngram_min, self.speculation.ngram_max, room)
+
+    def _speculate(self, proposal: np.ndarray) -> list[TokenOut]:
+        """One run over the row's pending token and the proposal; then each position's token is sampled as a
+        decode step would sample it, in order, while the proposal agrees: the tokens sampled (the agreeing
+        proposed ones, then the first that differs or the one after the last), each a TokenOut.
+
+        The keys and values of the rejected positions stay in the slot past the row's length, where the next
+        run overwrites them (a row's cache is valid up to its length only)."""
+        length, k = int(self._lengths[0]), len(proposal)
+        ids = np.concatenate([self._pending[:1], proposal])
+        picks = np.arange(k + 1, dtype=np.int64)
+        positions = length + picks
+        inputs = _RunInputs(ids[None], positions[None], positions[-1:], length + k + 1, picks[-1:], picks)
+        logits = self._run(slice(0, 1), inputs)
+        self._tokens[0, length : length + k + 1] = ids
+        outs: list[TokenOut] = []
+        for j in range(k + 1):
+            tokens, logprobs, notes = self._pick(self._sampling, self._constraints, logits[j : j + 1], None)
+            outs.extend(self._emit(0, tokens, logprobs, self._sampling.alternatives, notes))
+            if notes or j == k or int(tokens[0]) != int(proposal[j]):
+                break
+        accepted = len(outs) - 1
+        self._lengths[0] = length + 1 + accepted
+        self._speculating[0].backoff.record(k, accepted)
+        outs[0] = outs[0]._replace(proposed=k, accepted=accepted)
+        return outs
 
     def begin_prefill(self, new: Sequence[NewSequence]) -> None:
         """Start prefilling `new` into the rows after the running ones, on a thread of its own: decode steps
@@ -519,6 +587,9 @@ class Engine:
                 self._ids[row] = self._ids[last]
             self._ids.pop()
             self._sampling.remove(row)
+            moved = self._speculating.pop()
+            if row < len(self._speculating):
+                self._speculating[row] = moved
             self._constraints.remove(row)  # its matcher goes with it
             if self._staged is not None:  # keep the staged row right after the running ones
                 self._move_row(last + 1, last, self._staged.done)
@@ -628,6 +699,7 @@ class Engine:
         tokens, logprobs, notes = self._pick(group, rows, logits, pending)
         self._sampling.extend(group)
         self._constraints.extend(rows)
+        self._speculating.extend(_Speculating(self._speculative_limit(seq)) for seq in new)
         self._ids.extend(s.seq_id for s in new)
         self._lengths[n : n + len(new)] = lens
         outs = self._emit(n, tokens, logprobs, group.alternatives, notes)
@@ -639,6 +711,14 @@ class Engine:
                     scored[key] = self.score_prompt(seq.prompt_ids, seq.prompt_top_logprobs)
                 outs[i] = outs[i]._replace(prompt=scored[key])
         return outs
+
+    def _speculative_limit(self, seq: NewSequence) -> int:
+        """The most tokens prompt lookup proposes for `seq` per step. A constrained sequence proposes none:
+        each position's mask would depend on the tokens accepted before it."""
+        if seq.constraint is not None:
+            return 0
+        limit = self.speculation.num_tokens
+        return limit if seq.speculative_tokens is None else min(seq.speculative_tokens, limit)
 
     def _pick(
         self,
@@ -662,7 +742,7 @@ class Engine:
 
     def _run(self, rows: slice, inputs: _RunInputs) -> np.ndarray:
         binding, _arrays = self._bound(rows, inputs)
-        logits = self._logits[: rows.stop - rows.start]
+        logits = self._logits[: _logit_rows(rows, inputs)]
         try:
             self.session.run_with_iobinding(binding)
         except Exception:  # it may have written part of any row it was given: do not keep those
@@ -678,9 +758,14 @@ class Engine:
             "position_ids": np.ascontiguousarray(run.position_ids, np.int64),
             "seqlens_k": run.seqlens_k.astype(np.int32),
             "total_sequence_length": np.array(run.total, np.int32),
-            "last_index": np.ascontiguousarray(run.last_index, np.int64),
         }
-        binding = self._binding(rows, side)
+        if self._flat_picks:
+            rows_in, width = run.input_ids.shape
+            picks = run.picks if run.picks is not None else np.arange(rows_in) * width + run.last_index
+            inputs[PICK_INDEX] = np.ascontiguousarray(picks, np.int64)
+        else:
+            inputs["last_index"] = np.ascontiguousarray(run.last_index, np.int64)
+        binding = self._binding(rows, side, _logit_rows(rows, run))
         for name, array in inputs.items():
             binding.bind_cpu_input(name, array)
         return binding, inputs
@@ -705,15 +790,15 @@ class Engine:
         self._lengths[dst] = self._lengths[src]
         self._tokens[dst, :length] = self._tokens[src, :length]
 
-    def _binding(self, rows: slice, side: bool = False) -> Any:
-        """The IOBinding of a row range, with its KV rows and logits output bound once and reused; `side`: a
-        prefill beside a decode step, which writes its own logits."""
-        key = (rows.start, rows.stop, side)
+    def _binding(self, rows: slice, side: bool, logit_rows: int) -> Any:
+        """The IOBinding of a row range, with its KV rows and `logit_rows` rows of logits bound once and
+        reused; `side`: a prefill beside a decode step, which writes its own logits."""
+        key = (rows.start, rows.stop, side, logit_rows)
         binding = self._bindings.get(key)
         if binding is None:
             binding = self.session.io_binding()
             logits = self._side_logits if side else self._logits
-            binding.bind_ortvalue_output("logits", ortvalue(logits[: rows.stop - rows.start]))
+            binding.bind_ortvalue_output("logits", ortvalue(logits[:logit_rows]))
             self._kv.bind(binding, rows)
             self._bindings[key] = binding
         return binding
@@ -738,6 +823,11 @@ class Engine:
         for i, (state, error) in notes.items():
             outs[i] = outs[i]._replace(constraint=state, error=error)
         return outs
+
+
+def _logit_rows(rows: slice, run: _RunInputs) -> int:
+    """The logits a run returns: one per row, or one per pick."""
+    return rows.stop - rows.start if run.picks is None else len(run.picks)
 
 
 def _settle(joining: _Joining | None) -> None:

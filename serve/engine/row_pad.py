@@ -132,7 +132,7 @@ def unpadded_graph(path: Path, config: SessionConfig) -> tuple[InMemoryGraph, in
     model = onnx.load(str(path), load_external_data=False)
     if not any(node.name.startswith(ROW_PAD_PREFIX) for node in model.graph.node):
         return None
-    _inline_small_external_tensors(model, path.parent)
+    inline_small_external_tensors(model, path.parent)
     shapes = nbits_shapes(model)
     if not shapes or not all(lone_row_exact(shape, config) for shape in shapes):
         log.info("row pads kept: this CPU computes a lone row of the graph's MatMulNBits unlike a batch's")
@@ -147,7 +147,7 @@ def unpadded_graph(path: Path, config: SessionConfig) -> tuple[InMemoryGraph, in
     return InMemoryGraph(model.SerializeToString(), path.parent), pads
 
 
-def _inline_small_external_tensors(model: onnx.ModelProto, folder: Path) -> None:
+def inline_small_external_tensors(model: onnx.ModelProto, folder: Path) -> None:
     """Read small external tensors into the model: ONNX Runtime's shape inference needs the values of shape
     constants, which it cannot read from external data when the model comes from memory."""
     from onnx import TensorProto

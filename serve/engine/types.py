@@ -49,6 +49,29 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class SpeculationSettings:
+    """Prompt-lookup speculation (serve/engine/speculation.py); the server's flags have vLLM's names
+    (num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)."""
+
+    num_tokens: int = 0  # the most tokens proposed per step; 0: speculation off
+    ngram_min: int = 2  # the shortest n-gram looked up
+    ngram_max: int = 4  # the longest
+
+    def validate(self) -> None:
+        if self.num_tokens < 0:
+            raise ValueError(f"the number of speculative tokens must be >= 0, got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"the n-gram sizes must satisfy 1 <= min <= max, "
+                f"got min {self.ngram_min}, max {self.ngram_max}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_tokens > 0
+
+
+@dataclass(frozen=True)
 class EngineSettings:
     max_batch_size: int = 16
     capacity: int | None = None  # tokens per slot; default: the model's context length
@@ -56,6 +79,7 @@ class EngineSettings:
     # Extra KV rows that keep finished sequences for prompts that start the same way (prefix_cache.py).
     prefix_cache_rows: int = 0
     prefix_cache_min_tokens: int = 16  # the shortest prefix kept or reused
+    speculation: SpeculationSettings = field(default_factory=SpeculationSettings)  # prompt lookup
 
 
 class ConstraintKind(enum.Enum):
@@ -131,6 +155,9 @@ class NewSequence:
     # logits. Outside that sequence's group (or with another prompt) it is prefilled as any other.
     fork_of: str | None = None
     constraint: CompiledConstraint | None = None  # what its output must match (tokens outside it are -inf)
+    # The most tokens prompt lookup proposes for it per step (serve/engine/speculation.py), within the
+    # engine's own limit; None: the engine's limit, 0: none.
+    speculative_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +175,7 @@ class EngineInfo:
     prefix_cache_rows: int
     kv_bytes: int
     eos_token_ids: tuple[int, ...] = ()  # every id that ends a generation, eos_token_id first
+    speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
 
 
 class TokenOut(NamedTuple):
@@ -162,3 +190,7 @@ class TokenOut(NamedTuple):
     # The sequence cannot go on (no token was allowed: its constraint and its sampling settings exclude them
     # all, or the constraint failed); `token_id` is then meaningless and the sequence must be released.
     error: str | None = None
+    # On the first token a speculating step gives a sequence: the tokens proposed for it, and how many of them
+    # its sampling picked (each of those comes as a TokenOut of its own after this one).
+    proposed: int = 0
+    accepted: int = 0

@@ -79,6 +79,12 @@ class MetricRecorder:
     def on_constraint_compiled(self, seconds: float) -> None:
         self.calls.append(("on_constraint_compiled", (seconds,)))
 
+    def on_speculated(self, proposed: int, accepted: int) -> None:
+        self.calls.append(("on_speculated", (proposed, accepted)))
+
+    def on_speculation_done(self, acceptance: float) -> None:
+        self.calls.append(("on_speculation_done", (acceptance,)))
+
     def set_load(self, running: int, waiting: int, kv_used: int, kv_capacity: int) -> None:
         self.calls.append(("set_load", (running, waiting, kv_used, kv_capacity)))
 

@@ -65,6 +65,25 @@ class GenerationRequest:
     # complete (finish reason `stop`, or `eos` where EOS may follow), whatever min_new_tokens and ignore_eos
     # say; EOS is allowed only where the constraint may end.
     constraint: Constraint | None = None
+    # The most tokens prompt lookup proposes per step for it (speculation, within the server's
+    # --num-speculative-tokens); None: the server's number, 0: none. Its tokens are the same either way.
+    speculative_tokens: int | None = None
+
+
+@dataclass
+class SpeculationCount:
+    """A request's speculation so far: tokens proposed for it, and how many of them sampling picked."""
+
+    proposed: int = 0
+    accepted: int = 0
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
 
 
 @dataclass(frozen=True)
@@ -218,6 +237,7 @@ class RequestTracker:
         self.cached_tokens = 0  # prompt tokens its prefill copied from the prefix cache (set at admission)
         self.completion_tokens = 0  # tokens handed to the client (EOS excluded)
         self.cancel_requested = False
+        self.speculated = SpeculationCount()
         self._prompt_scores = _NO_SCORES  # the prompt's, until the first event carries them
         self._eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
         self._eos_set = frozenset(self._eos)
@@ -282,6 +302,7 @@ class RequestTracker:
             prompt_top_logprobs=request.prompt_top_logprobs,
             fork_of=request.fork_of,
             constraint=compiled,
+            speculative_tokens=request.speculative_tokens,
         )
 
     def request_cancel(self) -> None:

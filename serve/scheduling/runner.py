@@ -419,6 +419,8 @@ class BatchRunner:
         finished: list[RequestTracker] = []
         for out in outs:
             tracker = self._running[out.seq_id]
+            if tracker.done:  # a speculating step's tokens after the one that ended it
+                continue
             if out.error is not None:  # nothing could be sampled for it (or its constraint failed): it fails
                 self._refuse_row(tracker, out.error, deliveries)
                 finished.append(tracker)
@@ -432,6 +434,8 @@ class BatchRunner:
                 log.exception("request %s: could not process token %d", tracker.request_id, out.token_id)
                 self._fail([tracker], "its output could not be processed", exc, deliveries)
                 continue
+            if out.proposed:
+                self._speculated(tracker, out)
             if self._metrics is not None:
                 if previous is None:
                     self._metrics.on_first_token(now - tracker.times.arrival)
@@ -444,7 +448,14 @@ class BatchRunner:
                 deliveries.append(Delivery(tracker, finish))
                 finished.append(tracker)
                 self._on_finished(finish)
+                if self._metrics is not None and tracker.speculated.proposed:
+                    self._metrics.on_speculation_done(tracker.speculated.acceptance)
         self._leave(finished)
+
+    def _speculated(self, tracker: RequestTracker, out: TokenOut) -> None:
+        tracker.speculated.add(out.proposed, out.accepted)
+        if self._metrics is not None:
+            self._metrics.on_speculated(out.proposed, out.accepted)
 
     def _refuse_row(self, tracker: RequestTracker, reason: str, out: list[Delivery]) -> None:
         position = tracker.completion_tokens + 1

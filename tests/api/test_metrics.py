@@ -49,6 +49,12 @@ EXPECTED_FAMILIES = {
     "textgen_constraint_masks",
     "textgen_constraint_mask_seconds",
     "textgen_constraint_mask_wait_seconds",
+    # speculative decoding
+    "textgen_spec_decode_drafts",
+    "textgen_spec_decode_draft_tokens",
+    "textgen_spec_decode_accepted_tokens",
+    "textgen_spec_decode_emitted_tokens",
+    "textgen_spec_decode_acceptance_rate",
 }
 
 
@@ -76,6 +82,8 @@ def exercise(m: Metrics) -> None:
     m.on_constrained("tool")
     m.on_masks(3, 0.0004, 0.0001)
     m.on_constraint_compiled(0.002)
+    m.on_speculated(5, 3)
+    m.on_speculation_done(0.6)
 
 
 def test_latency_histograms_count_and_sum(metrics: Metrics) -> None:

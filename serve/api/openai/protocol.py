@@ -66,6 +66,12 @@ class SamplingRequest(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = False
     truncate_prompt_tokens: int | None = Field(None, ge=1)
+    num_speculative_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="with a speculating server: the most tokens it proposes per step for this request, at "
+        "most the server's (default: the server's; 0: none); the output is the same either way",
+    )
 
 
 class CompletionRequest(SamplingRequest):

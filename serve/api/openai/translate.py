@@ -207,6 +207,7 @@ def _options(
         truncate_prompt_tokens=body.truncate_prompt_tokens or 0,
         score_only=score_only,
         constraint=constraint,
+        speculative_tokens=body.num_speculative_tokens,
     )
 
 

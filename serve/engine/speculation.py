@@ -1,0 +1,64 @@
+"""Prompt-lookup speculation: proposed tokens from the sequence's own text, and how many to propose.
+
+A decode step on a CPU is bound by reading the weights, so scoring a few positions of one sequence in one run
+costs little more than scoring one. Prompt lookup (n-gram speculation, vLLM's `ngram`, llama-server's
+`--spec-ngram`) proposes, after the longest recent n-gram of the sequence that occurred before in its prompt
+or output, the tokens that followed it then; the engine scores the pending token and the proposal in one run
+and keeps the proposed tokens the model itself picks (serve/engine/engine.py, `_speculate`).
+
+Why nothing changes in what a request gets: position j's token is sampled from the logits of that position
+exactly as a plain decode step would sample it (same processors, same random stream, one draw per token), and
+a proposed token counts only when it equals that sample. A proposal is a guess of what sampling will pick;
+it never replaces it. A wrong guess costs the extra positions of that one run, which `Backoff` keeps rare on
+text that does not repeat itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def propose(context: np.ndarray, ngram_min: int, ngram_max: int, k: int) -> np.ndarray:
+    """Up to `k` token ids that followed the most recent earlier occurrence of the longest suffix n-gram of
+    `context` (n from `ngram_max` down to `ngram_min`); empty when no such n-gram occurred before."""
+    length = len(context)
+    if k <= 0:
+        return context[:0]
+    for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
+        suffix = context[length - n :]
+        # Windows starting at 0 .. length - n - 1: every earlier occurrence with at least one token after it.
+        windows = np.lib.stride_tricks.sliding_window_view(context[: length - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n  # the most recent occurrence: nearest text repeats most reliably
+            return context[start : start + k]
+    return context[:0]
+
+
+@dataclass
+class Backoff:
+    """When a row proposes: after a step whose proposal was wholly rejected it waits 1, then 2, 4, ... up to
+    `longest` steps before proposing again; any accepted token ends the wait. Text that does not repeat
+    itself (where lookups still find short n-grams by chance) then pays for a few verification runs, not
+    one per step."""
+
+    longest: int = 16
+    wait: int = 0  # steps left before the next proposal
+    next_wait: int = 1
+
+    def ready(self) -> bool:
+        if self.wait > 0:
+            self.wait -= 1
+            return False
+        return True
+
+    def record(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        if accepted > 0:
+            self.next_wait = 1
+            return
+        self.wait = self.next_wait
+        self.next_wait = min(self.next_wait * 2, self.longest)
