@@ -104,6 +104,7 @@ def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
         concurrency=args.clients,
         num_requests=args.clients * 2,
         input_len=args.input_len,
+        dataset=args.dataset,
         max_new_tokens=args.new_tokens,
         ignore_eos=True,
         percentiles=(50.0, 99.0),
@@ -145,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=16, help="closed-loop clients (and --max-batch-size)")
     p.add_argument("--requests", type=int, default=256, help="timed requests per run")
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
+    p.add_argument(
+        "--dataset",
+        choices=("synthetic", "corpus"),
+        default="synthetic",
+        help="prompts: random token ids, or windows of the Python standard library's sources",
+    )
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
     p.add_argument("--threads", type=int, default=None, help="textgen-serve --threads")
     p.add_argument("--rpc", choices=tuple(RPC_NAMES), default="stream", help="the clients' call")
