@@ -29,16 +29,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException
 
-from serve.api.common import CallRecord, LoadedModel, account
+from serve.api.common import CallRecord, LoadedModel
 from serve.api.config import ServerSettings
-from serve.api.http_status import NOT_FOUND, TOO_LARGE, HttpError, http_error
+from serve.api.http_status import http_error
 from serve.api.metrics import Metrics
-from serve.api.openai.front_door import FrontDoor, error_response
+from serve.api.openai.errors import Accounting
+from serve.api.openai.front_door import FrontDoor
 from serve.api.openai.logprobs import Vocabulary, chat_logprobs, completion_logprobs
 from serve.api.openai.paths import (
     CHAT,
@@ -48,7 +47,6 @@ from serve.api.openai.paths import (
     MODELS,
     REQUEST_ID_KEY,
     RESPONSES,
-    ROUTES,
     TOKENIZE,
 )
 from serve.api.openai.protocol import (
@@ -75,7 +73,6 @@ from serve.api.openai.request_events import (
 )
 from serve.api.openai.responses import Draft, ResponsesRequest, chat_body, events, from_chat
 from serve.api.openai.translate import (
-    NotFound,
     Plan,
     Prompt,
     chat_messages,
@@ -118,34 +115,12 @@ class OpenAIApi:
         self._state = state
         self._settings = settings
         self._metrics = metrics
-        self._tracer = tracer
+        self._accounting = Accounting(settings, metrics, tracer)
         self._vocabularies: dict[int, Vocabulary] = {}
         self.fastapi = self._build()
         token = settings.auth_token.get_secret_value() if settings.auth_token is not None else None
-        traced = tracer is not None
-        self.app = FrontDoor(self.fastapi, token, settings.max_message_bytes, self._refused, traced)
-
-    # -- accounting -----------------------------------------------------------------------------------------
-    def _refused(self, route: str, code: str, status: int, request_id: str) -> None:
-        record = CallRecord(rpc=route, request_id=request_id, code=code, status=status)
-        account(record, self._settings.log_prompts, self._metrics, self._tracer)
-
-    def _account(self, record: CallRecord) -> None:
-        account(record, self._settings.log_prompts, self._metrics, self._tracer)
-
-    def _failed(self, record: CallRecord, exc: BaseException, param: str | None = None) -> JSONResponse:
-        error = http_error(exc, record.request_id or None)
-        code = None
-        if isinstance(exc, NotFound):
-            status, kind, label = NOT_FOUND
-            error, code = HttpError(status, kind, label, str(exc)), "model_not_found"
-        record.code, record.status, record.error = error.code, error.status, error.message
-        if error.code == "INTERNAL":
-            log.error("request %s failed", record.request_id, exc_info=exc)
-        self._account(record)
-        return JSONResponse(
-            error.body(param, code), status_code=error.status, headers={"X-Request-Id": record.request_id}
-        )
+        refused, traced = self._accounting.refused, tracer is not None
+        self.app = FrontDoor(self.fastapi, token, settings.max_message_bytes, refused, traced)
 
     # -- the application ------------------------------------------------------------------------------------
     def _build(self) -> FastAPI:
@@ -155,9 +130,7 @@ class OpenAIApi:
             docs_url=None,
             redoc_url=None,
         )
-        app.add_exception_handler(RequestValidationError, self._invalid_body)  # type: ignore[arg-type]
-        app.add_exception_handler(HTTPException, self._http_exception)  # type: ignore[arg-type]
-        app.add_exception_handler(Exception, self._unexpected)
+        self._accounting.install(app)
 
         @app.get(HEALTH, summary="200 while serving, 503 while loading or draining")
         async def health() -> Response:
@@ -171,9 +144,9 @@ class OpenAIApi:
             try:
                 model = self._state.ready_model()
             except Exception as exc:
-                return self._failed(record, exc)
+                return self._accounting.failed(record, exc)
             record.status = 200
-            self._account(record)
+            self._accounting.account(record)
             return JSONResponse({"object": "list", "data": [self._model_card(model)]})
 
         @app.post(
@@ -230,40 +203,6 @@ class OpenAIApi:
             "max_model_len": model.limits.context_length,
         }
 
-    async def _invalid_body(self, request: Request, exc: RequestValidationError) -> Response:
-        errors = exc.errors()
-        first: dict[str, Any] = dict(errors[0]) if errors else {"loc": (), "msg": "invalid request body"}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        where = ".".join(loc)
-        if first.get("type") == "json_invalid":
-            message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
-            loc, where = [], ""
-        else:
-            shown = json.dumps(first["input"], default=repr)[:80] if "input" in first else ""
-            got = f" (got {shown})" if shown and loc else ""
-            message = f"{where or 'body'}: {first['msg']}{got}"
-        record = CallRecord(rpc=request.url.path, request_id=request.scope.get(REQUEST_ID_KEY, ""))
-        if record.rpc not in ROUTES:
-            return error_response(http_error(InvalidRequest(message)), record.request_id, where or None)
-        return self._failed(record, InvalidRequest(message), where or None)
-
-    async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
-        request_id = request.scope.get(REQUEST_ID_KEY, "")
-        if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}: see GET /openapi.json"
-        else:
-            message = str(exc.detail)
-        error = HttpError(exc.status_code, "invalid_request_error", "INVALID_ARGUMENT", message)
-        if request.url.path in ROUTES:
-            code = TOO_LARGE[2] if exc.status_code == 413 else error.code
-            self._refused(request.url.path, code, exc.status_code, request_id)
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
-
-    async def _unexpected(self, request: Request, exc: Exception) -> Response:
-        request_id = request.scope.get(REQUEST_ID_KEY, "")
-        log.error("request %s failed", request_id, exc_info=exc)
-        return error_response(http_error(exc, request_id or None), request_id)
-
     async def _run(
         self,
         plan: Plan,
@@ -288,7 +227,7 @@ class OpenAIApi:
             _usage_of, record.finish = plan_usage(plan, [c.finish for c in completions])
             record.text = completions[0].text
             record.status = 200
-            self._account(record)
+            self._accounting.account(record)
             return JSONResponse(body, headers=headers)
         events = merged(handles)
         # The response starts with the first event, so a request refused before it (a drain, a failed
@@ -332,7 +271,7 @@ class OpenAIApi:
             for handle in handles:
                 handle.cancel()  # frees the rows of a stream whose client went away; no effect once finished
             _, record.finish = plan_usage(plan, finishes)
-            self._account(record)
+            self._accounting.account(record)
 
     # -- /v1/completions ------------------------------------------------------------------------------------
     async def _completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -385,7 +324,7 @@ class OpenAIApi:
 
             return await self._run(plan, model, request, record, bool(body.stream), render, chunks)
         except Exception as exc:
-            return self._failed(record, exc)
+            return self._accounting.failed(record, exc)
 
     # -- the Responses API (serve/api/openai/responses.py) ---------------------------------------------------
     async def _responses(self, body: ResponsesRequest, request: Request) -> Response:
@@ -395,9 +334,10 @@ class OpenAIApi:
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(part) for part in first["loc"])
-            return self._failed(self._record(RESPONSES, request), InvalidRequest(f"{where}: {first['msg']}"))
+            invalid = InvalidRequest(f"{where}: {first['msg']}")
+            return self._accounting.failed(self._record(RESPONSES, request), invalid)
         except Exception as exc:
-            return self._failed(self._record(RESPONSES, request), exc)
+            return self._accounting.failed(self._record(RESPONSES, request), exc)
         answer = await self._chat(chat, request, route=RESPONSES)
         if answer.status_code != 200:  # an error, already in OpenAI's shape and accounted
             return answer
@@ -432,9 +372,9 @@ class OpenAIApi:
         try:
             body = await answer
         except Exception as exc:
-            return self._failed(record, exc)
+            return self._accounting.failed(record, exc)
         record.status = 200
-        self._account(record)
+        self._accounting.account(record)
         return JSONResponse(body, headers={"X-Request-Id": record.request_id})
 
     async def _tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
@@ -542,7 +482,7 @@ class OpenAIApi:
 
             return await self._run(plan, model, request, record, bool(body.stream), render, chunks)
         except Exception as exc:
-            return self._failed(record, exc)
+            return self._accounting.failed(record, exc)
 
 
 # --- helpers of the two routes ------------------------------------------------------------------------------
