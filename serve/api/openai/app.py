@@ -3,6 +3,8 @@
     GET  /v1/models              the served model (its bundle's name) and its max_model_len
     POST /v1/completions         prompt(s) as text or token ids; echo, logprobs, n, stream, ...
     POST /v1/chat/completions    messages rendered with the bundle's chat template (serve/api/chat.py)
+    POST /v1/responses           OpenAI's Responses API, served as a chat (responses.py)
+    POST /tokenize, /detokenize  a prompt's or a chat's token ids, and back
     GET  /health                 200 while serving, 503 while loading or draining (no token needed)
 
 It shares the gRPC front end's request core (serve/api/validation.py), error kinds (serve/api/http_status.py
@@ -11,35 +13,29 @@ Handlers submit to the same scheduler directly, on the event loop. `X-Request-Id
 echoed; it is the request id of the log line and of an INTERNAL error's message. A client that goes away
 cancels its request at the next engine step, streamed or not.
 
-n > 1 is served as n requests with seeds derived from (seed, index) (`validation.choice_seed`): the same seed
-gives the same n choices whatever else is batched. Choices 1..n-1 are forks of choice 0
-(`GenerationRequest.fork_of`): admitted in its prefill group (the usual case), the prompt is prefilled once
-and the engine copies its row (KV and first-step logits) into theirs; one left out of the group for lack of
-rows is prefilled later on its own (from the prefix cache, when it keeps the prompt).
+The generation routes share one handler (`_generate`): the body's translation (translate.py) and its
+route's renderer (completions.py, chat.py), run by serving.py's skeleton.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException
 
-from serve.api.common import CallRecord, LoadedModel, account
+from serve.api.common import CallRecord, LoadedModel
 from serve.api.config import ServerSettings
-from serve.api.http_status import NOT_FOUND, TOO_LARGE, HttpError, http_error
 from serve.api.metrics import Metrics
-from serve.api.openai.front_door import FrontDoor, error_response
-from serve.api.openai.logprobs import Vocabulary, chat_logprobs, completion_logprobs
+from serve.api.openai.chat import ChatRenderer
+from serve.api.openai.completions import CompletionRenderer
+from serve.api.openai.errors import Accounting
+from serve.api.openai.front_door import FrontDoor
+from serve.api.openai.logprobs import Vocabulary
 from serve.api.openai.paths import (
     CHAT,
     COMPLETIONS,
@@ -48,13 +44,11 @@ from serve.api.openai.paths import (
     MODELS,
     REQUEST_ID_KEY,
     RESPONSES,
-    ROUTES,
     TOKENIZE,
 )
 from serve.api.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -64,42 +58,25 @@ from serve.api.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from serve.api.openai.request_events import (
-    complete,
-    first_event,
-    merged,
-    plan_usage,
-    prepend,
-    submit_all,
-    until_done,
-)
 from serve.api.openai.responses import Draft, ResponsesRequest, chat_body, events, from_chat
+from serve.api.openai.serving import SSE_HEADERS, Renderer, Serving
 from serve.api.openai.translate import (
-    NotFound,
-    Plan,
-    Prompt,
     chat_messages,
     chat_plan,
     completion_plan,
     named_model,
 )
 from serve.api.state import ServingState
-from serve.api.tool_calls import Reply
 from serve.api.tracing import RequestTracer
 from serve.api.validation import (
     token_ids,
 )
 from serve.errors import Draining, InvalidRequest
-from serve.scheduling.handles import RequestHandle
-from serve.scheduling.request import Completion, Event, FinishEvent, TokenEvent
-
-log = logging.getLogger("textgen.http")
 
 # The error statuses a route may answer with, each in OpenAI's error shape (/openapi.json says so).
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503, 504)
 }
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 # --- the API ------------------------------------------------------------------------------------------------
@@ -118,34 +95,13 @@ class OpenAIApi:
         self._state = state
         self._settings = settings
         self._metrics = metrics
-        self._tracer = tracer
+        self._accounting = Accounting(settings, metrics, tracer)
+        self._serving = Serving(state, self._accounting.account)
         self._vocabularies: dict[int, Vocabulary] = {}
         self.fastapi = self._build()
         token = settings.auth_token.get_secret_value() if settings.auth_token is not None else None
-        traced = tracer is not None
-        self.app = FrontDoor(self.fastapi, token, settings.max_message_bytes, self._refused, traced)
-
-    # -- accounting -----------------------------------------------------------------------------------------
-    def _refused(self, route: str, code: str, status: int, request_id: str) -> None:
-        record = CallRecord(rpc=route, request_id=request_id, code=code, status=status)
-        account(record, self._settings.log_prompts, self._metrics, self._tracer)
-
-    def _account(self, record: CallRecord) -> None:
-        account(record, self._settings.log_prompts, self._metrics, self._tracer)
-
-    def _failed(self, record: CallRecord, exc: BaseException, param: str | None = None) -> JSONResponse:
-        error = http_error(exc, record.request_id or None)
-        code = None
-        if isinstance(exc, NotFound):
-            status, kind, label = NOT_FOUND
-            error, code = HttpError(status, kind, label, str(exc)), "model_not_found"
-        record.code, record.status, record.error = error.code, error.status, error.message
-        if error.code == "INTERNAL":
-            log.error("request %s failed", record.request_id, exc_info=exc)
-        self._account(record)
-        return JSONResponse(
-            error.body(param, code), status_code=error.status, headers={"X-Request-Id": record.request_id}
-        )
+        refused, traced = self._accounting.refused, tracer is not None
+        self.app = FrontDoor(self.fastapi, token, settings.max_message_bytes, refused, traced)
 
     # -- the application ------------------------------------------------------------------------------------
     def _build(self) -> FastAPI:
@@ -155,9 +111,7 @@ class OpenAIApi:
             docs_url=None,
             redoc_url=None,
         )
-        app.add_exception_handler(RequestValidationError, self._invalid_body)  # type: ignore[arg-type]
-        app.add_exception_handler(HTTPException, self._http_exception)  # type: ignore[arg-type]
-        app.add_exception_handler(Exception, self._unexpected)
+        self._accounting.install(app)
 
         @app.get(HEALTH, summary="200 while serving, 503 while loading or draining")
         async def health() -> Response:
@@ -171,9 +125,9 @@ class OpenAIApi:
             try:
                 model = self._state.ready_model()
             except Exception as exc:
-                return self._failed(record, exc)
+                return self._accounting.failed(record, exc)
             record.status = 200
-            self._account(record)
+            self._accounting.account(record)
             return JSONResponse({"object": "list", "data": [self._model_card(model)]})
 
         @app.post(
@@ -183,7 +137,7 @@ class OpenAIApi:
             responses=ERRORS,
         )
         async def completions(body: CompletionRequest, request: Request) -> Response:
-            return await self._completions(body, request)
+            return await self._generate(COMPLETIONS, body, request)
 
         @app.post(
             CHAT,
@@ -192,7 +146,7 @@ class OpenAIApi:
             responses=ERRORS,
         )
         async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-            return await self._chat(body, request)
+            return await self._generate(CHAT, body, request)
 
         @app.post(RESPONSES, summary="OpenAI's Responses API, stateless: a chat completion in its shape")
         async def responses(body: ResponsesRequest, request: Request) -> Response:
@@ -230,162 +184,32 @@ class OpenAIApi:
             "max_model_len": model.limits.context_length,
         }
 
-    async def _invalid_body(self, request: Request, exc: RequestValidationError) -> Response:
-        errors = exc.errors()
-        first: dict[str, Any] = dict(errors[0]) if errors else {"loc": (), "msg": "invalid request body"}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        where = ".".join(loc)
-        if first.get("type") == "json_invalid":
-            message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
-            loc, where = [], ""
-        else:
-            shown = json.dumps(first["input"], default=repr)[:80] if "input" in first else ""
-            got = f" (got {shown})" if shown and loc else ""
-            message = f"{where or 'body'}: {first['msg']}{got}"
-        record = CallRecord(rpc=request.url.path, request_id=request.scope.get(REQUEST_ID_KEY, ""))
-        if record.rpc not in ROUTES:
-            return error_response(http_error(InvalidRequest(message)), record.request_id, where or None)
-        return self._failed(record, InvalidRequest(message), where or None)
-
-    async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
-        request_id = request.scope.get(REQUEST_ID_KEY, "")
-        if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}: see GET /openapi.json"
-        else:
-            message = str(exc.detail)
-        error = HttpError(exc.status_code, "invalid_request_error", "INVALID_ARGUMENT", message)
-        if request.url.path in ROUTES:
-            code = TOO_LARGE[2] if exc.status_code == 413 else error.code
-            self._refused(request.url.path, code, exc.status_code, request_id)
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
-
-    async def _unexpected(self, request: Request, exc: Exception) -> Response:
-        request_id = request.scope.get(REQUEST_ID_KEY, "")
-        log.error("request %s failed", request_id, exc_info=exc)
-        return error_response(http_error(exc, request_id or None), request_id)
-
-    async def _run(
-        self,
-        plan: Plan,
-        model: LoadedModel,
-        request: Request,
-        record: CallRecord,
-        stream: bool,
-        render: Callable[[Plan, list[Completion]], dict[str, Any]],
-        chunks: Callable[
-            [Plan, AsyncIterator[tuple[int, Event]], list[FinishEvent | None]], AsyncIterator[str]
-        ],
+    # -- the generation routes -----------------------------------------------------------------------------
+    async def _generate(
+        self, route: str, body: CompletionRequest | ChatCompletionRequest, request: Request
     ) -> Response:
-        if self._state.draining:  # the drain may have begun while the prompt was being tokenized
-            raise Draining("the server is shutting down: retry on another replica")
-        handles = submit_all(model, plan.requests)
-        headers = {"X-Request-Id": record.request_id}
-        if not stream:
-            tasks = [asyncio.ensure_future(complete(h)) for h in handles]
-            await until_done(tasks, request, handles)
-            completions = [t.result() for t in tasks]
-            body = render(plan, completions)
-            _usage_of, record.finish = plan_usage(plan, [c.finish for c in completions])
-            record.text = completions[0].text
-            record.status = 200
-            self._account(record)
-            return JSONResponse(body, headers=headers)
-        events = merged(handles)
-        # The response starts with the first event, so a request refused before it (a drain, a failed
-        # prefill) gets its HTTP status, and one whose client leaves while queued is cancelled.
-        try:
-            first = await first_event(events, request)
-        except BaseException:
-            for handle in handles:
-                handle.cancel()
-            with contextlib.suppress(Exception):
-                await events.aclose()  # type: ignore[attr-defined]  # an async generator
-            raise
-        finishes: list[FinishEvent | None] = [None] * len(handles)
-        sse = self._sse(chunks(plan, prepend(first, events), finishes), handles, record, plan, finishes)
-        return StreamingResponse(sse, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-
-    async def _sse(
-        self,
-        chunks: AsyncIterator[str],
-        handles: Sequence[RequestHandle],
-        record: CallRecord,
-        plan: Plan,
-        finishes: list[FinishEvent | None],
-    ) -> AsyncIterator[str]:
-        record.status = 200
-        try:
-            async for chunk in chunks:
-                yield chunk
-            yield "data: [DONE]\n\n"
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away: starlette cancels the stream
-            record.code = "CANCELLED"
-            raise
-        except Exception as exc:  # after the response began: an error event, then the end of the stream
-            error = http_error(exc, record.request_id)
-            record.code, record.error = error.code, error.message
-            if error.code == "INTERNAL":
-                log.error("request %s failed", record.request_id, exc_info=exc)
-            yield f"data: {json.dumps(error.body())}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            for handle in handles:
-                handle.cancel()  # frees the rows of a stream whose client went away; no effect once finished
-            _, record.finish = plan_usage(plan, finishes)
-            self._account(record)
-
-    # -- /v1/completions ------------------------------------------------------------------------------------
-    async def _completions(self, body: CompletionRequest, request: Request) -> Response:
-        record = CallRecord(rpc=COMPLETIONS, request_id=request.scope[REQUEST_ID_KEY])
+        """A completion or a chat, accounted as `route` (/v1/responses serves its requests as chats)."""
+        record = self._record(route, request)
         try:
             model = named_model(self._state, body.model)
-            plan = await completion_plan(body, model, self._settings.max_n, record)
-            created = int(time.time())
-            vocab = self._vocabulary(model)
-            echo, k, include_usage = plan.echo, plan.logprobs, plan.include_usage
-            ident = f"cmpl-{record.request_id}"
-            self._count_constraint(plan)
-
-            def render(plan: Plan, done: list[Completion]) -> dict[str, Any]:
-                choices = [
-                    _completion_choice(i, plan.prompts[i // plan.n], c, echo, k, vocab)
-                    for i, c in enumerate(done)
-                ]
-                usage, _ = plan_usage(plan, [c.finish for c in done])
-                return _completion_object(ident, created, model.name, choices) | {"usage": usage}
-
-            async def chunks(
-                plan: Plan, events: AsyncIterator[tuple[int, Event]], finishes: list[FinishEvent | None]
-            ) -> AsyncIterator[str]:
-                offsets = [0] * len(plan.requests)
-                started = [False] * len(plan.requests)
-                async for index, event in events:
-                    if isinstance(event, FinishEvent):
-                        finishes[index] = event
-                        choice = {"index": index, "text": "", "logprobs": None}
-                        choice["finish_reason"] = finish_reason(event.finish_reason)
-                        yield _sse_data(
-                            _completion_object(ident, created, model.name, [choice]), include_usage
-                        )
-                        continue
-                    text, logprobs = event.text, None
-                    prompt = plan.prompts[index // plan.n]
-                    if not started[index] and echo:
-                        text = prompt.text + text
-                    if k is not None:
-                        logprobs, offsets[index] = _event_completion_logprobs(
-                            vocab, event, prompt if echo and not started[index] else None, offsets[index]
-                        )
-                    started[index] = True
-                    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
-                    yield _sse_data(_completion_object(ident, created, model.name, [choice]), include_usage)
-                if include_usage:
-                    usage, _ = plan_usage(plan, finishes)
-                    yield _sse_data(_completion_object(ident, created, model.name, []) | {"usage": usage})
-
-            return await self._run(plan, model, request, record, bool(body.stream), render, chunks)
+            renderer = await self._renderer(body, model, record)
+            label = renderer.plan.constraint_label  # the constrained-request metric's ("tool": a forced call)
+            if self._metrics is not None and label is not None:
+                self._metrics.on_constrained(label)
+            return await self._serving.run(renderer, model, request, record)
         except Exception as exc:
-            return self._failed(record, exc)
+            return self._accounting.failed(record, exc)
+
+    async def _renderer(
+        self, body: CompletionRequest | ChatCompletionRequest, model: LoadedModel, record: CallRecord
+    ) -> Renderer[Any]:
+        """The body's plan (its route's translation), in the renderer of its route's answers."""
+        max_n = self._settings.max_n
+        if isinstance(body, CompletionRequest):
+            plan = await completion_plan(body, model, max_n, record)
+            return CompletionRenderer(plan, model.name, record.request_id, self._vocabulary(model))
+        chat = await chat_plan(body, model, max_n, record)
+        return ChatRenderer(chat, model.name, record.request_id, self._vocabulary(model))
 
     # -- the Responses API (serve/api/openai/responses.py) ---------------------------------------------------
     async def _responses(self, body: ResponsesRequest, request: Request) -> Response:
@@ -395,10 +219,11 @@ class OpenAIApi:
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(part) for part in first["loc"])
-            return self._failed(self._record(RESPONSES, request), InvalidRequest(f"{where}: {first['msg']}"))
+            invalid = InvalidRequest(f"{where}: {first['msg']}")
+            return self._accounting.failed(self._record(RESPONSES, request), invalid)
         except Exception as exc:
-            return self._failed(self._record(RESPONSES, request), exc)
-        answer = await self._chat(chat, request, route=RESPONSES)
+            return self._accounting.failed(self._record(RESPONSES, request), exc)
+        answer = await self._generate(RESPONSES, chat, request)
         if answer.status_code != 200:  # an error, already in OpenAI's shape and accounted
             return answer
         draft = Draft(body, model.name)
@@ -420,11 +245,6 @@ class OpenAIApi:
             vocab = self._vocabularies[id(model.tokenizer)] = Vocabulary(model.tokenizer)
         return vocab
 
-    def _count_constraint(self, plan: Plan) -> None:
-        """The constrained-request metric, by kind ("tool": a call that tool_choice forces)."""
-        if self._metrics is not None and plan.constraint_label is not None:
-            self._metrics.on_constrained(plan.constraint_label)
-
     # -- the tokenizer's routes ------------------------------------------------------------------------------
     async def _answer(self, route: str, request: Request, answer: Awaitable[Mapping[str, Any]]) -> Response:
         """A route that answers with one JSON object, or its error, accounted as `route`."""
@@ -432,9 +252,9 @@ class OpenAIApi:
         try:
             body = await answer
         except Exception as exc:
-            return self._failed(record, exc)
+            return self._accounting.failed(record, exc)
         record.status = 200
-        self._account(record)
+        self._accounting.account(record)
         return JSONResponse(body, headers={"X-Request-Id": record.request_id})
 
     async def _tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
@@ -460,167 +280,6 @@ class OpenAIApi:
         model = named_model(self._state, body.model)
         ids = token_ids(body.tokens, model.info.vocab_size, "tokens")
         return {"prompt": await asyncio.to_thread(model.tokenizer.decode, ids)}
-
-    # -- /v1/chat/completions --------------------------------------------------------------------------------
-    async def _chat(self, body: ChatCompletionRequest, request: Request, route: str = CHAT) -> Response:
-        """`route`: the route the call is accounted as (/v1/responses serves its requests through this)."""
-        record = CallRecord(rpc=route, request_id=request.scope[REQUEST_ID_KEY])
-        try:
-            model = named_model(self._state, body.model)
-            plan = await chat_plan(body, model, self._settings.max_n, record)
-            created = int(time.time())
-            vocab = self._vocabulary(model)
-            tools, want_logprobs, include_usage = plan.tools, plan.logprobs, plan.include_usage
-            ident = f"chatcmpl-{record.request_id}"
-            self._count_constraint(plan)
-
-            def render(plan: Plan, done: list[Completion]) -> dict[str, Any]:
-                choices = []
-                for index, completion in enumerate(done):
-                    assert completion.finish is not None
-                    logprobs = (
-                        {
-                            "content": chat_logprobs(
-                                vocab, completion.token_ids, completion.logprobs, completion.top_logprobs
-                            )
-                        }
-                        if want_logprobs
-                        else None
-                    )
-                    reply = Reply(tools)
-                    reply.feed(completion.text)
-                    _, reason = reply.finish(finish_reason(completion.finish.finish_reason))
-                    choices.append(
-                        {
-                            "index": index,
-                            "message": reply.message(),
-                            "logprobs": logprobs,
-                            "finish_reason": reason,
-                        }
-                    )
-                usage, _ = plan_usage(plan, [c.finish for c in done])
-                return _chat_object(ident, created, model.name, choices, "chat.completion") | {"usage": usage}
-
-            async def chunks(
-                plan: Plan, events: AsyncIterator[tuple[int, Event]], finishes: list[FinishEvent | None]
-            ) -> AsyncIterator[str]:
-                started = [False] * len(plan.requests)
-                replies = [Reply(tools) for _ in plan.requests]
-                kind = "chat.completion.chunk"
-
-                def chunk(index: int, delta: dict[str, Any], logprobs: Any, reason: str | None) -> str:
-                    if not started[index]:
-                        first = (
-                            {"role": "assistant"}
-                            if tools.mode == "none"
-                            else {"role": "assistant", "content": None}
-                        )
-                        delta = {**first, **delta}
-                        started[index] = True
-                    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-                    return _sse_data(_chat_object(ident, created, model.name, [choice], kind), include_usage)
-
-                async for index, event in events:
-                    if isinstance(event, FinishEvent):
-                        finishes[index] = event
-                        last, reason = replies[index].finish(finish_reason(event.finish_reason))
-                        if last:
-                            yield chunk(index, last, None, None)
-                        yield chunk(index, {}, None, reason)
-                        continue
-                    delta = replies[index].feed(event.text)
-                    logprobs = (
-                        {"content": chat_logprobs(vocab, event.token_ids, event.logprobs, event.top_logprobs)}
-                        if want_logprobs
-                        else None
-                    )
-                    if delta or logprobs is not None:
-                        yield chunk(index, delta, logprobs, None)
-                if include_usage:
-                    usage, _ = plan_usage(plan, finishes)
-                    yield _sse_data(_chat_object(ident, created, model.name, [], kind) | {"usage": usage})
-
-            return await self._run(plan, model, request, record, bool(body.stream), render, chunks)
-        except Exception as exc:
-            return self._failed(record, exc)
-
-
-# --- helpers of the two routes ------------------------------------------------------------------------------
-
-
-def finish_reason(reason: str) -> str:
-    """textgen's finish reason as OpenAI's: EOS and stop sequences are "stop", the limits "length"."""
-    return "stop" if reason in ("eos", "stop") else "length"
-
-
-def _sse_data(obj: dict[str, Any], usage_field: bool = False) -> str:
-    if usage_field:
-        obj["usage"] = None  # OpenAI: every chunk but the last has "usage": null when usage is asked for
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def _completion_object(ident: str, created: int, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"id": ident, "object": "text_completion", "created": created, "model": model, "choices": choices}
-
-
-def _chat_object(
-    ident: str, created: int, model: str, choices: list[dict[str, Any]], kind: str
-) -> dict[str, Any]:
-    return {
-        "id": ident,
-        "object": kind,
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": choices,
-    }
-
-
-def _prompt_scores(
-    prompt: Prompt, logprobs: list[float], tops: list[Any]
-) -> tuple[list[float | None], list[Any]]:
-    """The prompt's logprobs as echo shows them: the first token has none."""
-    top_list: list[Any] = [None, *tops] if tops else [None] * len(prompt.ids)
-    return [None, *logprobs], top_list
-
-
-def _event_completion_logprobs(
-    vocab: Vocabulary, event: TokenEvent, prompt: Prompt | None, offset: int
-) -> tuple[CompletionLogprobs, int]:
-    ids: list[int] = []
-    lps: list[float | None] = []
-    tops: list[Any] = []
-    if prompt is not None:
-        plp, ptop = _prompt_scores(prompt, event.prompt_logprobs, event.prompt_top_logprobs)
-        ids, lps, tops = list(prompt.ids), plp, ptop
-    ids += event.token_ids
-    lps += event.logprobs
-    tops += event.top_logprobs or [None] * len(event.token_ids)
-    return completion_logprobs(vocab, ids, lps, tops, offset)
-
-
-def _completion_choice(
-    index: int, prompt: Prompt, completion: Completion, echo: bool, k: int | None, vocab: Vocabulary
-) -> dict[str, Any]:
-    assert completion.finish is not None
-    text = (prompt.text if echo else "") + completion.text
-    logprobs = None
-    if k is not None:
-        event = TokenEvent(
-            completion.token_ids,
-            completion.text,
-            completion.logprobs,
-            completion.top_logprobs,
-            completion.prompt_logprobs,
-            completion.prompt_top_logprobs,
-        )
-        logprobs, _ = _event_completion_logprobs(vocab, event, prompt if echo else None, 0)
-    return {
-        "index": index,
-        "text": text,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason(completion.finish.finish_reason),
-    }
 
 
 __all__ = ["OpenAIApi"]

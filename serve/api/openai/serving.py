@@ -1,0 +1,185 @@
+"""The one serving skeleton of /v1/completions and /v1/chat/completions (and /v1/responses, through chat).
+
+A route's translation (translate.py) makes a `Plan`; its `Renderer` (completions.py, chat.py) says what the
+answer looks like; `Serving.run` submits the plan's requests and answers when they are done, with the whole
+body, or as they go, with a stream of SSE chunks. A stream begins with its first event, so a request refused
+before it (a drain, a failed prefill) gets its HTTP status and one whose client leaves while queued is
+cancelled; an error after the stream began is an error event, then the end of the stream. Either way the
+call is accounted once, when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, ClassVar, Generic, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from serve.api.common import CallRecord, LoadedModel
+from serve.api.http_status import http_error
+from serve.api.openai.logprobs import Vocabulary
+from serve.api.openai.request_events import (
+    complete,
+    first_event,
+    merged,
+    plan_usage,
+    prepend,
+    submit_all,
+    until_done,
+)
+from serve.api.openai.translate import Plan
+from serve.api.state import ServingState
+from serve.errors import Draining
+from serve.scheduling.handles import RequestHandle
+from serve.scheduling.request import Completion, Event, FinishEvent, TokenEvent
+
+log = logging.getLogger("textgen.http")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+P = TypeVar("P", bound=Plan)
+
+
+def finish_reason(reason: str) -> str:
+    """textgen's finish reason as OpenAI's: EOS and stop sequences are "stop", the limits "length"."""
+    return "stop" if reason in ("eos", "stop") else "length"
+
+
+def sse_data(obj: dict[str, Any], usage_field: bool = False) -> str:
+    if usage_field:
+        obj["usage"] = None  # OpenAI: every chunk but the last has "usage": null when usage is asked for
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class Renderer(ABC, Generic[P]):
+    """How a route shows one call's results: the whole body of its finished requests, or a stream's
+    choices event by event. One per call: a stream's renderer keeps what it has sent of each choice."""
+
+    prefix: ClassVar[str]  # of the response's id
+
+    def __init__(self, plan: P, model: str, request_id: str, vocab: Vocabulary) -> None:
+        self.plan = plan
+        self.id = f"{self.prefix}{request_id}"
+        self.created = int(time.time())
+        self.model = model
+        self.vocab = vocab
+        self._started = [False] * len(plan.requests)
+
+    @abstractmethod
+    def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        """The response object around `choices`: the whole body's, or a stream chunk's (`chunk`)."""
+
+    @abstractmethod
+    def choices(self, done: Sequence[Completion]) -> list[dict[str, Any]]:
+        """The whole body's choices, one per request of the plan."""
+
+    @abstractmethod
+    def on_tokens(self, index: int, event: TokenEvent) -> list[dict[str, Any]]:
+        """The chunks' choices that choice `index`'s new tokens make (none while there is nothing to send)."""
+
+    @abstractmethod
+    def on_finish(self, index: int, event: FinishEvent) -> list[dict[str, Any]]:
+        """The chunks' choices that end choice `index`; the last one carries its finish reason."""
+
+    def chunks(self, index: int, event: Event) -> list[dict[str, Any]]:
+        """The stream's chunks for one event of choice `index`, one choice each."""
+        if isinstance(event, FinishEvent):
+            choices = self.on_finish(index, event)
+        else:
+            choices = self.on_tokens(index, event)
+        return [self.envelope([choice], chunk=True) for choice in choices]
+
+    def body(self, done: Sequence[Completion]) -> dict[str, Any]:
+        usage, _ = plan_usage(self.plan, [c.finish for c in done])
+        return self.envelope(self.choices(done), chunk=False) | {"usage": usage}
+
+    def usage_chunk(self, finishes: Sequence[FinishEvent | None]) -> dict[str, Any]:
+        """A stream's last chunk when usage is asked for: no choices, the usage of all of them."""
+        usage, _ = plan_usage(self.plan, finishes)
+        return self.envelope([], chunk=True) | {"usage": usage}
+
+    def _first(self, index: int) -> bool:
+        """Whether this is choice `index`'s first chunk; from now on it is not."""
+        first, self._started[index] = not self._started[index], True
+        return first
+
+
+class Serving:
+    """Runs a generation route's calls: a plan's requests, answered as its renderer says; `account` writes
+    a call's record (its log line, metric and span)."""
+
+    def __init__(self, state: ServingState, account: Callable[[CallRecord], None]) -> None:
+        self._state = state
+        self._account = account
+
+    async def run(
+        self, renderer: Renderer[Any], model: LoadedModel, request: Request, record: CallRecord
+    ) -> Response:
+        plan = renderer.plan
+        if self._state.draining:  # the drain may have begun while the prompt was being tokenized
+            raise Draining("the server is shutting down: retry on another replica")
+        handles = submit_all(model, plan.requests)
+        headers = {"X-Request-Id": record.request_id}
+        if not plan.stream:
+            tasks = [asyncio.ensure_future(complete(h)) for h in handles]
+            await until_done(tasks, request, handles)
+            completions = [t.result() for t in tasks]
+            body = renderer.body(completions)
+            _, record.finish = plan_usage(plan, [c.finish for c in completions])
+            record.text = completions[0].text
+            record.status = 200
+            self._account(record)
+            return JSONResponse(body, headers=headers)
+        events = merged(handles)
+        try:
+            first = await first_event(events, request)
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            with contextlib.suppress(Exception):
+                await events.aclose()  # type: ignore[attr-defined]  # an async generator
+            raise
+        sse = self._sse(renderer, prepend(first, events), handles, record)
+        return StreamingResponse(sse, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+    async def _sse(
+        self,
+        renderer: Renderer[Any],
+        events: AsyncIterator[tuple[int, Event]],
+        handles: Sequence[RequestHandle],
+        record: CallRecord,
+    ) -> AsyncIterator[str]:
+        plan = renderer.plan
+        finishes: list[FinishEvent | None] = [None] * len(handles)
+        record.status = 200
+        try:
+            async for index, event in events:
+                if isinstance(event, FinishEvent):
+                    finishes[index] = event
+                for chunk in renderer.chunks(index, event):
+                    yield sse_data(chunk, plan.include_usage)
+            if plan.include_usage:
+                yield sse_data(renderer.usage_chunk(finishes))
+            yield "data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away: starlette cancels the stream
+            record.code = "CANCELLED"
+            raise
+        except Exception as exc:  # after the response began: an error event, then the end of the stream
+            error = http_error(exc, record.request_id)
+            record.code, record.error = error.code, error.message
+            if error.code == "INTERNAL":
+                log.error("request %s failed", record.request_id, exc_info=exc)
+            yield f"data: {json.dumps(error.body())}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for handle in handles:
+                handle.cancel()  # frees the rows of a stream whose client went away; no effect once finished
+            _, record.finish = plan_usage(plan, finishes)
+            self._account(record)
