@@ -11,9 +11,10 @@ and logits are written into a host array (ONNX Runtime copies them from the devi
 
 Not thread-safe: the scheduler calls it from its one engine thread.
 
-Over 400 lines on purpose: prefill, chunked and background prefill, forks, decode and the prefix cache all
-move rows of the same cache under the same run bindings, so they stay one class; what stands apart has its own
-module (kv_cache, prefix_cache, runtime, row_pad, sampling, constraints, prompt_scoring).
+Over 400 lines on purpose: prefill, chunked and background prefill, forks, decode, speculation and the
+prefix cache all move rows of the same cache under the same run bindings, so they stay one class; what stands
+apart has its own module (kv_cache, prefix_cache, runtime, row_pad, sampling, constraints, prompt_scoring,
+speculation, verify_graph).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from serve.engine.runtime import (
     session_device_id,
 )
 from serve.engine.sampling import Alternatives, PromptScores, SamplingBatch, SamplingParams
-from serve.engine.speculation import Backoff, propose
+from serve.engine.speculation import Pace, propose
 from serve.engine.types import ConstraintState, EngineInfo, EngineSettings, ModelSpec, NewSequence, TokenOut
 from serve.engine.verify_graph import PICK_INDEX, verification_graph
 from serve.errors import BundleError
@@ -106,14 +107,6 @@ def _timed(call: Callable[..., object], *args: object) -> float:
     start = time.perf_counter()
     call(*args)
     return time.perf_counter() - start
-
-
-@dataclass
-class _Speculating:
-    """A running row's prompt lookup: the most tokens it proposes per step (0: none), and when."""
-
-    limit: int
-    backoff: Backoff = field(default_factory=Backoff)
 
 
 @dataclass
@@ -185,7 +178,7 @@ class Engine:
         self._flat_picks = PICK_INDEX in types
         if self.speculation.enabled and not self._flat_picks:
             raise ValueError("speculation needs the verification graph (serve/engine/verify_graph.py)")
-        self._speculating: list[_Speculating] = []  # the running rows', in row order
+        self._speculating: list[Pace] = []  # the running rows' prompt lookup, in row order
         # A speculating row returns the logits of its pending token and of each proposed one.
         logit_rows = max(settings.max_batch_size, self.speculation.num_tokens + 1)
         self._logits = np.zeros((logit_rows, spec.vocab_size), types["logits"])
@@ -469,10 +462,10 @@ class Engine:
     def _proposal(self) -> np.ndarray:
         """The tokens prompt lookup proposes after the one running row's pending token (empty: none), no
         more than its slot has room for: the run writes the keys and values of every proposed position."""
-        row = self._speculating[0]
+        pace = self._speculating[0]
         length = int(self._lengths[0])
-        room = min(row.limit, self.capacity - length - 1)
-        if room <= 0 or not row.backoff.ready():
+        room = min(pace.tokens, self.capacity - length - 1)
+        if room <= 0 or not pace.ready():
             return self._pending[:0]
         context = np.append(self._tokens[0, :length], self._pending[0])
         return propose(context, self.speculation.ngram_min, self.speculation.ngram_max, room)
@@ -499,7 +492,7 @@ class Engine:
                 break
         accepted = len(outs) - 1
         self._lengths[0] = length + 1 + accepted
-        self._speculating[0].backoff.record(k, accepted)
+        self._speculating[0].record(k, accepted)
         outs[0] = outs[0]._replace(proposed=k, accepted=accepted)
         return outs
 
@@ -699,7 +692,7 @@ class Engine:
         tokens, logprobs, notes = self._pick(group, rows, logits, pending)
         self._sampling.extend(group)
         self._constraints.extend(rows)
-        self._speculating.extend(_Speculating(self._speculative_limit(seq)) for seq in new)
+        self._speculating.extend(Pace(self._speculative_limit(seq)) for seq in new)
         self._ids.extend(s.seq_id for s in new)
         self._lengths[n : n + len(new)] = lens
         outs = self._emit(n, tokens, logprobs, group.alternatives, notes)

@@ -9,7 +9,7 @@ and keeps the proposed tokens the model itself picks (serve/engine/engine.py, `_
 Why nothing changes in what a request gets: position j's token is sampled from the logits of that position
 exactly as a plain decode step would sample it (same processors, same random stream, one draw per token), and
 a proposed token counts only when it equals that sample. A proposal is a guess of what sampling will pick;
-it never replaces it. A wrong guess costs the extra positions of that one run, which `Backoff` keeps rare on
+it never replaces it. A wrong guess costs the extra positions of that one run, which `Pace` keeps few on
 text that does not repeat itself.
 """
 
@@ -38,15 +38,22 @@ def propose(context: np.ndarray, ngram_min: int, ngram_max: int, k: int) -> np.n
 
 
 @dataclass
-class Backoff:
-    """When a row proposes: after a step whose proposal was wholly rejected it waits 1, then 2, 4, ... up to
-    `longest` steps before proposing again; any accepted token ends the wait. Text that does not repeat
-    itself (where lookups still find short n-grams by chance) then pays for a few verification runs, not
-    one per step."""
+class Pace:
+    """How much a row proposes, and when, from how its proposals fared (as transformers' assisted generation
+    adapts its number of assistant tokens): a proposal wholly accepted lets the next be 2 tokens longer, up to
+    the row's limit; one cut short makes the next 1 token shorter, down to 1. After a proposal wholly rejected
+    the row waits 1, then 2, 4, ... up to `longest` steps before proposing again; any accepted token ends the
+    wait. A rejected position costs a share of a step, so on text that does not repeat itself (where lookups
+    still find short n-grams by chance) the row pays for a few short proposals, not a long one per step."""
 
+    limit: int  # the most tokens a proposal may have
     longest: int = 16
+    tokens: int = 0  # the next proposal's length (set to `limit` at first)
     wait: int = 0  # steps left before the next proposal
     next_wait: int = 1
+
+    def __post_init__(self) -> None:
+        self.tokens = self.tokens or self.limit
 
     def ready(self) -> bool:
         if self.wait > 0:
@@ -57,6 +64,10 @@ class Backoff:
     def record(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
             return
+        if accepted == proposed:
+            self.tokens = min(self.tokens + 2, self.limit)
+        else:
+            self.tokens = max(self.tokens - 1, 1)
         if accepted > 0:
             self.next_wait = 1
             return

@@ -18,7 +18,7 @@ from serve.bundle import ROW_PAD_PREFIX, load_bundle
 from serve.engine.engine import Engine
 from serve.engine.runtime import SessionConfig
 from serve.engine.sampling import SamplingParams
-from serve.engine.speculation import Backoff, propose
+from serve.engine.speculation import Pace, propose
 from serve.engine.types import Constraint, EngineSettings, NewSequence, SpeculationSettings, TokenOut
 from serve.engine.verify_graph import PICK_INDEX, verification_graph
 from serve.errors import BundleError
@@ -29,6 +29,8 @@ SETTINGS = EngineSettings(max_batch_size=4, session=SessionConfig(threads=2, spi
 SPECULATING = replace(SETTINGS, speculation=SpeculationSettings(num_tokens=5))
 SAMPLED = SamplingParams(temperature=0.8, top_k=40, seed=11)
 PENALIZED = SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.5, seed=3)
+# How far the demo's logits from a verification run may be from a decode step's (measured: under 1e-5).
+LOGIT_SUMS = 1e-4
 
 
 # --- what prompt lookup proposes ----------------------------------------------------------------------------
@@ -59,19 +61,31 @@ def test_lookup_proposes_nothing_without_an_earlier_ngram() -> None:
     assert propose(ids(1, 2, 1, 2), 2, 2, 0).size == 0
 
 
-def test_backoff_waits_longer_after_each_wholly_rejected_proposal() -> None:
-    backoff = Backoff(longest=4)
+def test_pace_waits_longer_after_each_wholly_rejected_proposal() -> None:
+    pace = Pace(limit=3, longest=4)
     waits = []
     for _ in range(4):
-        assert backoff.ready()
-        backoff.record(proposed=3, accepted=0)
+        assert pace.ready()
+        pace.record(proposed=3, accepted=0)
         skipped = 0
-        while not backoff.ready():
+        while not pace.ready():
             skipped += 1
         waits.append(skipped)
     assert waits == [1, 2, 4, 4]
-    backoff.record(proposed=3, accepted=1)  # an accepted token ends the wait
-    assert backoff.ready() and backoff.next_wait == 1
+    pace.record(proposed=1, accepted=1)  # an accepted token ends the wait
+    assert pace.ready() and pace.next_wait == 1
+
+
+def test_pace_lengthens_accepted_proposals_and_shortens_rejected_ones() -> None:
+    pace = Pace(limit=6)
+    lengths = []
+    for accepted in (2, 1, 0, 9, 9, 9):  # of proposals of pace.tokens tokens each (9: all)
+        pace.record(pace.tokens, min(accepted, pace.tokens))
+        lengths.append(pace.tokens)
+    assert lengths == [5, 4, 3, 5, 6, 6]
+    for _ in range(8):
+        pace.record(pace.tokens, 0)
+    assert pace.tokens == 1
 
 
 @pytest.mark.parametrize(
@@ -156,13 +170,27 @@ def test_a_sequence_gets_the_same_tokens_with_speculation(
         seq = NewSequence(f"s{i}", prompt, sampling, logprobs=True, top_logprobs=2)
         want = decode_alone(plain, seq, 100)
         got = decode_alone(speculating, seq, 100)[:100]
-        assert [o.token_id for o in got] == [o.token_id for o in want]
-        np.testing.assert_allclose([o.logprob for o in got], [o.logprob for o in want], atol=1e-4)
-        for g, w in zip(got, want, strict=True):
+        same = until_near_tie(want) if sampling.greedy else len(want)
+        assert [o.token_id for o in got[:same]] == [o.token_id for o in want[:same]]
+        np.testing.assert_allclose(
+            [o.logprob for o in got[:same]], [o.logprob for o in want[:same]], atol=LOGIT_SUMS
+        )
+        for g, w in zip(got[:same], want[:same], strict=True):
             assert g.top is not None and w.top is not None and g.top.token_ids == w.top.token_ids
         accepted += sum(o.accepted for o in got)
         assert all(o.proposed == 0 for o in want)
     assert accepted > 0, "no proposed token was ever accepted: the test saw no speculation"
+
+
+def until_near_tie(outs: list[TokenOut]) -> int:
+    """How many greedy tokens come before the first whose top two logits are closer than a verification run's
+    sums may differ from a decode step's (ONNX Runtime's attention adds in another order for several query
+    tokens than for one): those are the tokens both must agree on. All of them, but on rare positions."""
+    for position, out in enumerate(outs):
+        assert out.top is not None
+        if out.top.logprobs[0] - out.top.logprobs[1] < 10 * LOGIT_SUMS:
+            return position
+    return len(outs)
 
 
 def test_a_step_emits_the_accepted_tokens_then_one_of_its_own(
