@@ -127,12 +127,17 @@ class ServerSettings(BaseSettings, BatchingKnobs):
     prefix_cache_min_tokens: int = Field(
         16, ge=1, description="the shortest shared prefix the prefix cache keeps or reuses"
     )
-    speculative: Literal["off", "ngram"] = Field(
+    speculative: Literal["off", "ngram", "draft"] = Field(
         "off",
         description="speculative decoding: ngram (prompt lookup) proposes the tokens that followed the last "
-        "n-gram's earlier occurrence in the prompt or output, and one engine run checks them all; a "
-        "request's tokens are the same either way (faster on text that repeats itself: code to edit, a "
-        "document to quote). It runs while one request decodes alone (see docs/benchmarks.md)",
+        "n-gram's earlier occurrence in the prompt or output, draft the greedy continuation of "
+        "--draft-bundle's model; one engine run checks them all, and a request's tokens are the same "
+        "either way. It runs while one request decodes alone (see docs/benchmarks.md)",
+    )
+    draft_bundle: Path | None = Field(
+        None,
+        description="with --speculative draft: a smaller model's bundle with the same tokenizer, run in the "
+        "engine's process",
     )
     num_speculative_tokens: int = Field(
         5,
@@ -214,6 +219,8 @@ class ServerSettings(BaseSettings, BatchingKnobs):
             )
         if self.engine_cpus is not None and not self.engine_process:
             raise ValueError("engine_cpus pins the engine process: it needs engine_process")
+        if (self.speculative == "draft") != (self.draft_bundle is not None):
+            raise ValueError("--speculative draft and --draft-bundle go together")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "

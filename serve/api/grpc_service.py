@@ -321,7 +321,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 eos_token_ids=list(model.info.eos_token_ids or (model.info.eos_token_id,)),
                 max_model_len=model.limits.context_length,
                 batch_invariant=batch_invariant(manifest.batch_invariant, model.info.providers),
-                speculative="ngram" if model.info.speculation.enabled else "",
+                speculative=model.info.speculation.method,
                 num_speculative_tokens=model.info.speculation.num_tokens,
             )
 

@@ -74,9 +74,10 @@ def engine_settings(settings: ServerSettings, sizing: KvSizing | None = None) ->
 
 def speculation_settings(settings: ServerSettings) -> SpeculationSettings:
     return SpeculationSettings(
-        num_tokens=settings.num_speculative_tokens if settings.speculative == "ngram" else 0,
+        num_tokens=settings.num_speculative_tokens if settings.speculative != "off" else 0,
         ngram_min=settings.prompt_lookup_min,
         ngram_max=settings.prompt_lookup_max,
+        draft_bundle=None if settings.draft_bundle is None else str(settings.draft_bundle),
     )
 
 

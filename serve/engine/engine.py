@@ -45,7 +45,7 @@ from serve.engine.runtime import (
     session_device_id,
 )
 from serve.engine.sampling import Alternatives, PromptScores, SamplingBatch, SamplingParams
-from serve.engine.speculation import Pace, propose
+from serve.engine.speculation import DraftModel, Pace, PromptLookup, Proposer
 from serve.engine.types import ConstraintState, EngineInfo, EngineSettings, ModelSpec, NewSequence, TokenOut
 from serve.engine.verify_graph import PICK_INDEX, verification_graph
 from serve.errors import BundleError
@@ -126,6 +126,7 @@ class Engine:
         spec: ModelSpec,
         settings: EngineSettings,
         scoring_graph: str | None = None,  # the bundle's standard graph: prompt logprobs (prompt_scoring.py)
+        draft: Engine | None = None,  # with speculation.draft_bundle: the draft model's engine
     ) -> None:
         if settings.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {settings.max_batch_size}")
@@ -178,6 +179,12 @@ class Engine:
         self._flat_picks = PICK_INDEX in types
         if self.speculation.enabled and not self._flat_picks:
             raise ValueError("speculation needs the verification graph (serve/engine/verify_graph.py)")
+        if (draft is None) != (self.speculation.draft_bundle is None):
+            raise ValueError("a draft model's engine comes with speculation.draft_bundle, and only with it")
+        s = self.speculation
+        self._proposer: Proposer = (
+            PromptLookup(s.ngram_min, s.ngram_max) if draft is None else DraftModel(draft)
+        )
         self._speculating: list[Pace] = []  # the running rows' prompt lookup, in row order
         # A speculating row returns the logits of its pending token and of each proposed one.
         logit_rows = max(settings.max_batch_size, self.speculation.num_tokens + 1)
@@ -219,9 +226,12 @@ class Engine:
         if m.odd_rows_padded:  # only such a graph has pads to take out: no other is read before its session
             unpadded = unpadded_graph(bundle.inplace_graph, session)
             graph = graph if unpadded is None else unpadded[0]
+        draft = None
         if settings.speculation.enabled:
             graph = verification_graph(Path(graph) if isinstance(graph, str) else graph)
-        return cls(graph, bundle.tokenizer, spec, settings, str(bundle.standard_graph))
+            if settings.speculation.draft_bundle is not None:
+                draft = _draft_engine(bundle, settings)
+        return cls(graph, bundle.tokenizer, spec, settings, str(bundle.standard_graph), draft)
 
     def warm_up(self) -> None:
         """One prefill and one decode step, so the first request does not pay for ONNX Runtime's lazy
@@ -460,15 +470,15 @@ class Engine:
         return self._emit(0, tokens, logprobs, self._sampling.alternatives, notes)
 
     def _proposal(self) -> np.ndarray:
-        """The tokens prompt lookup proposes after the one running row's pending token (empty: none), no
-        more than its slot has room for: the run writes the keys and values of every proposed position."""
+        """The tokens proposed after the one running row's pending token (empty: none), no more than its
+        slot has room for: the run writes the keys and values of every proposed position."""
         pace = self._speculating[0]
         length = int(self._lengths[0])
         room = min(pace.tokens, self.capacity - length - 1)
         if room <= 0 or not pace.ready():
             return self._pending[:0]
         context = np.append(self._tokens[0, :length], self._pending[0])
-        return propose(context, self.speculation.ngram_min, self.speculation.ngram_max, room)
+        return self._proposer.propose(context, room)
 
     def _speculate(self, proposal: np.ndarray) -> list[TokenOut]:
         """One run over the row's pending token and the proposal; then each position's token is sampled as a
@@ -706,7 +716,7 @@ class Engine:
         return outs
 
     def _speculative_limit(self, seq: NewSequence) -> int:
-        """The most tokens prompt lookup proposes for `seq` per step. A constrained sequence proposes none:
+        """The most tokens proposed for `seq` per step. A constrained sequence proposes none:
         each position's mask would depend on the tokens accepted before it."""
         if seq.constraint is not None:
             return 0
@@ -816,6 +826,40 @@ class Engine:
         for i, (state, error) in notes.items():
             outs[i] = outs[i]._replace(constraint=state, error=error)
         return outs
+
+
+def _draft_engine(bundle: Bundle, settings: EngineSettings) -> Engine:
+    """The draft model's engine (one row, and a prefix-cache row that keeps the sequence between two
+    proposals), warmed up; BundleError for a draft that cannot propose for `bundle`'s model."""
+    from serve.bundle import load_bundle
+
+    path = settings.speculation.draft_bundle
+    assert path is not None
+    draft = load_bundle(Path(path))
+    vocab, draft_vocab = bundle.manifest.architecture.vocab_size, draft.manifest.architecture.vocab_size
+    if vocab != draft_vocab or bundle.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise BundleError(
+            f"{path}: the draft model's vocabulary ({draft_vocab} ids) is not the model's ({vocab} ids, "
+            f"{bundle.root}): a draft must use the same tokenizer"
+        )
+    capacity = settings.capacity or bundle.manifest.architecture.context_length
+    if draft.manifest.architecture.context_length < capacity:
+        raise BundleError(
+            f"{path}: the draft model's context ({draft.manifest.architecture.context_length} tokens) is "
+            f"shorter than the model's KV rows ({capacity} tokens)"
+        )
+    engine = Engine.from_bundle(
+        draft,
+        EngineSettings(
+            max_batch_size=1,
+            capacity=capacity,
+            session=settings.session,
+            prefix_cache_rows=1,
+            prefix_cache_min_tokens=1,
+        ),
+    )
+    engine.warm_up()
+    return engine
 
 
 def _logit_rows(rows: slice, run: _RunInputs) -> int:

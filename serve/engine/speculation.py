@@ -1,23 +1,73 @@
-"""Prompt-lookup speculation: proposed tokens from the sequence's own text, and how many to propose.
+"""Speculative decoding's proposals: from the sequence's own text (prompt lookup) or from a draft model.
 
 A decode step on a CPU is bound by reading the weights, so scoring a few positions of one sequence in one run
-costs little more than scoring one. Prompt lookup (n-gram speculation, vLLM's `ngram`, llama-server's
-`--spec-ngram`) proposes, after the longest recent n-gram of the sequence that occurred before in its prompt
-or output, the tokens that followed it then; the engine scores the pending token and the proposal in one run
-and keeps the proposed tokens the model itself picks (serve/engine/engine.py, `_speculate`).
+costs little more than scoring one. A proposer guesses the next tokens; the engine scores the pending token
+and the guess in one run and keeps the guessed tokens the model itself picks (serve/engine/engine.py,
+`_speculate`).
+- `PromptLookup` (n-gram speculation: vLLM's `ngram`, llama-server's `--spec-ngram`) proposes, after the
+  longest recent n-gram of the sequence that occurred before in its prompt or output, the tokens that
+  followed it then.
+- `DraftModel` (vLLM's and llama-server's draft model) proposes a smaller model's greedy continuation.
 
 Why nothing changes in what a request gets: position j's token is sampled from the logits of that position
 exactly as a plain decode step would sample it (same processors, same random stream, one draw per token), and
-a proposed token counts only when it equals that sample. A proposal is a guess of what sampling will pick;
-it never replaces it. A wrong guess costs the extra positions of that one run, which `Pace` keeps few on
-text that does not repeat itself.
+a proposed token counts only when it equals that sample. A proposal is a guess of what sampling will pick; it
+never replaces it. For a proposer that is deterministic, as both are, this is the standard rejection-sampling
+rule (accept with probability min(1, p/q), q being 1 on the proposed token) and keeps the target's
+distribution. A wrong guess costs the extra positions of that one run, which `Pace` keeps few on text that
+does not repeat itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+from serve.engine.sampling import SamplingParams
+from serve.engine.types import NewSequence
+
+if TYPE_CHECKING:
+    from serve.engine.engine import Engine
+
+
+class Proposer(Protocol):
+    def propose(self, context: np.ndarray, k: int) -> np.ndarray:
+        """Up to `k` token ids to follow `context` (the sequence so far, its pending token last)."""
+        ...
+
+
+@dataclass(frozen=True)
+class PromptLookup:
+    ngram_min: int
+    ngram_max: int
+
+    def propose(self, context: np.ndarray, k: int) -> np.ndarray:
+        return propose(context, self.ngram_min, self.ngram_max, k)
+
+
+class DraftModel:
+    """A smaller model's greedy continuation, from an engine of its own (one row, and one prefix-cache row
+    that keeps the sequence between two proposals: each proposal prefills only what the sequence gained
+    since the last one, after a copy of that row)."""
+
+    SEQ_ID = "draft"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def propose(self, context: np.ndarray, k: int) -> np.ndarray:
+        if k <= 0:
+            return context[:0]
+        first = self.engine.prefill([NewSequence(self.SEQ_ID, context.tolist(), SamplingParams())])
+        tokens = [first[0].token_id]
+        try:
+            while len(tokens) < k:
+                tokens.append(self.engine.decode()[0].token_id)
+        finally:
+            self.engine.release([self.SEQ_ID])
+        return np.array(tokens, np.int64)
 
 
 def propose(context: np.ndarray, ngram_min: int, ngram_max: int, k: int) -> np.ndarray:

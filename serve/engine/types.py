@@ -50,12 +50,21 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class SpeculationSettings:
-    """Prompt-lookup speculation (serve/engine/speculation.py); the server's flags have vLLM's names
-    (num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)."""
+    """Speculative decoding (serve/engine/speculation.py): prompt lookup, or a draft model when
+    `draft_bundle` is set; the server's flags have vLLM's names (num_speculative_tokens, prompt_lookup_min,
+    prompt_lookup_max)."""
 
     num_tokens: int = 0  # the most tokens proposed per step; 0: speculation off
     ngram_min: int = 2  # the shortest n-gram looked up
     ngram_max: int = 4  # the longest
+    draft_bundle: str | None = None  # a smaller bundle with the same vocabulary that proposes instead
+
+    @property
+    def method(self) -> str:
+        """What proposes: "ngram", "draft", or "" when off (GetModelInfo's `speculative`)."""
+        if not self.enabled:
+            return ""
+        return "ngram" if self.draft_bundle is None else "draft"
 
     def validate(self) -> None:
         if self.num_tokens < 0:

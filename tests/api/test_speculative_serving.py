@@ -96,3 +96,13 @@ def test_the_flags_become_the_engines_speculation(tmp_path: Path) -> None:
     assert not engine_settings(load_settings(["--bundle", str(tmp_path)])).speculation.enabled
     with pytest.raises(ConfigError, match="prompt_lookup_min"):
         load_settings([*flags, "--prompt-lookup-min", "5", "--prompt-lookup-max", "3"])
+
+
+def test_a_draft_model_needs_its_bundle_and_only_it_needs_one(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--draft-bundle"):
+        load_settings(["--bundle", str(tmp_path), "--speculative", "draft"])
+    with pytest.raises(ConfigError, match="--draft-bundle"):
+        load_settings(["--bundle", str(tmp_path), "--draft-bundle", str(tmp_path)])
+    flags = ["--bundle", str(tmp_path), "--speculative", "draft", "--draft-bundle", str(tmp_path / "d")]
+    speculation = engine_settings(load_settings(flags)).speculation
+    assert (speculation.method, speculation.draft_bundle) == ("draft", str(tmp_path / "d"))

@@ -259,3 +259,33 @@ def test_requests_get_the_same_completions_batched_stopped_and_at_the_context_li
 def outcome(completion: Completion) -> tuple[list[int], str, str]:
     assert completion.finish is not None
     return completion.token_ids, completion.text, completion.finish.finish_reason
+
+
+# --- a draft model ------------------------------------------------------------------------------------------
+
+
+def test_a_draft_model_proposes_and_changes_no_token(
+    engines: tuple[Engine, Engine], prompts: list[list[int]], demo_bundle: Path
+) -> None:
+    """The demo as its own draft: its greedy proposals are the target's own picks, but near-ties."""
+    plain, _ = engines
+    settings = replace(SETTINGS, speculation=SpeculationSettings(num_tokens=4, draft_bundle=str(demo_bundle)))
+    drafted = Engine.from_bundle(load_bundle(demo_bundle), settings)
+    assert drafted.info.speculation.method == "draft"
+    proposed = accepted = 0
+    for sampling in (SamplingParams(), SAMPLED):
+        for prompt in prompts[:3]:
+            seq = NewSequence("s", prompt, sampling, top_logprobs=2)
+            want = decode_alone(plain, seq, 60)
+            got = decode_alone(drafted, seq, 60)[:60]
+            same = until_near_tie(want) if sampling.greedy else len(want)
+            assert [o.token_id for o in got[:same]] == [o.token_id for o in want[:same]]
+            proposed += sum(o.proposed for o in got)
+            accepted += sum(o.accepted for o in got if o.proposed)
+    assert proposed > 0 and accepted / proposed > 0.5  # greedy proposals of the model itself: mostly taken
+
+
+def test_a_draft_with_another_vocabulary_is_refused(demo_bundle: Path, tiny_bundle: Path) -> None:
+    settings = replace(SETTINGS, speculation=SpeculationSettings(num_tokens=4, draft_bundle=str(tiny_bundle)))
+    with pytest.raises(BundleError, match=r"vocabulary .* same tokenizer"):
+        Engine.from_bundle(load_bundle(demo_bundle), settings)
