@@ -102,7 +102,7 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
     )
     if args.seed is not None:
         sampling.seed = args.seed
-    return pb.GenerateRequest(
+    request = pb.GenerateRequest(
         request_id=args.request_id,
         text=args.prompt,
         sampling=sampling,
@@ -121,6 +121,9 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
         prompt_top_logprobs=args.prompt_top_logprobs,
         constraint=constraint(args),
     )
+    if args.num_speculative_tokens is not None:
+        request.num_speculative_tokens = args.num_speculative_tokens
+    return request
 
 
 def constraint(args: argparse.Namespace) -> pb.Constraint | None:
@@ -379,6 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--truncate-prompt-tokens", type=_positive_or_zero, default=0, help="keep the prompt's last N tokens"
+    )
+    gen.add_argument(
+        "--num-speculative-tokens",
+        type=_positive_or_zero,
+        default=None,
+        help="on a speculating server: the most tokens proposed per step for this request (0: none)",
     )
     _constraint_options(gen)
     gen.add_argument("--request-id", default="")
