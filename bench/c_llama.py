@@ -8,6 +8,7 @@ the Python standard library's sources: llama.cpp's GGUF converter and `textgen-e
 benchmark itself sends token ids.
 
     python -m bench.c_llama OUT_DIR
+    python -m bench.c_llama DRAFT_DIR --draft-of OUT_DIR --draft-layers 2   # its first 2 layers, a draft
 """
 
 from __future__ import annotations
@@ -89,12 +90,41 @@ def make_c_llama(out: Path) -> Path:
     return out
 
 
+def make_draft(source: Path, out: Path, layers: int) -> Path:
+    """Write to `out` the first `layers` layers of the Llama in `source` with its embedding, final norm, head
+    and tokenizer: a draft model for speculative decoding that shares the model's vocabulary."""
+    import shutil
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    if not 1 <= layers < model.config.num_hidden_layers:
+        raise SystemExit(f"--draft-layers must be in 1..{model.config.num_hidden_layers - 1}, got {layers}")
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    out.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json":
+            shutil.copy(path, out / path.name)  # the tokenizer and generation config
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("out", type=Path)
-    make_c_llama(parser.parse_args(argv).out)
+    parser.add_argument(
+        "--draft-of", type=Path, help="instead: a draft model, the first layers of the Llama in this folder"
+    )
+    parser.add_argument("--draft-layers", type=int, default=2, help="with --draft-of: its layers")
+    args = parser.parse_args(argv)
+    if args.draft_of is not None:
+        make_draft(args.draft_of, args.out, args.draft_layers)
+    else:
+        make_c_llama(args.out)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Prompt-lookup speculation at one sequence, engine level: its speed-up and the arithmetic behind it.
+"""Speculation at one sequence, engine level: its speed-up and the arithmetic behind it.
 
 Two engines of one bundle, one plain and one with `--speculative ngram`'s settings, decode the same prompts
 alone, alternating prompt by prompt (this machine's speed drifts), greedy, exactly `--new-tokens` each. For
@@ -11,7 +11,8 @@ speed-up is about (tokens per step) / (step cost) over the steps that speculate.
 
 Datasets: `corpus`, windows of the Python standard library's sources (code repeats its own names), and
 `synthetic`, uniform random token ids (nothing to look up). The tokens of both engines are compared: a
-difference is reported (speculation must not change them).
+difference is reported (speculation must not change them). `--draft-bundle DIR` proposes with a draft
+model instead of prompt lookup; a speculating step then includes the draft's runs.
 """
 
 from __future__ import annotations
@@ -110,17 +111,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-speculative-tokens", type=int, default=5)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--draft-bundle", default=None, help="propose with this draft model instead of lookups")
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0: its choice)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     bundle = load_bundle(args.bundle)
     base = EngineSettings(max_batch_size=1, session=SessionConfig(threads=args.threads))
     speculation = SpeculationSettings(
-        args.num_speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max
+        args.num_speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max, args.draft_bundle
     )
     plain = Engine.from_bundle(bundle, base)
     spec = Engine.from_bundle(bundle, replace(base, speculation=speculation))
-    print(f"{args.bundle}: {args.prompts} prompts of {args.input_len} tokens, {args.new_tokens} new, greedy")
+    proposer = f"draft {args.draft_bundle}" if args.draft_bundle else "prompt lookup"
+    print(
+        f"{args.bundle}, {proposer}: {args.prompts} prompts of {args.input_len} tokens, "
+        f"{args.new_tokens} new, greedy"
+    )
     for dataset in args.datasets.split(","):
         prompts = prompts_of(dataset, plain, args.prompts, args.input_len, args.seed)
         decode(plain, prompts[0], 8, Tally())  # warm-up: both sessions' first runs of these shapes

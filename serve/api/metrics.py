@@ -28,6 +28,9 @@ finite bucket is reported as that bucket's bound, so the largest bucket must exc
 - Speculation is counted as vLLM's spec-decode metrics are (drafts, proposed tokens, accepted tokens) plus
   the tokens its steps emitted; a request's acceptance rate (accepted over proposed) is a fraction in 0.1
   buckets.
+
+Over 400 lines on purpose: every metric's name, help text, buckets and hook are defined here once, so a
+dashboard, an alert or the inference gateway reads one list (tests/support/metric_refs.py checks them).
 """
 
 from __future__ import annotations
