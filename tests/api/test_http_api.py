@@ -501,6 +501,10 @@ def test_openapi_describes_the_generation_routes_answers(base: str) -> None:
     assert {"choices", "usage"} <= set(completion["properties"]) and "usage" not in completion["required"]
     assert set(answer("/v1/chat/completions", "400")["properties"]) == {"error"}
     assert "tokens" in answer("/tokenize")["required"]
+    response = answer("/v1/responses")
+    assert {"id", "output", "status", "usage"} <= set(response["required"])
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        assert "text/event-stream" in schema["paths"][path]["post"]["responses"]["200"]["content"], path
 
 
 def test_the_body_is_json_whatever_its_content_type(base: str) -> None:

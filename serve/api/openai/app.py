@@ -58,7 +58,14 @@ from serve.api.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from serve.api.openai.responses import Draft, ResponsesRequest, chat_body, events, from_chat
+from serve.api.openai.responses import (
+    Draft,
+    ResponseObject,
+    ResponsesRequest,
+    chat_body,
+    events,
+    from_chat,
+)
 from serve.api.openai.serving import SSE_HEADERS, Renderer, Serving
 from serve.api.openai.translate import (
     chat_messages,
@@ -76,6 +83,15 @@ from serve.errors import Draining, InvalidRequest
 # The error statuses a route may answer with, each in OpenAI's error shape (/openapi.json says so).
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503, 504)
+}
+# With "stream": true the answer is server-sent events instead: `data: <JSON chunk>` lines, the chunks of the
+# route's object (an error object if it fails after it began), then `data: [DONE]`; /v1/responses sends typed
+# `event:` lines, response.created to response.completed.
+STREAMED: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": 'the object, or with "stream": true server-sent events',
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
 }
 
 
@@ -134,7 +150,7 @@ class OpenAIApi:
             COMPLETIONS,
             summary="completions of one or more prompts",
             response_model=CompletionResponse,
-            responses=ERRORS,
+            responses=STREAMED | ERRORS,
         )
         async def completions(body: CompletionRequest, request: Request) -> Response:
             return await self._generate(COMPLETIONS, body, request)
@@ -143,12 +159,17 @@ class OpenAIApi:
             CHAT,
             summary="the assistant's next message in a chat",
             response_model=ChatCompletionResponse,
-            responses=ERRORS,
+            responses=STREAMED | ERRORS,
         )
         async def chat(body: ChatCompletionRequest, request: Request) -> Response:
             return await self._generate(CHAT, body, request)
 
-        @app.post(RESPONSES, summary="OpenAI's Responses API, stateless: a chat completion in its shape")
+        @app.post(
+            RESPONSES,
+            summary="OpenAI's Responses API, stateless: a chat completion in its shape",
+            response_model=ResponseObject,
+            responses=STREAMED | ERRORS,
+        )
         async def responses(body: ResponsesRequest, request: Request) -> Response:
             return await self._responses(body, request)
 

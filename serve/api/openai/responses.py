@@ -17,6 +17,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import TypedDict
 
 from serve.errors import InvalidRequest
 
@@ -156,6 +157,39 @@ def _response_format(text_format: Any) -> dict[str, Any]:
 # --- the answer ---------------------------------------------------------------------------------------------
 
 
+class ResponseUsage(TypedDict):
+    input_tokens: int
+    input_tokens_details: dict[str, int]  # cached_tokens
+    output_tokens: int
+    output_tokens_details: dict[str, int]  # reasoning_tokens
+    total_tokens: int
+
+
+class ResponseObject(TypedDict):
+    """The response (`object: "response"`), whole or as the streamed events carry it."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    model: str
+    output: list[dict[str, Any]]  # message and function_call items
+    incomplete_details: dict[str, str] | None
+    error: dict[str, Any] | None
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    parallel_tool_calls: bool
+    text: dict[str, Any]
+    previous_response_id: str | None
+    store: bool
+    metadata: dict[str, str]
+    usage: ResponseUsage | None
+
+
 class Draft:
     """A response being written: its id, the request's echo, and what the chat route produced so far."""
 
@@ -168,7 +202,7 @@ class Draft:
         self.text = ""
         self.calls: dict[int, dict[str, Any]] = {}  # chat's tool-call index -> id, name, arguments
         self.finish: str | None = None
-        self.usage: dict[str, Any] | None = None
+        self.usage: ResponseUsage | None = None
 
     def feed_message(self, message: dict[str, Any]) -> None:
         """A whole chat message (non-streamed)."""
@@ -218,7 +252,7 @@ class Draft:
         items = [self.message_item("completed")] if self.text or not self.calls else []
         return items + [self.call_item(i) for i in sorted(self.calls)]
 
-    def response(self, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def response(self, output: list[dict[str, Any]] | None = None) -> ResponseObject:
         body = self.body
         return {
             "id": self.id,
@@ -255,7 +289,7 @@ class Draft:
         }
 
 
-def from_chat(draft: Draft, completion: dict[str, Any]) -> dict[str, Any]:
+def from_chat(draft: Draft, completion: dict[str, Any]) -> ResponseObject:
     """The response to a non-streamed request, from the chat completion the route returned."""
     (choice,) = completion["choices"]
     draft.feed_message(choice["message"])
