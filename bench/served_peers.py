@@ -17,6 +17,9 @@ Served (the figure users compare): each server alone on the machine, with the sa
 positions and 2 threads, driven over HTTP by the same OpenAI `/v1/completions` client (bench.loadgen's,
 streamed, `ignore_eos`, greedy): C closed-loop clients, `--requests` requests each, a distinct prompt of 32
 random token ids per request (no prefix reuse; the same prompts for both servers in a round), 128 new tokens.
+`--dataset corpus` sends the token ids of windows of the standard library's sources instead (text a
+speculating server can look up: `--textgen-flag=--speculative --textgen-flag=ngram --llama-flag=--spec-type
+--llama-flag=ngram-simple`).
 One warm-up of C short requests before each client count. Per round and precision the two servers run one
 after the other, the first flipping every round. A cell: output tok/s over the run, TTFT p50/p90, ITL p50.
 The summary is the median over rounds, and textgen ÷ llama-server as the median of the rounds' ratios.
@@ -46,7 +49,15 @@ from typing import Any
 
 from bench import llama_cpp
 from bench.engine_bench import REPO, cell_in_subprocess, machine_roofline
-from bench.loadgen import LoadConfig, Prompt, run_load, summarize, synthetic_ids
+from bench.loadgen import (
+    LoadConfig,
+    Prompt,
+    corpus_window,
+    run_load,
+    stdlib_texts,
+    summarize,
+    synthetic_ids,
+)
 from bench.peers_bench import PRECISIONS, import_bundle, weight_bytes
 from bench.serving_bench import free_port, server_process
 
@@ -64,6 +75,10 @@ class Workload:
     requests: int = 1  # per client
     vocab: int = 8192
     eos_token_id: int = 2
+    # "corpus": windows of the Python standard library's sources, tokenized by this tokenizer.json (the
+    # bundle's) and sent as token ids, so both servers get the same ids; "synthetic": random ids
+    dataset: str = "synthetic"
+    tokenizer: str | None = None
 
 
 def textgen_command(bundle: Path, port: int, work: Workload, flags: list[str]) -> list[str]:
@@ -87,10 +102,24 @@ def http_answers(port: int) -> bool:
 
 def prompts(work: Workload, count: int, seed: int) -> list[Prompt]:
     rng = random.Random(seed)
+    if work.dataset == "corpus":
+        return [Prompt(None, ids, work.max_tokens) for ids in corpus_ids(work, count, rng)]
     return [
         Prompt(None, synthetic_ids(work.prompt_len, work.vocab, work.eos_token_id, rng), work.max_tokens)
         for _ in range(count)
     ]
+
+
+def corpus_ids(work: Workload, count: int, rng: random.Random) -> list[tuple[int, ...]]:
+    """`count` windows of the standard library's sources, each its first `prompt_len` token ids."""
+    from tokenizers import Tokenizer
+
+    if work.tokenizer is None:
+        raise SystemExit("--dataset corpus needs the bundle's tokenizer")
+    tokenizer = Tokenizer.from_file(work.tokenizer)
+    texts = stdlib_texts()
+    windows = [corpus_window(texts, work.prompt_len * 8, rng) for _ in range(count)]
+    return [tuple(tokenizer.encode(window).ids[: work.prompt_len]) for window in windows]
 
 
 def load(port: int, clients: int, work: Workload, seed: int) -> Cell:
@@ -397,6 +426,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=csv_ints, default=[1, 4, 16])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--requests", type=int, default=1, help="per client and cell")
+    p.add_argument(
+        "--dataset",
+        choices=("synthetic", "corpus"),
+        default="synthetic",
+        help="prompts: random token ids, or the token ids of stdlib source windows (text to look up)",
+    )
     p.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--served", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--textgen-flag", action="append", default=[], help="a textgen-serve flag (repeatable)")
@@ -417,11 +452,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.precisions) - set(PRECISIONS))
     if unknown:
         raise SystemExit(f"unknown precisions {unknown}; choose from {sorted(PRECISIONS)}")
-    work = Workload(requests=args.requests)
     output = args.output or REPO / "bench" / "results" / f"served-peers-{time.strftime('%Y%m%d-%H%M')}.json"
     logs = output.with_suffix("")
     logs.mkdir(parents=True, exist_ok=True)
     ready = prepare(args.work, args.model_dir, args.precisions)
+    tokenizer = str(ready.bundles[args.precisions[0]] / "tokenizer.json")
+    work = Workload(requests=args.requests, dataset=args.dataset, tokenizer=tokenizer)
     result: Cell = {
         "started": time.strftime("%Y-%m-%d %H:%M"),
         "command": " ".join(["python -m bench.served_peers", *(argv if argv is not None else sys.argv[1:])]),

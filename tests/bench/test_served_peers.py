@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from bench import llama_cpp, served_peers
-from bench.served_peers import Workload, order, ratio_median, report
+from bench.served_peers import Workload, order, prompts, ratio_median, report
 from bench.serving_bench import free_port
+from serve.bundle import load_bundle
 
 BATCHED_BENCH_OUT = """
 main: n_kv_max = 2624, n_batch = 2048, n_ubatch = 512, flash_attn = -1, is_pp_shared = 0, n_gpu_layers = -1
@@ -128,3 +130,15 @@ def test_accuracy_is_read_from_each_bundles_verification(tmp_path: Path) -> None
     text = report({"precisions": ["fp32", "int4"], "clients": [1], "accuracy": cells})
     assert "| fp32 | passed | 2e-05 | True | — | — |" in text
     assert "| int4 | passed | 1.3 | True | 1.034 | 0.33 |" in text
+
+
+def test_corpus_prompts_are_the_bundles_token_ids_of_stdlib_text(tiny_bundle: Path) -> None:
+    work = Workload(prompt_len=12, dataset="corpus", tokenizer=str(tiny_bundle / "tokenizer.json"))
+    shown = prompts(work, 3, seed=5)
+    assert shown == prompts(work, 3, seed=5)  # both servers of a round get the same ids
+    tokenizer = load_bundle(tiny_bundle).tokenizer
+    for prompt in shown:
+        assert prompt.text is None and len(prompt.token_ids) == 12
+        assert all(0 <= token < tokenizer.get_vocab_size() for token in prompt.token_ids)
+    with pytest.raises(SystemExit, match="tokenizer"):
+        prompts(replace(work, tokenizer=None), 1, seed=5)
