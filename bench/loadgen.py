@@ -291,10 +291,11 @@ class HttpConnections:
         self.host, self.port = host.strip("[]") or "127.0.0.1", int(port)
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
-    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
+        """A connection, and whether it is a kept one (which the server may have closed since)."""
         if self._idle:
-            return self._idle.pop()
-        return await asyncio.open_connection(self.host, self.port)
+            return (*self._idle.pop(), True)
+        return (*await asyncio.open_connection(self.host, self.port), False)
 
     def close(self) -> None:
         for _reader, writer in self._idle:
@@ -302,7 +303,7 @@ class HttpConnections:
         self._idle.clear()
 
     async def stream(self, body: bytes, sent: float, record: RequestRecord) -> None:
-        reader, writer = await self._connection()
+        reader, writer, kept = await self._connection()
         reusable = False
         try:
             head = (
@@ -311,6 +312,11 @@ class HttpConnections:
             ).encode()
             writer.write(head + body)
             status = await reader.readline()
+            if not status and kept:  # the server closed the kept connection (llama-server may): a fresh one
+                writer.close()
+                reader, writer = await asyncio.open_connection(self.host, self.port)
+                writer.write(head + body)
+                status = await reader.readline()
             headers = {}
             while (line := await reader.readline()) not in (b"\r\n", b""):
                 name, _, value = line.decode("latin-1").partition(":")

@@ -384,3 +384,36 @@ def test_naive_server_refuses_what_the_scheduler_refuses(naive_target: str) -> N
             stub.Generate(bad, timeout=30)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "min_new_tokens is 3; allowed 0..2" in error.value.details()
+
+
+def test_a_kept_connection_the_server_closed_is_replaced() -> None:
+    """llama-server may close a keep-alive connection after a streamed answer, without saying so."""
+    body = b'data: {"choices": [{"text": "a", "finish_reason": "length"}]}\n\ndata: [DONE]\n\n'
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + f"{len(body):x}\r\n".encode()
+        + body
+        + b"\r\n0\r\n\r\n"
+    )
+    connections = []
+
+    async def one_answer_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    async def two_requests() -> list[loadgen.RequestRecord]:
+        server = await asyncio.start_server(one_answer_then_close, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        http = loadgen.HttpConnections(f"127.0.0.1:{port}")
+        records = [loadgen.RequestRecord(f"r{i}", 0.0) for i in range(2)]
+        for record in records:
+            await http.stream(b"{}", 0.0, record)
+        http.close()
+        server.close()
+        return records
+
+    records = asyncio.run(two_requests())
+    assert [r.finish_reason for r in records] == ["length", "length"] and len(connections) == 2
