@@ -419,7 +419,7 @@ class BatchRunner:
         finished: list[RequestTracker] = []
         for out in outs:
             tracker = self._running[out.seq_id]
-            if tracker.done:  # a speculating step's tokens after the one that ended it
+            if tracker.done:  # a speculating step's tokens after the one that ended it (it leaves below)
                 continue
             if out.error is not None:  # nothing could be sampled for it (or its constraint failed): it fails
                 self._refuse_row(tracker, out.error, deliveries)
@@ -432,7 +432,9 @@ class BatchRunner:
                 )
             except Exception as exc:  # e.g. a token the tokenizer cannot decode: only this request fails
                 log.exception("request %s: could not process token %d", tracker.request_id, out.token_id)
-                self._fail([tracker], "its output could not be processed", exc, deliveries)
+                error = _engine_failure("its output could not be processed", exc)
+                self._fail_all([tracker], error, deliveries)
+                finished.append(tracker)
                 continue
             if out.proposed:
                 self._speculated(tracker, out)
@@ -478,10 +480,7 @@ class BatchRunner:
     def _fail(
         self, trackers: Sequence[RequestTracker], reason: str, exc: Exception, out: list[Delivery]
     ) -> None:
-        def error(tracker: RequestTracker) -> TextgenError:
-            return EngineFailure(f"request {tracker.request_id}: {reason}: {type(exc).__name__}: {exc}")
-
-        self._fail_all(trackers, error, out)
+        self._fail_all(trackers, _engine_failure(reason, exc), out)
         self._leave(trackers)
 
     def _fail_all(
@@ -551,3 +550,12 @@ def draining_error(tracker: RequestTracker) -> TextgenError:
 
 def _internal_error(tracker: RequestTracker) -> TextgenError:
     return EngineFailure(f"request {tracker.request_id}: internal scheduler error; see the server log")
+
+
+def _engine_failure(reason: str, exc: Exception) -> Callable[[RequestTracker], TextgenError]:
+    """The error of each request an engine step's `exc` ended, saying why."""
+
+    def error(tracker: RequestTracker) -> TextgenError:
+        return EngineFailure(f"request {tracker.request_id}: {reason}: {type(exc).__name__}: {exc}")
+
+    return error

@@ -135,6 +135,25 @@ def test_an_undecodable_token_fails_only_its_request(tokenizer: Tokenizer) -> No
     run(main)
 
 
+def test_a_request_that_fails_mid_step_drops_the_steps_later_tokens(tokenizer: Tokenizer) -> None:
+    """A speculating step gives a sequence several tokens; one that ends it (undecodable) ends only it."""
+    engine = fake(tokenizer, max_batch_size=4, step_seconds=0.002)
+    engine.two_per_step = True
+
+    async def main() -> None:
+        scheduler = await started(engine)
+        bystander = scheduler.submit(request("bystander", prompt_of(3), max_new=9))  # ends mid-step
+        victim = scheduler.submit(request("victim", prompt_of(3), max_new=10))
+        await victim.__anext__()  # its first token (the prefill's) is fine; its decode steps' are not
+        engine.poisoned.add("victim")
+        with pytest.raises(EngineFailure, match="request victim: its output could not be processed"):
+            await collect(victim)
+        assert len((await collect(bystander)).token_ids) == 9
+        await expect_later_requests_succeed(scheduler, engine)
+
+    run(main)
+
+
 def test_a_scheduler_error_fails_what_is_in_flight_and_serving_goes_on(tokenizer: Tokenizer) -> None:
     engine = fake(tokenizer, max_batch_size=4, step_seconds=0.002)
 

@@ -209,6 +209,7 @@ class Instrumented:
         self.gate.set()
         self.fail_next: set[str] = set()
         self.poisoned: set[str] = set()  # sequences whose tokens are replaced by an id outside the vocabulary
+        self.two_per_step = False  # decode gives each sequence two tokens, as a speculating step may
         self.stray_decode = False  # the next decode also returns a token for a sequence nobody submitted
         self.calls: list[tuple[str, list[str]]] = []  # (phase, the rows it ran on), in call order
         self.shapes: list[tuple[int, ...]] = []  # the engine's KV view after each successful call
@@ -271,6 +272,8 @@ class Instrumented:
     def decode(self) -> list[TokenOut]:
         self._enter("decode", self.inner.running_ids)
         outs = self._leave(self.inner.decode())
+        if self.two_per_step:  # the first carries the step's proposal: one token proposed and accepted
+            outs = [o._replace(proposed=1, accepted=1) for o in outs] + self._leave(self.inner.decode())
         if self.stray_decode:
             self.stray_decode = False
             outs.append(TokenOut("stray", 5, 0.0))
