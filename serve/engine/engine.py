@@ -181,11 +181,9 @@ class Engine:
             raise ValueError("speculation needs the verification graph (serve/engine/verify_graph.py)")
         if (draft is None) != (self.speculation.draft_bundle is None):
             raise ValueError("a draft model's engine comes with speculation.draft_bundle, and only with it")
-        s = self.speculation
-        self._proposer: Proposer = (
-            PromptLookup(s.ngram_min, s.ngram_max) if draft is None else DraftModel(draft)
-        )
-        self._speculating: list[Pace] = []  # the running rows' prompt lookup, in row order
+        lookup = PromptLookup(self.speculation.ngram_min, self.speculation.ngram_max)
+        self._proposer: Proposer = lookup if draft is None else DraftModel(draft)
+        self._speculating: list[Pace] = []  # how each running row proposes, in row order
         # A speculating row returns the logits of its pending token and of each proposed one.
         logit_rows = max(settings.max_batch_size, self.speculation.num_tokens + 1)
         self._logits = np.zeros((logit_rows, spec.vocab_size), types["logits"])

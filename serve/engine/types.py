@@ -88,7 +88,7 @@ class EngineSettings:
     # Extra KV rows that keep finished sequences for prompts that start the same way (prefix_cache.py).
     prefix_cache_rows: int = 0
     prefix_cache_min_tokens: int = 16  # the shortest prefix kept or reused
-    speculation: SpeculationSettings = field(default_factory=SpeculationSettings)  # prompt lookup
+    speculation: SpeculationSettings = field(default_factory=SpeculationSettings)  # off by default
 
 
 class ConstraintKind(enum.Enum):
@@ -164,7 +164,7 @@ class NewSequence:
     # logits. Outside that sequence's group (or with another prompt) it is prefilled as any other.
     fork_of: str | None = None
     constraint: CompiledConstraint | None = None  # what its output must match (tokens outside it are -inf)
-    # The most tokens prompt lookup proposes for it per step (serve/engine/speculation.py), within the
+    # The most tokens speculation proposes for it per step (serve/engine/speculation.py), within the
     # engine's own limit; None: the engine's limit, 0: none.
     speculative_tokens: int | None = None
 

@@ -65,7 +65,7 @@ class GenerationRequest:
     # complete (finish reason `stop`, or `eos` where EOS may follow), whatever min_new_tokens and ignore_eos
     # say; EOS is allowed only where the constraint may end.
     constraint: Constraint | None = None
-    # The most tokens prompt lookup proposes per step for it (speculation, within the server's
+    # The most tokens speculation proposes per step for it (prompt lookup or a draft, within the server's
     # --num-speculative-tokens); None: the server's number, 0: none. Its tokens are the same either way.
     speculative_tokens: int | None = None
 
