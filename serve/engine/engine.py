@@ -47,7 +47,7 @@ from serve.engine.runtime import (
 from serve.engine.sampling import Alternatives, PromptScores, SamplingBatch, SamplingParams
 from serve.engine.speculation import DraftModel, Pace, PromptLookup, Proposer
 from serve.engine.types import ConstraintState, EngineInfo, EngineSettings, ModelSpec, NewSequence, TokenOut
-from serve.engine.verify_graph import PICK_INDEX, verification_graph
+from serve.engine.verify_graph import PICK_INDEX, chained_present_outputs, verification_graph
 from serve.errors import BundleError
 
 if TYPE_CHECKING:
@@ -86,9 +86,6 @@ class _RunInputs(NamedTuple):
     seqlens_k: np.ndarray  # [rows]: each row's tokens after the run, minus one
     total: int  # the longest row's tokens after the run
     last_index: np.ndarray  # [rows]: the position in the run whose logits each row returns
-    # Flat positions (row * tokens + position) whose logits return instead, in order: a speculating row's
-    # every position. Only the verification graph (serve/engine/verify_graph.py) takes them.
-    picks: np.ndarray | None = None
 
 
 @dataclass
@@ -126,7 +123,10 @@ class Engine:
         spec: ModelSpec,
         settings: EngineSettings,
         scoring_graph: str | None = None,  # the bundle's standard graph: prompt logprobs (prompt_scoring.py)
-        draft: Engine | None = None,  # with speculation.draft_bundle: the draft model's engine
+        proposer: Proposer | None = None,  # with speculation: what guesses; prompt lookup by default
+        # with speculation: the graph that scores a proposal (serve/engine/verify_graph.py), for as many
+        # positions as speculation.num_tokens + 1
+        verifier: str | InMemoryGraph | None = None,
     ) -> None:
         if settings.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {settings.max_batch_size}")
@@ -176,13 +176,15 @@ class Engine:
         self._compiler_lock = threading.Lock()
         self.speculation = settings.speculation
         self.speculation.validate()
-        self._flat_picks = PICK_INDEX in types
-        if self.speculation.enabled and not self._flat_picks:
-            raise ValueError("speculation needs the verification graph (serve/engine/verify_graph.py)")
-        if (draft is None) != (self.speculation.draft_bundle is None):
-            raise ValueError("a draft model's engine comes with speculation.draft_bundle, and only with it")
-        lookup = PromptLookup(self.speculation.ngram_min, self.speculation.ngram_max)
-        self._proposer: Proposer = lookup if draft is None else DraftModel(draft)
+        if self.speculation.enabled != (verifier is not None):
+            raise ValueError(
+                "speculation needs the verification graph (serve/engine/verify_graph.py); only it does"
+            )
+        # A second session over the same weights: ONNX Runtime packs a copy of its own (docs/benchmarks.md).
+        self._verifier = None if verifier is None else create_session(verifier, settings.session)
+        self._positions = self.speculation.num_tokens + 1  # what the verification graph scores per run
+        self._verify_binding: Any = None
+        self.proposer = proposer or PromptLookup(self.speculation.ngram_min, self.speculation.ngram_max)
         self._speculating: list[Pace] = []  # how each running row proposes, in row order
         # A speculating row returns the logits of its pending token and of each proposed one.
         logit_rows = max(settings.max_batch_size, self.speculation.num_tokens + 1)
@@ -192,8 +194,8 @@ class Engine:
         self._side: ThreadPoolExecutor | None = None  # its thread, started by the first such prefill
         self._background: _Background | None = None
         self.last_logits = self._logits[:0]
-        # (first row, end row, side, logits rows) -> its binding
-        self._bindings: dict[tuple[int, int, bool, int], Any] = {}
+        # (first row, end row, side) -> its binding
+        self._bindings: dict[tuple[int, int, bool], Any] = {}
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, settings: EngineSettings) -> Engine:
@@ -224,18 +226,22 @@ class Engine:
         if m.odd_rows_padded:  # only such a graph has pads to take out: no other is read before its session
             unpadded = unpadded_graph(bundle.inplace_graph, session)
             graph = graph if unpadded is None else unpadded[0]
-        draft = None
+        proposer: Proposer | None = None
+        verifier = None
         if settings.speculation.enabled:
-            graph = verification_graph(Path(graph) if isinstance(graph, str) else graph)
+            positions = settings.speculation.num_tokens + 1
+            verifier = verification_graph(Path(graph) if isinstance(graph, str) else graph, positions)
             if settings.speculation.draft_bundle is not None:
-                draft = _draft_engine(bundle, settings)
-        return cls(graph, bundle.tokenizer, spec, settings, str(bundle.standard_graph), draft)
+                proposer = DraftModel(_draft_engine(bundle, settings))
+        return cls(graph, bundle.tokenizer, spec, settings, str(bundle.standard_graph), proposer, verifier)
 
     def warm_up(self) -> None:
         """One prefill and one decode step, so the first request does not pay for ONNX Runtime's lazy
         set-up; run before the scheduler starts, so no metric counts it as a request."""
         warm = NewSequence(seq_id="warm-up", prompt_ids=[self.eos_token_id], sampling=SamplingParams())
         self.prefill([warm])
+        if self._verifier is not None and self.capacity > self._positions:
+            self._verify(1, np.full(self._positions, self.eos_token_id, np.int64))
         self.decode()
         self.release(["warm-up"])
 
@@ -468,15 +474,14 @@ class Engine:
         return self._emit(0, tokens, logprobs, self._sampling.alternatives, notes)
 
     def _proposal(self) -> np.ndarray:
-        """The tokens proposed after the one running row's pending token (empty: none), no more than its
-        slot has room for: the run writes the keys and values of every proposed position."""
+        """The tokens proposed after the one running row's pending token (empty: none). None while the slot
+        has no room for every position the verification run writes (padding included)."""
         pace = self._speculating[0]
         length = int(self._lengths[0])
-        room = min(pace.tokens, self.capacity - length - 1)
-        if room <= 0 or not pace.ready():
+        if self.capacity - length < self._positions or not pace.ready():
             return self._pending[:0]
         context = np.append(self._tokens[0, :length], self._pending[0])
-        return self._proposer.propose(context, room)
+        return self.proposer.propose(context, pace.tokens)
 
     def _speculate(self, proposal: np.ndarray) -> list[TokenOut]:
         """One run over the row's pending token and the proposal; then each position's token is sampled as a
@@ -486,12 +491,10 @@ class Engine:
         The keys and values of the rejected positions stay in the slot past the row's length, where the next
         run overwrites them (a row's cache is valid up to its length only)."""
         length, k = int(self._lengths[0]), len(proposal)
-        ids = np.concatenate([self._pending[:1], proposal])
-        picks = np.arange(k + 1, dtype=np.int64)
-        positions = length + picks
-        inputs = _RunInputs(ids[None], positions[None], positions[-1:], length + k + 1, picks[-1:], picks)
-        logits = self._run(slice(0, 1), inputs)
-        self._tokens[0, length : length + k + 1] = ids
+        ids = np.full(self._positions, self.spec.pad_token_id, np.int64)  # a shorter proposal is padded
+        ids[0], ids[1 : k + 1] = self._pending[0], proposal
+        logits = self._verify(length, ids)
+        self._tokens[0, length : length + k + 1] = ids[: k + 1]
         outs: list[TokenOut] = []
         for j in range(k + 1):
             tokens, logprobs, notes = self._pick(self._sampling, self._constraints, logits[j : j + 1], None)
@@ -503,6 +506,40 @@ class Engine:
         self._speculating[0].record(k, accepted)
         outs[0] = outs[0]._replace(proposed=k, accepted=accepted)
         return outs
+
+    def _verify(self, length: int, ids: np.ndarray) -> np.ndarray:
+        """The logits of each of `ids` appended to row 0's `length` tokens, by the verification graph."""
+        assert self._verifier is not None
+        if self._verify_binding is None:
+            self._verify_binding = self._verifier.io_binding()
+            self._verify_binding.bind_ortvalue_output("logits", ortvalue(self._logits[: self._positions]))
+            self._kv.bind(self._verify_binding, slice(0, 1), chained_present_outputs(self._positions))
+        steps = np.arange(length, length + len(ids), dtype=np.int64)
+        inputs = {
+            "input_ids": ids[None],
+            "position_ids": steps[None],
+            "seqlens_k": steps[-1:].astype(np.int32),
+            "total_sequence_length": np.array(steps[-1] + 1, np.int32),
+            PICK_INDEX: np.arange(len(ids), dtype=np.int64),
+        }
+        for name, array in inputs.items():
+            self._verify_binding.bind_cpu_input(name, array)
+        try:
+            self._verifier.run_with_iobinding(self._verify_binding)
+        except Exception:  # as _run: the row may be half written
+            self._untrusted.update(self._ids[:1])
+            raise
+        self.last_logits = self._logits[: len(ids)]
+        return self.last_logits
+
+    def greedy_next(self, ids: Sequence[int], start: int) -> int:
+        """Append ids[start:] to row 0, whose cache holds ids[:start], and return the argmax token after
+        them: a draft model's proposal step (speculation.DraftModel), in an engine that runs no sequence.
+        No sampling processors, constraints or prefix cache: a proposal needs none of them."""
+        if self._ids or self._staged is not None or self._background is not None:
+            raise RuntimeError("greedy_next() on an engine that runs sequences")
+        logits = self._prefill_rows(0, ids, start)
+        return int(np.argmax(logits[0]))
 
     def begin_prefill(self, new: Sequence[NewSequence]) -> None:
         """Start prefilling `new` into the rows after the running ones, on a thread of its own: decode steps
@@ -743,7 +780,7 @@ class Engine:
 
     def _run(self, rows: slice, inputs: _RunInputs) -> np.ndarray:
         binding, _arrays = self._bound(rows, inputs)
-        logits = self._logits[: _logit_rows(rows, inputs)]
+        logits = self._logits[: rows.stop - rows.start]
         try:
             self.session.run_with_iobinding(binding)
         except Exception:  # it may have written part of any row it was given: do not keep those
@@ -759,14 +796,9 @@ class Engine:
             "position_ids": np.ascontiguousarray(run.position_ids, np.int64),
             "seqlens_k": run.seqlens_k.astype(np.int32),
             "total_sequence_length": np.array(run.total, np.int32),
+            "last_index": np.ascontiguousarray(run.last_index, np.int64),
         }
-        if self._flat_picks:
-            rows_in, width = run.input_ids.shape
-            picks = run.picks if run.picks is not None else np.arange(rows_in) * width + run.last_index
-            inputs[PICK_INDEX] = np.ascontiguousarray(picks, np.int64)
-        else:
-            inputs["last_index"] = np.ascontiguousarray(run.last_index, np.int64)
-        binding = self._binding(rows, side, _logit_rows(rows, run))
+        binding = self._binding(rows, side)
         for name, array in inputs.items():
             binding.bind_cpu_input(name, array)
         return binding, inputs
@@ -791,15 +823,15 @@ class Engine:
         self._lengths[dst] = self._lengths[src]
         self._tokens[dst, :length] = self._tokens[src, :length]
 
-    def _binding(self, rows: slice, side: bool, logit_rows: int) -> Any:
-        """The IOBinding of a row range, with its KV rows and `logit_rows` rows of logits bound once and
-        reused; `side`: a prefill beside a decode step, which writes its own logits."""
-        key = (rows.start, rows.stop, side, logit_rows)
+    def _binding(self, rows: slice, side: bool) -> Any:
+        """The IOBinding of a row range, with its KV rows and logits bound once and reused; `side`: a
+        prefill beside a decode step, which writes its own logits."""
+        key = (rows.start, rows.stop, side)
         binding = self._bindings.get(key)
         if binding is None:
             binding = self.session.io_binding()
             logits = self._side_logits if side else self._logits
-            binding.bind_ortvalue_output("logits", ortvalue(logits[:logit_rows]))
+            binding.bind_ortvalue_output("logits", ortvalue(logits[: rows.stop - rows.start]))
             self._kv.bind(binding, rows)
             self._bindings[key] = binding
         return binding
@@ -827,8 +859,8 @@ class Engine:
 
 
 def _draft_engine(bundle: Bundle, settings: EngineSettings) -> Engine:
-    """The draft model's engine (one row, and a prefix-cache row that keeps the sequence between two
-    proposals), warmed up; BundleError for a draft that cannot propose for `bundle`'s model."""
+    """The draft model's engine (one row, kept by speculation.DraftModel between two proposals), warmed
+    up; BundleError for a draft that cannot propose for `bundle`'s model."""
     from serve.bundle import load_bundle
 
     path = settings.speculation.draft_bundle
@@ -848,21 +880,10 @@ def _draft_engine(bundle: Bundle, settings: EngineSettings) -> Engine:
         )
     engine = Engine.from_bundle(
         draft,
-        EngineSettings(
-            max_batch_size=1,
-            capacity=capacity,
-            session=settings.session,
-            prefix_cache_rows=1,
-            prefix_cache_min_tokens=1,
-        ),
+        EngineSettings(max_batch_size=1, capacity=capacity, session=settings.session),
     )
     engine.warm_up()
     return engine
-
-
-def _logit_rows(rows: slice, run: _RunInputs) -> int:
-    """The logits a run returns: one per row, or one per pick."""
-    return rows.stop - rows.start if run.picks is None else len(run.picks)
 
 
 def _settle(joining: _Joining | None) -> None:

@@ -17,7 +17,7 @@ Which rows hold what (running sequences, a prefill group, the prefix cache) is t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -83,15 +83,17 @@ class KvCache:
         # OrtValue.numpy() is a view of a CPU tensor's memory (a copy from a GPU): copy the rows out.
         return self.buffers[index].value.numpy()[:rows].copy()
 
-    def bind(self, binding: ort.IOBinding, rows: slice) -> None:
+    def bind(self, binding: ort.IOBinding, rows: slice, aliases: Sequence[str] = ()) -> None:
         """Bind rows [rows.start, rows.stop) of every buffer as the past input and the present output of a
-        serving-graph binding: the run reads and appends to them in place."""
+        serving-graph binding: the run reads and appends to them in place. `aliases`: suffixes of more
+        present outputs bound to the same rows (the verification graph's, serve/engine/verify_graph.py)."""
         device = self.device
         shape = (rows.stop - rows.start, *self.row_shape)
         for buf in self.buffers:
             ptr = buf.row_ptr(rows.start)  # rows of the leading axis are contiguous: a sub-buffer
             binding.bind_input(f"past_{buf.name}", device.type, device.id, buf.dtype, shape, ptr)
-            binding.bind_output(f"present_{buf.name}", device.type, device.id, buf.dtype, shape, ptr)
+            for present in (f"present_{buf.name}{suffix}" for suffix in ("", *aliases)):
+                binding.bind_output(present, device.type, device.id, buf.dtype, shape, ptr)
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Copy row `src` of every buffer over row `dst`: its first `length` positions in host memory, the

@@ -25,9 +25,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from serve.engine.sampling import SamplingParams
-from serve.engine.types import NewSequence
-
 if TYPE_CHECKING:
     from serve.engine.engine import Engine
 
@@ -48,26 +45,34 @@ class PromptLookup:
 
 
 class DraftModel:
-    """A smaller model's greedy continuation, from an engine of its own (one row, and one prefix-cache row
-    that keeps the sequence between two proposals: each proposal prefills only what the sequence gained
-    since the last one, after a copy of that row)."""
-
-    SEQ_ID = "draft"
+    """A smaller model's greedy continuation, from an engine of its own whose one row stays resident: the
+    row keeps the tokens it was fed, and each proposal rolls it back to the longest prefix they share with
+    the sequence (as the target's row drops the rejected tokens past its length), then feeds only the rest:
+    what the sequence gained since the last proposal, then each proposed token but the last."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._fed: list[int] = []  # the tokens in the draft's row
 
     def propose(self, context: np.ndarray, k: int) -> np.ndarray:
         if k <= 0:
             return context[:0]
-        first = self.engine.prefill([NewSequence(self.SEQ_ID, context.tolist(), SamplingParams())])
-        tokens = [first[0].token_id]
-        try:
-            while len(tokens) < k:
-                tokens.append(self.engine.decode()[0].token_id)
-        finally:
-            self.engine.release([self.SEQ_ID])
+        ids = context.tolist()
+        start = min(shared_prefix(self._fed, ids), len(ids) - 1)  # at least one token runs: its logits
+        self._fed = []  # until the runs below succeed, the row holds nothing to trust
+        tokens = [self.engine.greedy_next(ids, start)]
+        while len(tokens) < k:
+            ids.append(tokens[-1])
+            tokens.append(self.engine.greedy_next(ids, len(ids) - 1))
+        self._fed = ids
         return np.array(tokens, np.int64)
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
 
 
 def propose(context: np.ndarray, ngram_min: int, ngram_max: int, k: int) -> np.ndarray:

@@ -1,20 +1,31 @@
-"""The serving graph rewritten to return logits at several positions of a row: what speculation scores with.
+"""The graph speculation verifies with: the serving graph rewritten to score a fixed number of positions of
+one row, each position's attention computed exactly as a decode step computes it.
 
-The exported graph gathers one position per row (`last_index[b]`: `GatherND` of the last hidden states) before
-the final norm and the vocabulary projection. Verifying proposed tokens needs the logits of every proposed
-position of the speculating row, so at load the engine swaps that gather for a flat one: the hidden states
-[batch, seq, d] are flattened to [batch * seq, d] and `pick_index[p]` (row * seq + position) picks each
-returned position, giving logits [picks, vocab]. A plain step picks one position per row, the same values the
-exported gather picks, through the same norm and head, so everything else the engine runs is unchanged.
+A decode step on a CPU is bound by reading the weights, so the projections and the MLP of every proposed
+position run batched, as one [1, positions, d] run. The attention does not: ONNX Runtime's GroupQueryAttention
+sums a multi-token query in another order than a one-token one (its probs x V product runs a matrix kernel
+where one query runs a vector kernel), enough to part a greedy output from the plain one after a few dozen
+tokens on an int8 or int4 bundle. So each layer's GroupQueryAttention becomes a chain of one-position nodes:
+node j takes the row's cache as node j - 1 left it, appends position j's keys and values, and attends with
+one query over the L + j + 1 keys a decode step would see. Every node's present output is a graph output of
+its own (`chained_present_outputs`) that the engine binds to the same KV row as the past input, so each
+node appends in place, as a decode step does, and no cache is copied.
 
-Graphs that keep export's row pads (export/row_pad.py, on CPUs that need them) pad the head per row and are
-not rewritten: speculation is refused for them at load, with the reason.
+The graph takes `positions` tokens exactly (the engine pads a shorter proposal: the padding's keys and
+values land past the row's length, which the next run overwrites). The exported one-position-per-row gather
+(`last_index`) becomes a flat one over `pick_index` (row * seq + position), so one run returns the logits
+of every proposed position, through the same norm and head as a decode step.
+
+Graphs that keep export's row pads (export/row_pad.py, on CPUs whose kernels compute a lone row unlike a
+batch's) are refused: there the projections themselves would not be a decode step's.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from serve.bundle import ROW_PAD_PREFIX
 from serve.engine.row_pad import inline_small_external_tensors
@@ -27,13 +38,22 @@ if TYPE_CHECKING:
 LAST_INDEX = "last_index"  # [batch]: the exported graph's one position per row
 PICK_INDEX = "pick_index"  # [picks]: the rewritten graph's flat positions, row * seq + position
 LOGITS = "logits"
+ATTENTION = "GroupQueryAttention"
 
 
-def verification_graph(graph: Path | InMemoryGraph) -> InMemoryGraph:
-    """`graph` (a path, or a graph already rewritten at load) with its one-position-per-row gather replaced
-    by the flat `pick_index` gather; BundleError when the graph is not the shape this rewrite knows."""
+def chained_present_outputs(positions: int) -> list[str]:
+    """The suffixes of the extra present outputs per KV buffer ("present_key.3" + suffix): bind each to the
+    buffer's row, as "present_key.3" itself is."""
+    return [f".pos{j}" for j in range(positions - 1)]
+
+
+def verification_graph(graph: Path | InMemoryGraph, positions: int) -> InMemoryGraph:
+    """`graph` (a path, or a graph already rewritten at load) rewritten to score `positions` tokens of one
+    row as `positions` decode steps would; BundleError when the graph is not the shape this rewrite knows."""
     import onnx
 
+    if positions < 1:
+        raise ValueError(f"positions must be >= 1, got {positions}")
     if isinstance(graph, InMemoryGraph):
         model, folder = onnx.load_from_string(graph.model), graph.folder
     else:
@@ -46,6 +66,7 @@ def verification_graph(graph: Path | InMemoryGraph) -> InMemoryGraph:
             "computes a lone row of the graph's MatMulNBits unlike a batch's): serve without --speculative"
         )
     _flat_gather(model, where)
+    _chain_attention(model, positions, where)
     return InMemoryGraph(model.SerializeToString(), folder)
 
 
@@ -84,3 +105,91 @@ def _flat_gather(model: onnx.ModelProto, where: object) -> None:
     for output in graph.output:
         if output.name == LOGITS:
             output.type.tensor_type.shape.dim[0].dim_param = "picks"
+
+
+def _chain_attention(model: onnx.ModelProto, positions: int, where: object) -> None:
+    """Each GroupQueryAttention node becomes `positions` one-position nodes chained through the KV row."""
+    from onnx import numpy_helper
+
+    graph = model.graph
+    attention = [node for node in graph.node if node.op_type == ATTENTION]
+    if not attention:
+        raise BundleError(f"{where}: speculation cannot rewrite this graph: it has no {ATTENTION}")
+    seqlens, total = attention[0].input[5], attention[0].input[6]
+    # Position j of `positions` sees `back` = positions - 1 - j fewer tokens than the run's last position.
+    for j in range(positions - 1):
+        back = positions - 1 - j
+        graph.initializer.append(numpy_helper.from_array(np.array([back], np.int32), f"verify.back{j}"))
+        graph.initializer.append(numpy_helper.from_array(np.array(back, np.int32), f"verify.back{j}_scalar"))
+    nodes = _position_lengths(seqlens, total, positions)
+    outputs = []
+    for node in graph.node:
+        if node.op_type != ATTENTION:
+            nodes.append(node)
+            continue
+        chained, presents = _chained(node, positions, seqlens, total)
+        nodes.extend(chained)
+        outputs.extend(presents)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    types = {value.name: value for value in graph.output}
+    for name in outputs:  # typed as the buffer's own present output
+        value = graph.output.add()
+        value.CopyFrom(types[name.rsplit(".pos", 1)[0]])
+        value.name = name
+
+
+def _position_lengths(seqlens: str, total: str, positions: int) -> list[onnx.NodeProto]:
+    """seqlens_k and total_sequence_length of each position but the last (which the run's inputs give)."""
+    from onnx import helper
+
+    nodes = []
+    for j in range(positions - 1):
+        nodes.append(helper.make_node("Sub", [seqlens, f"verify.back{j}"], [f"{seqlens}.pos{j}"]))
+        nodes.append(helper.make_node("Sub", [total, f"verify.back{j}_scalar"], [f"{total}.pos{j}"]))
+    return nodes
+
+
+def _chained(
+    node: onnx.NodeProto, positions: int, seqlens: str, total: str
+) -> tuple[list[onnx.NodeProto], list[str]]:
+    """The one-position nodes replacing `node`, and the extra present outputs they write."""
+    from onnx import helper
+
+    inputs = list(node.input)
+    qkv, (past_key, past_value), rotary = inputs[:3], inputs[3:5], inputs[7:]
+    nodes, pieces = [], []
+    for name in qkv:  # packed q|k|v, or q, k and v apart (then each is split)
+        if not name:
+            pieces.append([""] * positions)
+            continue
+        split = [f"{name}.pos{j}" for j in range(positions)]
+        nodes.append(
+            helper.make_node("Split", [name], split, name=f"{name}.split", axis=1, num_outputs=positions)
+        )
+        pieces.append(split)
+    present_key, present_value = node.output[1], node.output[2]
+    extra: list[str] = []
+    attended = []
+    key, value = past_key, past_value
+    for j in range(positions):
+        last = j == positions - 1
+        lengths = [seqlens, total] if last else [f"{seqlens}.pos{j}", f"{total}.pos{j}"]
+        keys = present_key if last else f"{present_key}.pos{j}"
+        values = present_value if last else f"{present_value}.pos{j}"
+        if not last:
+            extra += [keys, values]
+        out = f"{node.output[0]}.pos{j}"
+        step = helper.make_node(
+            ATTENTION,
+            [*(piece[j] for piece in pieces), key, value, *lengths, *rotary],
+            [out, keys, values],
+            name=f"{node.name}.pos{j}",
+            domain=node.domain,
+        )
+        step.attribute.extend(node.attribute)
+        nodes.append(step)
+        attended.append(out)
+        key, value = keys, values
+    nodes.append(helper.make_node("Concat", attended, [node.output[0]], name=f"{node.name}.concat", axis=1))
+    return nodes, extra
