@@ -16,7 +16,9 @@ finite bucket is reported as that bucket's bound, so the largest bucket must exc
   the longest generations of a context-length budget take minutes on CPU.
 - Inter-token latency is one decode step seen by one request: ~1 ms for a tiny model, 9-35 ms for a 30M
   model at batch 16 on 2 CPU cores (measured for the KV-cache design), up to seconds on a starved machine.
-  Buckets are dense between 5 and 100 ms, where SLOs for streaming text sit.
+  A step that gives a request several tokens (speculation) is observed once per token, each its share of
+  the step's interval, so its accepted tokens are not ~0. Buckets are dense between 5 and 100 ms, where
+  SLOs for streaming text sit.
 - Step duration covers decode steps (as above) and prefill steps, which process whole prompts: up to 10 s.
 - Token counts are exponential (powers of two) because prompt and generation lengths span orders of
   magnitude; they reach 65536, above any context length this service is built for.
@@ -26,8 +28,9 @@ finite bucket is reported as that bucket's bound, so the largest bucket must exc
   is bounded by the compiler's limits; buckets reach 10 s. Token masks are counted as totals (masks, seconds
   computing them, seconds a step waited for them): their ratio is the mask cost per constrained token.
 - Speculation is counted as vLLM's spec-decode metrics are (drafts, proposed tokens, accepted tokens) plus
-  the tokens its steps emitted; a request's acceptance rate (accepted over proposed) is a fraction in 0.1
-  buckets.
+  the tokens its steps emitted, as far as the request kept them: a step cut by its stop, EOS or token
+  limit counts the tokens before the cut (serve/scheduling/runner.py `_speculated`); a request's acceptance
+  rate (accepted over proposed) is a fraction in 0.1 buckets.
 
 Over 400 lines on purpose: every metric's name, help text, buckets and hook are defined here once, so a
 dashboard, an alert or the inference gateway reads one list (tests/support/metric_refs.py checks them).
@@ -186,7 +189,8 @@ class Metrics:
         )
         self.inter_token = Histogram(
             "textgen_inter_token_latency_seconds",
-            "Time between consecutive generated tokens of a request.",
+            "Time between consecutive generated tokens of a request; a step that gives it several"
+            " (speculation) is observed once per token, its interval divided among them.",
             buckets=INTER_TOKEN_BUCKETS,
             registry=reg,
         )
@@ -291,11 +295,13 @@ class Metrics:
             "textgen_spec_decode_drafts", "Speculating steps: proposals verified in one run.", registry=reg
         )
         self.spec_draft_tokens = Counter(
-            "textgen_spec_decode_draft_tokens", "Tokens proposed by speculation.", registry=reg
+            "textgen_spec_decode_draft_tokens",
+            "Tokens proposed by speculation (of a step cut by the request's end, the accepted ones it kept).",
+            registry=reg,
         )
         self.spec_accepted_tokens = Counter(
             "textgen_spec_decode_accepted_tokens",
-            "Proposed tokens that sampling picked (emitted without a step of their own).",
+            "Proposed tokens sampling picked and the request kept (emitted without a step of their own).",
             registry=reg,
         )
         self.spec_emitted_tokens = Counter(
@@ -340,7 +346,8 @@ class Metrics:
         self.ttft.observe(ttft_seconds)
 
     def on_token(self, inter_token_seconds: float) -> None:
-        """For every generated token after a request's first: time since its previous token."""
+        """For every generated token after a request's first: time since its previous token, or for the
+        tokens one step gave a request together, that step's interval divided among them."""
         self.inter_token.observe(inter_token_seconds)
 
     def on_finished(

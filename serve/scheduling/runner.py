@@ -2,7 +2,9 @@
 
 A step drops cancelled and expired requests, asks the planner (planner.py, where the admission policy is
 described) what to do, makes the plan's engine call, and takes its tokens: stopping through
-`RequestTracker`, failure isolation (a failed call fails exactly the plan's requests), step records.
+`RequestTracker`, failure isolation (a failed call fails exactly the plan's requests), step records. The
+several tokens a speculating step gives a request are taken as one step: one event, the step's interval
+spread over them, its proposal counted as far as the request kept them.
 A constrained request's constraint is compiled when it is tracked, on the worker threads of the engine's
 compiler (serve/engine/constraints.py; its cache lives as long as the engine); it joins the queue once
 compiled, or is refused (InvalidRequest) at the next step if llguidance rejects it, so no compile ever
@@ -47,6 +49,7 @@ from serve.scheduling.request import (
     GenerationRequest,
     RequestState,
     RequestTracker,
+    TokenEvent,
     validate_request,
 )
 
@@ -415,49 +418,88 @@ class BatchRunner:
                 metrics.on_constraint_compiled(seconds)
 
     def _accept(self, outs: list[TokenOut], deliveries: list[Delivery]) -> None:
+        """Take a step's tokens request by request (a speculating step gives one several: one step's)."""
         now = time.monotonic()
         finished: list[RequestTracker] = []
-        for out in outs:
-            tracker = self._running[out.seq_id]
-            if tracker.done:  # a speculating step's tokens after the one that ended it (it leaves below)
-                continue
-            if out.error is not None:  # nothing could be sampled for it (or its constraint failed): it fails
-                self._refuse_row(tracker, out.error, deliveries)
+        for seq_id, step in _by_sequence(outs).items():
+            tracker = self._running[seq_id]
+            if self._take(tracker, step, now, deliveries):
                 finished.append(tracker)
-                continue
-            previous = tracker.times.last_token
-            try:
-                token, finish = tracker.accept(
-                    out.token_id, out.logprob, now, out.top, out.prompt, out.constraint
-                )
-            except Exception as exc:  # e.g. a token the tokenizer cannot decode: only this request fails
-                log.exception("request %s: could not process token %d", tracker.request_id, out.token_id)
-                error = _engine_failure("its output could not be processed", exc)
-                self._fail_all([tracker], error, deliveries)
-                finished.append(tracker)
-                continue
-            if out.proposed:
-                self._speculated(tracker, out)
-            if self._metrics is not None:
-                if previous is None:
-                    self._metrics.on_first_token(now - tracker.times.arrival)
-                else:
-                    self._metrics.on_token(now - previous)
-            token = tracker.pace(token, now, self.limits.stream_interval_seconds, flush=finish is not None)
-            if token is not None:
-                deliveries.append(Delivery(tracker, token))
-            if finish is not None:
-                deliveries.append(Delivery(tracker, finish))
-                finished.append(tracker)
-                self._on_finished(finish)
-                if self._metrics is not None and tracker.speculated.proposed:
-                    self._metrics.on_speculation_done(tracker.speculated.acceptance)
         self._leave(finished)
 
-    def _speculated(self, tracker: RequestTracker, out: TokenOut) -> None:
-        tracker.speculated.add(out.proposed, out.accepted)
+    def _take(self, tracker: RequestTracker, step: list[TokenOut], now: float, out: list[Delivery]) -> bool:
+        """Hand over what one step gave a request as one event (paced as one step), time and count it;
+        True: the request ended (finished or failed)."""
+        previous = tracker.times.last_token
+        taken = self._take_tokens(tracker, step, now, out)
+        if taken is None:
+            return True
+        events, finish, kept = taken
+        self._time_tokens(tracker, previous, kept, now)
+        self._speculated(tracker, step[0], kept)
+        joined = TokenEvent.join(events) if events else None
+        token = tracker.pace(joined, now, self.limits.stream_interval_seconds, flush=finish is not None)
+        if token is not None:
+            out.append(Delivery(tracker, token))
+        if finish is None:
+            return False
+        out.append(Delivery(tracker, finish))
+        self._on_finished(finish)
+        if self._metrics is not None and tracker.speculated.proposed:
+            self._metrics.on_speculation_done(tracker.speculated.acceptance)
+        return True
+
+    def _take_tokens(
+        self, tracker: RequestTracker, step: list[TokenOut], now: float, out: list[Delivery]
+    ) -> _Taken | None:
+        """What one step's tokens gave the request (those after the one that ended it are dropped); None: it
+        failed."""
+        events: list[TokenEvent] = []
+        for kept, token in enumerate(step, start=1):
+            if token.error is not None:  # nothing could be sampled for it (or its constraint failed)
+                self._refuse_row(tracker, token.error, out)
+                return None
+            try:
+                event, finish = tracker.accept(
+                    token.token_id, token.logprob, now, token.top, token.prompt, token.constraint
+                )
+            except Exception as exc:  # e.g. a token the tokenizer cannot decode: only this request fails
+                log.exception("request %s: could not process token %d", tracker.request_id, token.token_id)
+                self._fail_all([tracker], _engine_failure("its output could not be processed", exc), out)
+                return None
+            if event is not None:
+                events.append(event)
+            if finish is not None:
+                return _Taken(events, finish, kept)
+        return _Taken(events, None, len(step))
+
+    def _time_tokens(self, tracker: RequestTracker, previous: float | None, kept: int, now: float) -> None:
+        """The step's interval divided over the tokens it gave the request, once per token: the client gets
+        them together, so a speculating step's accepted tokens do not count as instant."""
+        if self._metrics is None:
+            return
+        if previous is None:  # a prefill gives a sequence one token: its first
+            self._metrics.on_first_token(now - tracker.times.arrival)
+            return
+        gap = (now - previous) / kept
+        for _ in range(kept):
+            self._metrics.on_token(gap)
+
+    def _speculated(self, tracker: RequestTracker, first: TokenOut, kept: int) -> None:
+        """Count a speculating step as far as the request kept its tokens (`kept`, the one that ended it
+        included; a plain step counts nothing). The last kept token stands for the one a plain decode step
+        gives, those before it are accepted proposals (tokens without a step of their own): emitted =
+        accepted + 1 per step, as the metrics say. Proposed: the whole proposal where the request kept every
+        token of the step (judged up to its first miss, the rest lost with it); else only the accepted ones
+        it kept, since proposals past its end were never needed and counting them would read a stop as a
+        miss, and nothing where it ended at the step's first token."""
+        whole = kept > first.accepted
+        proposed, accepted = (first.proposed, first.accepted) if whole else (kept - 1, kept - 1)
+        if not proposed:
+            return
+        tracker.speculated.add(proposed, accepted)
         if self._metrics is not None:
-            self._metrics.on_speculated(out.proposed, out.accepted)
+            self._metrics.on_speculated(proposed, accepted)
 
     def _refuse_row(self, tracker: RequestTracker, reason: str, out: list[Delivery]) -> None:
         position = tracker.completion_tokens + 1
@@ -520,11 +562,27 @@ class BatchRunner:
             )
 
 
+class _Taken(NamedTuple):
+    """What one step gave a request: its events, what ended it, and how many of the step's tokens it kept."""
+
+    events: list[TokenEvent]
+    finish: FinishEvent | None
+    kept: int
+
+
 class _Load(NamedTuple):
     running: int
     batch_size: int
     kv_shape: tuple[int, ...]
     reserved: int
+
+
+def _by_sequence(outs: list[TokenOut]) -> dict[str, list[TokenOut]]:
+    """A step's tokens per sequence, each sequence's in order (a speculating step gives one several)."""
+    step: dict[str, list[TokenOut]] = {}
+    for out in outs:
+        step.setdefault(out.seq_id, []).append(out)
+    return step
 
 
 def _deadline_message(tracker: RequestTracker) -> str:

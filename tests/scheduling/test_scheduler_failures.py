@@ -137,8 +137,7 @@ def test_an_undecodable_token_fails_only_its_request(tokenizer: Tokenizer) -> No
 
 def test_a_request_that_fails_mid_step_drops_the_steps_later_tokens(tokenizer: Tokenizer) -> None:
     """A speculating step gives a sequence several tokens; one that ends it (undecodable) ends only it."""
-    engine = fake(tokenizer, max_batch_size=4, step_seconds=0.002)
-    engine.two_per_step = True
+    engine = fake(tokenizer, max_batch_size=4, step_seconds=0.002, speculation=(1, 1))  # two tokens a step
 
     async def main() -> None:
         scheduler = await started(engine)

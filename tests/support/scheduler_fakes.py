@@ -2,7 +2,8 @@
 
 `FakeEngine` honours the engine's interface (BatchEngine, the planner's EngineView with it); each sequence's
 next token is a pure function of its own context (so any batching gives the same tokens), drawn from the ids
-of single ASCII letters so that text is easy to reason about. `Instrumented` wraps a fake or a real engine:
+of single ASCII letters so that text is easy to reason about; it can speculate (`speculation`), giving each
+sequence several tokens a decode step. `Instrumented` wraps a fake or a real engine:
 it can slow steps down, hold them on a gate, make the next prefill/decode raise, and logs every call with the
 rows it ran on.
 """
@@ -37,6 +38,7 @@ class FakeEngine:
         capacity: int = 64,
         eos_after: int | None = None,
         keeps_prefixes: bool = False,
+        speculation: tuple[int, int] = (0, 0),
     ) -> None:
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -46,6 +48,9 @@ class FakeEngine:
         self.eos_token_id = EOS_ID
         self.eos_token_ids: tuple[int, ...] = (EOS_ID,)
         self.eos_after = eos_after  # emit EOS as this many-th generated token
+        # (proposed, accepted): each decode step speculates for every sequence as the engine's do, proposing
+        # that many tokens (fewer where its slot lacks room) of which sampling picks that many.
+        self.speculation = speculation
         self._alphabet = [tokenizer.encode(c).ids[0] for c in LETTERS]
         self._ids: list[str] = []
         self._context: dict[str, list[int]] = {}
@@ -153,7 +158,7 @@ class FakeEngine:
             if len(self._context[seq_id]) >= self.capacity:
                 raise ValueError(f"{seq_id} overflowed its KV slot")
         self._background_left = max(0, self._background_left - 1)
-        return [self._sample(seq_id) for seq_id in self._ids]
+        return [out for seq_id in self._ids for out in self._step(seq_id)]
 
     def release(self, seq_ids: Iterable[str]) -> None:
         for seq_id in seq_ids:
@@ -177,6 +182,18 @@ class FakeEngine:
             out.append(token)
             context.append(token)
         return out
+
+    def _step(self, seq_id: str) -> list[TokenOut]:
+        """One decode step's tokens for a sequence: one, or a speculating step's accepted proposals and the
+        token after them, the first carrying the counts (the tokens are the same either way)."""
+        room = self.capacity - len(self._context[seq_id]) - 1
+        proposed = min(self.speculation[0], room)
+        if proposed <= 0:
+            return [self._sample(seq_id)]
+        accepted = min(self.speculation[1], proposed)
+        outs = [self._sample(seq_id) for _ in range(accepted + 1)]
+        outs[0] = outs[0]._replace(proposed=proposed, accepted=accepted)
+        return outs
 
     def _sample(self, seq_id: str) -> TokenOut:
         # Feeding the previous token into the "cache" happens lazily: the context holds all sampled tokens.
@@ -209,7 +226,6 @@ class Instrumented:
         self.gate.set()
         self.fail_next: set[str] = set()
         self.poisoned: set[str] = set()  # sequences whose tokens are replaced by an id outside the vocabulary
-        self.two_per_step = False  # decode gives each sequence two tokens, as a speculating step may
         self.stray_decode = False  # the next decode also returns a token for a sequence nobody submitted
         self.calls: list[tuple[str, list[str]]] = []  # (phase, the rows it ran on), in call order
         self.shapes: list[tuple[int, ...]] = []  # the engine's KV view after each successful call
@@ -272,8 +288,6 @@ class Instrumented:
     def decode(self) -> list[TokenOut]:
         self._enter("decode", self.inner.running_ids)
         outs = self._leave(self.inner.decode())
-        if self.two_per_step:  # the first carries the step's proposal: one token proposed and accepted
-            outs = [o._replace(proposed=1, accepted=1) for o in outs] + self._leave(self.inner.decode())
         if self.stray_decode:
             self.stray_decode = False
             outs.append(TokenOut("stray", 5, 0.0))
