@@ -337,6 +337,12 @@ class Bundle:
         spec = self.manifest.graphs.inplace
         return self.path(spec.file) if spec else None
 
+    @property
+    def serving_weight_bytes(self) -> int:
+        """Bytes of the serving graph's files (its weights, as stored): what loading it takes, at least."""
+        spec = self.manifest.graphs.inplace or self.manifest.graphs.standard
+        return sum(self.path(name).stat().st_size for name in spec.files())
+
     def tensorrt_options(self, cache_root: Path | None = None) -> dict[str, str]:
         """TensorRT provider options; the engine cache goes under `cache_root` (default: the bundle dir)."""
         return self.manifest.tensorrt.provider_options(self.manifest.architecture, cache_root or self.root)

@@ -11,7 +11,7 @@ import logging
 from serve.api.common import LoadedModel
 from serve.api.config import ConfigError, ServerSettings
 from serve.api.metrics import Metrics
-from serve.api.sizing import KvSizing, size_kv_cache
+from serve.api.sizing import ITEMSIZE, DraftCost, KvSizing, size_kv_cache
 from serve.api.validation import RequestLimits
 from serve.bundle import Bundle, load_bundle
 from serve.engine.types import EngineInfo, EngineSettings, SessionConfig, SpeculationSettings
@@ -81,6 +81,15 @@ def speculation_settings(settings: ServerSettings) -> SpeculationSettings:
     )
 
 
+def draft_cost(settings: ServerSettings) -> DraftCost | None:
+    """What --speculative draft's model takes from the KV budget; None without one."""
+    if settings.speculative != "draft" or settings.draft_bundle is None:
+        return None
+    draft = load_bundle(settings.draft_bundle)
+    per_token = draft.manifest.architecture.kv_bytes_per_token(ITEMSIZE[draft.manifest.dtype])
+    return DraftCost(draft.serving_weight_bytes, per_token)
+
+
 def kv_sizing(settings: ServerSettings, bundle: Bundle) -> KvSizing:
     """The KV rows to allocate for this bundle (ConfigError: none fits the budget), logged."""
     sizing = size_kv_cache(
@@ -89,6 +98,7 @@ def kv_sizing(settings: ServerSettings, bundle: Bundle) -> KvSizing:
         settings.kv_cache_memory,
         settings.max_batch_size,
         settings.prefix_cache_rows,
+        draft_cost(settings),
     )
     log.info("%s", sizing.describe())
     if sizing.max_batch_size < settings.max_batch_size:

@@ -4,8 +4,9 @@
 A row holds one sequence: `max_model_len` tokens of K and V for every layer's key/value heads
 (n_layers x 2 x n_kv_heads x head_dim elements a token, in the graph's precision). Without a memory budget
 the server allocates max_batch_size + prefix_cache_rows rows, whatever they take; with one, as many as fit,
-running rows first (up to max_batch_size), then the prefix cache's. A budget that holds no row at all refuses
-to start, saying what one row takes.
+running rows first (up to max_batch_size), then the prefix cache's. A draft model (--speculative draft) is
+paid from the budget first: its weights and its own KV row of `max_model_len` tokens. A budget that holds no
+row at all refuses to start, saying what one row takes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,17 @@ MIB = 2**20
 
 
 @dataclass(frozen=True)
+class DraftCost:
+    """What a draft model takes beside the model's KV rows."""
+
+    weight_bytes: int  # its serving graph's files
+    kv_bytes_per_token: int  # of its one KV row
+
+    def bytes(self, max_model_len: int) -> int:
+        return self.weight_bytes + self.kv_bytes_per_token * max_model_len
+
+
+@dataclass(frozen=True)
 class KvSizing:
     max_model_len: int  # tokens per row
     max_batch_size: int  # running rows
@@ -30,6 +42,7 @@ class KvSizing:
     row_bytes: int
     context_length: int  # the model's
     budget_bytes: int | None
+    draft_bytes: int = 0  # paid from the budget before any row
 
     @property
     def total_bytes(self) -> int:
@@ -40,6 +53,8 @@ class KvSizing:
         if self.max_model_len < self.context_length:
             length += f" (of the model's {self.context_length}; --max-model-len sets it)"
         budget = "" if self.budget_bytes is None else f" of the {self.budget_bytes / MIB:.0f} MiB budget"
+        if self.draft_bytes:
+            budget += f", after {self.draft_bytes / MIB:.1f} MiB for the draft model's weights and KV row"
         return (
             f"KV cache: {length}, {self.row_bytes / MIB:.1f} MiB a row; {self.max_batch_size} running + "
             f"{self.prefix_cache_rows} prefix-cache rows = {self.total_bytes / MIB:.1f} MiB{budget}"
@@ -52,6 +67,7 @@ def size_kv_cache(
     kv_cache_memory: int | None,
     max_batch_size: int,
     prefix_cache_rows: int,
+    draft: DraftCost | None = None,
 ) -> KvSizing:
     """The rows to allocate; ConfigError when max_model_len exceeds the model or no row fits the budget."""
     arch = manifest.architecture
@@ -64,15 +80,19 @@ def size_kv_cache(
     length = max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
     row = arch.kv_bytes_per_token(ITEMSIZE[manifest.dtype]) * length
     running, prefix = max_batch_size, prefix_cache_rows
+    drafting = 0 if draft is None else draft.bytes(length)
     if kv_cache_memory is not None:
-        rows = kv_cache_memory // row
+        rows = max(0, kv_cache_memory - drafting) // row
         if rows < 1:
+            after = (
+                f" after the draft model's {drafting / MIB:.1f} MiB (weights and KV row)" if drafting else ""
+            )
             raise ConfigError(
-                f"kv_cache_memory {kv_cache_memory / MIB:.1f} MiB holds no KV row: one row of {length} "
-                f"tokens takes {row / MIB:.1f} MiB ({arch.n_layers} layers x K,V x {arch.n_kv_heads} heads x "
-                f"{arch.head_dim} x {ITEMSIZE[manifest.dtype]} bytes a token); raise --kv-cache-memory or "
-                "lower --max-model-len"
+                f"kv_cache_memory {kv_cache_memory / MIB:.1f} MiB holds no KV row{after}: one row of "
+                f"{length} tokens takes {row / MIB:.1f} MiB ({arch.n_layers} layers x K,V x "
+                f"{arch.n_kv_heads} heads x {arch.head_dim} x {ITEMSIZE[manifest.dtype]} bytes a token); "
+                "raise --kv-cache-memory or lower --max-model-len"
             )
         running = min(max_batch_size, rows)
         prefix = min(prefix_cache_rows, rows - running)
-    return KvSizing(length, running, prefix, row, context, kv_cache_memory)
+    return KvSizing(length, running, prefix, row, context, kv_cache_memory, drafting)

@@ -17,7 +17,8 @@ from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.api.config import ConfigError, load_settings, parse_memory
 from serve.api.lifecycle import TextgenServer
-from serve.api.sizing import DEFAULT_MAX_MODEL_LEN, size_kv_cache
+from serve.api.loading import draft_cost
+from serve.api.sizing import DEFAULT_MAX_MODEL_LEN, DraftCost, size_kv_cache
 from serve.bundle import load_bundle
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
@@ -71,6 +72,24 @@ def test_rows_from_the_budget(tiny_bundle: Path) -> None:
         size_kv_cache(manifest, None, row - 1, 16, 4)
     with pytest.raises(ConfigError, match="max_model_len 256 exceeds the model's context length 128"):
         size_kv_cache(manifest, 256, None, 16, 4)
+
+
+def test_a_draft_model_is_paid_from_the_budget_first(tiny_bundle: Path, tmp_path: Path) -> None:
+    manifest = load_bundle(tiny_bundle).manifest
+    row = 512 * 128
+    draft = DraftCost(weight_bytes=3 * row, kv_bytes_per_token=512)  # its weights and its own row: 4 rows
+    sizing = size_kv_cache(manifest, None, 10 * row, 16, 4, draft)
+    assert (sizing.max_batch_size, sizing.prefix_cache_rows, sizing.draft_bytes) == (6, 0, 4 * row)
+    assert "after 0.2 MiB for the draft model's weights and KV row" in sizing.describe()
+    with pytest.raises(ConfigError, match=r"holds no KV row after the draft model's 0\.2 MiB"):
+        size_kv_cache(manifest, None, 4 * row, 16, 4, draft)
+    # The server's own reckoning: the draft bundle's serving graph as stored, and its KV row.
+    flags = ["--bundle", str(tiny_bundle), "--speculative", "draft", "--draft-bundle", str(tiny_bundle)]
+    cost = draft_cost(load_settings(flags))
+    assert cost is not None and cost.kv_bytes_per_token == 512
+    inplace = load_bundle(tiny_bundle).inplace_graph
+    assert inplace is not None and cost.weight_bytes == inplace.stat().st_size
+    assert draft_cost(load_settings(["--bundle", str(tmp_path)])) is None
 
 
 def test_a_long_context_is_capped_by_default(tiny_bundle: Path) -> None:
