@@ -202,14 +202,19 @@ def template_message(
     return message
 
 
+def parsed_arguments(arguments: str, where: str) -> Any:
+    """A history call's arguments (JSON text; blank: none) as the value templates take; InvalidRequest
+    naming the field `where` when they are not JSON."""
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except ValueError as exc:
+        raise InvalidRequest(f"{where} is not JSON: {exc}") from None
+
+
 def _call_for_template(index: int, j: int, call: ToolCallIn) -> dict[str, Any]:
     arguments = call.function.arguments
     if isinstance(arguments, str):
-        where = f"messages[{index}].tool_calls[{j}].function.arguments"
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError as exc:
-            raise InvalidRequest(f"{where} is not JSON: {exc}") from None
+        arguments = parsed_arguments(arguments, f"messages[{index}].tool_calls[{j}].function.arguments")
     out = call.model_dump(exclude_none=True)
     out["function"] = {**out["function"], "arguments": {} if arguments is None else arguments}
     return out
@@ -340,40 +345,50 @@ class Reply:
         self._required = RequiredStream()
         self._auto = AutoStream(plan.names, plan.format)
 
-    def feed(self, text: str) -> dict[str, Any]:
-        """The stream delta's fields for this piece of text ({}: nothing to send yet)."""
+    def read(self, text: str) -> tuple[str, list[CallDelta]]:
+        """This piece of text as the content that can go out now and the pieces of calls it makes."""
         mode = self._plan.mode
         if mode == "named":
             first, self._named_started = not self._named_started, True
             self._named = ToolCall(self._named.name, self._named.arguments + text, self._named.id)
-            delta = CallDelta(0, text, self._named.name, self._named.id) if first else CallDelta(0, text)
-            return {"tool_calls": [delta.as_dict()]}
+            return "", [CallDelta(0, text, self._named.name, self._named.id) if first else CallDelta(0, text)]
         if mode == "required":
-            deltas = self._required.feed(text)
-            return {"tool_calls": [d.as_dict() for d in deltas]} if deltas else {}
+            return "", self._required.feed(text)
         if mode == "auto":
             text = self._auto.feed(text)
         self._content.append(text)
-        return {"content": text} if text or mode == "none" else {}
+        return text, []
 
-    def finish(self, reason: str) -> tuple[dict[str, Any], str]:
-        """The last delta's fields and the finish reason, from OpenAI's plain one ("stop" or "length"): a
-        complete output that made calls finishes with "tool_calls"."""
-        delta: dict[str, Any] = {}
-        mode = self._plan.mode
+    def feed(self, text: str) -> dict[str, Any]:
+        """The stream delta's fields for this piece of text ({}: nothing to send yet)."""
+        content, calls = self.read(text)
+        if calls:
+            return {"tool_calls": [call.as_dict() for call in calls]}
+        return {"content": content} if content or self._plan.mode == "none" else {}
+
+    def end(self, reason: str) -> tuple[str, list[ToolCall], str]:
+        """The content held until the end (auto's, around its calls), every call, and the finish reason from
+        OpenAI's plain one ("stop" or "length"): a complete output that made calls finishes with
+        "tool_calls". Auto's calls are read here; the others' went out piece by piece."""
+        mode, content = self._plan.mode, ""
         if mode == "named":
             self._calls = [self._named]
         elif mode == "required":
             self._calls = self._required.finish()
         elif mode == "auto":
-            content, self._calls = self._auto.finish()
-            if content:
-                self._content.append(content)
-                delta["content"] = content
-            if self._calls:
-                delta["tool_calls"] = [{"index": i, **c.as_dict()} for i, c in enumerate(self._calls)]
+            held, self._calls = self._auto.finish()
+            content = held or ""
+            self._content.append(content)
         called = bool(self._calls) and reason == "stop"
-        return delta, "tool_calls" if called else reason
+        return content, list(self._calls), "tool_calls" if called else reason
+
+    def finish(self, reason: str) -> tuple[dict[str, Any], str]:
+        """The last delta's fields and the finish reason (`end`'s)."""
+        content, calls, reason = self.end(reason)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls and self._plan.mode == "auto":
+            delta["tool_calls"] = [{"index": i, **c.as_dict()} for i, c in enumerate(calls)]
+        return delta, reason
 
     def message(self) -> dict[str, Any]:
         text = "".join(self._content)

@@ -53,6 +53,7 @@ class Fields:
 
 GRPC_FIELDS = Fields()
 OPENAI_FIELDS = Fields(max_new_tokens="max_tokens", min_new_tokens="min_tokens")
+RESPONSES_FIELDS = Fields(max_new_tokens="max_output_tokens", min_new_tokens="min_tokens")
 
 
 @dataclass(frozen=True)

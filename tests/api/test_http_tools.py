@@ -20,6 +20,7 @@ from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, free_port
 
 from serve.api.chat import ChatTemplate
+from serve.scheduling.messages import EngineWrap
 
 WEATHER = {
     "type": "object",
@@ -46,9 +47,16 @@ NAMED: Any = {"type": "function", "function": {"name": "weather"}}
 
 
 def serve_with_template(
-    loop: LoopThread, tiny_bundle: Path, where: Path, template: str, *, engine_process: bool
+    loop: LoopThread,
+    tiny_bundle: Path,
+    where: Path,
+    template: str,
+    *,
+    engine_process: bool,
+    engine_wrap: EngineWrap | None = None,
+    **overrides: Any,
 ) -> RunningServer:
-    """A server of a copy of the tiny bundle whose chat template is `template`."""
+    """A server of a copy of the tiny bundle whose chat template is `template` (`overrides`: settings)."""
     bundle = where / "bundle"
     shutil.copytree(tiny_bundle, bundle)
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -59,8 +67,9 @@ def serve_with_template(
         max_new_tokens=64,
         default_max_new_tokens=48,
         engine_process=engine_process,
+        **overrides,
     )
-    return RunningServer(loop, settings)
+    return RunningServer(loop, settings, engine_wrap)
 
 
 @pytest.fixture(scope="module")

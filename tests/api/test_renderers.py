@@ -1,20 +1,26 @@
-"""The generation routes' renderers without a server (serve/api/openai/completions.py, chat.py): the same
-events rendered as one body and as a stream say the same thing, choice by choice."""
+"""The generation routes' renderers without a server (serve/api/openai/completions.py, chat.py,
+responses.py): the same events rendered as one body and as a stream say the same thing, choice by choice,
+item by item."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 from export.tokenizer import train_tokenizer
+from serve.api.http_status import http_error
 from serve.api.openai.chat import ChatRenderer
 from serve.api.openai.completions import CompletionRenderer
 from serve.api.openai.logprobs import Vocabulary
-from serve.api.openai.serving import Renderer
-from serve.api.openai.translate import ChatPlan, CompletionPlan, Prompt
-from serve.api.tool_calls import NamedToolChoice, Tool, tool_plan
+from serve.api.openai.protocol import ResponsesRequest
+from serve.api.openai.responses import ResponsesRenderer
+from serve.api.openai.serving import ChunkRenderer
+from serve.api.openai.translate import ChatPlan, CompletionPlan, Prompt, ResponsesPlan
+from serve.api.tool_calls import NamedToolChoice, Tool, ToolPlan, tool_plan
 from serve.engine.sampling import Alternatives, SamplingParams
+from serve.errors import EngineFailure
 from serve.scheduling.request import Completion, Event, FinishEvent, GenerationRequest, TokenEvent
 
 TOKENIZER = train_tokenizer(["the quick brown fox jumps over the lazy dog " * 3], vocab_size=300)
@@ -53,7 +59,9 @@ def requests(n: int) -> list[GenerationRequest]:
     return [GenerationRequest(f"rid-{i}", PROMPT.ids, SamplingParams(), 3) for i in range(n)]
 
 
-def rendered(renderer: Renderer[Any], events: list[tuple[int, Event]]) -> tuple[dict[str, Any], list[Any]]:
+def rendered(
+    renderer: ChunkRenderer[Any], events: list[tuple[int, Event]]
+) -> tuple[dict[str, Any], list[Any]]:
     """The whole body and the stream's chunks, each from a renderer of its own."""
     done = [Completion(f"rid-{i}") for i in range(len(renderer.plan.requests))]
     for index, event in events:
@@ -120,3 +128,141 @@ def test_a_streamed_tool_call_adds_up_to_the_whole_body() -> None:
     assert streamed[0]["function"]["name"] == "weather"
     assert "".join(d["function"]["arguments"] for d in streamed) == call["function"]["arguments"]
     assert parts[-1]["finish_reason"] == whole["finish_reason"] == "tool_calls"
+
+
+# --- /v1/responses ------------------------------------------------------------------------------------------
+
+NAMED = NamedToolChoice.model_validate({"type": "function", "function": {"name": "weather"}})
+
+
+def responses_plan(
+    tools: ToolPlan, max_output_tokens: int | None = None, context: int = 128
+) -> ResponsesPlan:
+    request = ResponsesRequest(input="x", max_output_tokens=max_output_tokens)
+    return ResponsesPlan([PROMPT], requests(1), 1, True, False, None, tools, False, request, context)
+
+
+def sse_events(messages: list[str]) -> list[dict[str, Any]]:
+    """The events of a Responses stream's messages (`event: <type>` and `data: <JSON>` each)."""
+    events = []
+    for message in messages:
+        kind, data = message.removesuffix("\n\n").split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {event['type']}"
+        events.append(event)
+    return events
+
+
+def streamed_response(
+    plan: ResponsesPlan, events: list[Event]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The whole body and the stream's events, each from a renderer of its own."""
+    done = Completion("rid")
+    for event in events:
+        done.add(event)
+    stream = ResponsesRenderer(plan, "m", "rid", VOCAB)
+    messages = [*stream.opening(), *(m for event in events for m in stream.events(0, event))]
+    messages += stream.closing([done.finish])
+    return dict(ResponsesRenderer(plan, "m", "rid", VOCAB).body([done])), sse_events(messages)
+
+
+def without_call_ids(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Output items without the ids each renderer draws for its calls."""
+    return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in output]
+
+
+def assert_adds_up(body: dict[str, Any], events: list[dict[str, Any]]) -> None:
+    """The stream's events say what the body says: its items, their text and arguments, the final state."""
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and events[0]["response"]["output"] == []
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]
+    assert kinds[-1] == f"response.{body['status']}"
+    assert without_call_ids(final["output"]) == without_call_ids(body["output"])
+    drawn = ("output", "created_at")  # the renderers' own: their call ids, the second each was made in
+    assert {k: v for k, v in final.items() if k not in drawn} == {
+        k: v for k, v in body.items() if k not in drawn
+    }
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    assert [e["output_index"] for e in added] == list(range(len(body["output"])))
+    for place, item in enumerate(final["output"]):
+        mine = [e for e in events if e.get("item_id") == item["id"]]
+        assert all(e["output_index"] == place for e in mine)
+        if item["type"] == "message":
+            text = "".join(e["delta"] for e in mine if e["type"] == "response.output_text.delta")
+            assert text == item["content"][0]["text"]
+        else:
+            arguments = "".join(
+                e["delta"] for e in mine if e["type"] == "response.function_call_arguments.delta"
+            )
+            assert arguments == item["arguments"] == mine[-1]["arguments"]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == final["output"]
+
+
+@pytest.mark.parametrize(("reason", "status"), [("eos", "completed"), ("length", "incomplete")])
+def test_a_streamed_response_adds_up_to_the_whole_body(reason: str, status: str) -> None:
+    plan = responses_plan(tool_plan(None, None, None))
+    events: list[Event] = [tokens(" brown", scored=False), tokens(" fox", scored=False), finish(reason, 2)]
+    body, streamed = streamed_response(plan, events)
+    assert body["id"] == "resp_rid" and body["object"] == "response" and body["status"] == status
+    (message,) = body["output"]
+    assert message["status"] == status and message["content"][0]["text"] == " brown fox"
+    assert body["usage"]["output_tokens"] == 2 and body["usage"]["input_tokens"] == len(PROMPT.ids)
+    assert body["incomplete_details"] == ({"reason": "max_output_tokens"} if status == "incomplete" else None)
+    assert_adds_up(body, streamed)
+
+
+def test_a_streamed_function_call_adds_up_to_the_whole_body() -> None:
+    plan = responses_plan(tool_plan([WEATHER], NAMED, None))
+    arguments = [tokens('{"city": ', scored=False), tokens('"Oslo"}', scored=False)]
+    body, streamed = streamed_response(plan, [*arguments, finish("stop", 5)])
+    (call,) = body["output"]
+    assert call["type"] == "function_call" and call["name"] == "weather" and call["status"] == "completed"
+    assert call["arguments"] == '{"city": "Oslo"}' and call["id"] == f"fc_{call['call_id']}"
+    deltas = [e for e in streamed if e["type"] == "response.function_call_arguments.delta"]
+    assert [e["delta"] for e in deltas] == ['{"city": ', '"Oslo"}']  # as they came, not at the end
+    assert_adds_up(body, streamed)
+
+
+def test_calls_read_at_the_end_follow_the_content() -> None:
+    plan = responses_plan(tool_plan([WEATHER], None, None))  # auto: Hermes blocks, read when the output ends
+    text = ["Sure. ", '<tool_call>{"name": "weather", ', '"arguments": {"city": "Oslo"}}</tool_call>']
+    body, streamed = streamed_response(plan, [*(tokens(t, scored=False) for t in text), finish("eos", 9)])
+    message, call = body["output"]
+    assert message["content"][0]["text"] == "Sure. " and call["arguments"] == '{"city": "Oslo"}'
+    assert_adds_up(body, streamed)
+
+
+def test_an_output_of_nothing_is_an_empty_message() -> None:
+    body, streamed = streamed_response(responses_plan(tool_plan(None, None, None)), [finish("eos", 0)])
+    assert [(item["type"], item["content"][0]["text"]) for item in body["output"]] == [("message", "")]
+    assert_adds_up(body, streamed)
+
+
+@pytest.mark.parametrize(
+    ("max_output_tokens", "context", "reason"),
+    [
+        (None, len(PROMPT.ids) + 3, "context_length"),  # the context shortened the server's default
+        (3, len(PROMPT.ids) + 3, "max_output_tokens"),  # both at once: the limit the client set
+        (3, 128, "max_output_tokens"),
+    ],
+)
+def test_a_full_context_is_its_own_incomplete_reason(
+    max_output_tokens: int | None, context: int, reason: str
+) -> None:
+    plan = responses_plan(tool_plan(None, None, None), max_output_tokens, context)
+    body, _ = streamed_response(plan, [tokens(" brown fox", scored=False), finish("length", 3)])
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": reason}
+
+
+def test_a_failed_stream_ends_with_response_failed() -> None:
+    renderer = ResponsesRenderer(responses_plan(tool_plan(None, None, None)), "m", "rid", VOCAB)
+    messages = [*renderer.opening(), *renderer.events(0, tokens(" brown", scored=False))]
+    error = http_error(EngineFailure("the engine failed"), "rid")
+    *_, failed = sse_events(messages + renderer.failure(error))
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {"code": "server_error", "message": error.message}
+    assert failed["error"] == error.body()["error"]  # what the openai SDK raises
+    (message,) = failed["response"]["output"]
+    assert message["status"] == "incomplete" and message["content"][0]["text"] == " brown"

@@ -1,6 +1,11 @@
-"""POST /v1/responses with the openai SDK's `client.responses.create`, streamed and not, against the tiny
-bundle whose chat template declares tools: the same tokens as the chat completion it translates to,
-function tools and their outputs, text.format json_schema, usage, and refusals in OpenAI's shape."""
+"""POST /v1/responses with the openai SDK's `client.responses.create` and `client.responses.stream`, against
+the tiny bundle whose chat template declares tools: the same tokens as the chat completion it translates
+to, function tools and their outputs (the arguments streamed piece by piece), text.format json_schema,
+usage, why a response is incomplete, the stream's events (response.created before the first token, and
+response.failed when the engine fails), and refusals in OpenAI's shape naming the Responses fields.
+
+The server decodes one request at a time, slowly for ids "slow-...", and fails the requests whose ids begin
+"doomed" (a decode step) or "fails-to-join" (the prefill) (tests/support/engine_faults.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import jsonschema
 import openai
 import pytest
 from chat_templates import COMPACT_TOOLS
+from engine_faults import InjectedFaults
 from running_server import RunningServer
 from server_tools import LoopThread
 from test_http_tools import WEATHER, serve_with_template
@@ -24,6 +30,8 @@ CHAT_TOOL: Any = {
     "function": {"name": "weather", "description": "A forecast", "parameters": WEATHER},
 }
 INSTRUCTIONS = "You answer briefly."
+CALL: Any = {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{}"}
+NAMED: Any = {"type": "function", "name": "weather"}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +40,15 @@ def server(
 ) -> Iterator[RunningServer]:
     """The tools template's server, its engine in this process (the tool tests run it in its own)."""
     where = tmp_path_factory.mktemp("responses")
-    running = serve_with_template(loop, tiny_bundle, where, COMPACT_TOOLS, engine_process=False)
+    running = serve_with_template(
+        loop,
+        tiny_bundle,
+        where,
+        COMPACT_TOOLS,
+        engine_process=False,
+        engine_wrap=InjectedFaults(),
+        max_batch_size=1,
+    )
     yield running
     running.stop()
 
@@ -112,9 +128,8 @@ def test_a_streamed_response_has_the_events_and_the_text_of_the_unary_one(
 
 
 def test_function_tools_calls_and_their_outputs(client: openai.OpenAI, model: str) -> None:
-    named: Any = {"type": "function", "name": "weather"}
     response = client.responses.create(
-        model=model, input="Oslo?", tools=[TOOL], tool_choice=named, temperature=0
+        model=model, input="Oslo?", tools=[TOOL], tool_choice=NAMED, temperature=0
     )
     (call,) = [item for item in response.output if item.type == "function_call"]
     assert call.name == "weather" and call.call_id
@@ -132,7 +147,7 @@ def test_function_tools_calls_and_their_outputs(client: openai.OpenAI, model: st
 
     streamed = list(
         client.responses.create(
-            model=model, input="Oslo?", tools=[TOOL], tool_choice=named, temperature=0, stream=True
+            model=model, input="Oslo?", tools=[TOOL], tool_choice=NAMED, temperature=0, stream=True
         )
     )
     (args,) = [e for e in streamed if e.type == "response.function_call_arguments.done"]
@@ -199,6 +214,28 @@ def test_text_format_json_schema_constrains_the_output(client: openai.OpenAI, mo
         ({"input": "x", "model": "gpt-5"}, 404, "the model 'gpt-5' does not exist"),
         ({"input": "x", "temperature": 9}, 400, "temperature"),
         ({}, 400, "input: Field required"),
+        ({"input": []}, 400, "input is empty"),
+        ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens = 0 generates nothing"),
+        ({"input": "x", "max_output_tokens": 65}, 400, "max_output_tokens = 65 is above the server's cap"),
+        (
+            {"input": [{"role": "user", "content": "x"}, CALL | {"name": 5}]},
+            400,
+            "input.1.name: Input should",
+        ),
+        (
+            {"input": [{"type": "function_call_output", "output": "x"}]},
+            400,
+            "input.0.call_id: Field required",
+        ),
+        ({"input": [CALL | {"arguments": "{"}]}, 400, "input[0].arguments is not JSON"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            400,
+            "input[0].content[0] is not",
+        ),
+        ({"input": "x", "tools": [TOOL | {"name": "no spaces"}]}, 400, "tools.0.name: String should match"),
+        ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "file_search"}}, 400, "tool_choice must be"),
+        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, 400, "text.format needs a schema"),
     ],
 )
 def test_refusals_in_openais_shape(server: RunningServer, body: Any, status: int, message: str) -> None:
@@ -206,6 +243,7 @@ def test_refusals_in_openais_shape(server: RunningServer, body: Any, status: int
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
+    assert "messages" not in error["message"] and "max_tokens" not in error["message"]
 
 
 def test_responses_are_counted_under_their_route(
@@ -214,3 +252,152 @@ def test_responses_are_counted_under_their_route(
     before = server.metric("textgen_requests_total", rpc="/v1/responses", code="OK")
     client.responses.create(model=model, input="x", max_output_tokens=2)
     assert server.metric("textgen_requests_total", rpc="/v1/responses", code="OK") == before + 1
+
+
+def test_text_parts_are_joined_as_the_chat_route_joins_them(client: openai.OpenAI, model: str) -> None:
+    parts = ["Oslo?", "Rome?"]
+    response = client.responses.create(
+        model=model,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": t} for t in parts]}],
+        max_output_tokens=8,
+        temperature=0,
+    )
+    expected = chat_reply(
+        client,
+        model,
+        messages=[{"role": "user", "content": [{"type": "text", "text": t} for t in parts]}],
+        max_tokens=8,
+    )
+    assert response.usage is not None and response.usage.input_tokens == expected.usage.prompt_tokens
+    assert response.output_text == expected.choices[0].message.content
+
+
+def test_an_incomplete_response_has_an_incomplete_message(client: openai.OpenAI, model: str) -> None:
+    fields: Any = {
+        "model": model,
+        "input": "Oslo?",
+        "max_output_tokens": 3,
+        "extra_body": {"ignore_eos": True},
+    }
+    unary = client.responses.create(**fields)
+    assert unary.status == "incomplete" and unary.incomplete_details is not None
+    assert unary.incomplete_details.reason == "max_output_tokens"
+    assert [item.status for item in unary.output] == ["incomplete"]
+    with client.responses.stream(**fields) as stream:
+        events = list(stream)
+    (done,) = [e for e in events if e.type == "response.output_item.done"]
+    assert done.item.status == "incomplete" and events[-1].type == "response.incomplete"
+    assert [item.status for item in events[-1].response.output] == ["incomplete"]
+
+
+def test_the_full_context_is_its_own_incomplete_reason(
+    client: openai.OpenAI, model: str, server: RunningServer
+) -> None:
+    limit = server.model.limits.context_length
+    room = server.model.limits.default_max_new_tokens - 8  # the default output would not fit after it
+    text = input_of_length(server, limit - room)
+    full = client.responses.create(model=model, input=text, extra_body={"ignore_eos": True})
+    assert full.status == "incomplete" and full.incomplete_details is not None
+    assert full.incomplete_details.reason == "context_length"
+    assert full.usage is not None and full.usage.total_tokens == limit
+    cut = client.responses.create(
+        model=model, input=text, max_output_tokens=2, extra_body={"ignore_eos": True}
+    )
+    assert cut.incomplete_details is not None and cut.incomplete_details.reason == "max_output_tokens"
+
+
+def input_of_length(server: RunningServer, tokens: int) -> str:
+    """A user message whose chat prompt has at least `tokens` tokens, and fewer than the context holds."""
+
+    def count(words: int) -> int:
+        messages = [{"role": "user", "content": "Oslo? " * words}]
+        reply = httpx.post(f"{server.http_base}/tokenize", json={"messages": messages})
+        return int(reply.json()["count"])
+
+    low, high = 1, 1
+    while count(high) < tokens:
+        low, high = high, high * 2
+    while low < high:  # the fewest words that reach `tokens`
+        middle = (low + high) // 2
+        low, high = (middle + 1, high) if count(middle) < tokens else (low, middle)
+    assert count(low) < server.model.limits.context_length, "the prompt must leave room to generate"
+    return "Oslo? " * low
+
+
+def test_function_call_arguments_stream_piece_by_piece(client: openai.OpenAI, model: str) -> None:
+    unary = client.responses.create(
+        model=model, input="Oslo?", tools=[TOOL], tool_choice=NAMED, temperature=0
+    )
+    with client.responses.stream(
+        model=model,
+        input="Oslo?",
+        tools=[TOOL],
+        tool_choice=NAMED,
+        temperature=0,
+        extra_headers={"X-Request-Id": "slow-arguments"},  # a token per event
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    added = kinds.index("response.output_item.added")
+    assert events[added].item.type == "function_call" and events[added].item.arguments == ""
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(deltas) > 1 and "".join(deltas) == done.arguments
+    assert kinds.index("response.function_call_arguments.delta") > added
+    (call,) = final.output
+    assert call.type == "function_call" and call.arguments == done.arguments
+    assert call.arguments == unary.output[0].arguments  # type: ignore[union-attr]
+
+
+def test_response_created_goes_out_before_the_first_token(
+    client: openai.OpenAI, model: str, server: RunningServer
+) -> None:
+    holder = client.responses.create(
+        model=model,
+        input="Oslo?",
+        max_output_tokens=40,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Id": "slow-holder"},
+    )
+    server.wait_for(lambda s: s.running == 1)  # the server's one row, decoding slowly
+    with client.responses.stream(model=model, input="Oslo?", max_output_tokens=4, temperature=0) as stream:
+        first = next(iter(stream))
+        assert first.type == "response.created" and first.response.status == "in_progress"
+        server.wait_for(lambda s: s.waiting == 1)  # the request is queued still: it has no token yet
+        holder.close()  # frees the row
+        last = list(stream)[-1]
+    assert last.type in ("response.completed", "response.incomplete")
+    assert last.response.usage is not None and last.response.usage.output_tokens > 0
+
+
+@pytest.mark.parametrize("request_id", ["doomed-in-decode", "fails-to-join-in-prefill"])
+def test_a_failed_stream_ends_with_response_failed(
+    client: openai.OpenAI, model: str, server: RunningServer, request_id: str
+) -> None:
+    fields: Any = {"model": model, "input": "Oslo?", "max_output_tokens": 8, "temperature": 0}
+    expected = f"request {request_id}: the engine failed.*injected ONNX Runtime failure"
+    with (
+        pytest.raises(openai.APIError, match=expected) as raised,
+        client.responses.stream(**fields, extra_headers={"X-Request-Id": request_id}) as stream,
+    ):
+        stream.get_final_response()
+    assert raised.value.body["type"] == "server_error"  # type: ignore[index]
+
+    reply = httpx.post(
+        f"{server.http_base}/v1/responses",
+        json={**fields, "stream": True},
+        headers={"X-Request-Id": f"{request_id}-raw"},
+    )
+    events = [
+        json.loads(line[len("data: ") :]) for line in reply.text.splitlines() if line.startswith("data: ")
+    ]
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    failed = events[-1]
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["code"] == "server_error"
+    assert f"{request_id}-raw" in failed["response"]["error"]["message"]
+    assert all(item["status"] == "incomplete" for item in failed["response"]["output"])
+    assert server.wait_idle(5.0).running == 0

@@ -3,7 +3,7 @@
     GET  /v1/models              the served model (its bundle's name) and its max_model_len
     POST /v1/completions         prompt(s) as text or token ids; echo, logprobs, n, stream, ...
     POST /v1/chat/completions    messages rendered with the bundle's chat template (serve/api/chat.py)
-    POST /v1/responses           OpenAI's Responses API, served as a chat (responses.py)
+    POST /v1/responses           OpenAI's Responses API, stateless: served as the chat it means (responses.py)
     POST /tokenize, /detokenize  a prompt's or a chat's token ids, and back
     GET  /health                 200 while serving, 503 while loading or draining (no token needed)
 
@@ -14,19 +14,17 @@ echoed; it is the request id of the log line and of an INTERNAL error's message.
 cancels its request at the next engine step, streamed or not.
 
 The generation routes share one handler (`_generate`): the body's translation (translate.py) and its
-route's renderer (completions.py, chat.py), run by serving.py's skeleton.
+route's renderer (completions.py, chat.py, responses.py), run by serving.py's skeleton.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from fastapi.responses import JSONResponse, Response
 
 from serve.api.common import CallRecord, LoadedModel
 from serve.api.config import ServerSettings
@@ -55,23 +53,19 @@ from serve.api.openai.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     ModelList,
+    ResponseObject,
+    ResponsesRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
-from serve.api.openai.responses import (
-    Draft,
-    ResponseObject,
-    ResponsesRequest,
-    chat_body,
-    events,
-    from_chat,
-)
-from serve.api.openai.serving import SSE_HEADERS, Renderer, Serving
+from serve.api.openai.responses import ResponsesRenderer
+from serve.api.openai.serving import Renderer, Serving
 from serve.api.openai.translate import (
     chat_messages,
     chat_plan,
     completion_plan,
     named_model,
+    responses_plan,
 )
 from serve.api.state import ServingState
 from serve.api.tracing import RequestTracer
@@ -86,7 +80,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 # With "stream": true the answer is server-sent events instead: `data: <JSON chunk>` lines, the chunks of the
 # route's object (an error object if it fails after it began), then `data: [DONE]`; /v1/responses sends typed
-# `event:` lines, response.created to response.completed.
+# `event:` lines, response.created to response.completed, response.incomplete or response.failed.
 STREAMED: dict[int | str, dict[str, Any]] = {
     200: {
         "description": 'the object, or with "stream": true server-sent events',
@@ -171,7 +165,7 @@ class OpenAIApi:
             responses=STREAMED | ERRORS,
         )
         async def responses(body: ResponsesRequest, request: Request) -> Response:
-            return await self._responses(body, request)
+            return await self._generate(RESPONSES, body, request)
 
         @app.post(
             TOKENIZE,
@@ -207,9 +201,9 @@ class OpenAIApi:
 
     # -- the generation routes -----------------------------------------------------------------------------
     async def _generate(
-        self, route: str, body: CompletionRequest | ChatCompletionRequest, request: Request
+        self, route: str, body: CompletionRequest | ChatCompletionRequest | ResponsesRequest, request: Request
     ) -> Response:
-        """A completion or a chat, accounted as `route` (/v1/responses serves its requests as chats)."""
+        """A completion, a chat or a response, accounted as `route`."""
         record = self._record(route, request)
         try:
             model = named_model(self._state, body.model)
@@ -222,39 +216,21 @@ class OpenAIApi:
             return self._accounting.failed(record, exc)
 
     async def _renderer(
-        self, body: CompletionRequest | ChatCompletionRequest, model: LoadedModel, record: CallRecord
+        self,
+        body: CompletionRequest | ChatCompletionRequest | ResponsesRequest,
+        model: LoadedModel,
+        record: CallRecord,
     ) -> Renderer[Any]:
         """The body's plan (its route's translation), in the renderer of its route's answers."""
-        max_n = self._settings.max_n
+        max_n, vocab = self._settings.max_n, self._vocabulary(model)
         if isinstance(body, CompletionRequest):
             plan = await completion_plan(body, model, max_n, record)
-            return CompletionRenderer(plan, model.name, record.request_id, self._vocabulary(model))
+            return CompletionRenderer(plan, model.name, record.request_id, vocab)
+        if isinstance(body, ResponsesRequest):
+            response = await responses_plan(body, model, record)
+            return ResponsesRenderer(response, model.name, record.request_id, vocab)
         chat = await chat_plan(body, model, max_n, record)
-        return ChatRenderer(chat, model.name, record.request_id, self._vocabulary(model))
-
-    # -- the Responses API (serve/api/openai/responses.py) ---------------------------------------------------
-    async def _responses(self, body: ResponsesRequest, request: Request) -> Response:
-        try:
-            chat = ChatCompletionRequest.model_validate(chat_body(body))
-            model = named_model(self._state, body.model)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            invalid = InvalidRequest(f"{where}: {first['msg']}")
-            return self._accounting.failed(self._record(RESPONSES, request), invalid)
-        except Exception as exc:
-            return self._accounting.failed(self._record(RESPONSES, request), exc)
-        answer = await self._generate(RESPONSES, chat, request)
-        if answer.status_code != 200:  # an error, already in OpenAI's shape and accounted
-            return answer
-        draft = Draft(body, model.name)
-        headers = {"X-Request-Id": request.scope[REQUEST_ID_KEY]}
-        if isinstance(answer, StreamingResponse):
-            stream = events(draft, answer.body_iterator)
-            return StreamingResponse(
-                stream, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
-            )
-        return JSONResponse(from_chat(draft, json.loads(bytes(answer.body))), headers=headers)
+        return ChatRenderer(chat, model.name, record.request_id, vocab)
 
     @staticmethod
     def _record(route: str, request: Request) -> CallRecord:

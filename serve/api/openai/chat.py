@@ -8,14 +8,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from serve.api.openai.logprobs import Vocabulary, chat_logprobs
-from serve.api.openai.serving import Renderer, finish_reason
+from serve.api.openai.serving import ChunkRenderer, finish_reason
 from serve.api.openai.translate import ChatPlan
 from serve.api.tool_calls import Reply
 from serve.engine.sampling import Alternatives
 from serve.scheduling.request import Completion, FinishEvent, TokenEvent
 
 
-class ChatRenderer(Renderer[ChatPlan]):
+class ChatRenderer(ChunkRenderer[ChatPlan]):
     prefix = "chatcmpl-"
 
     def __init__(self, plan: ChatPlan, model: str, request_id: str, vocab: Vocabulary) -> None:

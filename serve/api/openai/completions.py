@@ -8,12 +8,12 @@ from typing import Any
 
 from serve.api.openai.logprobs import Vocabulary, completion_logprobs
 from serve.api.openai.protocol import CompletionLogprobs
-from serve.api.openai.serving import Renderer, finish_reason
+from serve.api.openai.serving import ChunkRenderer, finish_reason
 from serve.api.openai.translate import CompletionPlan, Prompt
 from serve.scheduling.request import Completion, FinishEvent, TokenEvent
 
 
-class CompletionRenderer(Renderer[CompletionPlan]):
+class CompletionRenderer(ChunkRenderer[CompletionPlan]):
     prefix = "cmpl-"
 
     def __init__(self, plan: CompletionPlan, model: str, request_id: str, vocab: Vocabulary) -> None:

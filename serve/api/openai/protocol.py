@@ -1,11 +1,13 @@
 """The HTTP API's wire objects: OpenAI's request bodies (pydantic) and the response objects (typed dicts
-whose schemas pydantic writes into /openapi.json), for every route but /v1/responses (its own module).
+whose schemas pydantic writes into /openapi.json), for every route.
 
 Requests follow OpenAI's API reference, with vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
 truncate_prompt_tokens). Ranges are OpenAI's: temperature 0..2, top_p 0..1, the penalties -2..2, n >= 1,
 top_logprobs (and the completions' logprobs) 0..20, max_tokens >= 0. Chat takes `tools`, `tool_choice` and
-`parallel_tool_calls` (serve/api/tool_calls.py) and the history's tool calls and tool results. Unknown
+`parallel_tool_calls` (serve/api/tool_calls.py) and the history's tool calls and tool results. /v1/responses
+takes OpenAI's Responses request with the same sampling fields (`SamplingFields`), its `input` items and
+function tools in their own shape, and `max_output_tokens` (>= 0) for max_tokens. Unknown
 fields that do not change the output (user, metadata, store, ...) are accepted and ignored; those that would
 and are not supported here are refused (serve/api/openai/translate.py).
 
@@ -39,16 +41,13 @@ class StreamOptions(_Body):
     include_usage: bool | None = False
 
 
-class SamplingRequest(_Body):
-    """What both generation routes take."""
+class SamplingFields(_Body):
+    """What every generation route takes (/v1/responses too): the model, sampling, stopping, streaming."""
 
     model: str | None = Field(None, description="the served model's name (GET /v1/models); default: it")
-    max_tokens: int | None = Field(None, ge=0, description="default: the server's default_max_new_tokens")
     temperature: float | None = Field(None, ge=0, le=2, description="default 1; 0: greedy")
     top_p: float | None = Field(None, ge=0, le=1)
-    n: int | None = Field(1, ge=1, description="choices per prompt (at most the server's max_n)")
     stream: bool | None = False
-    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -72,6 +71,14 @@ class SamplingRequest(_Body):
         description="with a speculating server: the most tokens it proposes per step for this request, at "
         "most the server's (default: the server's; 0: none); the output is the same either way",
     )
+
+
+class SamplingRequest(SamplingFields):
+    """What /v1/completions and /v1/chat/completions take besides."""
+
+    max_tokens: int | None = Field(None, ge=0, description="default: the server's default_max_new_tokens")
+    n: int | None = Field(1, ge=1, description="choices per prompt (at most the server's max_n)")
+    stream_options: StreamOptions | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -124,6 +131,42 @@ class ChatCompletionRequest(SamplingRequest):
         None, description='"none", "auto" (the default with tools), "required" or a named function'
     )
     parallel_tool_calls: bool | None = Field(None, description="false: tool_choice required makes one call")
+
+
+class ResponsesRequest(SamplingFields):
+    """OpenAI's Responses request, stateless: nothing is stored, so nothing can be continued."""
+
+    input: str | list[dict[str, Any]] = Field(
+        description="a user message, or message, function_call and function_call_output items"
+    )
+    instructions: str | None = Field(None, description="a system message before the input")
+    max_output_tokens: int | None = Field(
+        None, ge=0, description="default: the server's default_max_new_tokens"
+    )
+    text: dict[str, Any] | None = Field(None, description='{"format": {"type": "json_schema", ...}}')
+    tools: list[dict[str, Any]] | None = Field(None, description="function tools")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None,
+        description='"none", "auto" (the default with tools), "required" or {"type": "function", "name"}',
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: tool_choice required makes one call")
+    previous_response_id: str | None = Field(None, description="refused: responses are not stored")
+    store: bool | None = Field(None, description="true is refused: responses are not stored")
+
+
+# The items of a Responses `input` that are not messages, each validated on its own, so that an error names
+# `input.N` (messages are read by hand: their content is a string or text parts).
+class FunctionCallItem(_Body):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = ""
+
+
+class FunctionCallOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Any = Field(description="the call's result: text, or JSON sent as its text")
 
 
 # --- responses ----------------------------------------------------------------------------------------------
@@ -289,3 +332,78 @@ class ErrorResponse(TypedDict):
     """Every error, in OpenAI's shape (serve/api/http_status.py maps each kind to its status and type)."""
 
     error: ErrorObject
+
+
+# --- /v1/responses' answer ----------------------------------------------------------------------------------
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed"]
+
+
+class OutputText(TypedDict):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+
+
+class OutputMessage(TypedDict):
+    type: Literal["message"]
+    id: str
+    status: ItemStatus
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class FunctionCallOut(TypedDict):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    status: ItemStatus
+
+
+class IncompleteDetails(TypedDict):
+    """Why an incomplete response stopped: its max_output_tokens (or the server's default for it), or the
+    model's context, full before that."""
+
+    reason: Literal["max_output_tokens", "context_length"]
+
+
+class ResponseError(TypedDict):
+    code: str  # OpenAI's error type: server_error, invalid_request_error, ...
+    message: str
+
+
+class ResponseUsage(TypedDict):
+    input_tokens: int
+    input_tokens_details: dict[str, int]  # cached_tokens
+    output_tokens: int
+    output_tokens_details: dict[str, int]  # reasoning_tokens
+    total_tokens: int
+
+
+class ResponseObject(TypedDict):
+    """The response (`object: "response"`), whole or as the streamed events carry it; the request's fields
+    are echoed."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: ResponseStatus
+    model: str
+    output: list[OutputMessage | FunctionCallOut]
+    incomplete_details: IncompleteDetails | None
+    error: ResponseError | None
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    parallel_tool_calls: bool
+    text: dict[str, Any]
+    previous_response_id: None
+    store: Literal[False]
+    metadata: dict[str, str]
+    usage: ResponseUsage | None

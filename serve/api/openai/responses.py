@@ -1,268 +1,286 @@
-"""OpenAI's Responses API (`POST /v1/responses`) as a translation of the chat completions route.
+"""/v1/responses' answers: OpenAI's `response` object, whole or as the Responses API's typed events.
 
-A Responses request becomes the chat completion it means (input items and instructions as messages, function
-tools and tool_choice in chat's shape, text.format as response_format, max_output_tokens as max_tokens), the
-chat route serves it (same scheduler, constraints, tool-call parsing, limits and errors), and its answer comes
-back in the Responses shape: output items (a message with output_text, function_call items), usage, and
-for a stream Responses' typed events (response.created ... response.output_text.delta ... response.completed).
-Stateless: `previous_response_id` and `store: true` are refused (nothing is kept to continue from).
+The request is served as the chat it means (translate.py `responses_plan`), and its text is read as its
+tools say (serve/api/tool_calls.py `Reply`) into output items: a message of output_text, function_call
+items. A stream opens with response.created and response.in_progress as soon as the request is submitted,
+before its first token; then each item is added (response.output_item.added), grows
+(response.output_text.delta, response.function_call_arguments.delta) and is done (its .done events,
+response.output_item.done); the last event is response.completed, response.incomplete or response.failed.
+The whole body is the same output read from the whole text at once.
 """
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from typing_extensions import TypedDict
+from serve.api.http_status import HttpError
+from serve.api.openai.logprobs import Vocabulary
+from serve.api.openai.protocol import (
+    FunctionCallOut,
+    IncompleteDetails,
+    ItemStatus,
+    OutputMessage,
+    OutputText,
+    ResponseError,
+    ResponseObject,
+    ResponseStatus,
+    ResponseUsage,
+)
+from serve.api.openai.request_events import plan_usage
+from serve.api.openai.serving import Renderer, finish_reason
+from serve.api.openai.translate import ResponsesPlan
+from serve.api.tool_calls import Reply, ToolPlan
+from serve.scheduling.request import Completion, Event, FinishEvent
 
-from serve.errors import InvalidRequest
-
-ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
-# Chat completion fields a Responses request may carry too (vLLM's sampling extras), passed on as they are.
-SAMPLING_EXTRAS = (
-    "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "top_k", "min_p", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "logit_bias",
-)  # fmt: skip
-
-
-class ResponsesRequest(BaseModel):
-    """The fields of OpenAI's Responses request this server reads; others are ignored, as elsewhere."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = Field(None, description="the served model's name (GET /v1/models); default: it")
-    input: str | list[dict[str, Any]] = Field(
-        description="a user message, or message and function-call items"
-    )
-    instructions: str | None = Field(None, description="a system message before the input")
-    max_output_tokens: int | None = Field(None, ge=0)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
-    stream: bool | None = False
-    text: dict[str, Any] | None = Field(None, description='{"format": {"type": "json_schema", ...}}')
-    tools: list[dict[str, Any]] | None = Field(None, description="function tools")
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    previous_response_id: str | None = Field(None, description="refused: responses are not stored")
-    store: bool | None = Field(None, description="true is refused: responses are not stored")
+Ended = Literal["completed", "incomplete"]
 
 
-def chat_body(body: ResponsesRequest) -> dict[str, Any]:
-    """The chat completion request a Responses request means; InvalidRequest for what it cannot be."""
-    if body.previous_response_id is not None:
-        raise InvalidRequest("previous_response_id: this server stores no responses; send the whole input")
-    if body.store:
-        raise InvalidRequest("store: this server stores no responses; leave store unset or false")
-    messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
-    messages += [_message(i, item) for i, item in enumerate(items)]
-    chat: dict[str, Any] = {
-        "model": body.model,
-        "messages": _merged_calls(messages),
-        "stream": bool(body.stream),
-    }
-    for name, value in (
-        ("max_tokens", body.max_output_tokens),
-        ("temperature", body.temperature),
-        ("top_p", body.top_p),
-        ("parallel_tool_calls", body.parallel_tool_calls),
-    ):
-        if value is not None:
-            chat[name] = value
-    extra = body.model_extra or {}
-    chat |= {name: extra[name] for name in SAMPLING_EXTRAS if extra.get(name) is not None}
-    if body.stream:
-        chat["stream_options"] = {"include_usage": True}
-    if body.tools:
-        chat["tools"] = [_chat_tool(i, tool) for i, tool in enumerate(body.tools)]
-    if body.tool_choice is not None:
-        chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
-    text_format = (body.text or {}).get("format")
-    if text_format is not None:
-        chat["response_format"] = _response_format(text_format)
-    return chat
-
-
-def _message(index: int, item: dict[str, Any]) -> dict[str, Any]:
-    kind = item.get("type", "message")
-    if kind == "function_call":
-        call = {"id": item.get("call_id"), "type": "function"}
-        call["function"] = {"name": item.get("name"), "arguments": item.get("arguments", "")}
-        return {"role": "assistant", "content": None, "tool_calls": [call]}
-    if kind == "function_call_output":
-        output = item.get("output")
-        text = output if isinstance(output, str) else json.dumps(output)
-        return {"role": "tool", "tool_call_id": item.get("call_id"), "content": text}
-    if kind != "message" or item.get("role") not in ROLES:
-        raise InvalidRequest(
-            f"input[{index}]: expected a message (role user, system, developer or assistant), a "
-            f"function_call or a function_call_output item; got type {kind!r}, role {item.get('role')!r}"
-        )
-    return {"role": ROLES[item["role"]], "content": _text(index, item.get("content"))}
-
-
-def _text(index: int, content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-                raise InvalidRequest(f"input[{index}].content: only text parts (input_text, output_text)")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
-    raise InvalidRequest(f"input[{index}].content must be a string or a list of text parts")
-
-
-def _merged_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Consecutive function_call items are one assistant message with several calls, as chat has them."""
-    out: list[dict[str, Any]] = []
-    for message in messages:
-        previous = out[-1] if out else None
-        if message.get("tool_calls") and previous is not None and previous.get("tool_calls"):
-            previous["tool_calls"] = previous["tool_calls"] + message["tool_calls"]
-        else:
-            out.append(message)
-    return out
-
-
-def _chat_tool(index: int, tool: dict[str, Any]) -> dict[str, Any]:
-    if tool.get("type") != "function":
-        raise InvalidRequest(f"tools[{index}].type is {tool.get('type')!r}: only function tools are served")
-    function = {k: v for k, v in tool.items() if k != "type"}
-    return {"type": "function", "function": function}
-
-
-def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return choice
-
-
-def _response_format(text_format: Any) -> dict[str, Any]:
-    if not isinstance(text_format, dict):
-        raise InvalidRequest(
-            'text.format must be an object: {"type": "text" | "json_object" | "json_schema"}'
-        )
-    if text_format.get("type") == "json_schema":
-        spec = {k: v for k, v in text_format.items() if k in ("name", "schema", "strict", "description")}
-        return {"type": "json_schema", "json_schema": spec}
-    return {"type": text_format.get("type")}
-
-
-# --- the answer ---------------------------------------------------------------------------------------------
-
-
-class ResponseUsage(TypedDict):
-    input_tokens: int
-    input_tokens_details: dict[str, int]  # cached_tokens
-    output_tokens: int
-    output_tokens_details: dict[str, int]  # reasoning_tokens
-    total_tokens: int
-
-
-class ResponseObject(TypedDict):
-    """The response (`object: "response"`), whole or as the streamed events carry it."""
-
+@dataclass
+class _Message:
     id: str
-    object: Literal["response"]
-    created_at: int
-    status: Literal["completed", "incomplete", "in_progress"]
-    model: str
-    output: list[dict[str, Any]]  # message and function_call items
-    incomplete_details: dict[str, str] | None
-    error: dict[str, Any] | None
-    instructions: str | None
-    max_output_tokens: int | None
-    temperature: float | None
-    top_p: float | None
-    tools: list[dict[str, Any]]
-    tool_choice: str | dict[str, Any]
-    parallel_tool_calls: bool
-    text: dict[str, Any]
-    previous_response_id: str | None
-    store: bool
-    metadata: dict[str, str]
-    usage: ResponseUsage | None
+    text: str = ""
+
+    def item(self, status: ItemStatus) -> OutputMessage:
+        """The item as response.output_item.added shows it (in_progress: no content yet), or with its text."""
+        content = [] if status == "in_progress" else [self.part()]
+        return {"type": "message", "id": self.id, "status": status, "role": "assistant", "content": content}
+
+    def part(self) -> OutputText:
+        return {"type": "output_text", "text": self.text, "annotations": []}
 
 
-class Draft:
-    """A response being written: its id, the request's echo, and what the chat route produced so far."""
-
-    def __init__(self, body: ResponsesRequest, model: str) -> None:
-        self.id = f"resp_{uuid.uuid4().hex}"
-        self.message_id = f"msg_{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.body = body
-        self.model = model
-        self.text = ""
-        self.calls: dict[int, dict[str, Any]] = {}  # chat's tool-call index -> id, name, arguments
-        self.finish: str | None = None
-        self.usage: ResponseUsage | None = None
-
-    def feed_message(self, message: dict[str, Any]) -> None:
-        """A whole chat message (non-streamed)."""
-        self.text = message.get("content") or ""
-        for index, call in enumerate(message.get("tool_calls") or []):
-            self.calls[index] = {
-                "id": call["id"],
-                "name": call["function"]["name"],
-                "arguments": call["function"]["arguments"],
-            }
-
-    def feed_call_delta(self, delta: dict[str, Any]) -> None:
-        call = self.calls.setdefault(delta.get("index", 0), {"id": None, "name": None, "arguments": ""})
-        call["id"] = delta.get("id") or call["id"]
-        function = delta.get("function") or {}
-        call["name"] = function.get("name") or call["name"]
-        call["arguments"] += function.get("arguments") or ""
+@dataclass
+class _Call:
+    call_id: str
+    name: str
+    arguments: str = ""
 
     @property
-    def status(self) -> Literal["completed", "incomplete", "in_progress"]:
-        if self.finish is None:
-            return "in_progress"
-        return "incomplete" if self.finish == "length" else "completed"
+    def id(self) -> str:
+        return f"fc_{self.call_id}"
 
-    def message_item(self, status: str) -> dict[str, Any]:
-        part = {"type": "output_text", "text": self.text, "annotations": []}
-        return {
-            "type": "message",
-            "id": self.message_id,
-            "status": status,
-            "role": "assistant",
-            "content": [part] if status == "completed" or self.text else [],
-        }
-
-    def call_item(self, index: int) -> dict[str, Any]:
-        call = self.calls[index]
+    def item(self, status: ItemStatus) -> FunctionCallOut:
+        """The item as response.output_item.added shows it (in_progress: no arguments yet), or with them."""
         return {
             "type": "function_call",
-            "id": f"fc_{call['id']}",
-            "call_id": call["id"],
-            "name": call["name"],
-            "arguments": call["arguments"],
-            "status": "completed",
+            "id": self.id,
+            "call_id": self.call_id,
+            "name": self.name,
+            "arguments": "" if status == "in_progress" else self.arguments,
+            "status": status,
         }
 
-    def output(self) -> list[dict[str, Any]]:
-        items = [self.message_item("completed")] if self.text or not self.calls else []
-        return items + [self.call_item(i) for i in sorted(self.calls)]
 
-    def response(self, output: list[dict[str, Any]] | None = None) -> ResponseObject:
-        body = self.body
+class _Output:
+    """A response's output items as its text comes, in the order they begin (an item's place is its
+    output_index), and the events each piece of text makes (numbered when sent)."""
+
+    def __init__(self, tools: ToolPlan, message_id: str) -> None:
+        self._reply = Reply(tools)
+        self._message = _Message(message_id)
+        self._calls: dict[int, _Call] = {}  # by the call's index in the reply
+        self._places: dict[str, int] = {}  # an item's id -> its output_index
+        self.items: list[_Message | _Call] = []
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        content, pieces = self._reply.read(text)
+        events = self._text(content)
+        for piece in pieces:
+            if piece.name is not None:
+                assert piece.id is not None  # a call's first piece names it
+                self._calls[piece.index] = _Call(piece.id, piece.name)
+                events += self._open(self._calls[piece.index])
+            events += self._arguments(self._calls[piece.index], piece.arguments)
+        return events
+
+    def finish(self, reason: str, status: Ended) -> list[dict[str, Any]]:
+        """The events that end the output: what was held to the end (auto's content and calls), then every
+        item done with `status`."""
+        content, calls, _ = self._reply.end(reason)
+        events = self._text(content)
+        for index, whole in enumerate(calls):
+            if index not in self._calls:  # auto's calls are read at the end
+                call = self._calls[index] = _Call(whole.id, whole.name)
+                events += self._open(call) + self._arguments(call, whole.arguments)
+        if not self.items:  # an answer of nothing is an empty message
+            events += self._open(self._message)
+        for item in self.items:
+            events += self._done(item, status)
+        return events
+
+    def output(self, status: ItemStatus) -> list[OutputMessage | FunctionCallOut]:
+        return [item.item(status) for item in self.items]
+
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        message = self._message
+        events = [] if message.id in self._places else self._open(message)
+        message.text += text
+        delta = {
+            "type": "response.output_text.delta",
+            **self._where(message),
+            "content_index": 0,
+            "delta": text,
+            "logprobs": [],
+        }
+        return [*events, delta]
+
+    def _arguments(self, call: _Call, piece: str) -> list[dict[str, Any]]:
+        if not piece:
+            return []
+        call.arguments += piece
+        return [{"type": "response.function_call_arguments.delta", **self._where(call), "delta": piece}]
+
+    def _open(self, item: _Message | _Call) -> list[dict[str, Any]]:
+        place = self._places[item.id] = len(self.items)
+        self.items.append(item)
+        events = [
+            {"type": "response.output_item.added", "output_index": place, "item": item.item("in_progress")}
+        ]
+        if isinstance(item, _Message):
+            events.append(
+                {
+                    "type": "response.content_part.added",
+                    **self._where(item),
+                    "content_index": 0,
+                    "part": item.part(),
+                }
+            )
+        return events
+
+    def _done(self, item: _Message | _Call, status: Ended) -> list[dict[str, Any]]:
+        where = self._where(item)
+        done = {
+            "type": "response.output_item.done",
+            "output_index": where["output_index"],
+            "item": item.item(status),
+        }
+        if isinstance(item, _Call):
+            arguments = {
+                "type": "response.function_call_arguments.done",
+                **where,
+                "name": item.name,
+                "arguments": item.arguments,
+            }
+            return [arguments, done]
+        text = {
+            "type": "response.output_text.done",
+            **where,
+            "content_index": 0,
+            "text": item.text,
+            "logprobs": [],
+        }
+        part = {"type": "response.content_part.done", **where, "content_index": 0, "part": item.part()}
+        return [text, part, done]
+
+    def _where(self, item: _Message | _Call) -> dict[str, Any]:
+        return {"item_id": item.id, "output_index": self._places[item.id]}
+
+
+class ResponsesRenderer(Renderer[ResponsesPlan]):
+    prefix = "resp_"
+
+    def __init__(self, plan: ResponsesPlan, model: str, request_id: str, vocab: Vocabulary) -> None:
+        super().__init__(plan, model, request_id, vocab)
+        self._message_id = f"msg_{request_id}"
+        self._output = _Output(plan.tools, self._message_id)  # a stream's, as it goes
+        self._sent = 0  # the next event's sequence_number
+
+    def body(self, done: Sequence[Completion]) -> ResponseObject:
+        (completion,) = done
+        assert completion.finish is not None
+        output = _Output(self.plan.tools, self._message_id)
+        output.feed(completion.text)
+        output.finish(finish_reason(completion.finish.finish_reason), self._status(completion.finish))
+        return self._final(output, completion.finish)
+
+    def opening(self) -> list[str]:
+        response = self._response("in_progress", [])
+        return self._sse(
+            [
+                {"type": "response.created", "response": response},
+                {"type": "response.in_progress", "response": response},
+            ]
+        )
+
+    def events(self, index: int, event: Event) -> list[str]:
+        if isinstance(event, FinishEvent):
+            reason = finish_reason(event.finish_reason)
+            return self._sse(self._output.finish(reason, self._status(event)))
+        return self._sse(self._output.feed(event.text))
+
+    def closing(self, finishes: Sequence[FinishEvent | None]) -> list[str]:
+        (finish,) = finishes
+        assert finish is not None
+        response = self._final(self._output, finish)
+        return self._sse([{"type": f"response.{response['status']}", "response": response}])
+
+    def failure(self, error: HttpError) -> list[str]:
+        failed: ResponseError = {"code": error.type, "message": error.message}
+        response = self._response("failed", self._output.output("incomplete"), error=failed)
+        # The error beside the response too, in OpenAI's shape: the openai SDK raises an event that has one
+        # (APIError, its message), as it does chat's error chunk, instead of ending without a response.
+        return self._sse([{"type": "response.failed", "response": response, **error.body()}])
+
+    def _sse(self, events: list[dict[str, Any]]) -> list[str]:
+        out = []
+        for event in events:
+            data = {"type": event["type"], "sequence_number": self._sent, **event}
+            self._sent += 1
+            out.append(f"event: {event['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n")
+        return out
+
+    @staticmethod
+    def _status(finish: FinishEvent) -> Ended:
+        return "incomplete" if finish_reason(finish.finish_reason) == "length" else "completed"
+
+    def _final(self, output: _Output, finish: FinishEvent) -> ResponseObject:
+        status = self._status(finish)
+        incomplete = self._incomplete(finish) if status == "incomplete" else None
+        return self._response(status, output.output(status), incomplete, usage=self._usage(finish))
+
+    def _incomplete(self, finish: FinishEvent) -> IncompleteDetails:
+        """The context filled up before max_output_tokens (given, or the server's default, which the
+        context shortens) was reached, or it was reached."""
+        asked = self.plan.request.max_output_tokens
+        full = finish.prompt_tokens + finish.completion_tokens >= self.plan.context_length
+        if full and (asked is None or finish.completion_tokens < asked):
+            return {"reason": "context_length"}
+        return {"reason": "max_output_tokens"}
+
+    def _usage(self, finish: FinishEvent) -> ResponseUsage:
+        usage, _ = plan_usage(self.plan, [finish])
+        return {
+            "input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"],
+        }
+
+    def _response(
+        self,
+        status: ResponseStatus,
+        output: list[OutputMessage | FunctionCallOut],
+        incomplete: IncompleteDetails | None = None,
+        error: ResponseError | None = None,
+        usage: ResponseUsage | None = None,
+    ) -> ResponseObject:
+        """The response object: its state, and the request's fields echoed."""
+        body = self.plan.request
         return {
             "id": self.id,
             "object": "response",
             "created_at": self.created,
-            "status": self.status,
+            "status": status,
             "model": self.model,
-            "output": self.output() if output is None else output,
-            "incomplete_details": {"reason": "max_output_tokens"} if self.status == "incomplete" else None,
-            "error": None,
+            "output": output,
+            "incomplete_details": incomplete,
+            "error": error,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
             "temperature": body.temperature,
@@ -274,124 +292,5 @@ class Draft:
             "previous_response_id": None,
             "store": False,
             "metadata": {},
-            "usage": self.usage,
+            "usage": usage,
         }
-
-    def take_usage(self, usage: dict[str, Any]) -> None:
-        self.usage = {
-            "input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {
-                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            },
-            "output_tokens": usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage["total_tokens"],
-        }
-
-
-def from_chat(draft: Draft, completion: dict[str, Any]) -> ResponseObject:
-    """The response to a non-streamed request, from the chat completion the route returned."""
-    (choice,) = completion["choices"]
-    draft.feed_message(choice["message"])
-    draft.finish = choice["finish_reason"]
-    draft.take_usage(completion["usage"])
-    return draft.response()
-
-
-async def events(draft: Draft, chat_stream: AsyncIterable[str | bytes | memoryview]) -> AsyncIterator[str]:
-    """The Responses event stream of a streamed request, from the chat route's server-sent events."""
-    writer = _EventWriter(draft)
-    yield writer.event("response.created", response=draft.response([]))
-    yield writer.event("response.in_progress", response=draft.response([]))
-    try:
-        async for raw in chat_stream:
-            for chunk in _chunks(raw):
-                if "error" in chunk:  # the chat stream failed after it began: say so and end
-                    error = chunk["error"]
-                    yield writer.event("error", code=error.get("code"), message=error["message"])
-                    return
-                for out in writer.chunk(chunk):
-                    yield out
-    finally:  # a client that left: the chat stream cancels its request now, not when collected
-        close = getattr(chat_stream, "aclose", None)
-        if close is not None:
-            await close()
-    for out in writer.closing():
-        yield out
-
-
-class _EventWriter:
-    """Numbered Responses events for one response, from the chat chunks it is fed."""
-
-    def __init__(self, draft: Draft) -> None:
-        self.draft = draft
-        self.number = 0
-        self.started = False  # the message item (text) has begun
-        self.where = {"item_id": draft.message_id, "output_index": 0}
-
-    def event(self, kind: str, **fields: Any) -> str:
-        data = {"type": kind, "sequence_number": self.number, **fields}
-        self.number += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-    def chunk(self, chunk: dict[str, Any]) -> list[str]:
-        draft, out = self.draft, []
-        if chunk.get("usage"):
-            draft.take_usage(chunk["usage"])
-        for choice in chunk.get("choices", []):
-            delta = choice.get("delta") or {}
-            for call in delta.get("tool_calls") or []:
-                draft.feed_call_delta(call)
-            text = delta.get("content")
-            if text:
-                if not self.started:
-                    self.started = True
-                    item = draft.message_item("in_progress")
-                    out.append(self.event("response.output_item.added", output_index=0, item=item))
-                    part = {"type": "output_text", "text": "", "annotations": []}
-                    out.append(
-                        self.event("response.content_part.added", **self.where, content_index=0, part=part)
-                    )
-                draft.text += text
-                out.append(
-                    self.event("response.output_text.delta", **self.where, content_index=0, delta=text)
-                )
-            if choice.get("finish_reason"):
-                draft.finish = choice["finish_reason"]
-        return out
-
-    def closing(self) -> list[str]:
-        draft, out, where = self.draft, [], self.where
-        if self.started:
-            part = {"type": "output_text", "text": draft.text, "annotations": []}
-            out.append(self.event("response.output_text.done", **where, content_index=0, text=draft.text))
-            out.append(self.event("response.content_part.done", **where, content_index=0, part=part))
-            item = draft.message_item("completed")
-            out.append(self.event("response.output_item.done", output_index=0, item=item))
-        for position, index in enumerate(sorted(draft.calls), start=int(self.started)):
-            item = draft.call_item(index)
-            place = {"item_id": item["id"], "output_index": position}
-            out.append(
-                self.event(
-                    "response.output_item.added", output_index=position, item={**item, "arguments": ""}
-                )
-            )
-            out.append(self.event("response.function_call_arguments.delta", **place, delta=item["arguments"]))
-            out.append(
-                self.event("response.function_call_arguments.done", **place, arguments=item["arguments"])
-            )
-            out.append(self.event("response.output_item.done", output_index=position, item=item))
-        draft.finish = draft.finish or "stop"  # a stream that ended without a finish reason
-        final = "response.incomplete" if draft.status == "incomplete" else "response.completed"
-        out.append(self.event(final, response=draft.response()))
-        return out
-
-
-def _chunks(raw: str | bytes | memoryview) -> list[dict[str, Any]]:
-    text = raw if isinstance(raw, str) else bytes(raw).decode()
-    out = []
-    for block in text.split("\n\n"):
-        data = block.strip().removeprefix("data:").strip()
-        if data and data != "[DONE]":
-            out.append(json.loads(data))
-    return out

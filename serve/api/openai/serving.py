@@ -1,11 +1,12 @@
-"""The one serving skeleton of /v1/completions and /v1/chat/completions (and /v1/responses, through chat).
+"""The one serving skeleton of /v1/completions, /v1/chat/completions and /v1/responses.
 
-A route's translation (translate.py) makes a `Plan`; its `Renderer` (completions.py, chat.py) says what the
-answer looks like; `Serving.run` submits the plan's requests and answers when they are done, with the whole
-body, or as they go, with a stream of SSE chunks. A stream begins with its first event, so a request refused
-before it (a drain, a failed prefill) gets its HTTP status and one whose client leaves while queued is
-cancelled; an error after the stream began is an error event, then the end of the stream. Either way the
-call is accounted once, when it ends.
+A route's translation (translate.py) makes a `Plan`; its `Renderer` (completions.py, chat.py, responses.py)
+says what the answer looks like; `Serving.run` submits the plan's requests and answers when they are done,
+with the whole body, or as they go, with a stream of server-sent events. A stream begins with its first
+event, so a request refused before it (a drain, a failed prefill) gets its HTTP status and one whose client
+leaves while queued is cancelled, unless its renderer opens the stream at once (/v1/responses'
+response.created); an error after the stream began is the route's failure events, then the end of the
+stream. Either way the call is accounted once, when it ends.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import json
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serve.api.common import CallRecord, LoadedModel
-from serve.api.http_status import http_error
+from serve.api.http_status import HttpError, http_error
 from serve.api.openai.logprobs import Vocabulary
 from serve.api.openai.request_events import (
     complete,
@@ -52,6 +53,9 @@ def finish_reason(reason: str) -> str:
     return "stop" if reason in ("eos", "stop") else "length"
 
 
+DONE = "data: [DONE]\n\n"
+
+
 def sse_data(obj: dict[str, Any], usage_field: bool = False) -> str:
     if usage_field:
         obj["usage"] = None  # OpenAI: every chunk but the last has "usage": null when usage is asked for
@@ -59,8 +63,12 @@ def sse_data(obj: dict[str, Any], usage_field: bool = False) -> str:
 
 
 class Renderer(ABC, Generic[P]):
-    """How a route shows one call's results: the whole body of its finished requests, or a stream's
-    choices event by event. One per call: a stream's renderer keeps what it has sent of each choice."""
+    """How a route shows one call's results: the whole body of its finished requests, or a stream of
+    server-sent events. One per call: a stream's renderer keeps what it has sent.
+
+    A stream sends `opening()` as soon as the requests are submitted, when the route has something to say
+    then; one with nothing to say begins with the first event, so that a request refused before it gets its
+    HTTP status."""
 
     prefix: ClassVar[str]  # of the response's id
 
@@ -70,6 +78,34 @@ class Renderer(ABC, Generic[P]):
         self.created = int(time.time())
         self.model = model
         self.vocab = vocab
+
+    @abstractmethod
+    def body(self, done: Sequence[Completion]) -> Mapping[str, Any]:
+        """The whole answer, from the finished requests (one per request of the plan)."""
+
+    def opening(self) -> list[str]:
+        """The stream's first events, before any request's (none by default)."""
+        return []
+
+    @abstractmethod
+    def events(self, index: int, event: Event) -> list[str]:
+        """The stream's events for one event of request `index`."""
+
+    @abstractmethod
+    def closing(self, finishes: Sequence[FinishEvent | None]) -> list[str]:
+        """The stream's last events, once every request has finished."""
+
+    @abstractmethod
+    def failure(self, error: HttpError) -> list[str]:
+        """The events that end a stream which failed after it began."""
+
+
+class ChunkRenderer(Renderer[P]):
+    """A route whose stream is chunks of its object, each a `data:` event of one choice, then `data:
+    [DONE]` (completions, chat): a subclass says what the object and its choices hold."""
+
+    def __init__(self, plan: P, model: str, request_id: str, vocab: Vocabulary) -> None:
+        super().__init__(plan, model, request_id, vocab)
         self._started = [False] * len(plan.requests)
 
     @abstractmethod
@@ -105,6 +141,16 @@ class Renderer(ABC, Generic[P]):
         usage, _ = plan_usage(self.plan, finishes)
         return self.envelope([], chunk=True) | {"usage": usage}
 
+    def events(self, index: int, event: Event) -> list[str]:
+        return [sse_data(chunk, self.plan.include_usage) for chunk in self.chunks(index, event)]
+
+    def closing(self, finishes: Sequence[FinishEvent | None]) -> list[str]:
+        usage = [sse_data(self.usage_chunk(finishes))] if self.plan.include_usage else []
+        return [*usage, DONE]
+
+    def failure(self, error: HttpError) -> list[str]:
+        return [sse_data(error.body()), DONE]
+
     def _first(self, index: int) -> bool:
         """Whether this is choice `index`'s first chunk; from now on it is not."""
         first, self._started[index] = not self._started[index], True
@@ -138,48 +184,52 @@ class Serving:
             self._account(record)
             return JSONResponse(body, headers=headers)
         events = merged(handles)
-        try:
-            first = await first_event(events, request)
-        except BaseException:
-            for handle in handles:
-                handle.cancel()
-            with contextlib.suppress(Exception):
-                await events.aclose()  # type: ignore[attr-defined]  # an async generator
-            raise
-        sse = self._sse(renderer, prepend(first, events), handles, record)
+        opening = renderer.opening()
+        if not opening:
+            try:
+                first = await first_event(events, request)
+            except BaseException:
+                for handle in handles:
+                    handle.cancel()
+                with contextlib.suppress(Exception):
+                    await events.aclose()  # type: ignore[attr-defined]  # an async generator
+                raise
+            events = prepend(first, events)
+        sse = self._sse(renderer, opening, events, handles, record)
         return StreamingResponse(sse, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
 
     async def _sse(
         self,
         renderer: Renderer[Any],
+        opening: list[str],
         events: AsyncIterator[tuple[int, Event]],
         handles: Sequence[RequestHandle],
         record: CallRecord,
     ) -> AsyncIterator[str]:
-        plan = renderer.plan
+        """The stream, one write per engine event (all the route's events for it)."""
         finishes: list[FinishEvent | None] = [None] * len(handles)
         record.status = 200
         try:
+            if opening:
+                yield "".join(opening)
             async for index, event in events:
                 if isinstance(event, FinishEvent):
                     finishes[index] = event
-                for chunk in renderer.chunks(index, event):
-                    yield sse_data(chunk, plan.include_usage)
-            if plan.include_usage:
-                yield sse_data(renderer.usage_chunk(finishes))
-            yield "data: [DONE]\n\n"
+                sent = renderer.events(index, event)
+                if sent:
+                    yield "".join(sent)
+            yield "".join(renderer.closing(finishes))
         except (asyncio.CancelledError, GeneratorExit):  # the client went away: starlette cancels the stream
             record.code = "CANCELLED"
             raise
-        except Exception as exc:  # after the response began: an error event, then the end of the stream
+        except Exception as exc:  # after the response began: the route's failure events end the stream
             error = http_error(exc, record.request_id)
             record.code, record.error = error.code, error.message
             if error.code == "INTERNAL":
                 log.error("request %s failed", record.request_id, exc_info=exc)
-            yield f"data: {json.dumps(error.body())}\n\n"
-            yield "data: [DONE]\n\n"
+            yield "".join(renderer.failure(error))
         finally:
             for handle in handles:
                 handle.cancel()  # frees the rows of a stream whose client went away; no effect once finished
-            _, record.finish = plan_usage(plan, finishes)
+            _, record.finish = plan_usage(renderer.plan, finishes)
             self._account(record)

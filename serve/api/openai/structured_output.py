@@ -1,6 +1,6 @@
-"""What a generation request's output must match: OpenAI's response_format, vLLM's structured-output fields,
-or the call a chat's tool_choice forces, as the neutral `Constraint` the engine enforces token by token
-(serve/engine/constraints.py)."""
+"""What a generation request's output must match: OpenAI's response_format (a Responses request's
+text.format), vLLM's structured-output fields, or the call a tool_choice forces, as the neutral `Constraint`
+the engine enforces token by token (serve/engine/constraints.py)."""
 
 from __future__ import annotations
 
@@ -35,17 +35,42 @@ def _constraint_kind(kind: str, value: Any, where: str) -> Constraint:
     return Constraint.regex(value) if kind == "regex" else Constraint.grammar(value)
 
 
-def _response_format(value: Any) -> Constraint | None:
+def _format_type(value: Any, where: str) -> str:
+    """An output format's type (`{"type": "text" | "json_object" | "json_schema", ...}`)."""
     if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
-        raise InvalidRequest("response_format.type must be text, json_object or json_schema")
-    if value["type"] == "text":
-        return None
-    if value["type"] == "json_object":
-        return Constraint.json_object()
+        raise InvalidRequest(f"{where}.type must be text, json_object or json_schema")
+    return str(value["type"])
+
+
+def _schemaless(kind: str) -> Constraint | None:
+    """The constraint of a format type that needs no schema: any JSON object, or any text."""
+    return Constraint.json_object() if kind == "json_object" else None
+
+
+def _response_format(value: Any) -> Constraint | None:
+    kind = _format_type(value, "response_format")
+    if kind != "json_schema":
+        return _schemaless(kind)
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or "schema" not in spec:
         raise InvalidRequest('response_format.json_schema needs a schema: {"name": ..., "schema": {...}}')
     return _constraint_of("json", spec["schema"], "response_format.json_schema.schema")
+
+
+def text_format(text: dict[str, Any] | None) -> Constraint | None:
+    """A Responses request's `text.format`: response_format's types, a json_schema's schema beside its
+    type."""
+    value = (text or {}).get("format")
+    if value is None:
+        return None
+    kind = _format_type(value, "text.format")
+    if kind != "json_schema":
+        return _schemaless(kind)
+    if "schema" not in value:
+        raise InvalidRequest(
+            'text.format needs a schema: {"type": "json_schema", "name": ..., "schema": {...}}'
+        )
+    return _constraint_of("json", value["schema"], "text.format.schema")
 
 
 def structured_output(body: SamplingRequest) -> Constraint | None:
@@ -78,13 +103,20 @@ def structured_output(body: SamplingRequest) -> Constraint | None:
 
 def chat_constraint(body: ChatCompletionRequest, plan: ToolPlan) -> Constraint | None:
     """A chat's constraint: a forced tool call's, or the structured output asked for (not both)."""
-    constraint = structured_output(body)
+    return tool_or_format(
+        plan, structured_output(body), "response_format (and vLLM's structured-output fields)"
+    )
+
+
+def tool_or_format(plan: ToolPlan, constraint: Constraint | None, fields: str) -> Constraint | None:
+    """A forced tool call's constraint, or the output format's (`constraint`, asked for in `fields`): a
+    request may not ask for both."""
     forced = plan.constraint()
     if forced is None:
         return constraint
     if constraint is not None:
         raise InvalidRequest(
-            f"tool_choice {plan.named or plan.mode!r} constrains the output to a tool call: leave out "
-            "response_format (and vLLM's structured-output fields)"
+            f"tool_choice {plan.named or plan.mode!r} constrains the output to a tool call: "
+            f"leave out {fields}"
         )
     return forced

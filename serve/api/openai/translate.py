@@ -1,11 +1,13 @@
 """A generation request's body → the scheduler's requests, in one pass: the whole of what the HTTP API
-decides about a completion or a chat before anything is submitted.
+decides about a completion, a chat or a response before anything is submitted.
 
 `completion_plan` and `chat_plan` each read a body top to bottom: the model it names, the fields this server
 refuses (`UNSUPPORTED`), n against the server's max_n, the constraint (OpenAI's response_format, vLLM's
 structured-output fields, or a tool call that tool_choice forces), the sampling parameters and limits, the
 prompt (text or token ids, tokenized off the event loop; a chat rendered by the bundle's template), and
-then one `GenerationRequest` per (prompt, choice).
+then one `GenerationRequest` per (prompt, choice). `responses_plan` reads a Responses request as the chat it
+means (its input items as messages, its function tools as chat's, text.format as the constraint), one
+choice, and its errors name the Responses fields (`input.N`, `max_output_tokens`).
 
 n > 1 is served as n requests with seeds derived from (seed, index) (`validation.choice_seed`): the same seed
 gives the same n choices whatever else is batched. Choices 1..n-1 are forks of choice 0
@@ -20,7 +22,9 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from serve.api.common import CallRecord, LoadedModel
 from serve.api.openai.protocol import (
@@ -29,14 +33,32 @@ from serve.api.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    ResponsesRequest,
+    SamplingFields,
     SamplingRequest,
 )
-from serve.api.openai.structured_output import chat_constraint, structured_output
+from serve.api.openai.structured_output import chat_constraint, structured_output, text_format, tool_or_format
 from serve.api.state import ServingState
-from serve.api.tool_calls import ToolPlan, template_message, tool_plan
+from serve.api.tool_calls import (
+    CalledFunction,
+    FunctionDefinition,
+    FunctionName,
+    NamedToolChoice,
+    Tool,
+    ToolCallIn,
+    ToolChoice,
+    ToolPlan,
+    parsed_arguments,
+    template_message,
+    tool_plan,
+)
 from serve.api.tool_formats import tool_format
 from serve.api.validation import (
     OPENAI_FIELDS,
+    RESPONSES_FIELDS,
+    Fields,
     GenerationOptions,
     build_request,
     choice_seed,
@@ -91,6 +113,14 @@ class ChatPlan(Plan):
     logprobs: bool
 
 
+@dataclass
+class ResponsesPlan(ChatPlan):
+    """A Responses request served as the chat it means (one choice, no logprobs)."""
+
+    request: ResponsesRequest  # its fields are echoed in the response
+    context_length: int  # the model's: an output cut short there is incomplete for its own reason
+
+
 async def completion_plan(
     body: CompletionRequest, model: LoadedModel, max_n: int, record: CallRecord
 ) -> CompletionPlan:
@@ -119,20 +149,62 @@ async def chat_plan(
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    form = tool_format(model.chat.source if model.chat is not None else None)
-    tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, form)
+    tools = _tool_plan(model, body.tools, body.tool_choice, body.parallel_tool_calls)
     constraint = chat_constraint(body, tools)
     options = _options(
         body, max_tokens, constraint, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0
     )
-    messages = chat_messages(body.messages)
-    ids = await asyncio.to_thread(model.chat_prompt, messages, tools.template_tools)
-    record.prompt = json.dumps(messages, ensure_ascii=False)
-    prompts, n = [Prompt(ids, "")], body.n or 1
+    prompts, n = [await _chat_prompt(chat_messages(body.messages), tools, model, record)], body.n or 1
     requests = _requests(prompts, options, n, model, record.request_id, bool(body.stream))
-    label = None if constraint is None else ("tool" if tools.constrained else constraint.kind.value)
+    label = _chat_label(constraint, tools)
     stream, usage = bool(body.stream), _include_usage(body)
     return ChatPlan(prompts, requests, n, stream, usage, label, tools, bool(body.logprobs))
+
+
+async def responses_plan(body: ResponsesRequest, model: LoadedModel, record: CallRecord) -> ResponsesPlan:
+    """A Responses request as the chat it means: `instructions` and the `input` items as messages, function
+    tools, `text.format` as the constraint, `max_output_tokens` as max_tokens; its errors name the Responses
+    fields. `record.prompt` as chat_plan sets it."""
+    if body.previous_response_id is not None:
+        raise InvalidRequest("previous_response_id: this server stores no responses; send the whole input")
+    if body.store:
+        raise InvalidRequest("store: this server stores no responses; leave store unset or false")
+    if body.max_output_tokens == 0:
+        raise InvalidRequest(
+            "max_output_tokens = 0 generates nothing: give 1 or more "
+            "(or leave it out for the server's default)"
+        )
+    choice = _responses_tool_choice(body.tool_choice)
+    tools = _tool_plan(model, _function_tools(body.tools), choice, body.parallel_tool_calls)
+    constraint = tool_or_format(tools, text_format(body.text), "text.format")
+    options = _options(body, body.max_output_tokens, constraint, logprobs=False, top_logprobs=0)
+    prompts = [await _chat_prompt(_input_messages(body), tools, model, record)]
+    stream = bool(body.stream)
+    requests = _requests(prompts, options, 1, model, record.request_id, stream, RESPONSES_FIELDS)
+    label = _chat_label(constraint, tools)
+    context = model.limits.context_length
+    return ResponsesPlan(prompts, requests, 1, stream, False, label, tools, False, body, context)
+
+
+def _tool_plan(
+    model: LoadedModel, tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None
+) -> ToolPlan:
+    """The request's tools, read in the tool-call format of the model's chat template."""
+    form = tool_format(model.chat.source if model.chat is not None else None)
+    return tool_plan(tools, choice, parallel, form)
+
+
+async def _chat_prompt(
+    messages: list[dict[str, Any]], tools: ToolPlan, model: LoadedModel, record: CallRecord
+) -> Prompt:
+    """The messages rendered by the chat template and tokenized (off the event loop)."""
+    ids = await asyncio.to_thread(model.chat_prompt, messages, tools.template_tools)
+    record.prompt = json.dumps(messages, ensure_ascii=False)
+    return Prompt(ids, "")
+
+
+def _chat_label(constraint: Constraint | None, tools: ToolPlan) -> str | None:
+    return None if constraint is None else ("tool" if tools.constrained else constraint.kind.value)
 
 
 def _check_body(body: SamplingRequest, max_n: int) -> None:
@@ -146,10 +218,10 @@ def _include_usage(body: SamplingRequest) -> bool:
     return bool(body.stream and body.stream_options is not None and body.stream_options.include_usage)
 
 
-# --- the fields of both routes ------------------------------------------------------------------------------
+# --- the fields of every route ------------------------------------------------------------------------------
 
 
-def _sampling(body: SamplingRequest) -> SamplingParams:
+def _sampling(body: SamplingFields) -> SamplingParams:
     bias: list[tuple[int, float]] = []
     for key, value in (body.logit_bias or {}).items():
         try:
@@ -177,7 +249,7 @@ def _sampling(body: SamplingRequest) -> SamplingParams:
 
 
 def _options(
-    body: SamplingRequest,
+    body: SamplingFields,
     max_tokens: int | None,
     constraint: Constraint | None,
     *,
@@ -248,8 +320,10 @@ def _requests(
     model: LoadedModel,
     request_id: str,
     stream: bool,
+    fields: Fields = OPENAI_FIELDS,
 ) -> list[GenerationRequest]:
-    """A request per (prompt, choice); `prompts` is updated to what truncate_prompt_tokens kept."""
+    """A request per (prompt, choice); `prompts` is updated to what truncate_prompt_tokens kept; `fields`:
+    the route's names of the fields its errors name."""
     requests = []
     total = len(prompts) * n
     for p, prompt in enumerate(prompts):
@@ -264,7 +338,7 @@ def _requests(
                     limits=model.limits,
                     deadline=None,
                     stream=stream,
-                    fields=OPENAI_FIELDS,
+                    fields=fields,
                 )
             )
     # Choices 1..n-1 fork choice 0's prefilled row when admitted with it (the engine copies its KV row and
@@ -332,19 +406,122 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def message_text(index: int, message: ChatMessage) -> str:
-    """A message's content as one string: text parts are joined with newlines (vLLM's way for templates
-    that take string content); any other part is refused."""
+    """A message's content as one string (`_joined_text`)."""
     content = message.content
     if content is None:
         raise InvalidRequest(f"messages[{index}].content is required")
     if isinstance(content, str):
         return content
+    return _joined_text(content, ("text",), f"messages[{index}].content")
+
+
+def _joined_text(parts: list[Any], kinds: tuple[str, ...], where: str) -> str:
+    """Content parts as one string: text parts (of a type in `kinds`) joined with newlines, vLLM's way for
+    templates that take string content; any other part is refused."""
     texts = []
-    for part, item in enumerate(content):
-        if item.get("type") != "text" or not isinstance(item.get("text"), str):
+    for index, part in enumerate(parts):
+        if (
+            not isinstance(part, dict)
+            or part.get("type") not in kinds
+            or not isinstance(part.get("text"), str)
+        ):
             raise InvalidRequest(
-                f"messages[{index}].content[{part}] is not a text part: this model takes text only "
-                '({"type": "text", "text": "..."})'
+                f"{where}[{index}] is not a text part: this model takes text only "
+                f'({{"type": "{kinds[0]}", "text": "..."}})'
             )
-        texts.append(item["text"])
+        texts.append(part["text"])
     return "\n".join(texts)
+
+
+# --- a Responses request's input and tools ------------------------------------------------------------------
+
+# The roles of a Responses message item, as the chat template knows them.
+RESPONSES_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+TEXT_PARTS = ("input_text", "output_text", "text")
+TOOL_MODES: dict[str, ToolChoice] = {"none": "none", "auto": "auto", "required": "required"}
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """`instructions` and the `input` items as the chat template's messages; consecutive function_call items
+    are one assistant message with several calls, as chat has them."""
+    messages = [template_message(0, "system", body.instructions)] if body.instructions else []
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    for index, item in enumerate(items):
+        message = _input_message(index, item)
+        previous = messages[-1] if messages else None
+        if "tool_calls" in message and previous is not None and "tool_calls" in previous:
+            previous["tool_calls"] = previous["tool_calls"] + message["tool_calls"]
+        else:
+            messages.append(message)
+    if not messages:
+        raise InvalidRequest("input is empty: give a string, or at least one item")
+    return messages
+
+
+def _input_message(index: int, item: dict[str, Any]) -> dict[str, Any]:
+    kind = item.get("type", "message")
+    if kind == "function_call":
+        call = _validated(FunctionCallItem, item, f"input.{index}")
+        arguments = parsed_arguments(call.arguments, f"input[{index}].arguments")
+        called = ToolCallIn(id=call.call_id, function=CalledFunction(name=call.name, arguments=arguments))
+        return template_message(index, "assistant", None, [called])
+    if kind == "function_call_output":
+        result = _validated(FunctionCallOutputItem, item, f"input.{index}")
+        text = result.output if isinstance(result.output, str) else json.dumps(result.output)
+        return template_message(index, "tool", text, tool_call_id=result.call_id)
+    role = item.get("role")
+    if kind != "message" or not isinstance(role, str) or role not in RESPONSES_ROLES:
+        raise InvalidRequest(
+            f"input[{index}]: expected a message (role user, system, developer or assistant), a "
+            f"function_call or a function_call_output item; got type {kind!r}, role {role!r}"
+        )
+    return template_message(index, RESPONSES_ROLES[role], _input_text(index, item.get("content")))
+
+
+def _input_text(index: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"input[{index}].content must be a string or a list of text parts")
+    return _joined_text(content, TEXT_PARTS, f"input[{index}].content")
+
+
+def _function_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
+    """Responses' function tools (`{"type": "function", "name", "parameters", ...}`) as chat's."""
+    out = []
+    for index, tool in enumerate(tools or ()):
+        if tool.get("type") != "function":
+            raise InvalidRequest(
+                f"tools[{index}].type is {tool.get('type')!r}: only function tools are served"
+            )
+        definition = {key: value for key, value in tool.items() if key != "type"}
+        out.append(
+            Tool(type="function", function=_validated(FunctionDefinition, definition, f"tools.{index}"))
+        )
+    return out
+
+
+def _responses_tool_choice(choice: str | dict[str, Any] | None) -> ToolChoice | None:
+    if choice is None:
+        return None
+    if isinstance(choice, str) and choice in TOOL_MODES:
+        return TOOL_MODES[choice]
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return NamedToolChoice(type="function", function=FunctionName(name=choice["name"]))
+    raise InvalidRequest(
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}; '
+        f"got {json.dumps(choice)[:80]}"
+    )
+
+
+def _validated(model: type[M], value: Any, where: str) -> M:
+    """`value` as a `model`; InvalidRequest naming its first wrong field under `where`, as FastAPI names
+    the body's."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join([where, *(str(part) for part in first["loc"])])
+        raise InvalidRequest(f"{field}: {first['msg']}") from None
