@@ -199,6 +199,7 @@ def test_text_format_json_schema_constrains_the_output(client: openai.OpenAI, mo
         ({"input": "x", "model": "gpt-5"}, 404, "the model 'gpt-5' does not exist"),
         ({"input": "x", "temperature": 9}, 400, "temperature"),
         ({}, 400, "input: Field required"),
+        ({"input": [], "instructions": "Be brief."}, 400, "input is empty: give a string or at least one"),
     ],
 )
 def test_refusals_in_openais_shape(server: RunningServer, body: Any, status: int, message: str) -> None:

@@ -14,11 +14,12 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import TypedDict
 
+from serve.api.openai.protocol import AT_LEAST_ONE
 from serve.errors import InvalidRequest
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -35,7 +36,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = Field(None, description="the served model's name (GET /v1/models); default: it")
-    input: str | list[dict[str, Any]] = Field(
+    input: str | Annotated[list[dict[str, Any]], AT_LEAST_ONE] = Field(
         description="a user message, or message and function-call items"
     )
     instructions: str | None = Field(None, description="a system message before the input")
@@ -57,6 +58,8 @@ def chat_body(body: ResponsesRequest) -> dict[str, Any]:
         raise InvalidRequest("previous_response_id: this server stores no responses; send the whole input")
     if body.store:
         raise InvalidRequest("store: this server stores no responses; leave store unset or false")
+    if body.input == []:  # nothing to answer, instructions or not (OpenAI refuses it too)
+        raise InvalidRequest("input is empty: give a string or at least one item")
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
     messages += [_message(i, item) for i, item in enumerate(items)]
