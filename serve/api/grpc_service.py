@@ -205,9 +205,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         try:
             yield record
         except asyncio.CancelledError:
-            remaining = context.time_remaining()
-            expired = remaining is not None and remaining <= 0
-            record.code = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
+            record.code, record.error = self._cancelled(context)
             self._account(record)
             raise
         except GeneratorExit:  # a stream whose client vanished mid-write: gRPC closes it without cancelling
@@ -223,6 +221,18 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             await context.abort(code, record.error)
         else:
             self._account(record)
+
+    def _cancelled(self, context: grpc.aio.ServicerContext) -> tuple[str, str]:
+        """The code (and error) of a cancelled call, as its client saw it: its deadline passed, the server
+        stopped (gRPC cancels the calls still running at the end of its stop's grace, and their clients get
+        UNAVAILABLE "Cancelling all calls", to retry elsewhere; a client that cancels during that grace is
+        counted so too), or the client cancelled it."""
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return "DEADLINE_EXCEEDED", ""
+        if self._state.stopping:
+            return "UNAVAILABLE", "the server stopped before the call ended"
+        return "CANCELLED", ""
 
     def _account(self, record: CallRecord) -> None:
         account(record, self._settings.log_prompts, self._metrics, self._tracer)

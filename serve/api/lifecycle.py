@@ -3,8 +3,8 @@ and the HTTP API, loading the model, and the drain.
 
 Start-up order: metrics endpoint, gRPC port (health answers NOT_SERVING while the model loads), bundle,
 engine and its warm-up, scheduler, then SERVING. SIGTERM/SIGINT: NOT_SERVING, new requests UNAVAILABLE,
-running requests get `grace_seconds` to finish, then the process exits 0. Both front ends read one
-`ServingState`, which only this module changes.
+running requests get `grace_seconds` to finish, then the process exits 0 (docs/deploy.md says what a gRPC
+client sees at each moment). Both front ends read one `ServingState`, which only this module changes.
 """
 
 from __future__ import annotations
@@ -198,6 +198,7 @@ class TextgenServer:
             http, self._http = self._http, None
             await http.stop(grace)
         if self._server is not None:
+            self.state.stop_grpc()
             await self._server.stop(grace)
         await self._stop_metrics()
         if self.tracer is not None:

@@ -7,7 +7,9 @@ The hooks are called from two places: the scheduler's engine thread (`on_admitte
 `on_token`, `on_finished`, `on_step`, `on_masks`, `on_constraint_compiled`, `on_speculated`,
 `on_speculation_done`, `set_load`) and the front
 ends (`on_request_done`, `on_constrained`, `set_ready`, `set_model_info`). prometheus_client's metrics are
-thread-safe, so no locking is needed here.
+thread-safe, so no locking is needed here. The queue's length is not a hook: the scheduler hands a function
+(`watch_waiting`) that every scrape calls, so the gauge counts the requests that arrived during a long engine
+step, and those whose constraint is still compiling.
 
 Bucket choices (a quantile is only as precise as the buckets around it, and a quantile above the largest
 finite bucket is reported as that bucket's bound, so the largest bucket must exceed the worst real value):
@@ -39,6 +41,7 @@ dashboard, an alert or the inference gateway reads one list (tests/support/metri
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -148,8 +151,9 @@ def new_registry() -> CollectorRegistry:
 # --kv-cache-usage-percentage-metric name textgen's instead): the same gauges again under those names (older
 # pickers read gpu_cache_usage_perc, newer kv_cache_usage_perc). Alias -> the textgen gauge it repeats.
 # Prometheus keeps ':' for recording rules, so `promtool check metrics` lints these four names.
+WAITING = "textgen_requests_waiting"
 GATEWAY_ALIASES = {
-    "vllm:num_requests_waiting": "textgen_requests_waiting",
+    "vllm:num_requests_waiting": WAITING,
     "vllm:num_requests_running": "textgen_requests_running",
     "vllm:kv_cache_usage_perc": "textgen_kv_cache_usage_ratio",
     "vllm:gpu_cache_usage_perc": "textgen_kv_cache_usage_ratio",
@@ -320,7 +324,9 @@ class Metrics:
     def _define_gauges(self) -> None:
         reg = self.registry
         self.running = Gauge("textgen_requests_running", "Requests in the running batch.", registry=reg)
-        self.waiting = Gauge("textgen_requests_waiting", "Requests queued, not yet admitted.", registry=reg)
+        self.waiting = Gauge(
+            WAITING, "Requests queued, not yet admitted (their constraint compiling or not).", registry=reg
+        )
         self.kv_used = Gauge("textgen_kv_cache_slots_used", "KV-cache slots (rows) in use.", registry=reg)
         self.kv_capacity = Gauge(
             "textgen_kv_cache_slots_capacity", "KV-cache slots (rows) in all.", registry=reg
@@ -390,17 +396,24 @@ class Metrics:
         """Once per finished request that speculated: its accepted over its proposed tokens."""
         self.spec_acceptance.observe(acceptance)
 
-    def set_load(self, running: int, waiting: int, kv_used: int, kv_capacity: int) -> None:
-        """After every change of the queue or the batch, so the gauges return to 0 when idle."""
+    def set_load(self, running: int, kv_used: int, kv_capacity: int) -> None:
+        """After every engine step, so the gauges return to 0 when idle."""
         self.running.set(running)
-        self.waiting.set(waiting)
         self.kv_used.set(kv_used)
         self.kv_capacity.set(kv_capacity)
         usage = kv_used / kv_capacity if kv_capacity else 0.0
         self.kv_usage.set(usage)
-        values = {"textgen_requests_waiting": waiting, "textgen_requests_running": running}
+        values = {"textgen_requests_running": running, "textgen_kv_cache_usage_ratio": usage}
         for name, source in GATEWAY_ALIASES.items():
-            self.gateway[name].set(values.get(source, usage))
+            if source in values:
+                self.gateway[name].set(values[source])
+
+    def watch_waiting(self, waiting: Callable[[], int]) -> None:
+        """The queue's length (and its gateway alias) from `waiting`, which every scrape calls on its own
+        thread: current while an engine step runs."""
+        aliases = [self.gateway[name] for name, source in GATEWAY_ALIASES.items() if source == WAITING]
+        for gauge in (self.waiting, *aliases):
+            gauge.set_function(waiting)
 
     # Server side.
 

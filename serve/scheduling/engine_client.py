@@ -17,12 +17,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NamedTuple
 
 from serve.engine.types import EngineInfo
 from serve.errors import EngineFailure
 from serve.scheduling.engine_core import engine_main
-from serve.scheduling.engine_protocol import EngineMetrics
+from serve.scheduling.engine_protocol import EngineMetrics, SchedulerMetrics
 from serve.scheduling.handles import HandleTable, RequestHandle
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.messages import (
@@ -51,12 +51,20 @@ def replay(metrics: EngineMetrics, calls: list[MetricCall]) -> None:
         getattr(metrics, name)(*args)
 
 
+class _Latest(NamedTuple):
+    """The engine process's latest snapshot and the submit commands it had read by then: replaced together,
+    so the metrics' thread never reads one without the other."""
+
+    snapshot: SchedulerSnapshot
+    received: int
+
+
 @dataclass
 class _Started:
     info: EngineInfo
     limits: SchedulerLimits
     max_total_tokens: int
-    snapshot: SchedulerSnapshot  # the engine process's latest
+    latest: _Latest
 
 
 class ProcessScheduler:
@@ -67,7 +75,7 @@ class ProcessScheduler:
     loop. `exited` completes if the engine process ends without being told to.
     """
 
-    def __init__(self, spec: EngineSpec, metrics: EngineMetrics | None = None) -> None:
+    def __init__(self, spec: EngineSpec, metrics: SchedulerMetrics | None = None) -> None:
         self._spec = spec
         self._metrics = metrics
         self._handles = HandleTable()
@@ -75,7 +83,6 @@ class ProcessScheduler:
         self._rejected = 0  # refused here for a full queue (the engine process counts the rest)
         self._outbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._sent = 0  # submit commands handed to the engine process
-        self._received = 0  # of them, read by the engine process as of the latest output
         self._draining = False
         self._stopping = False
         self._started: _Started | None = None
@@ -115,7 +122,9 @@ class ProcessScheduler:
             await asyncio.to_thread(self._process.join)
             raise hello.error
         assert isinstance(hello, Ready), hello
-        self._started = _Started(hello.info, hello.limits, hello.max_total_tokens, hello.snapshot)
+        self._started = _Started(hello.info, hello.limits, hello.max_total_tokens, _Latest(hello.snapshot, 0))
+        if self._metrics is not None:
+            self._metrics.watch_waiting(lambda: self._waiting)
         log.info("engine process %d ready", self._process.pid)
         threading.Thread(target=self._read, name="textgen-engine-reader", daemon=True).start()
         threading.Thread(target=self._write, name="textgen-engine-writer", daemon=True).start()
@@ -164,12 +173,15 @@ class ProcessScheduler:
 
     @property
     def _waiting(self) -> int:
-        """Requests queued in the engine process as of its latest output, and those sent since."""
-        return self._ready.snapshot.waiting + self._sent - self._received
+        """Requests queued in the engine process as of its latest output, and those sent since (read by the
+        metrics' thread too). One admitted by the step now running counts until that step ends: the engine
+        process tells only then."""
+        latest = self._ready.latest
+        return latest.snapshot.waiting + self._sent - latest.received
 
     def snapshot(self) -> SchedulerSnapshot:
         """The engine process's scheduler after its latest step (the queue counts what was sent since)."""
-        latest = self._ready.snapshot
+        latest = self._ready.latest.snapshot
         outcomes = dict(latest.outcomes)
         if self._rejected:
             outcomes["rejected"] = outcomes.get("rejected", 0) + self._rejected
@@ -237,8 +249,7 @@ class ProcessScheduler:
         if self._metrics is not None:
             replay(self._metrics, output.metric_calls)
         self._steps.extend(output.steps)
-        self._ready.snapshot = output.snapshot
-        self._received = output.received
+        self._ready.latest = _Latest(output.snapshot, output.received)
         self._handles.deliver(output.outcomes)
 
     def _on_closed(self) -> None:

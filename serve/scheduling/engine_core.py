@@ -85,8 +85,8 @@ class MetricRecorder:
     def on_speculation_done(self, acceptance: float) -> None:
         self.calls.append(("on_speculation_done", (acceptance,)))
 
-    def set_load(self, running: int, waiting: int, kv_used: int, kv_capacity: int) -> None:
-        self.calls.append(("set_load", (running, waiting, kv_used, kv_capacity)))
+    def set_load(self, running: int, kv_used: int, kv_capacity: int) -> None:
+        self.calls.append(("set_load", (running, kv_used, kv_capacity)))
 
     def take(self) -> list[MetricCall]:
         calls, self.calls = self.calls, []

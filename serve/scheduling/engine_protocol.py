@@ -4,7 +4,7 @@ model. The planner reads only `EngineView`, so the admission policy is tested wi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import tokenizers
@@ -78,4 +78,12 @@ class EngineMetrics(Protocol):
     def on_constraint_compiled(self, seconds: float) -> None: ...
     def on_speculated(self, proposed: int, accepted: int) -> None: ...
     def on_speculation_done(self, acceptance: float) -> None: ...
-    def set_load(self, running: int, waiting: int, kv_used: int, kv_capacity: int) -> None: ...
+    def set_load(self, running: int, kv_used: int, kv_capacity: int) -> None: ...
+
+
+class SchedulerMetrics(EngineMetrics, Protocol):
+    """The metrics a scheduler on the server's side reports to: the engine's hooks, and the queue's length,
+    read whenever the metrics are scraped (set between engine steps, it would go stale while a long step
+    runs and miss the requests that arrived meanwhile)."""
+
+    def watch_waiting(self, waiting: Callable[[], int]) -> None: ...

@@ -211,8 +211,10 @@ class BatchRunner:
 
     @property
     def waiting(self) -> int:
-        """Queued requests, those whose constraint still compiles included."""
-        return len(self._waiting) + len(self._compiling)
+        """Queued requests, those whose constraint still compiles included (any thread: a compile that ends
+        moves its request between the two under the lock)."""
+        with self._cv:
+            return len(self._waiting) + len(self._compiling)
 
     def count(self, outcome: str) -> None:
         with self._stats_lock:
@@ -557,9 +559,7 @@ class BatchRunner:
             sum(t.reserved_tokens for t in running),
         )
         if self._metrics is not None:
-            self._metrics.set_load(
-                self._load.running, len(self._waiting), self._load.batch_size, self.engine.max_batch_size
-            )
+            self._metrics.set_load(self._load.running, self._load.batch_size, self.engine.max_batch_size)
 
 
 class _Taken(NamedTuple):

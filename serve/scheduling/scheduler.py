@@ -16,7 +16,7 @@ from typing import Protocol
 
 from serve.engine.engine import open_engine
 from serve.engine.types import EngineInfo
-from serve.scheduling.engine_protocol import BatchEngine, EngineMetrics
+from serve.scheduling.engine_protocol import BatchEngine, SchedulerMetrics
 from serve.scheduling.handles import HandleTable, RequestHandle
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.messages import EngineSpec
@@ -51,11 +51,16 @@ class Scheduler:
     """Continuous batching on one engine thread; `submit` and the handles live on the event loop."""
 
     def __init__(
-        self, engine: BatchEngine, limits: SchedulerLimits | None = None, metrics: EngineMetrics | None = None
+        self,
+        engine: BatchEngine,
+        limits: SchedulerLimits | None = None,
+        metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.limits = (limits or SchedulerLimits()).resolve(engine)
         self._engine = engine
         self._runner = BatchRunner(engine, self.limits, metrics)
+        if metrics is not None:
+            metrics.watch_waiting(lambda: self._runner.waiting)
         self._handles = HandleTable()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -134,7 +139,7 @@ class Scheduler:
 
 
 async def open_in_thread(
-    spec: EngineSpec, metrics: EngineMetrics | None = None
+    spec: EngineSpec, metrics: SchedulerMetrics | None = None
 ) -> tuple[Scheduler, EngineInfo]:
     """The engine built and warmed up in this process, and a started `Scheduler` over it (the in-process
     twin of `ProcessScheduler`, built from the same spec; `spec.cpus` is not used here)."""

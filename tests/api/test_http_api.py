@@ -507,6 +507,31 @@ def test_openapi_describes_the_generation_routes_answers(base: str) -> None:
         assert "text/event-stream" in schema["paths"][path]["post"]["responses"]["200"]["content"], path
 
 
+def test_openapi_states_the_lengths_the_routes_check(base: str) -> None:
+    """An empty prompt, chat or Responses input, and too many prompts, are refused (ERRORS above, with the
+    routes' own messages) and the schema says so: a client or a fuzzer built from it knows."""
+    schema = httpx.get(f"{base}/openapi.json", timeout=10).json()
+
+    def field(path: str, name: str) -> dict[str, Any]:
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        return schema["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]["properties"][name]
+
+    text = {"type": "string", "minLength": 1}
+    ids = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+    prompts = {"type": "array", "minItems": 1, "maxItems": 64}
+    assert field("/v1/completions", "prompt")["anyOf"] == [
+        text,
+        {**prompts, "items": text},
+        ids,
+        {**prompts, "items": ids},
+    ]
+    assert field("/v1/chat/completions", "messages")["minItems"] == 1
+    assert field("/tokenize", "messages")["anyOf"][0]["minItems"] == 1
+    string, items = field("/v1/responses", "input")["anyOf"]
+    assert string == {"type": "string"} and items["minItems"] == 1  # "" is a user message of its own
+    assert "minItems" not in field("/detokenize", "tokens")  # no ids decode to "" (the tokenize test)
+
+
 def test_the_body_is_json_whatever_its_content_type(base: str) -> None:
     body = json.dumps({"prompt": PROMPT, "max_tokens": 2})
     for content_type in ("application/x-www-form-urlencoded", "text/plain"):  # curl -d, a bare client
@@ -642,7 +667,8 @@ def test_a_client_that_leaves_a_streamed_response_cancels_it(base: str, server: 
     headers = {"X-Request-Id": "slow-responses"}
     with httpx.stream("POST", f"{base}/v1/responses", json=body, headers=headers) as r:
         assert r.status_code == 200
-        next(line for line in r.iter_lines() if line == "event: response.in_progress")
+        # response.created goes out at submission: the first token says the request is running.
+        next(line for line in r.iter_lines() if line == "event: response.output_text.delta")
         assert server.snapshot().running == 1
     snapshot = server.wait_idle(5.0)  # closing the connection freed its row
     assert snapshot.running == 0 and snapshot.kv_slots_used == 0

@@ -75,7 +75,8 @@ def exercise(m: Metrics) -> None:
     m.on_finished("eos", 7, 9, 4)
     m.on_step("prefill", 3, 0.25, 0.02)
     m.on_step("decode", 3, 0.0, 0.01)
-    m.set_load(running=3, waiting=1, kv_used=3, kv_capacity=8)
+    m.set_load(running=3, kv_used=3, kv_capacity=8)
+    m.watch_waiting(lambda: 1)
     m.on_request_done("Generate", "OK", 0.4)
     m.set_ready(True)
     m.set_model_info("demo", "float32", "none", "CPUExecutionProvider")
@@ -182,21 +183,27 @@ def test_unbounded_label_values_are_refused(metrics: Metrics, call, message: str
 
 
 def test_gauges_follow_load_and_return_to_zero(metrics: Metrics) -> None:
-    metrics.set_load(running=4, waiting=7, kv_used=4, kv_capacity=16)
+    queue = [7]
+    metrics.watch_waiting(lambda: queue[0])
+    metrics.set_load(running=4, kv_used=4, kv_capacity=16)
     assert value(metrics, "textgen_requests_waiting") == 7
     assert value(metrics, "textgen_kv_cache_slots_capacity") == 16
-    metrics.set_load(running=0, waiting=0, kv_used=0, kv_capacity=16)
+    queue[0] = 0  # read at the scrape: no hook call in between
+    metrics.set_load(running=0, kv_used=0, kv_capacity=16)
     for name in ("textgen_requests_running", "textgen_requests_waiting", "textgen_kv_cache_slots_used"):
         assert value(metrics, name) == 0
 
 
 def test_the_inference_gateways_names_repeat_the_load(metrics: Metrics) -> None:
-    metrics.set_load(running=4, waiting=7, kv_used=4, kv_capacity=16)
+    queue = [7]
+    metrics.watch_waiting(lambda: queue[0])
+    metrics.set_load(running=4, kv_used=4, kv_capacity=16)
     assert value(metrics, "textgen_kv_cache_usage_ratio") == 0.25
     assert value(metrics, "vllm:num_requests_waiting") == 7
     assert value(metrics, "vllm:num_requests_running") == 4
     assert value(metrics, "vllm:kv_cache_usage_perc") == value(metrics, "vllm:gpu_cache_usage_perc") == 0.25
-    metrics.set_load(running=0, waiting=0, kv_used=0, kv_capacity=0)
+    queue[0] = 0
+    metrics.set_load(running=0, kv_used=0, kv_capacity=0)
     for name in GATEWAY_ALIASES:
         assert value(metrics, name) == 0
     promtool = shutil.which("promtool")

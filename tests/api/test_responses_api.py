@@ -214,6 +214,7 @@ def test_text_format_json_schema_constrains_the_output(client: openai.OpenAI, mo
         ({"input": "x", "model": "gpt-5"}, 404, "the model 'gpt-5' does not exist"),
         ({"input": "x", "temperature": 9}, 400, "temperature"),
         ({}, 400, "input: Field required"),
+        ({"input": [], "instructions": "Be brief."}, 400, "input is empty: give a string, or at least one"),
         ({"input": []}, 400, "input is empty"),
         ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens = 0 generates nothing"),
         ({"input": "x", "max_output_tokens": 65}, 400, "max_output_tokens = 65 is above the server's cap"),

@@ -8,8 +8,10 @@ import contextlib
 import re
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -19,6 +21,7 @@ from running_server import RunningServer, loopback_settings
 from server_process import NOT_SERVING, SERVING, ServerProcess, health_status, run_serve
 from server_tools import LoopThread, free_port, rpc_error
 
+import serve.api.grpc_service
 import serve.api.lifecycle
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
@@ -98,6 +101,39 @@ def test_drain_fails_what_outlives_the_grace_period(loop: LoopThread, tiny_bundl
         error = rpc_error(lambda: stream)
         assert error.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in error.details()
         draining.result(30)
+
+
+def test_a_call_still_running_when_grpc_stops_is_unavailable_and_counted_so(
+    loop: LoopThread, tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC cancels what still runs at the end of its stop's grace: the client sees UNAVAILABLE (and retries
+    elsewhere), and the server logs and counts the call so, not as CANCELLED (the client's doing)."""
+    monkeypatch.setattr(serve.api.lifecycle, "STOP_GRACE_SECONDS", 0.2)
+    tokenizing = threading.Event()
+    prompt_ids = serve.api.grpc_service.prompt_ids
+
+    def slow_prompt_ids(*args: Any) -> list[int]:
+        tokenizing.set()
+        time.sleep(2)  # the whole drain happens meanwhile
+        return prompt_ids(*args)
+
+    monkeypatch.setattr(serve.api.grpc_service, "prompt_ids", slow_prompt_ids)
+    running = RunningServer(loop, loopback_settings(tiny_bundle, engine_process=False))
+    with grpc.insecure_channel(running.target) as channel:
+        call = pb_grpc.TextGenerationStub(channel).Generate.future(long_request(2))
+        assert tokenizing.wait(10)
+        loop.run(running.server.drain())
+        error = rpc_error(call.result)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+
+    def counted(code: str) -> float:
+        return running.metric("textgen_requests_total", rpc="Generate", code=code)
+
+    deadline = time.monotonic() + 5
+    while counted("UNAVAILABLE") + counted("CANCELLED") == 0:  # accounted as the cancelled handler unwinds
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert (counted("UNAVAILABLE"), counted("CANCELLED")) == (1, 0)
 
 
 # --- the process --------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import llguidance
 import numpy as np
 import pytest
 from llguidance.numpy import apply_token_bitmask_inplace
-from scheduler_fakes import fake, letter_tokenizer
+from scheduler_fakes import fake, hold_compiles, letter_tokenizer
 
 from serve.bundle import Bundle, load_bundle
 from serve.engine import constraints
@@ -476,21 +476,11 @@ def test_a_cancelled_constrained_request_frees_its_row_and_matcher(engine: Engin
 # --- the scheduler's side, on a fake engine (it ignores masks: only the bookkeeping is tested) --------------
 
 
-def _slow_compiles(monkeypatch: pytest.MonkeyPatch, gate: threading.Event) -> None:
-    real = ConstraintCompiler._compile
-
-    def held(self: ConstraintCompiler, constraint: Constraint) -> Any:
-        gate.wait(10)
-        return real(self, constraint)
-
-    monkeypatch.setattr(ConstraintCompiler, "_compile", held)
-
-
 def test_requests_wait_beside_the_queue_while_their_constraint_compiles(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     gate = threading.Event()
-    _slow_compiles(monkeypatch, gate)
+    hold_compiles(monkeypatch, gate)
     engine = fake(letter_tokenizer(), 0.0, max_batch_size=4)
     runner = BatchRunner(engine, SchedulerLimits(max_wait_seconds=0.0, max_queue=2).resolve(engine))
     prompt = [40, 41, 42]
@@ -515,7 +505,7 @@ def test_a_request_cancelled_while_its_constraint_compiles_never_runs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     gate = threading.Event()
-    _slow_compiles(monkeypatch, gate)
+    hold_compiles(monkeypatch, gate)
     engine = fake(letter_tokenizer(), 0.0)
     runner = BatchRunner(engine, SchedulerLimits(max_wait_seconds=0.0).resolve(engine))
     runner.enqueue(

@@ -125,6 +125,29 @@ def test_the_queue_bound_holds_here_and_a_cancel_reaches_the_engine_process(bund
     run(main)
 
 
+def test_the_queue_gauge_counts_what_was_sent_during_a_long_step(bundle: Bundle) -> None:
+    metrics = Metrics(new_registry())
+
+    def waiting() -> tuple[float | None, float | None]:
+        sample = metrics.registry.get_sample_value
+        return sample("textgen_requests_waiting"), sample("vllm:num_requests_waiting")
+
+    async def main() -> None:
+        scheduler = ProcessScheduler(spec(bundle, InjectedFaults(1.0), max_batch_size=1), metrics)
+        await scheduler.start()
+        try:
+            running = scheduler.submit(request("slow-running", [5, 6, 7], 3))
+            await running.__anext__()  # prefilled: each of its decode steps now takes a second
+            for i in range(2):
+                scheduler.submit(request(f"queued-{i}", [5, 6], 2))
+            assert waiting() == (2, 2)  # the engine process, inside a step, has not read them yet
+        finally:
+            await scheduler.drain(0.0)
+        assert waiting() == (0, 0)
+
+    run(main)
+
+
 def test_steps_without_outcomes_reach_the_server_together_and_none_is_lost(
     bundle: Bundle, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -210,7 +233,7 @@ def test_recorded_metric_calls_replay_as_the_same_exposition() -> None:
         metrics.on_token(0.012)
         metrics.on_finished("eos", 7, 9, 4)
         metrics.on_step("decode", 3, 0.1, 0.01)
-        metrics.set_load(3, 1, 3, 8)
+        metrics.set_load(3, 3, 8)
     replay(replayed, recorder.take())
     assert recorder.take() == []
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
-from scheduler_fakes import FakeEngine, Instrumented, fake
+from scheduler_fakes import FakeEngine, Instrumented, fake, hold_compiles
 from scheduler_runs import (
     EngineFactory,
     Reference,
@@ -24,6 +25,7 @@ from tokenizers import Tokenizer
 
 from serve.api.metrics import Metrics, new_registry
 from serve.bundle import Bundle
+from serve.engine.types import Constraint
 from serve.errors import QueueFull
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.request import Completion, RequestState, RequestTracker, TokenEvent
@@ -216,6 +218,38 @@ def test_metrics_hooks_and_load_snapshot(make_engine: EngineFactory) -> None:
     assert (snapshot.running, snapshot.waiting) == (0, 0)
     assert (snapshot.kv_slots_used, snapshot.kv_slots_capacity) == (0, 4)
     assert snapshot.kv_shape == engine.kv_shape() and snapshot.kv_shape[0] == 0
+
+
+def test_the_queue_gauge_counts_arrivals_during_a_long_step_and_compiling_requests(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiles = threading.Event()
+    hold_compiles(monkeypatch, compiles)
+    engine = fake(tokenizer)
+    engine.gate.clear()  # the first prefill holds the engine thread, as a long prompt's would
+    metrics = Metrics(new_registry())
+
+    def waiting() -> tuple[float | None, float | None]:
+        sample = metrics.registry.get_sample_value
+        return sample("textgen_requests_waiting"), sample("vllm:num_requests_waiting")
+
+    async def main() -> None:
+        scheduler = await started(engine, metrics=metrics)
+        first = scheduler.submit(request("first", prompt_of(3), max_new=2))
+        await until(lambda: bool(engine.calls))  # its prefill has begun
+        plain = scheduler.submit(request("plain", prompt_of(4), max_new=2))
+        regex = Constraint.regex("[a-c]+")
+        constrained = scheduler.submit(request("constrained", prompt_of(5), max_new=2, constraint=regex))
+        assert waiting() == (2, 2)  # no step has ended since they came
+        engine.gate.set()
+        await collect(plain)
+        assert waiting() == (1, 1)  # still compiling, so still waiting
+        compiles.set()
+        await asyncio.gather(collect(first), collect(constrained))
+        assert waiting() == (0, 0)
+        await scheduler.drain(1.0)
+
+    run(main)
 
 
 def test_illegal_state_transitions_are_refused(tokenizer: Tokenizer) -> None:

@@ -5,7 +5,7 @@ next token is a pure function of its own context (so any batching gives the same
 of single ASCII letters so that text is easy to reason about; it can speculate (`speculation`), giving each
 sequence several tokens a decode step. `Instrumented` wraps a fake or a real engine:
 it can slow steps down, hold them on a gate, make the next prefill/decode raise, and logs every call with the
-rows it ran on.
+rows it ran on. `hold_compiles` keeps requests' constraints compiling until a test lets them go.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import pytest
 from tokenizers import Tokenizer
 
 from export.tokenizer import EOS_ID, train_tokenizer
 from serve.engine.constraints import ConstraintCompiler, MaskStats
 from serve.engine.engine import Engine
-from serve.engine.types import NewSequence, TokenOut
+from serve.engine.types import Constraint, NewSequence, TokenOut
 
 LETTERS = string.ascii_lowercase[:12]
 
@@ -322,3 +323,14 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+def hold_compiles(monkeypatch: pytest.MonkeyPatch, gate: threading.Event) -> None:
+    """Every constraint's compile waits for `gate` (10 s at most): its request stays compiling until then."""
+    real = ConstraintCompiler._compile
+
+    def held(self: ConstraintCompiler, constraint: Constraint) -> Any:
+        gate.wait(10)
+        return real(self, constraint)
+
+    monkeypatch.setattr(ConstraintCompiler, "_compile", held)

@@ -19,7 +19,7 @@ always sent, null or not, is required.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import NotRequired, TypedDict
@@ -29,6 +29,17 @@ from serve.engine.sampling import MAX_TOP_LOGPROBS
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each takes n rows)
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+# What /openapi.json says of lengths the routes check themselves (translate.py, validation.py), so a client or
+# a fuzzer generated from the schema knows them. Said in the schema only: pydantic would refuse them first
+# in its own words (for the prompt, once per member of its union), not with the routes' messages, which name
+# the empty field.
+NOT_EMPTY = Field(json_schema_extra={"minLength": 1})
+AT_LEAST_ONE = Field(json_schema_extra={"minItems": 1})
+PROMPT_COUNT = Field(json_schema_extra={"minItems": 1, "maxItems": MAX_PROMPTS})
+Text = Annotated[str, NOT_EMPTY]
+TokenIds = Annotated[list[int], AT_LEAST_ONE]
+Prompt = Text | Annotated[list[Text], PROMPT_COUNT] | TokenIds | Annotated[list[TokenIds], PROMPT_COUNT]
 
 # --- requests -----------------------------------------------------------------------------------------------
 
@@ -82,9 +93,7 @@ class SamplingRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="a string, a list of strings, token ids, or a list of token-id lists"
-    )
+    prompt: Prompt = Field(description="a string, a list of strings, token ids, or a list of token-id lists")
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = Field(None, ge=1)
@@ -104,7 +113,7 @@ class TokenizeRequest(_Body):
 
     model: str | None = Field(None, description="the served model's name (GET /v1/models); default: it")
     prompt: str | None = Field(None, description="text to tokenize (give this or messages)")
-    messages: list[ChatMessage] | None = Field(
+    messages: Annotated[list[ChatMessage], AT_LEAST_ONE] | None = Field(
         None,
         description="a chat, rendered by the model's chat template with the assistant's generation prompt",
     )
@@ -122,7 +131,7 @@ class DetokenizeRequest(_Body):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], AT_LEAST_ONE]
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -136,7 +145,7 @@ class ChatCompletionRequest(SamplingRequest):
 class ResponsesRequest(SamplingFields):
     """OpenAI's Responses request, stateless: nothing is stored, so nothing can be continued."""
 
-    input: str | list[dict[str, Any]] = Field(
+    input: str | Annotated[list[dict[str, Any]], AT_LEAST_ONE] = Field(
         description="a user message, or message, function_call and function_call_output items"
     )
     instructions: str | None = Field(None, description="a system message before the input")

@@ -446,6 +446,8 @@ M = TypeVar("M", bound=BaseModel)
 def _input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     """`instructions` and the `input` items as the chat template's messages; consecutive function_call items
     are one assistant message with several calls, as chat has them."""
+    if body.input == []:  # nothing to answer, instructions or not (OpenAI refuses it too)
+        raise InvalidRequest("input is empty: give a string, or at least one item")
     messages = [template_message(0, "system", body.instructions)] if body.instructions else []
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
     for index, item in enumerate(items):
@@ -455,8 +457,6 @@ def _input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             previous["tool_calls"] = previous["tool_calls"] + message["tool_calls"]
         else:
             messages.append(message)
-    if not messages:
-        raise InvalidRequest("input is empty: give a string, or at least one item")
     return messages
 
 
