@@ -182,8 +182,8 @@ class Engine:
             )
         # A second session over the same weights: ONNX Runtime packs a copy of its own (docs/benchmarks.md).
         self._verifier = None if verifier is None else create_session(verifier, settings.session)
-        self._positions = self.speculation.num_tokens + 1  # what the verification graph scores per run
-        self._verify_binding: Any = None
+        self._positions = self.speculation.num_tokens + 1  # the most the verification graph scores a run
+        self._verify_bindings: dict[int, Any] = {}  # by the run's tokens
         self.proposer = proposer or PromptLookup(self.speculation.ngram_min, self.speculation.ngram_max)
         self._speculating: list[Pace] = []  # how each running row proposes, in row order
         # A speculating row returns the logits of its pending token and of each proposed one.
@@ -240,8 +240,8 @@ class Engine:
         set-up; run before the scheduler starts, so no metric counts it as a request."""
         warm = NewSequence(seq_id="warm-up", prompt_ids=[self.eos_token_id], sampling=SamplingParams())
         self.prefill([warm])
-        if self._verifier is not None and self.capacity > self._positions:
-            self._verify(1, np.full(self._positions, self.eos_token_id, np.int64))
+        if self._verifier is not None and self.capacity > 2:
+            self._verify(1, np.full(2, self.eos_token_id, np.int64))
         self.decode()
         self.release(["warm-up"])
 
@@ -474,14 +474,15 @@ class Engine:
         return self._emit(0, tokens, logprobs, self._sampling.alternatives, notes)
 
     def _proposal(self) -> np.ndarray:
-        """The tokens proposed after the one running row's pending token (empty: none). None while the slot
-        has no room for every position the verification run writes (padding included)."""
+        """The tokens proposed after the one running row's pending token (empty: none), no more than its
+        slot has room for: the run writes the keys and values of every proposed position."""
         pace = self._speculating[0]
         length = int(self._lengths[0])
-        if self.capacity - length < self._positions or not pace.ready():
+        room = min(pace.tokens, self.capacity - length - 1)
+        if room <= 0 or not pace.ready():
             return self._pending[:0]
         context = np.append(self._tokens[0, :length], self._pending[0])
-        return self.proposer.propose(context, pace.tokens)
+        return self.proposer.propose(context, room)
 
     def _speculate(self, proposal: np.ndarray) -> list[TokenOut]:
         """One run over the row's pending token and the proposal; then each position's token is sampled as a
@@ -491,10 +492,9 @@ class Engine:
         The keys and values of the rejected positions stay in the slot past the row's length, where the next
         run overwrites them (a row's cache is valid up to its length only)."""
         length, k = int(self._lengths[0]), len(proposal)
-        ids = np.full(self._positions, self.spec.pad_token_id, np.int64)  # a shorter proposal is padded
-        ids[0], ids[1 : k + 1] = self._pending[0], proposal
+        ids = np.concatenate([self._pending[:1], proposal])
         logits = self._verify(length, ids)
-        self._tokens[0, length : length + k + 1] = ids[: k + 1]
+        self._tokens[0, length : length + k + 1] = ids
         outs: list[TokenOut] = []
         for j in range(k + 1):
             tokens, logprobs, notes = self._pick(self._sampling, self._constraints, logits[j : j + 1], None)
@@ -510,10 +510,11 @@ class Engine:
     def _verify(self, length: int, ids: np.ndarray) -> np.ndarray:
         """The logits of each of `ids` appended to row 0's `length` tokens, by the verification graph."""
         assert self._verifier is not None
-        if self._verify_binding is None:
-            self._verify_binding = self._verifier.io_binding()
-            self._verify_binding.bind_ortvalue_output("logits", ortvalue(self._logits[: self._positions]))
-            self._kv.bind(self._verify_binding, slice(0, 1), chained_present_outputs(self._positions))
+        binding = self._verify_bindings.get(len(ids))
+        if binding is None:
+            binding = self._verify_bindings[len(ids)] = self._verifier.io_binding()
+            binding.bind_ortvalue_output("logits", ortvalue(self._logits[: len(ids)]))
+            self._kv.bind(binding, slice(0, 1), chained_present_outputs(self._positions))
         steps = np.arange(length, length + len(ids), dtype=np.int64)
         inputs = {
             "input_ids": ids[None],
@@ -523,9 +524,9 @@ class Engine:
             PICK_INDEX: np.arange(len(ids), dtype=np.int64),
         }
         for name, array in inputs.items():
-            self._verify_binding.bind_cpu_input(name, array)
+            binding.bind_cpu_input(name, array)
         try:
-            self._verifier.run_with_iobinding(self._verify_binding)
+            self._verifier.run_with_iobinding(binding)
         except Exception:  # as _run: the row may be half written
             self._untrusted.update(self._ids[:1])
             raise

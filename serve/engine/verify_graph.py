@@ -11,8 +11,9 @@ one query over the L + j + 1 keys a decode step would see. Every node's present 
 its own (`chained_present_outputs`) that the engine binds to the same KV row as the past input, so each
 node appends in place, as a decode step does, and no cache is copied.
 
-The graph takes `positions` tokens exactly (the engine pads a shorter proposal: the padding's keys and
-values land past the row's length, which the next run overwrites). The exported one-position-per-row gather
+The chain has `positions` nodes, the most a run scores; a run of fewer tokens S runs the projections on its S
+rows, and the chain's nodes past its last position repeat that position (the same keys and values written
+to the same place; their outputs are dropped). The exported one-position-per-row gather
 (`last_index`) becomes a flat one over `pick_index` (row * seq + position), so one run returns the logits
 of every proposed position, through the same norm and head as a decode step.
 
@@ -109,19 +110,12 @@ def _flat_gather(model: onnx.ModelProto, where: object) -> None:
 
 def _chain_attention(model: onnx.ModelProto, positions: int, where: object) -> None:
     """Each GroupQueryAttention node becomes `positions` one-position nodes chained through the KV row."""
-    from onnx import numpy_helper
-
     graph = model.graph
     attention = [node for node in graph.node if node.op_type == ATTENTION]
     if not attention:
         raise BundleError(f"{where}: speculation cannot rewrite this graph: it has no {ATTENTION}")
     seqlens, total = attention[0].input[5], attention[0].input[6]
-    # Position j of `positions` sees `back` = positions - 1 - j fewer tokens than the run's last position.
-    for j in range(positions - 1):
-        back = positions - 1 - j
-        graph.initializer.append(numpy_helper.from_array(np.array([back], np.int32), f"verify.back{j}"))
-        graph.initializer.append(numpy_helper.from_array(np.array(back, np.int32), f"verify.back{j}_scalar"))
-    nodes = _position_lengths(seqlens, total, positions)
+    nodes = _position_inputs(graph, seqlens, total, positions)
     outputs = []
     for node in graph.node:
         if node.op_type != ATTENTION:
@@ -139,14 +133,35 @@ def _chain_attention(model: onnx.ModelProto, positions: int, where: object) -> N
         value.name = name
 
 
-def _position_lengths(seqlens: str, total: str, positions: int) -> list[onnx.NodeProto]:
-    """seqlens_k and total_sequence_length of each position but the last (which the run's inputs give)."""
-    from onnx import helper
+def _position_inputs(
+    graph: onnx.GraphProto, seqlens: str, total: str, positions: int
+) -> list[onnx.NodeProto]:
+    """The run's S tokens (1 <= S <= positions) per chain node j: the position it takes, min(j, S - 1) (the
+    nodes past the run's last position repeat it: same keys and values to the same place, their output
+    dropped), and that position's seqlens_k and total_sequence_length (the run's, less S - 1 - j)."""
+    from onnx import TensorProto, helper, numpy_helper
 
-    nodes = []
-    for j in range(positions - 1):
-        nodes.append(helper.make_node("Sub", [seqlens, f"verify.back{j}"], [f"{seqlens}.pos{j}"]))
-        nodes.append(helper.make_node("Sub", [total, f"verify.back{j}_scalar"], [f"{total}.pos{j}"]))
+    def const(name: str, value: int) -> str:
+        graph.initializer.append(numpy_helper.from_array(np.array([value], np.int64), f"verify.{name}"))
+        return f"verify.{name}"
+
+    nodes = [
+        helper.make_node("Shape", ["input_ids"], ["verify.seq"], start=1, end=2),  # [S]
+        helper.make_node("Sub", ["verify.seq", const("one", 1)], ["verify.last"]),  # [S - 1]
+    ]
+    for j in range(positions):
+        take, back = f"verify.take{j}", f"verify.back{j}"
+        back32 = f"{back}_i32"
+        nodes += [
+            helper.make_node("Min", ["verify.last", const(f"j{j}", j)], [take]),
+            helper.make_node("Sub", ["verify.last", take], [back]),
+            helper.make_node("Cast", [back], [back32], to=TensorProto.INT32),
+            helper.make_node("Sub", [seqlens, back32], [f"{seqlens}.pos{j}"]),
+            helper.make_node("Squeeze", [back32], [f"{back32}_scalar"]),
+            helper.make_node("Sub", [total, f"{back32}_scalar"], [f"{total}.pos{j}"]),
+        ]
+    const("zero", 0)  # where each layer's cut of the chained outputs starts, and on which axis
+    const("axis1", 1)
     return nodes
 
 
@@ -158,23 +173,19 @@ def _chained(
 
     inputs = list(node.input)
     qkv, (past_key, past_value), rotary = inputs[:3], inputs[3:5], inputs[7:]
-    nodes, pieces = [], []
-    for name in qkv:  # packed q|k|v, or q, k and v apart (then each is split)
-        if not name:
-            pieces.append([""] * positions)
-            continue
-        split = [f"{name}.pos{j}" for j in range(positions)]
-        nodes.append(
-            helper.make_node("Split", [name], split, name=f"{name}.split", axis=1, num_outputs=positions)
-        )
-        pieces.append(split)
+    nodes = []
     present_key, present_value = node.output[1], node.output[2]
     extra: list[str] = []
     attended = []
     key, value = past_key, past_value
     for j in range(positions):
+        pieces = []
+        for name in qkv:  # packed q|k|v, or q, k and v apart
+            piece = f"{name}.pos{j}" if name else ""
+            if name:
+                nodes.append(helper.make_node("Gather", [name, f"verify.take{j}"], [piece], axis=1))
+            pieces.append(piece)
         last = j == positions - 1
-        lengths = [seqlens, total] if last else [f"{seqlens}.pos{j}", f"{total}.pos{j}"]
         keys = present_key if last else f"{present_key}.pos{j}"
         values = present_value if last else f"{present_value}.pos{j}"
         if not last:
@@ -182,7 +193,7 @@ def _chained(
         out = f"{node.output[0]}.pos{j}"
         step = helper.make_node(
             ATTENTION,
-            [*(piece[j] for piece in pieces), key, value, *lengths, *rotary],
+            [*pieces, key, value, f"{seqlens}.pos{j}", f"{total}.pos{j}", *rotary],
             [out, keys, values],
             name=f"{node.name}.pos{j}",
             domain=node.domain,
@@ -191,5 +202,9 @@ def _chained(
         nodes.append(step)
         attended.append(out)
         key, value = keys, values
-    nodes.append(helper.make_node("Concat", attended, [node.output[0]], name=f"{node.name}.concat", axis=1))
+    whole = f"{node.output[0]}.positions"
+    nodes.append(helper.make_node("Concat", attended, [whole], name=f"{node.name}.concat", axis=1))
+    # The run's own positions only: the projections after the attention run S rows, as before it.
+    cut = [whole, "verify.zero", "verify.seq", "verify.axis1"]
+    nodes.append(helper.make_node("Slice", cut, [node.output[0]], name=f"{node.name}.cut"))
     return nodes, extra
