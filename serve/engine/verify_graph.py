@@ -153,7 +153,7 @@ def _position_inputs(
         take, back = f"verify.take{j}", f"verify.back{j}"
         back32 = f"{back}_i32"
         nodes += [
-            helper.make_node("Min", ["verify.last", const(f"j{j}", j)], [take]),
+            helper.make_node("Min", ["verify.last", const(f"j{j}", j)], [take]),  # the position node j takes
             helper.make_node("Sub", ["verify.last", take], [back]),
             helper.make_node("Cast", [back], [back32], to=TensorProto.INT32),
             helper.make_node("Sub", [seqlens, back32], [f"{seqlens}.pos{j}"]),
@@ -162,6 +162,12 @@ def _position_inputs(
         ]
     const("zero", 0)  # where each layer's cut of the chained outputs starts, and on which axis
     const("axis1", 1)
+    # Each layer's q, k, v pieces: [1, S, d] padded to [1, positions, d] by repeating the last position.
+    nodes += [
+        helper.make_node("Sub", [const("positions", positions), "verify.seq"], ["verify.short"]),
+        helper.make_node("Concat", [const("pad0", 0), const("pad1", 0), const("pad2", 0), const("pad3", 0),
+                                    "verify.short", "verify.pad2"], ["verify.pads"], axis=0),
+    ]  # fmt: skip
     return nodes
 
 
@@ -178,13 +184,17 @@ def _chained(
     extra: list[str] = []
     attended = []
     key, value = past_key, past_value
+    split: list[list[str]] = []
+    for name in qkv:  # packed q|k|v, or q, k and v apart
+        if not name:
+            split.append([""] * positions)
+            continue
+        padded, parts = f"{name}.padded", [f"{name}.pos{j}" for j in range(positions)]
+        nodes.append(helper.make_node("Pad", [name, "verify.pads"], [padded], mode="edge"))
+        nodes.append(helper.make_node("Split", [padded], parts, axis=1, num_outputs=positions))
+        split.append(parts)
     for j in range(positions):
-        pieces = []
-        for name in qkv:  # packed q|k|v, or q, k and v apart
-            piece = f"{name}.pos{j}" if name else ""
-            if name:
-                nodes.append(helper.make_node("Gather", [name, f"verify.take{j}"], [piece], axis=1))
-            pieces.append(piece)
+        pieces = [parts[j] for parts in split]
         last = j == positions - 1
         keys = present_key if last else f"{present_key}.pos{j}"
         values = present_value if last else f"{present_value}.pos{j}"
