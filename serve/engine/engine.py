@@ -221,6 +221,8 @@ class Engine:
         # GroupQueryAttention runs on CUDA anyway, so TensorRT gets only its engine cache and precision.
         trt = {k: v for k, v in bundle.tensorrt_options().items() if not k.startswith("trt_profile_")}
         session = replace(settings.session, tensorrt_options=trt)
+        if settings.speculation.enabled:  # sessions take turns: one's threads spinning on would slow the next
+            session = replace(session, spin_between_runs=False)
         settings = replace(settings, session=session)
         graph: str | InMemoryGraph = str(bundle.inplace_graph)
         if m.odd_rows_padded:  # only such a graph has pads to take out: no other is read before its session
