@@ -50,6 +50,7 @@ def test_model_info_says_what_is_on(running: RunningServer) -> None:
     with grpc.insecure_channel(running.target) as channel:
         info = pb_grpc.TextGenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest())
     assert (info.speculative, info.num_speculative_tokens) == ("ngram", 5)
+    assert info.batch_invariant  # a verification run computes what decode steps do (test_speculation.py)
 
 
 def test_a_speculated_completion_is_the_plain_one_and_is_counted(running: RunningServer) -> None:
