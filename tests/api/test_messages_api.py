@@ -204,7 +204,7 @@ def test_a_stop_sequence_ends_the_message(client: anthropic.Anthropic, model: st
     text = client.messages.create(**fields).content[0].text  # type: ignore[union-attr]
     # two characters the text first has after its start: the message stops before them
     sequence = next(text[i : i + 2] for i in range(1, len(text) - 1) if text.index(text[i : i + 2]) == i)
-    stopped = client.messages.create(**fields, stop_sequences=[sequence])
+    stopped = client.messages.create(**fields, stop_sequences=["never said", sequence])
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == sequence
     assert stopped.content[0].text == text[: text.index(sequence)]  # type: ignore[union-attr]
 

@@ -5,6 +5,7 @@ by choice, item by item, block by block."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from serve.api.openai.messages import MessagesRenderer
 from serve.api.openai.protocol import ResponsesRequest
 from serve.api.openai.responses import ResponsesRenderer
 from serve.api.openai.serving import ChunkRenderer
-from serve.api.openai.translate import ChatPlan, CompletionPlan, MessagesPlan, Prompt, ResponsesPlan
+from serve.api.openai.translate import ChatPlan, CompletionPlan, Prompt, ResponsesPlan
 from serve.api.tool_calls import NamedToolChoice, Tool, ToolPlan, tool_plan
 from serve.engine.sampling import Alternatives, SamplingParams
 from serve.errors import EngineFailure
@@ -272,11 +273,11 @@ def test_a_failed_stream_ends_with_response_failed() -> None:
 # --- /v1/messages -------------------------------------------------------------------------------------------
 
 
-def messages_plan(tools: ToolPlan, stop_sequences: list[str] | None = None) -> MessagesPlan:
-    return MessagesPlan([PROMPT], requests(1), 1, True, False, None, tools, False, stop_sequences or [])
+def messages_plan(tools: ToolPlan) -> ChatPlan:
+    return ChatPlan([PROMPT], requests(1), 1, True, False, None, tools, False)
 
 
-def streamed_message(plan: MessagesPlan, events: list[Event]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def streamed_message(plan: ChatPlan, events: list[Event]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The whole body and the stream's events, each from a renderer of its own."""
     done = Completion("rid")
     for event in events:
@@ -359,11 +360,16 @@ def test_an_output_of_nothing_has_no_blocks() -> None:
     assert body["content"] == [] and assembled(streamed) == body
 
 
-@pytest.mark.parametrize(("sequences", "named"), [(["fox"], "fox"), (["fox", "dog"], None)])
-def test_a_stop_string_is_a_stop_sequence(sequences: list[str], named: str | None) -> None:
-    plan = messages_plan(tool_plan(None, None, None), sequences)
-    body, streamed = streamed_message(plan, [tokens(" brown ", scored=False), finish("stop", 2)])
-    assert (body["stop_reason"], body["stop_sequence"]) == ("stop_sequence", named)
+@pytest.mark.parametrize(
+    ("stop_string", "stop"), [("fox", ("stop_sequence", "fox")), (None, ("end_turn", None))]
+)
+def test_a_stop_string_is_the_stop_sequence(stop_string: str | None, stop: tuple[str, str | None]) -> None:
+    """A stop string, named; a stop token id (vLLM's stop_token_ids) is the end of the turn."""
+    stopped = replace(finish("stop", 2), stop_string=stop_string)
+    body, streamed = streamed_message(
+        messages_plan(tool_plan(None, None, None)), [tokens(" brown ", scored=False), stopped]
+    )
+    assert (body["stop_reason"], body["stop_sequence"]) == stop
     assert assembled(streamed) == body
 
 

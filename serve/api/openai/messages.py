@@ -21,11 +21,11 @@ from serve.api.openai.logprobs import Vocabulary
 from serve.api.openai.messages_protocol import MessageObject, MessagesUsage, StopReason, TextOut, ToolUseOut
 from serve.api.openai.request_events import plan_usage
 from serve.api.openai.serving import Renderer, finish_reason
-from serve.api.openai.translate import MessagesPlan
+from serve.api.openai.translate import ChatPlan
 from serve.api.tool_calls import Reply, ToolPlan
 from serve.scheduling.request import Completion, Event, FinishEvent
 
-# Reply's finish reasons (OpenAI's) as Anthropic's stop reasons; a stop string is told apart by the plan.
+# Reply's finish reasons (OpenAI's) as Anthropic's stop reasons; a stop string is told apart by its finish.
 STOP_REASONS: dict[str, StopReason] = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 Block = TextOut | ToolUseOut
 Stop = tuple[StopReason, str | None]  # the stop reason and stop sequence
@@ -128,10 +128,10 @@ class _Content:
         return {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
 
 
-class MessagesRenderer(Renderer[MessagesPlan]):
+class MessagesRenderer(Renderer[ChatPlan]):
     prefix = "msg_"
 
-    def __init__(self, plan: MessagesPlan, model: str, request_id: str, vocab: Vocabulary) -> None:
+    def __init__(self, plan: ChatPlan, model: str, request_id: str, vocab: Vocabulary) -> None:
         super().__init__(plan, model, request_id, vocab)
         self._content = _Content(plan.tools)  # a stream's, as it goes
         self._stop: Stop | None = None  # a stream's, once it finished
@@ -179,12 +179,11 @@ class MessagesRenderer(Renderer[MessagesPlan]):
         """Anthropic's server-sent events: each names its type in an `event:` line too."""
         return [f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events]
 
-    def _stop_reason(self, reason: str, finish: FinishEvent) -> Stop:
-        """Anthropic's stop reason and stop sequence. The engine says a stop string ended the text, not
-        which: the sequence is named when the request gave one."""
-        if reason == "stop" and finish.finish_reason == "stop" and self.plan.stop_sequences:
-            sequences = self.plan.stop_sequences
-            return "stop_sequence", sequences[0] if len(sequences) == 1 else None
+    @staticmethod
+    def _stop_reason(reason: str, finish: FinishEvent) -> Stop:
+        """Anthropic's stop reason and stop sequence, from Reply's reason and the finish."""
+        if reason == "stop" and finish.stop_string is not None:
+            return "stop_sequence", finish.stop_string
         return STOP_REASONS[reason], None
 
     def _usage(self, finish: FinishEvent) -> MessagesUsage:

@@ -131,13 +131,6 @@ class ResponsesPlan(ChatPlan):
     context_length: int  # the model's: an output cut short there is incomplete for its own reason
 
 
-@dataclass
-class MessagesPlan(ChatPlan):
-    """An Anthropic Messages request served as the chat it means (one choice, no logprobs)."""
-
-    stop_sequences: list[str]  # a stop among them is the answer's stop_sequence
-
-
 async def completion_plan(
     body: CompletionRequest, model: LoadedModel, max_n: int, record: CallRecord
 ) -> CompletionPlan:
@@ -215,18 +208,17 @@ async def messages_prompt(
     return await _chat_prompt(_anthropic_messages(body), tools, model, record), tools
 
 
-async def messages_plan(body: MessagesRequest, model: LoadedModel, record: CallRecord) -> MessagesPlan:
-    """A Messages request as the chat it means: a forced tool call constrained as chat's, `stop_sequences`
-    beside vLLM's `stop`. `record.prompt` as chat_plan sets it."""
+async def messages_plan(body: MessagesRequest, model: LoadedModel, record: CallRecord) -> ChatPlan:
+    """A Messages request as the chat it means (one choice, no logprobs): a forced tool call constrained as
+    chat's, `stop_sequences` beside vLLM's `stop`. `record.prompt` as chat_plan sets it."""
     prompt, tools = await messages_prompt(body, model, record)
     constraint = tools.constraint()
     options = _options(body, body.max_tokens, constraint, logprobs=False, top_logprobs=0)
-    stop_sequences = list(body.stop_sequences or ())
-    options = replace(options, stop=[*options.stop, *stop_sequences])
+    options = replace(options, stop=[*options.stop, *(body.stop_sequences or ())])
     stream = bool(body.stream)
     requests = _requests([prompt], options, 1, model, record.request_id, stream)
     label = _chat_label(constraint, tools)
-    return MessagesPlan([prompt], requests, 1, stream, False, label, tools, False, stop_sequences)
+    return ChatPlan([prompt], requests, 1, stream, False, label, tools, False)
 
 
 def _tool_plan(
