@@ -24,6 +24,8 @@ from running_server import RunningServer
 from server_tools import LoopThread
 from test_http_tools import WEATHER, serve_with_template
 
+from serve.api.openai.messages import MessagesRenderer
+
 TOKEN = "s3cret"
 SYSTEM = "You answer briefly."
 TOOL: Any = {"name": "weather", "description": "A forecast", "input_schema": WEATHER}
@@ -131,6 +133,27 @@ def test_the_stream_is_anthropics_events_in_order(server: RunningServer, model: 
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert events[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     assert events[-2]["usage"]["output_tokens"] == 6
+
+
+def test_a_waiting_stream_pings(
+    client: anthropic.Anthropic, server: RunningServer, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(MessagesRenderer, "keepalive_seconds", 0.01)  # each slow step takes 0.05 s
+    body = {"model": model, "messages": OSLO, "max_tokens": 4, "temperature": 0, "stream": True}
+    headers = {"x-api-key": TOKEN, "X-Request-Id": "slow-pings"}
+    reply = httpx.post(f"{server.http_base}/v1/messages", json=body, headers=headers, timeout=30)
+    kinds = [line.removeprefix("event: ") for line in reply.text.splitlines() if line.startswith("event: ")]
+    first_delta = kinds.index("content_block_delta")
+    assert kinds.count("ping") > 2 and "ping" in kinds[first_delta:]  # between the tokens too
+    assert kinds[-2:] == ["message_delta", "message_stop"]
+    with client.messages.stream(
+        model=model,
+        messages=OSLO,
+        max_tokens=4,
+        extra_body=GREEDY,
+        extra_headers={"X-Request-Id": "slow-sdk"},
+    ) as stream:
+        assert stream.get_final_message().usage.output_tokens == 4  # the SDK skips the pings
 
 
 def test_a_tool_use_round_trip(client: anthropic.Anthropic, chat: openai.OpenAI, model: str) -> None:

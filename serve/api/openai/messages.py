@@ -2,7 +2,8 @@
 
 The request is served as the chat it means (translate.py `messages_plan`), and its text is read as its tools
 say (serve/api/tool_calls.py `Reply`) into content blocks: text, and tool_use. A stream opens with
-message_start and a ping as soon as the request is submitted, before its first token; then each block is
+message_start and a ping as soon as the request is submitted, before its first token (and a ping each
+keepalive_seconds it waits for the engine); then each block is
 started (content_block_start), grows (content_block_delta: text_delta, input_json_delta) and is stopped
 (content_block_stop), one at a time; message_delta carries the stop reason and the usage, message_stop ends
 it. A failure after it began is an `error` event. The whole body is the same content read from the whole
@@ -130,6 +131,7 @@ class _Content:
 
 class MessagesRenderer(Renderer[ChatPlan]):
     prefix = "msg_"
+    keepalive_seconds = 10.0
 
     def __init__(self, plan: ChatPlan, model: str, request_id: str, vocab: Vocabulary) -> None:
         super().__init__(plan, model, request_id, vocab)
@@ -173,6 +175,9 @@ class MessagesRenderer(Renderer[ChatPlan]):
     def failure(self, error: HttpError) -> list[str]:
         _, body = anthropic_error(error)
         return self._sse([body])
+
+    def keepalive(self) -> list[str]:
+        return self._sse([{"type": "ping"}])
 
     @staticmethod
     def _sse(events: list[dict[str, Any]]) -> list[str]:
