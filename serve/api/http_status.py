@@ -19,7 +19,7 @@ an oversized message).
 Anthropic's Messages API (/v1/messages) names the same errors its own way (`anthropic_error`): by status,
 invalid_request_error (400), authentication_error (401), not_found_error (404), request_too_large (413),
 rate_limit_error (429), overloaded_error (529, for a server that cannot take the request now: 503 here)
-and api_error for the rest.
+and api_error for the server's other faults.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ NOT_FOUND = (404, "invalid_request_error", "NOT_FOUND")
 TOO_LARGE = (413, "invalid_request_error", "RESOURCE_EXHAUSTED")
 
 
-# status -> Anthropic's (status, error type); any other status keeps its number as an api_error.
+# status -> Anthropic's (status, error type); any other keeps its number, an invalid_request_error if it is
+# the client's (4xx), an api_error if the server's.
 ANTHROPIC_ERRORS: dict[int, tuple[int, str]] = {
     400: (400, "invalid_request_error"),
     401: (401, "authentication_error"),
@@ -67,7 +68,8 @@ ANTHROPIC_ERRORS: dict[int, tuple[int, str]] = {
 
 def anthropic_error(error: HttpError) -> tuple[int, dict[str, Any]]:
     """The status and body of `error` in Anthropic's shape."""
-    status, kind = ANTHROPIC_ERRORS.get(error.status, (error.status, "api_error"))
+    other = "invalid_request_error" if error.status < 500 else "api_error"
+    status, kind = ANTHROPIC_ERRORS.get(error.status, (error.status, other))
     return status, {"type": "error", "error": {"type": kind, "message": error.message}}
 
 

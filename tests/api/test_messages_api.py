@@ -269,6 +269,11 @@ def test_errors_are_in_anthropics_shape(
         error = anthropic_error(anthropic.AuthenticationError("", response=reply, body=None))
         assert error["type"] == "authentication_error" and "x-api-key" in error["message"]
 
+    get = httpx.get(f"{server.http_base}/v1/messages", headers={"x-api-key": TOKEN})
+    assert get.status_code == 405
+    error = anthropic_error(anthropic.APIStatusError("", response=get, body=None))
+    assert error["type"] == "invalid_request_error"  # the client's error, whatever its status
+
     with pytest.raises(anthropic.BadRequestError) as misplaced:
         client.messages.count_tokens(
             model=model, messages=[{"role": "assistant", "content": [{"type": "image", "source": {}}]}]

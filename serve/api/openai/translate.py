@@ -618,6 +618,7 @@ def _blocks(
 
 
 def _result_text(result: ToolResultBlock) -> str:
+    """A tool result as a tool message's text; templates have no field for a failed call, so its text says."""
     text = result.content if isinstance(result.content, str) else "\n".join(b.text for b in result.content)
     return f"Error: {text}" if result.is_error else text
 
