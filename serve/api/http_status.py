@@ -15,6 +15,11 @@ The metric `code` is the gRPC status name of the same kind (`serve.api.grpc_stat
 `rpc` label. Two HTTP-only refusals have no ErrorKind: an unknown model or route (404, invalid_request_error,
 NOT_FOUND) and a body over the size limit (413, invalid_request_error, RESOURCE_EXHAUSTED, as gRPC refuses
 an oversized message).
+
+Anthropic's Messages API (/v1/messages) names the same errors its own way (`anthropic_error`): by status,
+invalid_request_error (400), authentication_error (401), not_found_error (404), request_too_large (413),
+rate_limit_error (429), overloaded_error (529, for a server that cannot take the request now: 503 here)
+and api_error for the server's other faults.
 """
 
 from __future__ import annotations
@@ -47,6 +52,25 @@ HTTP_STATUSES: dict[ErrorKind, tuple[int, str]] = {
 }
 NOT_FOUND = (404, "invalid_request_error", "NOT_FOUND")
 TOO_LARGE = (413, "invalid_request_error", "RESOURCE_EXHAUSTED")
+
+
+# status -> Anthropic's (status, error type); any other keeps its number, an invalid_request_error if it is
+# the client's (4xx), an api_error if the server's.
+ANTHROPIC_ERRORS: dict[int, tuple[int, str]] = {
+    400: (400, "invalid_request_error"),
+    401: (401, "authentication_error"),
+    404: (404, "not_found_error"),
+    413: (413, "request_too_large"),
+    429: (429, "rate_limit_error"),
+    503: (529, "overloaded_error"),  # draining or loading: Anthropic's clients retry an overloaded server
+}
+
+
+def anthropic_error(error: HttpError) -> tuple[int, dict[str, Any]]:
+    """The status and body of `error` in Anthropic's shape."""
+    other = "invalid_request_error" if error.status < 500 else "api_error"
+    status, kind = ANTHROPIC_ERRORS.get(error.status, (error.status, other))
+    return status, {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
 def http_error(exc: BaseException, request_id: str | None = None) -> HttpError:

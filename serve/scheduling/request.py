@@ -124,6 +124,7 @@ class FinishEvent:
     # A constrained request ended before its output matched the constraint in full (max_new_tokens, the
     # context, a stop string or stop token cut it short): the output is a prefix of a match, not one.
     constraint_incomplete: bool = False
+    stop_string: str | None = None  # the stop string that ended the text (finish_reason "stop")
 
 
 Event = TokenEvent | FinishEvent
@@ -408,6 +409,7 @@ class RequestTracker:
             ttft_seconds=_since(self.times.first_token, self.times.arrival),
             total_seconds=now - self.times.arrival,
             constraint_incomplete=self._constrained and not self._matching,
+            stop_string=self._text.stop_string,
         )
 
     def _move(self, new: RequestState) -> None:

@@ -73,7 +73,7 @@ class TextStream:
         self._prefix_text = ""  # the window's tokens before the read offset, decoded
         self._held = ""  # decoded text that could begin a stop string
         self._emitted: list[str] = []
-        self._stopped = False
+        self._matched: str | None = None  # the stop string that ended the sequence
         self._flushed = False
 
     @property
@@ -84,13 +84,18 @@ class TextStream:
     @property
     def stopped(self) -> bool:
         """True once a stop string matched."""
-        return self._stopped
+        return self._matched is not None
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that matched (None while none has)."""
+        return self._matched
 
     def push(self, token_id: int) -> TextDelta:
         """Add the next token; returns the text it releases (possibly empty)."""
         if self._flushed:
             raise RuntimeError("push() after flush(): the stream is finished")
-        if self._stopped:
+        if self.stopped:
             return TextDelta("", True)
         if not 0 <= token_id < self._vocab_size:
             raise ValueError(
@@ -104,7 +109,7 @@ class TextStream:
 
     def flush(self) -> str:
         """End of sequence: release what was held back (an incomplete character is emitted as U+FFFD)."""
-        if self._flushed or self._stopped:
+        if self._flushed or self.stopped:
             self._flushed = True
             return ""
         self._flushed = True
@@ -140,7 +145,7 @@ class TextStream:
         match = self._first_stop(buffer)
         if match is not None:
             cut, stop = match
-            self._stopped = True
+            self._matched = stop
             self._held = ""
             return self._emit(buffer[: cut + len(stop) if self._include_stop else cut], stopped=True)
         keep = 0 if final else self._stop_prefix_length(buffer)

@@ -39,7 +39,15 @@ def test_no_server_errors(fuzzed: RunningServer) -> None:
     base = f"http://127.0.0.1:{fuzzed.server.http_port}"
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    routes = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize")
+    anthropic_routes = ("/v1/messages", "/v1/messages/count_tokens")
+    routes = (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/tokenize",
+        "/detokenize",
+        *anthropic_routes,
+    )
     assert {op.path for op in operations} >= {*routes, "/v1/models"}
     for operation in operations:
 
@@ -55,7 +63,13 @@ def test_no_server_errors(fuzzed: RunningServer) -> None:
             response = case.call(base_url=base, timeout=20)
             assert response.status_code < 500, (case.as_curl_command(), response.status_code, response.text)
             if response.status_code >= 400 and response.headers.get("content-type") == "application/json":
-                assert set(response.json()["error"]) == {"message", "type", "param", "code"}, response.text
+                body = response.json()
+                shape = (
+                    {"type", "message"}
+                    if case.path in anthropic_routes
+                    else {"message", "type", "param", "code"}
+                )
+                assert set(body["error"]) == shape, response.text
 
         call()
     scrape = fuzzed.server.metrics.exposition()

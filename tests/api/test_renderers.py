@@ -1,10 +1,11 @@
 """The generation routes' renderers without a server (serve/api/openai/completions.py, chat.py,
-responses.py): the same events rendered as one body and as a stream say the same thing, choice by choice,
-item by item."""
+responses.py, messages.py): the same events rendered as one body and as a stream say the same thing, choice
+by choice, item by item, block by block."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from serve.api.http_status import http_error
 from serve.api.openai.chat import ChatRenderer
 from serve.api.openai.completions import CompletionRenderer
 from serve.api.openai.logprobs import Vocabulary
+from serve.api.openai.messages import MessagesRenderer
 from serve.api.openai.protocol import ResponsesRequest
 from serve.api.openai.responses import ResponsesRenderer
 from serve.api.openai.serving import ChunkRenderer
@@ -266,3 +268,114 @@ def test_a_failed_stream_ends_with_response_failed() -> None:
     assert failed["error"] == error.body()["error"]  # what the openai SDK raises
     (message,) = failed["response"]["output"]
     assert message["status"] == "incomplete" and message["content"][0]["text"] == " brown"
+
+
+# --- /v1/messages -------------------------------------------------------------------------------------------
+
+
+def messages_plan(tools: ToolPlan) -> ChatPlan:
+    return ChatPlan([PROMPT], requests(1), 1, True, False, None, tools, False)
+
+
+def streamed_message(plan: ChatPlan, events: list[Event]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The whole body and the stream's events, each from a renderer of its own."""
+    done = Completion("rid")
+    for event in events:
+        done.add(event)
+    stream = MessagesRenderer(plan, "m", "rid", VOCAB)
+    messages = [*stream.opening(), *(m for event in events for m in stream.events(0, event))]
+    messages += stream.closing([done.finish])
+    return dict(MessagesRenderer(plan, "m", "rid", VOCAB).body([done])), sse_events(messages)
+
+
+def assembled(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The message a stream's events build, as Anthropic's SDK builds it; checks their order on the way."""
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta", "message_stop"]
+    message = dict(events[0]["message"])
+    message["content"], arguments, open_block = [], "", None
+    for event in events[2:-2]:
+        if event["type"] == "content_block_start":
+            assert open_block is None and event["index"] == len(message["content"])
+            open_block, arguments = event["index"], ""
+            message["content"].append(dict(event["content_block"]))
+            continue
+        assert event["index"] == open_block  # one block at a time
+        block = message["content"][open_block]
+        if event["type"] == "content_block_stop":
+            if block["type"] == "tool_use":
+                block["input"] = json.loads(arguments or "{}")
+            open_block = None
+        elif event["delta"]["type"] == "text_delta":
+            block["text"] += event["delta"]["text"]
+        else:
+            arguments += event["delta"]["partial_json"]
+    assert open_block is None
+    return {**message, **events[-2]["delta"], "usage": events[-2]["usage"]}
+
+
+def without_tool_ids(body: dict[str, Any]) -> dict[str, Any]:
+    """A message without the ids each renderer draws for its calls."""
+    content = [{k: v for k, v in block.items() if k != "id"} for block in body["content"]]
+    return {**body, "content": content}
+
+
+@pytest.mark.parametrize(("reason", "stop_reason"), [("eos", "end_turn"), ("length", "max_tokens")])
+def test_a_streamed_message_adds_up_to_the_whole_body(reason: str, stop_reason: str) -> None:
+    plan = messages_plan(tool_plan(None, None, None))
+    events: list[Event] = [tokens(" brown", scored=False), tokens(" fox", scored=False), finish(reason, 2)]
+    body, streamed = streamed_message(plan, events)
+    assert body["id"] == "msg_rid" and body["type"] == "message" and body["role"] == "assistant"
+    assert body["content"] == [{"type": "text", "text": " brown fox"}]
+    assert body["stop_reason"] == stop_reason and body["stop_sequence"] is None
+    usage = {"input_tokens": len(PROMPT.ids), "output_tokens": 2, "cache_read_input_tokens": 0}
+    assert body["usage"] == usage
+    assert assembled(streamed) == body
+
+
+def test_a_streamed_tool_use_adds_up_to_the_whole_body() -> None:
+    plan = messages_plan(tool_plan([WEATHER], NAMED, None))
+    arguments = [tokens('{"city": ', scored=False), tokens('"Oslo"}', scored=False)]
+    body, streamed = streamed_message(plan, [*arguments, finish("stop", 5)])
+    (block,) = body["content"]
+    assert block["type"] == "tool_use" and block["name"] == "weather" and block["input"] == {"city": "Oslo"}
+    assert body["stop_reason"] == "tool_use"
+    deltas = [e["delta"] for e in streamed if e["type"] == "content_block_delta"]
+    assert [d["partial_json"] for d in deltas] == ['{"city": ', '"Oslo"}']  # as they came
+    assert without_tool_ids(assembled(streamed)) == without_tool_ids(body)
+
+
+def test_text_then_calls_read_at_the_end_are_blocks_in_order() -> None:
+    plan = messages_plan(tool_plan([WEATHER], None, None))  # auto: Hermes blocks, read when the output ends
+    text = ["Sure. ", '<tool_call>{"name": "weather", ', '"arguments": {"city": "Oslo"}}</tool_call>']
+    body, streamed = streamed_message(plan, [*(tokens(t, scored=False) for t in text), finish("eos", 9)])
+    assert [block["type"] for block in body["content"]] == ["text", "tool_use"]
+    assert body["content"][0]["text"] == "Sure. " and body["content"][1]["input"] == {"city": "Oslo"}
+    assert body["stop_reason"] == "tool_use"
+    assert without_tool_ids(assembled(streamed)) == without_tool_ids(body)
+
+
+def test_an_output_of_nothing_has_no_blocks() -> None:
+    body, streamed = streamed_message(messages_plan(tool_plan(None, None, None)), [finish("eos", 0)])
+    assert body["content"] == [] and assembled(streamed) == body
+
+
+@pytest.mark.parametrize(
+    ("stop_string", "stop"), [("fox", ("stop_sequence", "fox")), (None, ("end_turn", None))]
+)
+def test_a_stop_string_is_the_stop_sequence(stop_string: str | None, stop: tuple[str, str | None]) -> None:
+    """A stop string, named; a stop token id (vLLM's stop_token_ids) is the end of the turn."""
+    stopped = replace(finish("stop", 2), stop_string=stop_string)
+    body, streamed = streamed_message(
+        messages_plan(tool_plan(None, None, None)), [tokens(" brown ", scored=False), stopped]
+    )
+    assert (body["stop_reason"], body["stop_sequence"]) == stop
+    assert assembled(streamed) == body
+
+
+def test_a_failed_message_stream_ends_with_an_error_event() -> None:
+    renderer = MessagesRenderer(messages_plan(tool_plan(None, None, None)), "m", "rid", VOCAB)
+    messages = [*renderer.opening(), *renderer.events(0, tokens(" brown", scored=False))]
+    error = http_error(EngineFailure("the engine failed"), "rid")
+    *_, failed = sse_events(messages + renderer.failure(error))
+    assert failed == {"type": "error", "error": {"type": "api_error", "message": error.message}}

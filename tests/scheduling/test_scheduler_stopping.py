@@ -36,8 +36,8 @@ def test_stop_eos_and_logprobs(tokenizer: Tokenizer) -> None:
         return stopped, eos
 
     stopped, eos = run(main)
-    assert stopped.finish_reason == "stop"
-    assert stopped.text == text[: text.index(stop)]
+    assert stopped.finish_reason == "stop" and stopped.finish is not None
+    assert stopped.text == text[: text.index(stop)] and stopped.finish.stop_string == stop
     assert eos.finish_reason == "eos"
     assert eos.token_ids == plain[:3] and eos.finish is not None and eos.finish.completion_tokens == 3
     assert eos.logprobs == [-0.5] * 3
@@ -59,6 +59,7 @@ def test_a_stop_token_ends_the_request_and_is_not_returned(tokenizer: Tokenizer)
     assert done.finish_reason == "stop" and done.token_ids == plain[:stop_at]
     assert done.text == tokenizer.decode(plain[:stop_at])
     assert done.finish is not None and done.finish.completion_tokens == stop_at
+    assert done.finish.stop_string is None  # a token, not a string
 
 
 def test_the_engine_is_told_to_ban_eos_and_stop_tokens_until_min_new_tokens(tokenizer: Tokenizer) -> None:

@@ -124,8 +124,17 @@ def test_text_that_may_begin_a_stop_string_is_held_until_settled(tokenizer: Toke
 
 
 def test_the_earliest_stop_string_wins(tokenizer: Tokenizer) -> None:
-    deltas = stream_all(tokenizer, tokenizer.encode("the lazy dog").ids, stop=("dog", "lazy", "zy d"))
+    stream = TextStream(tokenizer, ("dog", "lazy", "zy d"))
+    deltas = [stream.push(i) for i in tokenizer.encode("the lazy dog").ids]
     assert joined(deltas) == "the " and deltas[-1].stopped
+    assert stream.stop_string == "lazy"  # the one that ended it, for the API to name
+
+
+def test_no_stop_string_is_named_until_one_matches(tokenizer: Tokenizer) -> None:
+    stream = TextStream(tokenizer, ("dog",))
+    for i in tokenizer.encode("the lazy").ids:
+        stream.push(i)
+    assert stream.stop_string is None and not stream.stopped
 
 
 def test_a_multibyte_stop_string_split_across_tokens(tokenizer: Tokenizer) -> None:

@@ -4,17 +4,20 @@
     POST /v1/completions         prompt(s) as text or token ids; echo, logprobs, n, stream, ...
     POST /v1/chat/completions    messages rendered with the bundle's chat template (serve/api/chat.py)
     POST /v1/responses           OpenAI's Responses API, stateless: served as the chat it means (responses.py)
+    POST /v1/messages            Anthropic's Messages API, served as the chat it means (messages.py)
+    POST /v1/messages/count_tokens  the tokens of a Messages request's prompt
     POST /tokenize, /detokenize  a prompt's or a chat's token ids, and back
     GET  /health                 200 while serving, 503 while loading or draining (no token needed)
 
 It shares the gRPC front end's request core (serve/api/validation.py), error kinds (serve/api/http_status.py
-maps them), bearer token (`Authorization: Bearer ...`), metrics (the route is the `rpc` label) and drain.
+maps them), token (`Authorization: Bearer ...`, or Anthropic's `x-api-key`), metrics (the route is the `rpc`
+label) and drain.
 Handlers submit to the same scheduler directly, on the event loop. `X-Request-Id` is taken (or made) and
 echoed; it is the request id of the log line and of an INTERNAL error's message. A client that goes away
 cancels its request at the next engine step, streamed or not.
 
 The generation routes share one handler (`_generate`): the body's translation (translate.py) and its
-route's renderer (completions.py, chat.py, responses.py), run by serving.py's skeleton.
+route's renderer (completions.py, chat.py, responses.py, messages.py), run by serving.py's skeleton.
 """
 
 from __future__ import annotations
@@ -34,11 +37,21 @@ from serve.api.openai.completions import CompletionRenderer
 from serve.api.openai.errors import Accounting
 from serve.api.openai.front_door import FrontDoor
 from serve.api.openai.logprobs import Vocabulary
+from serve.api.openai.messages import MessagesRenderer
+from serve.api.openai.messages_protocol import (
+    AnthropicError,
+    MessageObject,
+    MessagesInput,
+    MessagesRequest,
+    TokenCount,
+)
 from serve.api.openai.paths import (
     CHAT,
     COMPLETIONS,
+    COUNT_TOKENS,
     DETOKENIZE,
     HEALTH,
+    MESSAGES,
     MODELS,
     REQUEST_ID_KEY,
     RESPONSES,
@@ -64,6 +77,8 @@ from serve.api.openai.translate import (
     chat_messages,
     chat_plan,
     completion_plan,
+    messages_plan,
+    messages_prompt,
     named_model,
     responses_plan,
 )
@@ -78,15 +93,23 @@ from serve.errors import Draining, InvalidRequest
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503, 504)
 }
+# The error statuses of /v1/messages and count_tokens, in Anthropic's shape (529: draining or loading).
+ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": AnthropicError} for status in (400, 401, 404, 413, 429, 500, 504, 529)
+}
 # With "stream": true the answer is server-sent events instead: `data: <JSON chunk>` lines, the chunks of the
 # route's object (an error object if it fails after it began), then `data: [DONE]`; /v1/responses sends typed
-# `event:` lines, response.created to response.completed, response.incomplete or response.failed.
+# `event:` lines, response.created to response.completed, response.incomplete or response.failed, and
+# /v1/messages Anthropic's, message_start to message_stop.
 STREAMED: dict[int | str, dict[str, Any]] = {
     200: {
         "description": 'the object, or with "stream": true server-sent events',
         "content": {"text/event-stream": {"schema": {"type": "string"}}},
     }
 }
+
+
+GenerationBody = CompletionRequest | ChatCompletionRequest | ResponsesRequest | MessagesRequest
 
 
 # --- the API ------------------------------------------------------------------------------------------------
@@ -168,6 +191,24 @@ class OpenAIApi:
             return await self._generate(RESPONSES, body, request)
 
         @app.post(
+            MESSAGES,
+            summary="Anthropic's Messages API: the assistant's next message",
+            response_model=MessageObject,
+            responses=STREAMED | ANTHROPIC_ERRORS,
+        )
+        async def messages(body: MessagesRequest, request: Request) -> Response:
+            return await self._generate(MESSAGES, body, request)
+
+        @app.post(
+            COUNT_TOKENS,
+            summary="the tokens of a Messages request's prompt",
+            response_model=TokenCount,
+            responses=ANTHROPIC_ERRORS,
+        )
+        async def count_tokens(body: MessagesInput, request: Request) -> Response:
+            return await self._answer(COUNT_TOKENS, request, self._count_tokens(body, request))
+
+        @app.post(
             TOKENIZE,
             summary="a prompt's or a chat's token ids",
             response_model=TokenizeResponse,
@@ -200,10 +241,8 @@ class OpenAIApi:
         }
 
     # -- the generation routes -----------------------------------------------------------------------------
-    async def _generate(
-        self, route: str, body: CompletionRequest | ChatCompletionRequest | ResponsesRequest, request: Request
-    ) -> Response:
-        """A completion, a chat or a response, accounted as `route`."""
+    async def _generate(self, route: str, body: GenerationBody, request: Request) -> Response:
+        """A completion, a chat, a response or a message, accounted as `route`."""
         record = self._record(route, request)
         try:
             model = named_model(self._state, body.model)
@@ -215,12 +254,7 @@ class OpenAIApi:
         except Exception as exc:
             return self._accounting.failed(record, exc)
 
-    async def _renderer(
-        self,
-        body: CompletionRequest | ChatCompletionRequest | ResponsesRequest,
-        model: LoadedModel,
-        record: CallRecord,
-    ) -> Renderer[Any]:
+    async def _renderer(self, body: GenerationBody, model: LoadedModel, record: CallRecord) -> Renderer[Any]:
         """The body's plan (its route's translation), in the renderer of its route's answers."""
         max_n, vocab = self._settings.max_n, self._vocabulary(model)
         if isinstance(body, CompletionRequest):
@@ -229,6 +263,9 @@ class OpenAIApi:
         if isinstance(body, ResponsesRequest):
             response = await responses_plan(body, model, record)
             return ResponsesRenderer(response, model.name, record.request_id, vocab)
+        if isinstance(body, MessagesRequest):
+            message = await messages_plan(body, model, record)
+            return MessagesRenderer(message, model.name, record.request_id, vocab)
         chat = await chat_plan(body, model, max_n, record)
         return ChatRenderer(chat, model.name, record.request_id, vocab)
 
@@ -272,6 +309,12 @@ class OpenAIApi:
         strs = [model.tokenizer.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
         limit = model.limits.context_length
         return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strs}
+
+    async def _count_tokens(self, body: MessagesInput, request: Request) -> TokenCount:
+        model = named_model(self._state, body.model)
+        counted = self._record(COUNT_TOKENS, request)  # the prompt's; _answer accounts the call
+        prompt, _ = await messages_prompt(body, model, counted)
+        return {"input_tokens": len(prompt.ids)}
 
     async def _detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         model = named_model(self._state, body.model)

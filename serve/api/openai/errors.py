@@ -1,5 +1,6 @@
-"""The HTTP API's calls accounted, and its error answers in OpenAI's shape: a route's own failures, and what
-FastAPI refuses before a route runs (an invalid body, an unknown path) or lets escape (a bug)."""
+"""The HTTP API's calls accounted, and its error answers in OpenAI's shape (Anthropic's on /v1/messages): a
+route's own failures, and what FastAPI refuses before a route runs (an invalid body, an unknown path) or lets
+escape (a bug)."""
 
 from __future__ import annotations
 
@@ -59,9 +60,7 @@ class Accounting:
         if error.code == "INTERNAL":
             log.error("request %s failed", record.request_id, exc_info=exc)
         self.account(record)
-        return JSONResponse(
-            error.body(param, code), status_code=error.status, headers={"X-Request-Id": record.request_id}
-        )
+        return error_response(error, record.request_id, record.rpc, param, code)
 
     async def _invalid_body(self, request: Request, exc: RequestValidationError) -> Response:
         errors = exc.errors()
@@ -77,7 +76,9 @@ class Accounting:
             message = f"{where or 'body'}: {first['msg']}{got}"
         record = CallRecord(rpc=request.url.path, request_id=request.scope.get(REQUEST_ID_KEY, ""))
         if record.rpc not in ROUTES:
-            return error_response(http_error(InvalidRequest(message)), record.request_id, where or None)
+            return error_response(
+                http_error(InvalidRequest(message)), record.request_id, record.rpc, where or None
+            )
         return self.failed(record, InvalidRequest(message), where or None)
 
     async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
@@ -90,9 +91,11 @@ class Accounting:
         if request.url.path in ROUTES:
             code = TOO_LARGE[2] if exc.status_code == 413 else error.code
             self.refused(request.url.path, code, exc.status_code, request_id)
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+        response = error_response(error, request_id, request.url.path)
+        response.headers.update(exc.headers or {})
+        return response
 
     async def _unexpected(self, request: Request, exc: Exception) -> Response:
         request_id = request.scope.get(REQUEST_ID_KEY, "")
         log.error("request %s failed", request_id, exc_info=exc)
-        return error_response(http_error(exc, request_id or None), request_id)
+        return error_response(http_error(exc, request_id or None), request_id, request.url.path)

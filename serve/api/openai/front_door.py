@@ -10,8 +10,9 @@ from fastapi import HTTPException as FastAPIHTTPException
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.api.http_status import TOO_LARGE, HttpError, http_error
+from serve.api.http_status import TOO_LARGE, HttpError, anthropic_error, http_error
 from serve.api.openai.paths import (
+    ANTHROPIC_ROUTES,
     HEALTH,
     REQUEST_ID_HEADER,
     REQUEST_ID_KEY,
@@ -29,14 +30,21 @@ class BodyTooLarge(FastAPIHTTPException):  # FastAPI's: its body reader re-raise
         super().__init__(413, f"the request body exceeds the server's limit of {limit} bytes")
 
 
-def error_response(error: HttpError, request_id: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error.body(param), status_code=error.status, headers={"X-Request-Id": request_id})
+def error_response(
+    error: HttpError, request_id: str, path: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    """`error` answered in the shape of the API `path` belongs to: OpenAI's, or Anthropic's."""
+    headers = {"X-Request-Id": request_id}
+    if path in ANTHROPIC_ROUTES:
+        status, body = anthropic_error(error)
+        return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error.body(param, code), status_code=error.status, headers=headers)
 
 
 class FrontDoor:
     """Pure ASGI, outermost: takes (or makes) the request id and echoes it, keeps the caller's trace context
-    when requests are traced, refuses a call without the bearer token (401) and a body over the limit (413),
-    before any routing or parsing."""
+    when requests are traced, refuses a call without the token (401; `Authorization: Bearer <token>`, or
+    Anthropic's `x-api-key: <token>`) and a body over the limit (413), before any routing or parsing."""
 
     def __init__(
         self,
@@ -48,7 +56,7 @@ class FrontDoor:
     ) -> None:
         self._app = app
         self._traced = traced
-        self._expected = None if token is None else f"Bearer {token}".encode()
+        self._token = None if token is None else token.encode()
         self._max_body = max_body
         self._on_refused = on_refused  # (route, metric code, HTTP status, request id)
 
@@ -69,18 +77,8 @@ class FrontDoor:
         scope[REQUEST_ID_KEY] = request_id
         if self._traced:
             take_trace_context((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"])
-        if refusal is None and self._expected is not None and path != HEALTH:
-            auth = headers.get(b"authorization")
-            if auth is None:
-                refused = Unauthenticated(
-                    "missing credentials: send the header 'Authorization: Bearer <token>'"
-                )
-                refusal = http_error(refused), "Authorization"
-            elif not hmac.compare_digest(auth, self._expected):  # constant time: no timing oracle
-                refusal = (
-                    http_error(Unauthenticated("invalid bearer token in the Authorization header")),
-                    None,
-                )
+        if refusal is None and self._token is not None and path != HEALTH:
+            refusal = self._unauthenticated(headers, self._token)
         length = headers.get(b"content-length")
         if refusal is None and length is not None and length.isdigit() and int(length) > self._max_body:
             status, kind, code = TOO_LARGE
@@ -90,13 +88,28 @@ class FrontDoor:
             error, param = refusal
             if path in ROUTES:
                 self._on_refused(path, error.code, error.status, request_id)
-            await error_response(error, request_id, param)(scope, receive, send)
+            await error_response(error, request_id, path, param)(scope, receive, send)
             return
         if path in ROUTES and scope["method"] == "POST":
             # The body is JSON whatever the Content-Type says (`curl -d` sends a form's type).
             raw = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
             scope = {**scope, "headers": [*raw, (b"content-type", b"application/json")]}
         await self._app(scope, self._counting(receive), self._echoing(send, request_id))
+
+    @staticmethod
+    def _unauthenticated(headers: dict[bytes, bytes], token: bytes) -> tuple[HttpError, str | None] | None:
+        """The refusal of a call without the token (None: it has it); either header may carry it."""
+        bearer, api_key = headers.get(b"authorization"), headers.get(b"x-api-key")
+        if bearer is None and api_key is None:
+            missing = "missing credentials: send 'Authorization: Bearer <token>' or 'x-api-key: <token>'"
+            return http_error(Unauthenticated(missing)), "Authorization"
+        # constant time: no timing oracle
+        if bearer is not None and hmac.compare_digest(bearer, b"Bearer " + token):
+            return None
+        if api_key is not None and hmac.compare_digest(api_key, token):
+            return None
+        wrong = "bearer token in the Authorization" if bearer is not None else "token in the x-api-key"
+        return http_error(Unauthenticated(f"invalid {wrong} header")), None
 
     def _counting(self, receive: Receive) -> Receive:
         seen = 0

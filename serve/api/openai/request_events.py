@@ -132,6 +132,26 @@ def plan_usage(
     return usage, (_merged_finish(done, prompt, cached) if done else None)
 
 
+async def with_keepalives(
+    events: AsyncIterator[tuple[int, Event]], seconds: float
+) -> AsyncIterator[tuple[int, Event] | None]:
+    """`events`, and None each time `seconds` pass without one (a queued request, a long prefill)."""
+    pending: asyncio.Future[tuple[int, Event]] | None = None
+    try:
+        while True:
+            pending = asyncio.ensure_future(events.__anext__())
+            while not (await asyncio.wait({pending}, timeout=seconds))[0]:
+                yield None
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()  # no effect once done
+
+
 async def first_event(events: AsyncIterator[tuple[int, Event]], request: Request) -> tuple[int, Event]:
     """The first event, unless the client goes away first (Cancelled)."""
     nxt = asyncio.ensure_future(events.__anext__())

@@ -1,12 +1,13 @@
-"""The one serving skeleton of /v1/completions, /v1/chat/completions and /v1/responses.
+"""The one serving skeleton of /v1/completions, /v1/chat/completions, /v1/responses and /v1/messages.
 
-A route's translation (translate.py) makes a `Plan`; its `Renderer` (completions.py, chat.py, responses.py)
-says what the answer looks like; `Serving.run` submits the plan's requests and answers when they are done,
-with the whole body, or as they go, with a stream of server-sent events. A stream begins with its first
-event, so a request refused before it (a drain, a failed prefill) gets its HTTP status and one whose client
-leaves while queued is cancelled, unless its renderer opens the stream at once (/v1/responses'
-response.created); an error after the stream began is the route's failure events, then the end of the
-stream. Either way the call is accounted once, when it ends.
+A route's translation (translate.py) makes a `Plan`; its `Renderer` (completions.py, chat.py, responses.py,
+messages.py) says what the answer looks like; `Serving.run` submits the plan's requests and answers when they
+are done, with the whole body, or as they go, with a stream of server-sent events. A stream begins with its
+first event, so a request refused before it (a drain, a failed prefill) gets its HTTP status and one whose
+client leaves while queued is cancelled, unless its renderer opens the stream at once (/v1/responses'
+response.created, /v1/messages' message_start); an error after the stream began is the route's failure
+events, then the end of the stream. Either way the call is accounted once, when it ends. A route may keep a
+quiet stream alive (/v1/messages pings while its request waits for the engine).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from serve.api.openai.request_events import (
     prepend,
     submit_all,
     until_done,
+    with_keepalives,
 )
 from serve.api.openai.translate import Plan
 from serve.api.state import ServingState
@@ -71,6 +73,7 @@ class Renderer(ABC, Generic[P]):
     HTTP status."""
 
     prefix: ClassVar[str]  # of the response's id
+    keepalive_seconds: ClassVar[float | None] = None  # a stream this long without events sends keepalive()
 
     def __init__(self, plan: P, model: str, request_id: str, vocab: Vocabulary) -> None:
         self.plan = plan
@@ -98,6 +101,10 @@ class Renderer(ABC, Generic[P]):
     @abstractmethod
     def failure(self, error: HttpError) -> list[str]:
         """The events that end a stream which failed after it began."""
+
+    def keepalive(self) -> list[str]:
+        """What a stream sends when it has waited keepalive_seconds for the engine (none by default)."""
+        return []
 
 
 class ChunkRenderer(Renderer[P]):
@@ -212,7 +219,12 @@ class Serving:
         try:
             if opening:
                 yield "".join(opening)
-            async for index, event in events:
+            quiet = renderer.keepalive_seconds
+            async for item in events if quiet is None else with_keepalives(events, quiet):
+                if item is None:
+                    yield "".join(renderer.keepalive())
+                    continue
+                index, event = item
                 if isinstance(event, FinishEvent):
                     finishes[index] = event
                 sent = renderer.events(index, event)
