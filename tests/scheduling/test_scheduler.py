@@ -111,6 +111,29 @@ def test_queue_full_is_refused_immediately(make_engine: EngineFactory) -> None:
     run(main)
 
 
+def test_the_priority_policy_serves_the_queue_by_priority_then_arrival(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=1)
+    engine.gate.clear()
+    order = [("b", 5), ("c", 1), ("d", 1), ("e", -3)]
+
+    async def main() -> None:
+        scheduler = await started(engine, SchedulerLimits(scheduling_policy="priority", max_queue=4))
+        running = scheduler.submit(request("a", prompt_of(3), max_new=2, priority=9))
+        await until(lambda: len(engine.calls) == 1)  # "a" is in the engine, held on the gate
+        queued = [scheduler.submit(request(r, prompt_of(3), max_new=2, priority=p)) for r, p in order]
+        # The queue limit counts every waiting request, whatever its priority.
+        with pytest.raises(QueueFull, match="queue is full"):
+            scheduler.submit(request("f", prompt_of(3), priority=-100))
+        engine.gate.set()
+        for handle in (running, *queued):
+            assert (await collect(handle)).finish_reason == "length"
+        await scheduler.drain(1.0)
+
+    run(main)
+    prefills = [rows for phase, rows in engine.calls if phase == "prefill"]
+    assert prefills == [["a"], ["e"], ["c"], ["d"], ["b"]]
+
+
 def test_max_batch_tokens_holds_in_every_step_and_a_long_prompt_is_served(make_engine: EngineFactory) -> None:
     engine = make_engine(max_batch_size=4, step_seconds=0.001)
     limits = SchedulerLimits(max_batch_tokens=96, max_wait_seconds=0.0)
