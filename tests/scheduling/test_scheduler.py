@@ -29,6 +29,7 @@ from serve.engine.types import Constraint
 from serve.errors import QueueFull
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.request import Completion, RequestState, RequestTracker, TokenEvent
+from serve.scheduling.runner import BatchRunner
 from serve.scheduling.scheduler import Scheduler
 
 
@@ -132,6 +133,25 @@ def test_the_priority_policy_serves_the_queue_by_priority_then_arrival(make_engi
     run(main)
     prefills = [rows for phase, rows in engine.calls if phase == "prefill"]
     assert prefills == [["a"], ["e"], ["c"], ["d"], ["b"]]
+
+
+def test_requests_are_counted_by_priority_clamped_to_the_labels_bound(tokenizer: Tokenizer) -> None:
+    engine, metrics = fake(tokenizer, max_batch_size=1), Metrics(new_registry())
+    runner = BatchRunner(engine, SchedulerLimits(scheduling_policy="priority").resolve(engine), metrics)
+    for rid, priority in (("a", 1000), ("b", -1), ("c", 12)):
+        runner.enqueue(runner.track(request(rid, prompt_of(3), max_new=2, priority=priority)))
+
+    def by_priority(kind: str) -> dict[str, float]:
+        family = next(
+            f for f in metrics.registry.collect() if f.name == f"textgen_requests_{kind}_by_priority"
+        )
+        return {s.labels["priority"]: s.value for s in family.samples if s.value}
+
+    runner.step()  # admits "b" alone: one row
+    assert (by_priority("waiting"), by_priority("running")) == ({"10": 2}, {"-1": 1})
+    while not runner.idle:
+        runner.step()
+    assert by_priority("waiting") == by_priority("running") == {}
 
 
 def test_max_batch_tokens_holds_in_every_step_and_a_long_prompt_is_served(make_engine: EngineFactory) -> None:
