@@ -120,6 +120,7 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
         include_prompt_logprobs=args.prompt_logprobs or args.prompt_top_logprobs > 0,
         prompt_top_logprobs=args.prompt_top_logprobs,
         constraint=constraint(args),
+        priority=args.priority,
     )
     if args.num_speculative_tokens is not None:
         request.num_speculative_tokens = args.num_speculative_tokens
@@ -291,6 +292,13 @@ def _positive_or_zero(text: str) -> int:
     return value
 
 
+def _int32(text: str) -> int:
+    value = int(text)
+    if not -(2**31) <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"must be a 32-bit integer, got {value}")
+    return value
+
+
 def _token_bias(text: str) -> tuple[int, float]:
     token, sep, bias = text.partition("=")
     try:
@@ -388,6 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_or_zero,
         default=None,
         help="on a speculating server: the most tokens proposed per step for this request (0: none)",
+    )
+    gen.add_argument(
+        "--priority",
+        type=_int32,
+        default=0,
+        help="on a server with --scheduling-policy priority: lower is admitted first (default 0)",
     )
     _constraint_options(gen)
     gen.add_argument("--request-id", default="")

@@ -103,6 +103,7 @@ def options(request: pb.GenerateRequest) -> GenerationOptions:
         speculative_tokens=(
             request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
         ),
+        priority=request.priority,
     )
 
 

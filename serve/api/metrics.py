@@ -5,7 +5,7 @@ instances and the server exposes exactly one registry on its own HTTP port (`sta
 
 The hooks are called from two places: the scheduler's engine thread (`on_admitted`, `on_first_token`,
 `on_token`, `on_finished`, `on_step`, `on_masks`, `on_constraint_compiled`, `on_speculated`,
-`on_speculation_done`, `set_load`) and the front
+`on_speculation_done`, `set_load`, `set_priorities`) and the front
 ends (`on_request_done`, `on_constrained`, `set_ready`, `set_model_info`). prometheus_client's metrics are
 thread-safe, so no locking is needed here. The queue's length is not a hook: the scheduler hands a function
 (`watch_waiting`) that every scrape calls, so the gauge counts the requests that arrived during a long engine
@@ -56,6 +56,8 @@ from prometheus_client import (
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
+
+from serve.scheduling.engine_protocol import PRIORITY_LABEL_BOUND, PriorityCounts
 
 FINISH_REASONS = ("length", "eos", "stop", "context")
 # Structured output's kinds (serve/engine/types.py ConstraintKind) and "tool": a call tool_choice forces.
@@ -338,6 +340,25 @@ class Metrics:
             name: Gauge(name, f"{source} under vLLM's name, for an inference gateway.", registry=reg)
             for name, source in GATEWAY_ALIASES.items()
         }
+        bound = PRIORITY_LABEL_BOUND
+        by_priority = f"by their priority (clamped to -{bound}..{bound}), as of the latest engine step."
+        self.waiting_by_priority = Gauge(
+            "textgen_requests_waiting_by_priority",
+            f"Requests queued {by_priority}",
+            ["priority"],
+            registry=reg,
+        )
+        self.running_by_priority = Gauge(
+            "textgen_requests_running_by_priority",
+            f"Requests in the running batch {by_priority}",
+            ["priority"],
+            registry=reg,
+        )
+        # Priority 0, every request's default, exists from the start; the others from their first request.
+        self._priorities_shown: dict[Gauge, set[int]] = {}
+        for gauge in (self.waiting_by_priority, self.running_by_priority):
+            gauge.labels(priority="0")
+            self._priorities_shown[gauge] = {0}
         self.ready = Gauge("textgen_ready", "1 when the server accepts requests, else 0.", registry=reg)
         self.model_info = Info("textgen_model", "The model being served.", registry=reg)
 
@@ -407,6 +428,16 @@ class Metrics:
         for name, source in GATEWAY_ALIASES.items():
             if source in values:
                 self.gateway[name].set(values[source])
+
+    def set_priorities(self, waiting: PriorityCounts, running: PriorityCounts) -> None:
+        """After an engine step that changed them: requests by priority; a priority no longer seen reads 0."""
+        for gauge, counts in ((self.waiting_by_priority, waiting), (self.running_by_priority, running)):
+            shown = self._priorities_shown[gauge]
+            for priority in shown - counts.keys():
+                gauge.labels(priority=str(priority)).set(0)
+            for priority, count in counts.items():
+                gauge.labels(priority=str(priority)).set(count)
+            shown.update(counts)
 
     def watch_waiting(self, waiting: Callable[[], int]) -> None:
         """The queue's length (and its gateway alias) from `waiting`, which every scrape calls on its own

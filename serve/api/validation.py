@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +26,10 @@ MAX_STOP_TOKEN_IDS = 64  # a ban list, checked per step while min_new_tokens hol
 # bounded here, its cost by the compiler's LLParserLimits (serve/engine/constraints.py).
 MAX_CONSTRAINT_CHARS = 65_536
 MAX_CHOICES = 256
+# A request's priority: gRPC's int32, so every wire takes the same range.
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+PRIORITY_HEADER = "X-Request-Priority"  # for HTTP clients that cannot add a field to the body
+_INTEGER = re.compile(r"[+-]?[0-9]{1,10}")
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,7 @@ class GenerationOptions:
     score_only: bool = False
     constraint: Constraint | None = None  # structured output (checked by `checked_constraint`)
     speculative_tokens: int | None = None  # most tokens speculation proposes per step; None: the server's
+    priority: int = 0  # under the priority policy: lower is admitted first
 
 
 def check_request_id(request_id: str) -> str:
@@ -86,6 +92,18 @@ def check_request_id(request_id: str) -> str:
             f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed"
         )
     return request_id
+
+
+def header_priority(value: str) -> int:
+    """The priority an `X-Request-Priority` header gives: a decimal integer in the int32 range."""
+    text = value.strip()
+    number = int(text) if _INTEGER.fullmatch(text) else None
+    if number is None or not PRIORITY_MIN <= number <= PRIORITY_MAX:
+        raise InvalidRequest(
+            f"{PRIORITY_HEADER} is {value!r}; give an integer in {PRIORITY_MIN}..{PRIORITY_MAX} (lower is "
+            "served first)"
+        )
+    return number
 
 
 def token_ids(ids: Sequence[int], vocab_size: int, field: str) -> list[int]:
@@ -261,4 +279,5 @@ def build_request(
         prompt_top_logprobs=options.prompt_top_logprobs,
         constraint=checked_constraint(options.constraint),
         speculative_tokens=options.speculative_tokens,
+        priority=options.priority,
     )

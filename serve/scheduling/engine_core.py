@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 from serve.engine.engine import open_engine
 from serve.errors import TextgenError
 from serve.process import configure_logging, freeze_startup_objects, pin_process
+from serve.scheduling.engine_protocol import PriorityCounts
 from serve.scheduling.handles import Outcome
 from serve.scheduling.messages import (
     Cancel,
@@ -87,6 +88,9 @@ class MetricRecorder:
 
     def set_load(self, running: int, kv_used: int, kv_capacity: int) -> None:
         self.calls.append(("set_load", (running, kv_used, kv_capacity)))
+
+    def set_priorities(self, waiting: PriorityCounts, running: PriorityCounts) -> None:
+        self.calls.append(("set_priorities", (waiting, running)))
 
     def take(self) -> list[MetricCall]:
         calls, self.calls = self.calls, []

@@ -4,6 +4,7 @@ model. The planner reads only `EngineView`, so the admission policy is tested wi
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -63,6 +64,18 @@ class BatchEngine(EngineView, Protocol):
     def kv_shape(self) -> tuple[int, ...]: ...
 
 
+# Requests are counted by priority for the metrics within -bound..bound, the values beyond at its ends: the
+# priority is the client's integer, and each value would otherwise be a series of its own.
+PRIORITY_LABEL_BOUND = 10
+
+PriorityCounts = dict[int, int]  # requests by their priority, clamped to the bound
+
+
+def priority_counts(priorities: Iterable[int]) -> PriorityCounts:
+    bound = PRIORITY_LABEL_BOUND
+    return dict(Counter(min(max(p, -bound), bound) for p in priorities))
+
+
 class EngineMetrics(Protocol):
     """The metric hooks the engine's side calls (serve.api.metrics.Metrics; in an engine process, a recorder
     whose calls the server's process replays)."""
@@ -79,6 +92,7 @@ class EngineMetrics(Protocol):
     def on_speculated(self, proposed: int, accepted: int) -> None: ...
     def on_speculation_done(self, acceptance: float) -> None: ...
     def set_load(self, running: int, kv_used: int, kv_capacity: int) -> None: ...
+    def set_priorities(self, waiting: PriorityCounts, running: PriorityCounts) -> None: ...
 
 
 class SchedulerMetrics(EngineMetrics, Protocol):

@@ -6,6 +6,8 @@ so is the server's `ServerSettings` (serve/api/config.py), whose flags and `TEXT
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from serve.scheduling.engine_protocol import BatchEngine
@@ -16,6 +18,11 @@ class BatchingKnobs(BaseModel):
 
     max_queue: int = Field(
         256, ge=1, le=1_000_000, description="waiting requests; more are refused at once (RESOURCE_EXHAUSTED)"
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="the order waiting requests are admitted in: fcfs (arrival) or priority (a request's "
+        "priority, lower first, then arrival)",
     )
     max_batch_tokens: int | None = Field(
         None,

@@ -9,6 +9,8 @@ policy is tested against a stand-in for the view alone.
 Admission policy, evaluated between every two engine steps:
 - FCFS: the oldest waiting request heads the next prefill group; when it does not fit, nobody overtakes it,
   so the running batch drains until it does (a long prompt cannot be starved by a stream of short ones).
+  Under the priority policy (`scheduling_policy`) the queue is read by (priority, arrival) instead: the
+  lowest priority value heads it, the oldest among equals, and the same head-of-line rule holds.
 - Padding-aware grouping: younger requests join the head's group while the group's padding
   (rows x longest prompt vs. the sum of lengths) stays within `max_padding_ratio` and the group's padded
   size within `max_prefill_tokens` (large arrivals are split over several steps; a single prompt larger
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -94,7 +96,7 @@ class RunnerState:
     running: tuple[RequestTracker, ...]  # admitted and not ended, in admission order
     last_phase: StepKind | None  # of the latest prefill or decode call: PREFILL | DECODE | None (none yet)
     now: float  # time.monotonic() at the step's start
-    waiting: tuple[RequestTracker, ...] = ()  # oldest first
+    waiting: tuple[RequestTracker, ...] = ()  # in the order they joined the queue
     background: StepShape = NO_STEP  # the record of the group prefilling beside the decode steps
 
 
@@ -146,12 +148,13 @@ class Planner:
         free_rows = self.limits.batch_size - len(state.running)
         if not state.waiting or free_rows <= 0 or (state.running and state.last_phase is StepKind.PREFILL):
             return None
+        waiting = self._admission_order(state.waiting)
         running = _Group.of(state.running)
-        group = self._group_plus(_Group(), state.waiting[0])
+        group = self._group_plus(_Group(), waiting[0])
         if not self._fits_kv(running, group):
             return None  # FCFS: nobody overtakes the head; running requests leave until it fits
         left_out = False
-        for candidate in itertools.islice(state.waiting, 1, None):
+        for candidate in itertools.islice(waiting, 1, None):
             if len(group.members) == free_rows:
                 break
             bigger = self._group_plus(group, candidate)
@@ -164,6 +167,14 @@ class Planner:
         if state.running and partial and waited < self.limits.max_wait_seconds:
             return None  # let more arrivals share this prefill instead of stalling the decoders again soon
         return group
+
+    def _admission_order(self, waiting: tuple[RequestTracker, ...]) -> Sequence[RequestTracker]:
+        """The queue in the order the policy admits it. Sorted each step rather than kept sorted: the sort is
+        stable, so equal keys keep the order they joined in, and a request put back with its old arrival
+        takes its old place."""
+        if self.limits.scheduling_policy == "fcfs":
+            return waiting
+        return sorted(waiting, key=_priority_then_arrival)
 
     def _group_plus(self, group: _Group, tracker: RequestTracker) -> _Group:
         """`group` and `tracker`, whose prefill computes only what the engine's prefix cache lacks (nothing,
@@ -310,3 +321,7 @@ class _Group:
         """The record of a prefill of the whole group: the misses padded together, each hit's uncached part
         alone."""
         return StepShape(len(self.members), self.prefill_tokens, self.tokens + self.alone)
+
+
+def _priority_then_arrival(tracker: RequestTracker) -> tuple[int, float]:
+    return tracker.request.priority, tracker.times.arrival

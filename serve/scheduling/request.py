@@ -68,6 +68,9 @@ class GenerationRequest:
     # The most tokens speculation proposes per step for it (prompt lookup or a draft, within the server's
     # --num-speculative-tokens); None: the server's number, 0: none. Its tokens are the same either way.
     speculative_tokens: int | None = None
+    # Under the server's priority policy: waiting requests are admitted lowest value first, arrival order
+    # among equals (vLLM's convention); the fcfs policy ignores it.
+    priority: int = 0
 
 
 @dataclass

@@ -39,7 +39,7 @@ from serve.errors import (
     QueueFull,
     TextgenError,
 )
-from serve.scheduling.engine_protocol import BatchEngine, EngineMetrics
+from serve.scheduling.engine_protocol import BatchEngine, EngineMetrics, PriorityCounts, priority_counts
 from serve.scheduling.handles import Outcome
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.planner import NO_STEP, Planner, RunnerState, StepKind, StepPlan, StepShape
@@ -120,6 +120,7 @@ class BatchRunner:
         self.last_step: StepRecord | None = None  # the latest step's record (replaced, never mutated)
         self._masks_seen = engine.mask_stats.copy()  # the masks' cost the metrics have been told of
         self._compiler: ConstraintCompiler | None = None  # the engine's, once a request has a constraint
+        self._priorities: tuple[PriorityCounts, PriorityCounts] = ({}, {})  # as the metrics were last told
 
     @property
     def max_total_tokens(self) -> int:
@@ -560,6 +561,17 @@ class BatchRunner:
         )
         if self._metrics is not None:
             self._metrics.set_load(self._load.running, self._load.batch_size, self.engine.max_batch_size)
+            self._publish_priorities(self._metrics)
+
+    def _publish_priorities(self, metrics: EngineMetrics) -> None:
+        """Waiting and running requests by priority, told only when they changed: most steps change neither,
+        and with an engine process every call crosses the pipe."""
+        with self._cv:
+            waiting = priority_counts(t.request.priority for t in (*self._waiting, *self._compiling))
+        running = priority_counts(t.request.priority for t in self._running.values())
+        if (waiting, running) != self._priorities:
+            self._priorities = (waiting, running)
+            metrics.set_priorities(waiting, running)
 
 
 class _Taken(NamedTuple):

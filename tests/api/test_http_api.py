@@ -426,6 +426,9 @@ ERRORS: list[tuple[str, Any, int, str]] = [
     (C, {"prompt": PROMPT, "guided_regex": "(unclosed"}, 400, "regex"),
     (C, {"prompt": PROMPT, "guided_choice": "x"}, 400, "guided_choice must be a list of strings"),
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_tokens = 0 generates nothing"),
+    (C, {"prompt": PROMPT, "priority": 1.5}, 400, "priority: Input should be a valid integer"),
+    (CHAT, {"messages": USER, "priority": "1"}, 400, "priority: Input should be a valid integer"),
+    (C, {"prompt": PROMPT, "priority": 2**31}, 400, "priority: Input should be less than or equal"),
     ("/v1/nothing", {}, 404, "no route POST /v1/nothing"),
     ("/tokenize", {}, 400, "give exactly one of prompt and messages"),
     ("/tokenize", {"prompt": PROMPT, "messages": USER}, 400, "give exactly one of prompt and messages"),
@@ -539,6 +542,18 @@ def test_the_body_is_json_whatever_its_content_type(base: str) -> None:
         assert reply.status_code == 200, reply.text
     form = httpx.post(f"{base}/v1/completions", data={"prompt": PROMPT})  # a real form is not JSON
     assert form.status_code == 400 and "not valid JSON" in form.json()["error"]["message"]
+
+
+def test_the_priority_header_is_an_integer_and_the_body_field_wins(base: str) -> None:
+    def post(body: dict[str, Any], header: str) -> httpx.Response:
+        payload = {"prompt": PROMPT, "max_tokens": 2, **body}
+        return httpx.post(f"{base}/v1/completions", json=payload, headers={"X-Request-Priority": header})
+
+    assert post({}, "-7").status_code == 200
+    refused = post({}, "high")
+    assert refused.status_code == 400
+    assert "X-Request-Priority is 'high'; give an integer" in refused.json()["error"]["message"]
+    assert post({"priority": 3}, "high").status_code == 200  # the body's field is the one read
 
 
 def test_ignored_fields_and_a_body_over_the_limit(base: str, client: openai.OpenAI, model: str) -> None:

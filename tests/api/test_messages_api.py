@@ -239,6 +239,21 @@ def anthropic_error(raised: anthropic.APIStatusError) -> dict[str, Any]:
     return body["error"]  # type: ignore[no-any-return]
 
 
+def test_a_messages_priority_from_the_body_or_the_header(
+    client: anthropic.Anthropic, server: RunningServer, model: str
+) -> None:
+    answer = client.messages.create(model=model, messages=OSLO, max_tokens=2, extra_body={"priority": -1})
+    assert answer.usage.output_tokens >= 1
+    reply = httpx.post(
+        f"{server.http_base}/v1/messages",
+        json={"model": model, "messages": OSLO, "max_tokens": 2},
+        headers={"x-api-key": TOKEN, "X-Request-Priority": "urgent"},
+    )
+    assert reply.status_code == 400
+    error = anthropic_error(anthropic.BadRequestError("", response=reply, body=None))
+    assert error["type"] == "invalid_request_error" and "X-Request-Priority is 'urgent'" in error["message"]
+
+
 def test_errors_are_in_anthropics_shape(
     client: anthropic.Anthropic, server: RunningServer, model: str
 ) -> None:

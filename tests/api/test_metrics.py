@@ -37,7 +37,9 @@ EXPECTED_FAMILIES = {
     "textgen_prompt_tokens_cached",
     "textgen_generation_tokens",
     "textgen_requests_running",
+    "textgen_requests_running_by_priority",
     "textgen_requests_waiting",
+    "textgen_requests_waiting_by_priority",
     "textgen_kv_cache_slots_used",
     "textgen_kv_cache_slots_capacity",
     "textgen_kv_cache_usage_ratio",
@@ -76,6 +78,7 @@ def exercise(m: Metrics) -> None:
     m.on_step("prefill", 3, 0.25, 0.02)
     m.on_step("decode", 3, 0.0, 0.01)
     m.set_load(running=3, kv_used=3, kv_capacity=8)
+    m.set_priorities({0: 1, -2: 1}, {0: 3})
     m.watch_waiting(lambda: 1)
     m.on_request_done("Generate", "OK", 0.4)
     m.set_ready(True)
@@ -192,6 +195,17 @@ def test_gauges_follow_load_and_return_to_zero(metrics: Metrics) -> None:
     metrics.set_load(running=0, kv_used=0, kv_capacity=16)
     for name in ("textgen_requests_running", "textgen_requests_waiting", "textgen_kv_cache_slots_used"):
         assert value(metrics, name) == 0
+
+
+def test_requests_by_priority_and_a_priority_no_longer_seen_reads_zero(metrics: Metrics) -> None:
+    waiting, running = "textgen_requests_waiting_by_priority", "textgen_requests_running_by_priority"
+    assert value(metrics, waiting, priority="0") == value(metrics, running, priority="0") == 0
+    metrics.set_priorities({-3: 2, 10: 1}, {0: 4})
+    assert (value(metrics, waiting, priority="-3"), value(metrics, waiting, priority="10")) == (2, 1)
+    assert value(metrics, running, priority="0") == 4
+    metrics.set_priorities({10: 1}, {})
+    assert (value(metrics, waiting, priority="-3"), value(metrics, running, priority="0")) == (0, 0)
+    assert value(metrics, waiting, priority="10") == 1
 
 
 def test_the_inference_gateways_names_repeat_the_load(metrics: Metrics) -> None:

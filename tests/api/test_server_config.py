@@ -46,6 +46,8 @@ def test_the_batching_knobs_are_defined_once_for_the_flags_and_the_scheduler(tmp
         "20",
         "--max-batch-size",
         "4",
+        "--scheduling-policy",
+        "priority",
     ]
     settings = load_settings(["--bundle", str(tmp_path), *flags])
     limits = scheduler_limits(settings)
@@ -53,6 +55,7 @@ def test_the_batching_knobs_are_defined_once_for_the_flags_and_the_scheduler(tmp
         include=set(BatchingKnobs.model_fields)
     )
     assert (limits.max_padding_ratio, limits.max_queue, limits.max_batch_size) == (0.5, 3, 4)
+    assert limits.scheduling_policy == "priority"
     assert limits.stream_interval_seconds == pytest.approx(0.02)
     with pytest.raises(ConfigError, match="max_padding_ratio"):
         load_settings(["--bundle", str(tmp_path), "--max-padding-ratio", "1.5"])
@@ -91,6 +94,7 @@ def test_auth_token_is_secret(tmp_path: Path) -> None:
         (["--max-batch-size", "0"], "max_batch_size"),
         (["--grace-seconds", "-1"], "grace_seconds"),
         (["--log-level", "chatty"], "log_level"),
+        (["--scheduling-policy", "sjf"], "scheduling_policy: Input should be 'fcfs' or 'priority'"),
         (["--max-new-tokens", "10"], "default_max_new_tokens (128) must be <= max_new_tokens (10)"),
         (["--tls-client-ca", "{cert}"], "tls_client_ca (mTLS) needs tls_cert and tls_key"),
         (["--tls-cert", "{cert}"], "tls_cert and tls_key must be given together"),

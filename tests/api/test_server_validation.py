@@ -9,9 +9,16 @@ import pytest
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve.api.grpc_requests import generation_request, prompt_ids, reject_unknown_fields
-from serve.api.validation import MAX_CONSTRAINT_CHARS, RequestLimits, check_request_id, max_new_tokens
+from serve.api.validation import (
+    MAX_CONSTRAINT_CHARS,
+    RequestLimits,
+    check_request_id,
+    header_priority,
+    max_new_tokens,
+)
 from serve.engine.types import Constraint, ConstraintKind
 from serve.errors import InvalidRequest
+from serve.scheduling.request import GenerationRequest
 
 LIMITS = RequestLimits(
     vocab_size=100,
@@ -28,7 +35,7 @@ def _encode(text: str) -> list[int]:
     return [ord(c) % 100 for c in text]
 
 
-def _build(request: pb.GenerateRequest) -> object:
+def _build(request: pb.GenerateRequest) -> GenerationRequest:
     prompt = prompt_ids(request, _encode, LIMITS.vocab_size)
     return generation_request(request, request_id="r1", prompt=prompt, limits=LIMITS, deadline=None)
 
@@ -62,6 +69,24 @@ def test_valid_request_maps_every_field() -> None:
     assert generation.sampling.min_p == pytest.approx(0.05)
     assert generation.sampling.frequency_penalty == 0.5 and generation.sampling.presence_penalty == -0.25
     assert generation.min_new_tokens == 4 and generation.stop_token_ids == (7, 99)
+
+
+def test_priority_is_carried_and_defaults_to_zero() -> None:
+    assert _build(pb.GenerateRequest(text="hi", priority=-4)).priority == -4
+    assert _build(pb.GenerateRequest(text="hi")).priority == 0
+
+
+@pytest.mark.parametrize(
+    ("header", "value"), [("3", 3), (" -12 ", -12), ("+0", 0), ("2147483647", 2**31 - 1)]
+)
+def test_a_priority_header_is_a_decimal_int32(header: str, value: int) -> None:
+    assert header_priority(header) == value
+
+
+@pytest.mark.parametrize("header", ["", "1.5", "high", "0x10", "1_0", "2147483648", "-2147483649"])
+def test_a_priority_header_that_is_not_an_int32_is_refused(header: str) -> None:
+    with pytest.raises(InvalidRequest, match=r"X-Request-Priority is .*; give an integer"):
+        header_priority(header)
 
 
 def test_unset_seed_is_none_and_zero_seed_is_kept() -> None:

@@ -234,6 +234,7 @@ def test_recorded_metric_calls_replay_as_the_same_exposition() -> None:
         metrics.on_finished("eos", 7, 9, 4)
         metrics.on_step("decode", 3, 0.1, 0.01)
         metrics.set_load(3, 3, 8)
+        metrics.set_priorities({-1: 2}, {0: 3})
     replay(replayed, recorder.take())
     assert recorder.take() == []
 

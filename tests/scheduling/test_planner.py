@@ -49,8 +49,12 @@ def prompt_of(length: int, start: int = 40) -> list[int]:
     return [start + (i % 50) for i in range(length)]
 
 
-def queued(rid: str, length: int, max_new: int = 8, arrival: float = 0.0, start: int = 40) -> RequestTracker:
-    request = GenerationRequest(rid, prompt_of(length, start), SamplingParams(), max_new, ignore_eos=True)
+def queued(
+    rid: str, length: int, max_new: int = 8, arrival: float = 0.0, start: int = 40, priority: int = 0
+) -> RequestTracker:
+    request = GenerationRequest(
+        rid, prompt_of(length, start), SamplingParams(), max_new, ignore_eos=True, priority=priority
+    )
     return RequestTracker(request, tokenizer(), EOS_ID, 10_000, arrival)
 
 
@@ -116,6 +120,32 @@ def test_an_fcfs_head_that_does_not_fit_the_kv_budget_blocks_younger_ones() -> N
     # Once the running one has left, the head goes first (the short one would need 2 x 60 as well).
     got = plan(View(), (), [head, young], max_batch_tokens=100)
     assert got.kind is StepKind.PREFILL and ids(got.group) == ["long"]
+
+
+def test_the_priority_policy_admits_the_lowest_priority_first_and_fcfs_ignores_it() -> None:
+    # Joined in this order; one free row, so each plan admits the head alone.
+    waiting = [queued("low", 4, arrival=0.0, priority=5), queued("high", 4, arrival=1.0, priority=-1)]
+    got = plan(View(), (), waiting, max_batch_size=1, scheduling_policy="priority")
+    assert ids(got.admitted) == ["high"]
+    got = plan(View(), (), waiting, max_batch_size=1)  # fcfs, the default
+    assert ids(got.admitted) == ["low"]
+
+
+def test_equal_priorities_are_admitted_in_arrival_order_whatever_order_they_joined_in() -> None:
+    # A request joins late when its constraint compiles; among equals its arrival still counts.
+    waiting = [queued(rid, 4, arrival=at) for rid, at in (("late", 2.0), ("early", 1.0), ("later", 3.0))]
+    got = plan(View(), (), waiting, max_batch_size=3, scheduling_policy="priority")
+    assert ids(got.admitted) == ["early", "late", "later"]
+
+
+def test_a_priority_head_that_does_not_fit_the_kv_budget_blocks_lower_ones() -> None:
+    running = [decoding("r", 10, max_new=30)]  # reserves 40 slots
+    urgent = queued("urgent", 40, max_new=20, arrival=1.0, priority=0)  # 60
+    small = queued("small", 4, max_new=4, arrival=0.0, priority=1)  # 8: would fit, but it ranks below
+    got = plan(View(), running, [small, urgent], max_batch_tokens=100, scheduling_policy="priority")
+    assert got.kind is StepKind.DECODE and got.admitted == ()
+    got = plan(View(), (), [small, urgent], max_batch_tokens=100, scheduling_policy="priority")
+    assert ids(got.group) == ["urgent"]
 
 
 def test_padding_ratio_bounds_the_group() -> None:

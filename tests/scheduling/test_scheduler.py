@@ -29,6 +29,7 @@ from serve.engine.types import Constraint
 from serve.errors import QueueFull
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.request import Completion, RequestState, RequestTracker, TokenEvent
+from serve.scheduling.runner import BatchRunner
 from serve.scheduling.scheduler import Scheduler
 
 
@@ -109,6 +110,48 @@ def test_queue_full_is_refused_immediately(make_engine: EngineFactory) -> None:
         await scheduler.drain(1.0)
 
     run(main)
+
+
+def test_the_priority_policy_serves_the_queue_by_priority_then_arrival(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_batch_size=1)
+    engine.gate.clear()
+    order = [("b", 5), ("c", 1), ("d", 1), ("e", -3)]
+
+    async def main() -> None:
+        scheduler = await started(engine, SchedulerLimits(scheduling_policy="priority", max_queue=4))
+        running = scheduler.submit(request("a", prompt_of(3), max_new=2, priority=9))
+        await until(lambda: len(engine.calls) == 1)  # "a" is in the engine, held on the gate
+        queued = [scheduler.submit(request(r, prompt_of(3), max_new=2, priority=p)) for r, p in order]
+        # The queue limit counts every waiting request, whatever its priority.
+        with pytest.raises(QueueFull, match="queue is full"):
+            scheduler.submit(request("f", prompt_of(3), priority=-100))
+        engine.gate.set()
+        for handle in (running, *queued):
+            assert (await collect(handle)).finish_reason == "length"
+        await scheduler.drain(1.0)
+
+    run(main)
+    prefills = [rows for phase, rows in engine.calls if phase == "prefill"]
+    assert prefills == [["a"], ["e"], ["c"], ["d"], ["b"]]
+
+
+def test_requests_are_counted_by_priority_clamped_to_the_labels_bound(tokenizer: Tokenizer) -> None:
+    engine, metrics = fake(tokenizer, max_batch_size=1), Metrics(new_registry())
+    runner = BatchRunner(engine, SchedulerLimits(scheduling_policy="priority").resolve(engine), metrics)
+    for rid, priority in (("a", 1000), ("b", -1), ("c", 12)):
+        runner.enqueue(runner.track(request(rid, prompt_of(3), max_new=2, priority=priority)))
+
+    def by_priority(kind: str) -> dict[str, float]:
+        family = next(
+            f for f in metrics.registry.collect() if f.name == f"textgen_requests_{kind}_by_priority"
+        )
+        return {s.labels["priority"]: s.value for s in family.samples if s.value}
+
+    runner.step()  # admits "b" alone: one row
+    assert (by_priority("waiting"), by_priority("running")) == ({"10": 2}, {"-1": 1})
+    while not runner.idle:
+        runner.step()
+    assert by_priority("waiting") == by_priority("running") == {}
 
 
 def test_max_batch_tokens_holds_in_every_step_and_a_long_prompt_is_served(make_engine: EngineFactory) -> None:

@@ -85,6 +85,8 @@ from serve.api.openai.translate import (
 from serve.api.state import ServingState
 from serve.api.tracing import RequestTracer
 from serve.api.validation import (
+    PRIORITY_HEADER,
+    header_priority,
     token_ids,
 )
 from serve.errors import Draining, InvalidRequest
@@ -246,7 +248,7 @@ class OpenAIApi:
         record = self._record(route, request)
         try:
             model = named_model(self._state, body.model)
-            renderer = await self._renderer(body, model, record)
+            renderer = await self._renderer(_with_header_priority(body, request), model, record)
             label = renderer.plan.constraint_label  # the constrained-request metric's ("tool": a forced call)
             if self._metrics is not None and label is not None:
                 self._metrics.on_constrained(label)
@@ -323,3 +325,11 @@ class OpenAIApi:
 
 
 __all__ = ["OpenAIApi"]
+
+
+def _with_header_priority(body: GenerationBody, request: Request) -> GenerationBody:
+    """The body, its priority taken from the `X-Request-Priority` header where the body sets none."""
+    header = request.headers.get(PRIORITY_HEADER)
+    if header is None or body.priority is not None:
+        return body
+    return body.model_copy(update={"priority": header_priority(header)})

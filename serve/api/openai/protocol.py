@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from typing_extensions import NotRequired, TypedDict
 
 from serve.api.tool_calls import Tool, ToolCallIn, ToolChoice
+from serve.api.validation import PRIORITY_HEADER, PRIORITY_MAX, PRIORITY_MIN
 from serve.engine.sampling import MAX_TOP_LOGPROBS
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each takes n rows)
@@ -81,6 +82,14 @@ class SamplingFields(_Body):
         ge=0,
         description="with a speculating server: the most tokens it proposes per step for this request, at "
         "most the server's (default: the server's; 0: none); the output is the same either way",
+    )
+    # Strict: a float or a string is refused rather than rounded or parsed (a 400 naming the field).
+    priority: StrictInt | None = Field(
+        None,
+        ge=PRIORITY_MIN,
+        le=PRIORITY_MAX,
+        description="under the server's --scheduling-policy priority: lower is admitted first, arrival order "
+        f"among equals (default 0; the {PRIORITY_HEADER} header where the body has none)",
     )
 
 

@@ -315,6 +315,7 @@ def _options(
         score_only=score_only,
         constraint=constraint,
         speculative_tokens=body.num_speculative_tokens,
+        priority=body.priority or 0,
     )
 
 
