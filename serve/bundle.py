@@ -337,12 +337,6 @@ class Bundle:
         spec = self.manifest.graphs.inplace
         return self.path(spec.file) if spec else None
 
-    @property
-    def serving_weight_bytes(self) -> int:
-        """Bytes of the serving graph's files (its weights, as stored): what loading it takes, at least."""
-        spec = self.manifest.graphs.inplace or self.manifest.graphs.standard
-        return sum(self.path(name).stat().st_size for name in spec.files())
-
     def tensorrt_options(self, cache_root: Path | None = None) -> dict[str, str]:
         """TensorRT provider options; the engine cache goes under `cache_root` (default: the bundle dir)."""
         return self.manifest.tensorrt.provider_options(self.manifest.architecture, cache_root or self.root)
@@ -391,6 +385,13 @@ def verify_checksums(root: Path, manifest: Manifest) -> None:
                 f"{path}: checksum mismatch (manifest sha256 {expected[:12]}…, file {actual[:12]}…): "
                 "the file was changed or truncated after export; re-export the bundle"
             )
+
+
+def serving_weight_bytes(root: Path, manifest: Manifest) -> int:
+    """Bytes of a bundle's serving graph files (its weights, as stored): what loading it takes, at least.
+    Reads sizes only: no checksum, which loading the bundle does anyway."""
+    spec = manifest.graphs.inplace or manifest.graphs.standard
+    return sum((root / name).stat().st_size for name in spec.files())
 
 
 def load_bundle(path: Path | str) -> Bundle:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 from serve.api.common import LoadedModel
 from serve.api.config import ConfigError, ServerSettings
 from serve.api.metrics import Metrics
 from serve.api.sizing import ITEMSIZE, DraftCost, KvSizing, size_kv_cache
 from serve.api.validation import RequestLimits
-from serve.bundle import Bundle, load_bundle
+from serve.bundle import Bundle, load_bundle, read_manifest, serving_weight_bytes
 from serve.engine.types import EngineInfo, EngineSettings, SessionConfig, SpeculationSettings
 from serve.process import (
     allowed_cpus,
@@ -85,9 +86,10 @@ def draft_cost(settings: ServerSettings) -> DraftCost | None:
     """What --speculative draft's model takes from the KV budget; None without one."""
     if settings.speculative != "draft" or settings.draft_bundle is None:
         return None
-    draft = load_bundle(settings.draft_bundle)
-    per_token = draft.manifest.architecture.kv_bytes_per_token(ITEMSIZE[draft.manifest.dtype])
-    return DraftCost(draft.serving_weight_bytes, per_token)
+    root = Path(settings.draft_bundle)
+    manifest = read_manifest(root)  # the engine loads and checks the draft bundle whole later
+    per_token = manifest.architecture.kv_bytes_per_token(ITEMSIZE[manifest.dtype])
+    return DraftCost(serving_weight_bytes(root, manifest), per_token)
 
 
 def kv_sizing(settings: ServerSettings, bundle: Bundle) -> KvSizing:
