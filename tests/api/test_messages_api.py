@@ -243,7 +243,8 @@ def test_a_messages_priority_from_the_body_or_the_header(
     client: anthropic.Anthropic, server: RunningServer, model: str
 ) -> None:
     answer = client.messages.create(model=model, messages=OSLO, max_tokens=2, extra_body={"priority": -1})
-    assert answer.usage.output_tokens >= 1
+    # Served: the random model may end at once (EOS) or fill max_tokens, whichever its weights pick.
+    assert answer.type == "message" and answer.stop_reason in ("end_turn", "max_tokens")
     reply = httpx.post(
         f"{server.http_base}/v1/messages",
         json={"model": model, "messages": OSLO, "max_tokens": 2},
