@@ -31,6 +31,7 @@ from pathlib import Path
 from export.checkpoint import CheckpointError, load_checkpoint
 from export.demo import demo_bundle_path
 from export.hf_import import SUPPORTED_ARCHITECTURES, HFImportError, decoder_config, load_model, locate_model
+from export.lora import LoraOptions
 from export.model import Decoder, DecoderConfig
 from export.onnx_standard import DEFAULT_OPSET, MIN_OPSET
 from export.pipeline import (
@@ -75,6 +76,27 @@ def _precision(args: argparse.Namespace) -> Precision:
     return Precision(chosen[0] if chosen else "fp32", args.block_size)
 
 
+def _lora(args: argparse.Namespace) -> LoraOptions | None:
+    if not args.lora_slots:
+        if args.max_lora_rank is not None or args.lora_target_modules:
+            raise ValueError("--max-lora-rank and --lora-target-modules need --lora-slots")
+        return None
+    if args.max_lora_rank is None:
+        raise ValueError("--lora-slots needs --max-lora-rank: the largest adapter rank a slot holds")
+    targets = tuple(t for t in (args.lora_target_modules or "").split(",") if t)
+    return LoraOptions(args.lora_slots, args.max_lora_rank, targets)
+
+
+def _add_lora(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("LoRA slots (serve any mix of adapters in one batch)")
+    group.add_argument("--lora-slots", type=int, default=0, help="adapters resident at once (default: none)")
+    group.add_argument("--max-lora-rank", type=int, help="the largest adapter rank a slot holds")
+    group.add_argument(
+        "--lora-target-modules",
+        help="comma-separated module names that get a branch (q_proj,v_proj,...; default: every projection)",
+    )
+
+
 def _eval_text(args: argparse.Namespace) -> str | None:
     return args.eval_text.read_text(encoding="utf-8") if args.eval_text else None
 
@@ -87,6 +109,7 @@ def cmd_onnx(args: argparse.Namespace) -> int:
         source=checkpoint_source(args.checkpoint) if args.checkpoint.is_file() else None,
         chat_template=args.chat_template.read_text(encoding="utf-8") if args.chat_template else None,
         eval_text=_eval_text(args),
+        lora=_lora(args),
     )
     _print_result(export_checkpoint(args.checkpoint, args.out, options))
     return 0
@@ -100,6 +123,7 @@ def cmd_hf(args: argparse.Namespace) -> int:
         precision=_precision(args),
         opset=args.opset,
         eval_text=_eval_text(args),
+        lora=_lora(args),
     )
     _print_result(bundle)
     return 0
@@ -162,7 +186,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_random(args: argparse.Namespace) -> int:
     precision = _precision(args)
-    _print_result(random_bundle(args.preset, args.out, args.seed, precision, eval_text=_eval_text(args)))
+    bundle = random_bundle(
+        args.preset, args.out, args.seed, precision, eval_text=_eval_text(args), lora=_lora(args)
+    )
+    _print_result(bundle)
     return 0
 
 
@@ -234,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     onnx.add_argument("--checkpoint", type=Path, required=True, help="checkpoint file (textgen-checkpoint)")
     onnx.add_argument("--out", type=Path, required=True, help="bundle directory to write")
     _add_precision(onnx)
+    _add_lora(onnx)
     onnx.add_argument("--opset", type=_opset, default=DEFAULT_OPSET, help=f"default {DEFAULT_OPSET}")
     onnx.add_argument("--name", help="model name in the manifest (default: the checkpoint's file name)")
     onnx.add_argument(
@@ -255,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     hf.add_argument("--out", type=Path, required=True, help="bundle directory to write")
     _add_precision(hf)
+    _add_lora(hf)
     hf.add_argument("--opset", type=_opset, default=DEFAULT_OPSET, help=f"default {DEFAULT_OPSET}")
     hf.add_argument("--name", help="model name in the manifest (default: the folder's name or the hub id)")
     hf.set_defaults(handler=cmd_hf)
@@ -279,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     rand.add_argument("--preset", choices=sorted(PRESETS), required=True)
     rand.add_argument("--out", type=Path, required=True)
     _add_precision(rand, fp16=False)
+    _add_lora(rand)
     rand.add_argument("--seed", type=int, default=0)
     rand.set_defaults(handler=cmd_random)
 

@@ -33,6 +33,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
+from export.lora import PROJECTIONS, projection_features
 from export.model import Decoder, DecoderConfig
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -413,6 +414,24 @@ def _gpt2_sources(cfg: DecoderConfig, prefix: str) -> dict[str, _Source]:
             f"{ours}.ffn.down.bias": _one(f"{hf}.mlp.c_proj.bias"),
         }
     return sources
+
+
+def checkpoint_modules(cfg: DecoderConfig, architecture: str) -> dict[str, list[tuple[str, int]]]:
+    """Each projection of ours -> the checkpoint's modules it is made of, with their output features: the
+    names a peft adapter of the checkpoint gives its weights (export/lora.py). GPT-2's are those of
+    GPT2LMHeadModel, under "transformer." whichever way its file names them."""
+    if architecture == "GPT2LMHeadModel":
+        sources = _gpt2_sources(cfg, "transformer.")
+    else:
+        sources = _llama_like_sources(cfg, architecture)
+    modules = {}
+    for i in range(cfg.n_layers):
+        for projection in PROJECTIONS:
+            names = [n.removesuffix(".weight") for n in sources[f"blocks.{i}.{projection}.weight"].names]
+            total = projection_features(cfg, projection)
+            sizes = {3: [cfg.q_dim, cfg.kv_dim, cfg.kv_dim], 2: [total // 2] * 2}.get(len(names), [total])
+            modules[f"blocks.{i}.{projection}"] = list(zip(names, sizes, strict=True))
+    return modules
 
 
 def _ignored(name: str, cfg: DecoderConfig) -> bool:

@@ -24,14 +24,18 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from export.model import Decoder, rotary_tables, sinusoidal_table
+from serve.bundle import LORA_IDS_INPUT, LoraBranch, LoraLayout
 
 OPSET = 20
 MS_DOMAIN = "com.microsoft"
 
 
 class _GraphBuilder:
-    def __init__(self) -> None:
+    def __init__(self, lora: LoraLayout | None = None) -> None:
         self.nodes: list[onnx.NodeProto] = []
+        self.lora = lora
+        self._lora_branches = {} if lora is None else {b.projection: b for b in lora.branches}
+        self._lora_masks: dict[int, str] = {}  # by branch width: one Gather of the ids each
         # The weights go straight into the model they end in: helper.make_graph and helper.make_model would
         # each copy every initializer (three copies of the weights alive at once at the peak).
         self.model = onnx.ModelProto()
@@ -67,9 +71,32 @@ class _GraphBuilder:
         (y,) = self.node(
             "MatMul", [x, self.weight(f"{name}.weight_t", w.detach().numpy().T)], f"{name}/matmul"
         )
-        if b is None:
-            return y
-        return self.node("Add", [y, self.weight(f"{name}.bias", b.detach().numpy())], f"{name}/add")[0]
+        if b is not None:
+            (y,) = self.node("Add", [y, self.weight(f"{name}.bias", b.detach().numpy())], f"{name}/add")
+        branch = self._lora_branches.get(name)
+        return y if branch is None else self.lora_branch(x, y, branch)
+
+    def lora_branch(self, x: str, y: str, branch: LoraBranch) -> str:
+        """y + ((x @ a) * mask) @ b: every slot at once, each token keeping its own (export/lora.py)."""
+        name = f"{branch.projection}/lora"
+        (xa,) = self.node("MatMul", [x, branch.a_input], f"{name}/a")  # [B,S,slots*width]
+        (xm,) = self.node("Mul", [xa, self.lora_mask(branch)], f"{name}/mask")
+        (d,) = self.node("MatMul", [xm, branch.b_input], f"{name}/b")  # [B,S,out]
+        return self.node("Add", [y, d], f"{name}/add")[0]
+
+    def lora_mask(self, branch: LoraBranch) -> str:
+        """[B,S,slots*width]: 1 on the columns of each token's slot (lora_ids), 0 elsewhere and for id 0."""
+        assert self.lora is not None
+        width = self.lora.width(branch)
+        if width not in self._lora_masks:
+            slots = self.lora.slots
+            table = np.zeros((slots + 1, slots * width), np.float32)
+            for s in range(1, slots + 1):
+                table[s, (s - 1) * width : s * width] = 1.0
+            name = f"lora.mask_{width}"
+            (mask,) = self.node("Gather", [self.weight(f"lora.onehot_{width}", table), LORA_IDS_INPUT], name)
+            self._lora_masks[width] = mask
+        return self._lora_masks[width]
 
     def norm(self, x: str, module: torch.nn.Module, name: str) -> str:
         """LayerNormalization, or RMSNorm as x / sqrt(mean(x^2) + eps) * weight over the last axis: the
@@ -108,8 +135,9 @@ def local_window_size(sliding_window: int) -> int:
     return sliding_window if sliding_window else -1
 
 
-def build_inplace_graph(model: Decoder) -> onnx.ModelProto:
-    """Write `model` as the in-place GroupQueryAttention graph described in the module docstring."""
+def build_inplace_graph(model: Decoder, lora: LoraLayout | None = None) -> onnx.ModelProto:
+    """Write `model` as the in-place GroupQueryAttention graph described in the module docstring, with
+    `lora`'s branches (export/lora.py) if given."""
     cfg = model.cfg
     if cfg.positions == "rotary" and cfg.head_dim % 16:
         raise ValueError(
@@ -117,7 +145,7 @@ def build_inplace_graph(model: Decoder) -> onnx.ModelProto:
             f"(got {cfg.head_dim})"
         )
     model = model.eval()
-    g = _GraphBuilder()
+    g = _GraphBuilder(lora)
 
     (x,) = g.node(
         "Gather", [g.weight("tok_emb.weight", model.tok_emb.weight.detach().numpy()), "input_ids"], "tok_emb"
@@ -220,6 +248,8 @@ def _make_model(g: _GraphBuilder, n_layers: int, heads: int, head_dim: int, voca
         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
         helper.make_tensor_value_info("last_index", TensorProto.INT64, ["batch"]),
     ]
+    if g.lora is not None:
+        inputs += _lora_inputs(g.lora)
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", vocab])]
     for i in range(n_layers):
         for kind in ("key", "value"):
@@ -234,3 +264,12 @@ def _make_model(g: _GraphBuilder, n_layers: int, heads: int, head_dim: int, voca
     model.producer_name = "textgen-export"
     model.ir_version = 10
     return model
+
+
+def _lora_inputs(lora: LoraLayout) -> list[onnx.ValueInfoProto]:
+    inputs = [helper.make_tensor_value_info(LORA_IDS_INPUT, TensorProto.INT64, ["batch", "seq"])]
+    for b in lora.branches:
+        columns = lora.slots * lora.width(b)
+        inputs.append(helper.make_tensor_value_info(b.a_input, TensorProto.FLOAT, [b.in_features, columns]))
+        inputs.append(helper.make_tensor_value_info(b.b_input, TensorProto.FLOAT, [columns, b.out_features]))
+    return inputs

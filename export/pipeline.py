@@ -28,7 +28,15 @@ from export.bundle_writer import BundleStage, check_replaceable
 from export.checkpoint import load_checkpoint
 from export.demo import DEMO_CHAT_TEMPLATE, demo_bundle_path, ensure_demo_checkpoint, exclusive_lock
 from export.fp16 import convert_fp16
-from export.hf_import import CONFIG_FILE, TOKENIZER_FILE, HFImportError, import_checkpoint, locate_model
+from export.hf_import import (
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    HFImportError,
+    checkpoint_modules,
+    import_checkpoint,
+    locate_model,
+)
+from export.lora import LoraOptions, ModuleMap, lora_layout, own_modules
 from export.model import Decoder, DecoderConfig
 from export.onnx_inplace import OPSET as INPLACE_OPSET
 from export.onnx_inplace import build_inplace_graph
@@ -48,6 +56,7 @@ from serve.bundle import (
     FORMAT_VERSION,
     Bundle,
     GraphSpec,
+    LoraLayout,
     ShapeRange,
     TensorRTProfile,
     TensorRTSettings,
@@ -131,10 +140,23 @@ class ExportOptions:
     pad_token_id: int = PAD_ID
     bos_token_id: int | None = None
     eval_text: str | None = None  # held-out text for the quantized bundle's perplexity (default: stdlib's)
+    lora: LoraOptions | None = None  # LoRA slots in the serving graph (export/lora.py); None: none
+    # The checkpoint's modules each projection is made of, as adapters name them; None: ours (own_modules).
+    lora_modules: ModuleMap | None = None
 
     def __post_init__(self) -> None:
         if not self.eos_token_ids:
             raise ValueError("a bundle needs at least one EOS token id")
+        if self.lora is not None and self.precision.kind not in ("fp32", "int8", "int4"):
+            raise ValueError(
+                f"LoRA slots are exported at float32, --int8 and --int4, not {self.precision.kind}: its "
+                "graphs would not keep the adapters' branches apart from the base weights"
+            )
+
+    def lora_layout(self, cfg: DecoderConfig) -> LoraLayout | None:
+        if self.lora is None:
+            return None
+        return lora_layout(cfg, self.lora_modules or own_modules(cfg), self.lora)
 
 
 def tensorrt_settings(cfg: DecoderConfig, fp16: bool) -> TensorRTSettings:
@@ -188,6 +210,7 @@ def _manifest_fields(cfg: DecoderConfig, options: ExportOptions, graphs: dict[st
         "execution_providers": _providers(options),
         "tensorrt": tensorrt_settings(cfg, options.precision.fp16),
         **({"chat_template": options.chat_template} if options.chat_template is not None else {}),
+        **({"lora": layout.model_dump()} if (layout := options.lora_layout(cfg)) is not None else {}),
     }
 
 
@@ -235,7 +258,7 @@ def _built(role: str, model: Decoder, options: ExportOptions, stats: dict[str, A
         stats["trace_seconds"] = round(time.perf_counter() - started, 1)
         return graph
     started = time.perf_counter()
-    graph = build_inplace_graph(model)
+    graph = build_inplace_graph(model, options.lora_layout(model.cfg))
     stats["inplace_build_seconds"] = round(time.perf_counter() - started, 1)
     return graph
 
@@ -357,6 +380,7 @@ def export_hf(
     opset: int = DEFAULT_OPSET,
     progress: bool = True,
     eval_text: str | None = None,
+    lora: LoraOptions | None = None,
 ) -> Bundle:
     """A Hugging Face model (a local folder, or a hub id in the local cache) -> verified bundle at `out`.
 
@@ -399,6 +423,8 @@ def export_hf(
         pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_ids[0],
         bos_token_id=tok.bos_token_id,
         eval_text=eval_text,
+        lora=lora,
+        lora_modules=checkpoint_modules(ckpt.config, ckpt.architecture),
     )
     return export_bundle(ckpt.model, tokenizer, out, options, transformers_reference(folder))
 
@@ -457,6 +483,7 @@ def random_bundle(
     precision: Precision = Precision(),
     progress: bool = True,
     eval_text: str | None = None,
+    lora: LoraOptions | None = None,
 ) -> Bundle:
     """A bundle of a preset shape with random weights and a tokenizer trained on a little stdlib text."""
     if preset not in PRESETS:
@@ -477,5 +504,6 @@ def random_bundle(
         source={"preset": preset, "seed": str(seed)},
         chat_template=DEMO_CHAT_TEMPLATE,  # so the chat API can be tested and measured on random weights
         eval_text=eval_text,
+        lora=lora,
     )
     return export_bundle(model, tokenizer, out, options)

@@ -74,6 +74,8 @@ class _Rewrite:
             value = next((a.t for a in node.attribute if a.name == "value"), None)
             if node.op_type == "Constant" and value is not None:
                 self._constants[node.output[0]] = value
+        # Graph inputs without a batch axis are weights (a LoRA bundle's adapters, export/lora.py): no rows.
+        self._row_free = _row_free_inputs(graph)
         self._layouts = _ids_inputs(graph)  # real tensors whose rows line up with input_ids' (or are ids)
         self._padded: dict[str, str] = {}  # a tensor computed on padded rows: its layout
         self._pads: set[str] = set()  # real tensors padded once already
@@ -100,7 +102,7 @@ class _Rewrite:
         return layout
 
     def _rows(self, node: onnx.NodeProto) -> list[str]:
-        return [i for i in node.input if i and i not in self._constants]
+        return [i for i in node.input if i and i not in self._constants and i not in self._row_free]
 
     def _padded_layout(self, node: onnx.NodeProto) -> str | None:
         rows = self._rows(node)
@@ -140,6 +142,11 @@ class _Rewrite:
             return len([o for o in node.output if o]) == 1 and _attr(node, "axis", -1) in last
         if op == "Split":
             return _attr(node, "axis", 0) in last
+        if op == "MatMul":  # by a weight: each row's product is its own
+            weight = node.input[1]
+            return weight in self._row_free or (
+                weight in self._constants and len(self._constants[weight].dims) == 2
+            )
         return False
 
     def _axes(self, node: onnx.NodeProto) -> list[int] | None:
@@ -225,6 +232,17 @@ def _ids_inputs(graph: onnx.GraphProto) -> dict[str, str]:
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
     ids = dims.get(TOKEN_IDS_INPUT)
     return {name: IDS for name, d in dims.items() if ids and d == ids}
+
+
+def _row_free_inputs(graph: onnx.GraphProto) -> set[str]:
+    """Graph inputs with no axis of input_ids' batch: weights fed at run time, the same for every row."""
+    ids = next(i for i in graph.input if i.name == TOKEN_IDS_INPUT)
+    batch = ids.type.tensor_type.shape.dim[0].dim_param
+    return {
+        i.name
+        for i in graph.input
+        if batch and all(d.dim_param != batch for d in i.type.tensor_type.shape.dim)
+    }
 
 
 def _row_pad_nodes(layouts: set[str]) -> list[onnx.NodeProto]:

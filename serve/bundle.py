@@ -208,6 +208,51 @@ def _graph_files(graphs: Graphs) -> list[str]:
     return [f for g in specs for f in g.files()]
 
 
+# Graph inputs of a bundle exported with LoRA slots (export/lora.py): each token's adapter, 0 for none.
+LORA_IDS_INPUT = "lora_ids"  # [batch, seq] int64, as input_ids
+
+
+class LoraPart(_Strict):
+    """A checkpoint module whose output features a branch covers: what an adapter's weights name."""
+
+    # Its path in the checkpoint, as a peft adapter names it (model.layers.0.mlp.up_proj).
+    module: str = Field(min_length=1)
+    start: NonNegativeInt  # its output features are the projection's [start, stop)
+    stop: PositiveInt
+
+
+class LoraBranch(_Strict):
+    """One projection's LoRA branch: y += ((x @ a) * mask(lora_ids)) @ b over every slot at once.
+
+    a is [in_features, slots * width] and b [slots * width, out_features], width = len(parts) * max_rank:
+    slot s (1-based) owns columns [(s - 1) * width, s * width) of a (rows of b), part j of them
+    [j * max_rank, (j + 1) * max_rank) within, and part j's b writes its output features only."""
+
+    projection: str = Field(min_length=1)  # the serving graph's projection (blocks.0.attn.qkv)
+    in_features: PositiveInt
+    out_features: PositiveInt
+    parts: list[LoraPart] = Field(min_length=1)
+
+    @property
+    def a_input(self) -> str:
+        return f"lora_a.{self.projection}"
+
+    @property
+    def b_input(self) -> str:
+        return f"lora_b.{self.projection}"
+
+
+class LoraLayout(_Strict):
+    """The LoRA branches of a bundle's serving graph, fed per token by LORA_IDS_INPUT."""
+
+    slots: PositiveInt  # adapters resident at once (ids 1..slots)
+    max_rank: PositiveInt  # the largest adapter rank a slot holds
+    branches: list[LoraBranch] = Field(min_length=1)
+
+    def width(self, branch: LoraBranch) -> int:
+        return len(branch.parts) * self.max_rank
+
+
 # The names of the nodes and constants export's row pad adds (export/row_pad.py): tensors computed on padded
 # rows are named `{real name}_{ROW_PAD_PREFIX}`; the engine takes them out where its CPU does not need them
 # (serve/engine/row_pad.py).
@@ -245,6 +290,8 @@ class Manifest(_Strict):
     # Jinja source that renders chat messages as the prompt (transformers' chat_template); None: the bundle
     # serves no chat (bundles written before this field keep loading without it).
     chat_template: str | None = Field(None, min_length=1)
+    # The serving graph's LoRA branches (export --lora-slots); None: it has none.
+    lora: LoraLayout | None = None
     checksums: dict[str, str]  # file name -> sha256 hex, for every file but the manifest
 
     @model_validator(mode="before")

@@ -31,8 +31,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from tokenizers import Tokenizer
 
+from serve.bundle import LORA_IDS_INPUT, LoraLayout
 from serve.engine.constraints import ConstraintCompiler, ConstraintRows, MaskStats, MaskWorker, PendingMasks
 from serve.engine.kv_cache import KvCache
+from serve.engine.lora import Adapter, LoraSlots, read_adapter
 from serve.engine.prefix_cache import PrefixCache, PrefixHit
 from serve.engine.prompt_scoring import PromptScorer, scoring_session
 from serve.engine.row_pad import unpadded_graph
@@ -127,6 +129,7 @@ class Engine:
         # with speculation: the graph that scores a proposal (serve/engine/verify_graph.py), for as many
         # positions as speculation.num_tokens + 1
         verifier: str | InMemoryGraph | None = None,
+        lora: LoraLayout | None = None,  # the graph's LoRA branches (serve/engine/lora.py); None: none
     ) -> None:
         if settings.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {settings.max_batch_size}")
@@ -160,6 +163,9 @@ class Engine:
         self._pending = np.zeros(settings.max_batch_size, np.int64)  # sampled, not yet in the cache
         self._tokens = np.zeros((settings.max_batch_size, capacity), np.int64)  # each row's cached token ids
         self._row_index = np.arange(settings.max_batch_size)
+        self._lora = None if lora is None else LoraSlots(lora)
+        self.adapters: dict[str, int] = {}  # adapter name -> its slot
+        self._row_adapter = np.zeros(rows, np.int64)  # the slot of the sequence in each KV row; 0: none
         self._prefix = PrefixCache(range(settings.max_batch_size, rows), settings.prefix_cache_min_tokens)
         self._untrusted: set[str] = set()  # running when a step failed: their rows are not kept
         self._scorer = (
@@ -235,7 +241,20 @@ class Engine:
             verifier = verification_graph(Path(graph) if isinstance(graph, str) else graph, positions)
             if settings.speculation.draft_bundle is not None:
                 proposer = DraftModel(_draft_engine(bundle, settings))
-        return cls(graph, bundle.tokenizer, spec, settings, str(bundle.standard_graph), proposer, verifier)
+        engine = cls(
+            graph, bundle.tokenizer, spec, settings, str(bundle.standard_graph), proposer, verifier, m.lora
+        )
+        for name, path in settings.adapters:
+            if m.lora is None:
+                raise BundleError(
+                    f"{bundle.root}: the bundle has no LoRA slots, so it cannot serve adapter {name!r}; "
+                    "export it with --lora-slots N --max-lora-rank R"
+                )
+            try:
+                engine.load_adapter(name, read_adapter(path, m.lora))
+            except ValueError as exc:  # AdapterError included: the folder and what differs
+                raise BundleError(f"adapter {name!r}: {exc}") from exc
+        return engine
 
     def warm_up(self) -> None:
         """One prefill and one decode step, so the first request does not pay for ONNX Runtime's lazy
@@ -296,6 +315,8 @@ class Engine:
             kv_bytes=self.kv_bytes,
             eos_token_ids=self.eos_token_ids,
             speculation=self.speculation,
+            adapters=tuple(self.adapters),
+            lora_slots=0 if self._lora is None else self._lora.layout.slots,
         )
 
     def kv_buffer_devices(self) -> list[str]:
@@ -349,9 +370,9 @@ class Engine:
             raise RuntimeError("this engine was made without a scoring graph: it cannot score prompts")
         return self._scorer.score(prompt_ids, top)
 
-    def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
+    def cached_tokens(self, prompt_ids: Sequence[int], adapter: str = "") -> int:
         """How many of this prompt's tokens a prefill now would copy from the prefix cache (0: none)."""
-        return _reusable(self._hit(prompt_ids))
+        return _reusable(self._hit(prompt_ids, self.slot(adapter)))
 
     def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]:
         """Run the prompts of `new` as one right-padded group; they join the batch. Returns first tokens.
@@ -373,7 +394,7 @@ class Engine:
         forks = _forks(new)
         if forks:
             new = [seq for seq in new if seq.seq_id not in forks]
-        hits = [self._hit(seq.prompt_ids) for seq in new]
+        hits = [self._hit(seq.prompt_ids, self.slot(seq.adapter)) for seq in new]
         # One sequence only: GroupQueryAttention (ONNX Runtime 1.32) refuses a piece over a cached prefix for
         # more than one row ("batch_size must be 1 when sequence_length > 1 and past context is given").
         if chunk > 0 and k == 1 and len(new[0].prompt_ids) - _reusable(hits[0]) > chunk:
@@ -418,6 +439,7 @@ class Engine:
             length = len(fork.prompt_ids)
             self._kv.copy_row(n + source, n + len(ordered) + j, length)
             self._tokens[n + len(ordered) + j, :length] = self._tokens[n + source, :length]
+            self._row_adapter[n + len(ordered) + j] = self._row_adapter[n + source]
             sources.append(source)
         return [*ordered, *forks], np.concatenate([logits, logits[sources]])
 
@@ -517,6 +539,7 @@ class Engine:
             binding = self._verify_bindings[len(ids)] = self._verifier.io_binding()
             binding.bind_ortvalue_output("logits", ortvalue(self._logits[: len(ids)]))
             self._kv.bind(binding, slice(0, 1), chained_present_outputs(self._positions))
+            self._bind_adapters(binding)
         steps = np.arange(length, length + len(ids), dtype=np.int64)
         inputs = {
             "input_ids": ids[None],
@@ -524,6 +547,7 @@ class Engine:
             "seqlens_k": steps[-1:].astype(np.int32),
             "total_sequence_length": np.array(steps[-1] + 1, np.int32),
             PICK_INDEX: np.arange(len(ids), dtype=np.int64),
+            **self._lora_ids(slice(0, 1), len(ids)),
         }
         for name, array in inputs.items():
             binding.bind_cpu_input(name, array)
@@ -557,7 +581,7 @@ class Engine:
         self._check_joining(new)
         if not new:
             raise ValueError("begin_prefill() with no sequence")
-        if any(self._hit(seq.prompt_ids) is not None for seq in new):
+        if any(self._hit(seq.prompt_ids, self.slot(seq.adapter)) is not None for seq in new):
             raise ValueError("a prompt with a prefix-cache hit cannot be prefilled beside decode steps")
         if _forks(new):
             raise ValueError("forked sequences (n choices of one prompt) are prefilled between decode steps")
@@ -654,6 +678,11 @@ class Engine:
                 )
             if seq.seq_id in known:
                 raise ValueError(f"sequence {seq.seq_id} is already running")
+            if self.slot(seq.adapter) and seq.prompt_logprobs:
+                raise ValueError(
+                    "prompt logprobs are scored by the base model's graph, which has no adapters: not with "
+                    f"adapter {seq.adapter!r}"
+                )
             known.add(seq.seq_id)
 
     def _prefill_group(self, first_row: int, new: Sequence[NewSequence]) -> np.ndarray:
@@ -669,10 +698,11 @@ class Engine:
         for row, seq in enumerate(new):
             ids[row, : lens[row]] = seq.prompt_ids
         self._tokens[first_row : first_row + k, :width] = ids
+        self._row_adapter[first_row : first_row + k] = [self.slot(seq.adapter) for seq in new]
         positions = np.broadcast_to(np.arange(width, dtype=np.int64), (k, width))
         return _RunInputs(ids, positions, lens - 1, width, lens - 1)
 
-    def _hit(self, prompt_ids: Sequence[int]) -> PrefixHit | None:
+    def _hit(self, prompt_ids: Sequence[int], adapter: int) -> PrefixHit | None:
         """The row (kept, or running) to copy a prompt's prefix from, and the tokens it gives; None: none.
 
         Admission asks this for every waiting prompt it considers, so the running rows are screened in one
@@ -683,11 +713,14 @@ class Engine:
             return None
         n = self.batch_size
         same = (self._tokens[:n, :head] == np.asarray(prompt_ids[:head])).all(axis=1)
-        rows = np.flatnonzero(same & (self._lengths[:n] >= head)).tolist()
-        return self._prefix.match(prompt_ids, [(r, self._tokens[r, : self._lengths[r]]) for r in rows])
+        mine = self._row_adapter[:n] == adapter  # another adapter's keys and values are not this prompt's
+        rows = np.flatnonzero(same & mine & (self._lengths[:n] >= head)).tolist()
+        running = [(r, self._tokens[r, : self._lengths[r]]) for r in rows]
+        return self._prefix.match(prompt_ids, running, adapter)
 
     def _reuse(self, hit: PrefixHit | None, row: int, seq: NewSequence) -> int:
         """Copy a hit's row (kept or running) into `row`; returns the prompt tokens it gave (0: no hit)."""
+        self._row_adapter[row] = self.slot(seq.adapter)
         if hit is None:
             return 0
         source, reused = hit
@@ -800,11 +833,51 @@ class Engine:
             "seqlens_k": run.seqlens_k.astype(np.int32),
             "total_sequence_length": np.array(run.total, np.int32),
             "last_index": np.ascontiguousarray(run.last_index, np.int64),
+            **self._lora_ids(rows, run.input_ids.shape[1]),
         }
         binding = self._binding(rows, side)
         for name, array in inputs.items():
             binding.bind_cpu_input(name, array)
         return binding, inputs
+
+    def load_adapter(self, name: str, adapter: Adapter) -> int:
+        """Serve `adapter` as `name` from the next free slot; returns the slot. ValueError when the bundle has
+        no LoRA slots, the name is taken, or every slot is."""
+        if self._lora is None:
+            raise ValueError("the bundle has no LoRA slots: export it with --lora-slots to serve adapters")
+        if name in self.adapters:
+            raise ValueError(f"an adapter named {name!r} is already loaded")
+        free = sorted(set(range(1, self._lora.layout.slots + 1)) - set(self.adapters.values()))
+        if not free:
+            raise ValueError(
+                f"every one of the bundle's {self._lora.layout.slots} LoRA slots holds an adapter"
+            )
+        self._prefix.forget(free[0])  # rows kept from an adapter this slot held before
+        self._lora.write(free[0], adapter)
+        self.adapters[name] = free[0]
+        return free[0]
+
+    def slot(self, adapter: str) -> int:
+        """The slot of the adapter named `adapter` ("": the base model, 0); ValueError for an unknown name."""
+        if not adapter:
+            return 0
+        try:
+            return self.adapters[adapter]
+        except KeyError:
+            raise ValueError(f"no adapter named {adapter!r} is loaded") from None
+
+    def _lora_ids(self, rows: slice, tokens: int) -> dict[str, np.ndarray]:
+        """The LoRA graph's per-token adapter input for a run over `rows` of `tokens` positions."""
+        if self._lora is None:
+            return {}
+        slots = self._row_adapter[rows]
+        return {LORA_IDS_INPUT: np.ascontiguousarray(np.broadcast_to(slots[:, None], (len(slots), tokens)))}
+
+    def _bind_adapters(self, binding: Any) -> None:
+        """Bind the slots' weights: ONNX Runtime reads the arrays in place, and sees a slot written later."""
+        if self._lora is not None:
+            for name, array in self._lora.arrays.items():
+                binding.bind_ortvalue_input(name, ortvalue(array))
 
     def _keep(self, row: int) -> None:
         """Offer a leaving row to the prefix cache, unless a failed step may have left it half written."""
@@ -813,10 +886,11 @@ class Engine:
             self._untrusted.discard(seq_id)
             return
         length = int(self._lengths[row])
-        target = self._prefix.store(self._tokens[row, :length])
+        target = self._prefix.store(self._tokens[row, :length], int(self._row_adapter[row]))
         if target is not None:
             try:
                 self._kv.copy_row(row, target, length)
+                self._row_adapter[target] = self._row_adapter[row]
             except Exception:  # the row now holds neither its old tokens nor the new ones
                 self._prefix.clear()
                 raise
@@ -824,6 +898,7 @@ class Engine:
     def _move_row(self, src: int, dst: int, length: int) -> None:
         self._kv.copy_row(src, dst, length)
         self._lengths[dst] = self._lengths[src]
+        self._row_adapter[dst] = self._row_adapter[src]
         self._tokens[dst, :length] = self._tokens[src, :length]
 
     def _binding(self, rows: slice, side: bool) -> Any:
@@ -836,6 +911,7 @@ class Engine:
             logits = self._side_logits if side else self._logits
             binding.bind_ortvalue_output("logits", ortvalue(logits[: rows.stop - rows.start]))
             self._kv.bind(binding, rows)
+            self._bind_adapters(binding)
             self._bindings[key] = binding
         return binding
 

@@ -27,6 +27,7 @@ class _Kept:
     tokens: np.ndarray  # int64 token ids whose keys and values fill the row's first len(tokens) positions
     used: int  # the cache's clock when last stored or matched
     head: bytes = b""  # its first min_tokens token ids: a prompt can reuse the row only if it starts so
+    adapter: int = 0  # the LoRA slot its keys and values were computed with (0: none)
 
 
 class PrefixHit(NamedTuple):
@@ -49,18 +50,19 @@ class PrefixCache:
         return len(self._kept)
 
     def match(
-        self, prompt_ids: Sequence[int], running: Sequence[tuple[int, np.ndarray]] = ()
+        self, prompt_ids: Sequence[int], running: Sequence[tuple[int, np.ndarray]] = (), adapter: int = 0
     ) -> PrefixHit | None:
         """The row sharing the longest prefix with `prompt_ids`, and how many of its tokens the prompt can
         reuse (its last token is always left to prefill: its logits choose the first new token), or None
         when no row offers `min_tokens` (or the cache has no rows: prefix caching is off). The rows are the
         kept ones and `running`: (row, token ids in its filled positions) of sequences still running, whose
-        filled positions are as good a source. Pure: `use` marks a kept row as used."""
+        filled positions are as good a source. Only rows computed with the prompt's `adapter` (a LoRA slot)
+        match: another adapter's keys and values differ. Pure: `use` marks a kept row as used."""
         if not self.rows or not (self._kept or running):
             return None
         prompt = np.asarray(prompt_ids, dtype=np.int64)
         head = prompt[: self.min_tokens].tobytes()
-        kept = ((k.row, k.tokens) for k in self._kept if k.head == head)
+        kept = ((k.row, k.tokens) for k in self._kept if k.head == head and k.adapter == adapter)
         best: PrefixHit | None = None
         for row, tokens in [*kept, *running]:
             reusable = min(_common_prefix(tokens, prompt), len(prompt) - 1)
@@ -73,7 +75,7 @@ class PrefixCache:
             if kept.row == row:
                 kept.used = self._tick()
 
-    def store(self, tokens: np.ndarray) -> int | None:
+    def store(self, tokens: np.ndarray, adapter: int = 0) -> int | None:
         """The row to copy a leaving sequence into, which then holds `tokens`; None: it is not worth a copy
         (too short, or a kept row already holds these tokens and more). Replaces a kept row that `tokens`
         extend (the previous turn of the same chat), else takes a free row, else the least recently used."""
@@ -81,6 +83,8 @@ class PrefixCache:
             return None
         extended: list[_Kept] = []
         for kept in self._kept:
+            if kept.adapter != adapter:
+                continue
             shared = _common_prefix(kept.tokens, tokens)
             if shared == len(tokens):  # already kept, in full
                 kept.used = self._tick()
@@ -94,14 +98,19 @@ class PrefixCache:
             taken = {kept.row for kept in self._kept}
             free = [row for row in self.rows if row not in taken]
             if free:
-                target = _Kept(free[0], tokens, 0)
+                target = _Kept(free[0], tokens, 0, adapter=adapter)
                 self._kept.append(target)
             else:
                 target = min(self._kept, key=lambda kept: kept.used)
+        target.adapter = adapter
         target.tokens = np.array(tokens, dtype=np.int64)
         target.head = target.tokens[: self.min_tokens].tobytes()
         target.used = self._tick()
         return target.row
+
+    def forget(self, adapter: int) -> None:
+        """Forget the rows computed with `adapter` (its slot now holds another)."""
+        self._kept = [kept for kept in self._kept if kept.adapter != adapter]
 
     def clear(self) -> None:
         """Forget every kept row (their contents can no longer be trusted)."""

@@ -89,6 +89,8 @@ class EngineSettings:
     prefix_cache_rows: int = 0
     prefix_cache_min_tokens: int = 16  # the shortest prefix kept or reused
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)  # off by default
+    # LoRA adapters loaded at start, (name, peft folder), into a LoRA bundle's slots (serve/engine/lora.py).
+    adapters: tuple[tuple[str, str], ...] = ()
 
 
 class ConstraintKind(enum.Enum):
@@ -167,6 +169,7 @@ class NewSequence:
     # The most tokens speculation proposes for it per step (serve/engine/speculation.py), within the
     # engine's own limit; None: the engine's limit, 0: none.
     speculative_tokens: int | None = None
+    adapter: str = ""  # the LoRA adapter it runs with, by name (Engine.adapters); "": the base model
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,8 @@ class EngineInfo:
     kv_bytes: int
     eos_token_ids: tuple[int, ...] = ()  # every id that ends a generation, eos_token_id first
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
+    adapters: tuple[str, ...] = ()  # the LoRA adapters a request may name
+    lora_slots: int = 0  # the bundle's LoRA slots (0: it serves no adapter)
 
 
 class TokenOut(NamedTuple):

@@ -1,0 +1,212 @@
+"""LoRA adapters in a bundle's slots: peft folders read, checked against the bundle, written into its inputs.
+
+A bundle exported with `--lora-slots N --max-lora-rank R` (export/lora.py) has, per targeted projection, two
+weight inputs that hold every slot's adapter side by side (serve/bundle.py's LoraBranch has the layout).
+`LoraSlots` owns those arrays: the engine binds them once (ONNX Runtime reads them in place), and writing an
+adapter into a slot between two steps is a copy into its columns; no session is rebuilt and no other slot
+changes. A token's slot is its `lora_ids` input (0: no adapter).
+
+An adapter is what `peft` saves: adapter_config.json (r, lora_alpha, use_rslora, target_modules, ...) and
+adapter_model.safetensors with `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight`
+[out, r]. Each module's update is scale * B @ A with scale = lora_alpha / r (lora_alpha / sqrt(r) with
+rsLoRA; alpha_pattern and rank_pattern per module as peft reads them); the scale is folded into B here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from serve.bundle import LoraBranch, LoraLayout
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<side>[AB])(?:\.[^.]+)?\.weight$")
+_FLOAT_KINDS = ("f",)
+
+
+class AdapterError(ValueError):
+    """An adapter folder that cannot be served by this bundle; the message names the file and what differs."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """An adapter laid out for one slot: per branch, its a columns [in, width] and b rows [width, out]
+    (the scale folded into b), zero where the adapter has no module."""
+
+    path: Path
+    rank: int  # the largest of its modules' ranks
+    a: Mapping[str, np.ndarray]  # by projection
+    b: Mapping[str, np.ndarray]
+
+
+def read_adapter(path: Path | str, layout: LoraLayout) -> Adapter:
+    """The peft adapter at `path` laid out for `layout`'s slots; AdapterError when it does not fit."""
+    path = Path(path)
+    if not path.is_dir():
+        raise AdapterError(
+            path, f"not a directory; give the folder peft saved ({CONFIG_FILE} and {WEIGHTS_FILE})"
+        )
+    config = _config(path / CONFIG_FILE)
+    tensors = _tensors(path / WEIGHTS_FILE)
+    modules = _modules(path / WEIGHTS_FILE, tensors)
+    where = {part.module: (branch, j) for branch in layout.branches for j, part in enumerate(branch.parts)}
+    a = {b.projection: np.zeros((b.in_features, layout.width(b)), np.float32) for b in layout.branches}
+    b_ = {b.projection: np.zeros((layout.width(b), b.out_features), np.float32) for b in layout.branches}
+    rank = 0
+    for module, (lora_a, lora_b) in modules.items():
+        branch, j = _place(path, module, where, layout)
+        part = branch.parts[j]
+        r = lora_a.shape[0]
+        if r > layout.max_rank:
+            raise AdapterError(
+                path, f"{module} has rank {r}, above the bundle's --max-lora-rank {layout.max_rank}"
+            )
+        expected = {"lora_A": (r, branch.in_features), "lora_B": (part.stop - part.start, r)}
+        for side, tensor in (("lora_A", lora_a), ("lora_B", lora_b)):
+            if tensor.shape != expected[side]:
+                raise AdapterError(
+                    path,
+                    f"{module}.{side} has shape {list(tensor.shape)} where the bundle's model needs "
+                    f"{list(expected[side])}: an adapter of another base model",
+                )
+        scale = _scale(config, module, r)
+        columns = slice(j * layout.max_rank, j * layout.max_rank + r)
+        a[branch.projection][:, columns] = lora_a.T
+        b_[branch.projection][columns, part.start : part.stop] = scale * lora_b.T
+        rank = max(rank, r)
+    return Adapter(path, rank, a, b_)
+
+
+class LoraSlots:
+    """Every slot's adapter weights, as the graph's LoRA inputs read them (one array per input)."""
+
+    def __init__(self, layout: LoraLayout) -> None:
+        self.layout = layout
+        self._branches = {b.projection: b for b in layout.branches}
+        self.arrays: dict[str, np.ndarray] = {}
+        for b in layout.branches:
+            columns = layout.slots * layout.width(b)
+            self.arrays[b.a_input] = np.zeros((b.in_features, columns), np.float32)
+            self.arrays[b.b_input] = np.zeros((columns, b.out_features), np.float32)
+
+    def write(self, slot: int, adapter: Adapter | None) -> None:
+        """Put `adapter` in `slot` (1-based), replacing what it held; None empties it."""
+        if not 1 <= slot <= self.layout.slots:
+            raise ValueError(f"slot {slot} is not one of the bundle's 1..{self.layout.slots}")
+        for projection, branch in self._branches.items():
+            width = self.layout.width(branch)
+            columns = slice((slot - 1) * width, slot * width)
+            a, b = self.arrays[branch.a_input], self.arrays[branch.b_input]
+            a[:, columns] = 0.0 if adapter is None else adapter.a[projection]
+            b[columns, :] = 0.0 if adapter is None else adapter.b[projection]
+
+
+def _config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise AdapterError(
+            path, "not found: an adapter folder holds the adapter_config.json peft saves"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(path, f"not readable JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise AdapterError(path, "not a JSON object")
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise AdapterError(path, f"peft_type {peft_type!r}: only LORA adapters are served")
+    if config.get("use_dora"):
+        raise AdapterError(path, "use_dora: DoRA adapters are not served, only plain LoRA")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(path, f"bias {config.get('bias')!r}: adapters that train biases are not served")
+    if config.get("modules_to_save"):
+        raise AdapterError(
+            path,
+            f"modules_to_save {config['modules_to_save']}: adapters replacing whole modules are not served",
+        )
+    for key in ("r", "lora_alpha"):
+        value = config.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise AdapterError(path, f"{key} must be a positive number, got {value!r}")
+    return config
+
+
+def _tensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    if not path.is_file():
+        raise AdapterError(
+            path, "not found: an adapter folder holds the adapter_model.safetensors peft saves"
+        )
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise AdapterError(path, f"not a readable safetensors file ({exc})") from exc
+    for name, tensor in tensors.items():
+        if tensor.dtype.kind not in _FLOAT_KINDS:
+            raise AdapterError(path, f"{name} is {tensor.dtype}: adapter weights must be float")
+    return {name: tensor.astype(np.float32) for name, tensor in tensors.items()}
+
+
+def _modules(path: Path, tensors: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """module -> (lora_A [r, in], lora_B [out, r]); AdapterError for other tensors or a missing half."""
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    for name, tensor in tensors.items():
+        match = _KEY.match(name.removeprefix(PEFT_PREFIX))
+        if match is None:
+            raise AdapterError(
+                path,
+                f"tensor {name!r} is not a LoRA A or B weight (embedding or other adapters are not served)",
+            )
+        if tensor.ndim != 2:
+            raise AdapterError(path, f"tensor {name!r} has shape {list(tensor.shape)}, not a matrix")
+        halves.setdefault(match["module"], {})[match["side"]] = tensor
+    if not halves:
+        raise AdapterError(path, "holds no LoRA weights")
+    modules = {}
+    for module, sides in halves.items():
+        if set(sides) != {"A", "B"}:
+            raise AdapterError(path, f"{module} has lora_{''.join(sides)} without its other half")
+        if sides["A"].shape[0] != sides["B"].shape[1]:
+            raise AdapterError(
+                path, f"{module}: lora_A has rank {sides['A'].shape[0]}, lora_B {sides['B'].shape[1]}"
+            )
+        modules[module] = (sides["A"], sides["B"])
+    return modules
+
+
+def _place(
+    path: Path, module: str, where: Mapping[str, tuple[LoraBranch, int]], layout: LoraLayout
+) -> tuple[LoraBranch, int]:
+    """The branch and part of the bundle's module `module` names (exactly, or as a path ending in it: a
+    checkpoint whose file names its modules without the model's prefix)."""
+    found = where.get(module) or next((v for k, v in where.items() if module.endswith(f".{k}")), None)
+    if found is None:
+        leaves = sorted({p.module.rsplit(".", 1)[-1] for b in layout.branches for p in b.parts})
+        raise AdapterError(
+            path,
+            f"targets {module}, for which the bundle has no LoRA branch (its branches are on "
+            f"{', '.join(leaves)}; export with --lora-target-modules to add others)",
+        )
+    return found
+
+
+def _scale(config: Mapping[str, Any], module: str, rank: int) -> float:
+    alpha = float(config["lora_alpha"])
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module):  # as peft matches a pattern key
+            alpha = float(value)
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
