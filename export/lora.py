@@ -5,6 +5,7 @@ branch over all N slots at once (serve/bundle.py's LoraBranch has the layout):
 
     mask = Gather(onehot, lora_ids)          [B,S,N*width]  1 on the columns of the token's slot, else 0
     y   += ((x @ lora_a) * mask) @ lora_b    lora_a [in, N*width], lora_b [N*width, out]: graph inputs
+                                             (FusedMatMuls: export/onnx_inplace.py says why)
 
 Why this form rather than gathering each row's adapter matrices: a gather copies an adapter's weights once per
 row per step (16 rows, 4 adapters: 4x the bytes of reading each adapter once), and it makes the per-row

@@ -79,9 +79,17 @@ class _GraphBuilder:
     def lora_branch(self, x: str, y: str, branch: LoraBranch) -> str:
         """y + ((x @ a) * mask) @ b: every slot at once, each token keeping its own (export/lora.py)."""
         name = f"{branch.projection}/lora"
-        (xa,) = self.node("MatMul", [x, branch.a_input], f"{name}/a")  # [B,S,slots*width]
+        # FusedMatMul with alpha 1/2 then 2, not MatMul: ONNX Runtime's CPU MatMul by a weight it has not
+        # packed at load computes a single row (a lone decode step) with another kernel than several, which
+        # rounds differently; an alpha other than 1 keeps every row count on one kernel. Scaling by powers of
+        # two is exact, so the product is x @ a @ b still.
+        (xa,) = self.node(
+            "FusedMatMul", [x, branch.a_input], f"{name}/a", domain=MS_DOMAIN, alpha=0.5
+        )  # [B,S,slots*width]
         (xm,) = self.node("Mul", [xa, self.lora_mask(branch)], f"{name}/mask")
-        (d,) = self.node("MatMul", [xm, branch.b_input], f"{name}/b")  # [B,S,out]
+        (d,) = self.node(
+            "FusedMatMul", [xm, branch.b_input], f"{name}/b", domain=MS_DOMAIN, alpha=2.0
+        )  # [B,S,out]
         return self.node("Add", [y, d], f"{name}/add")[0]
 
     def lora_mask(self, branch: LoraBranch) -> str:

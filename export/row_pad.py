@@ -78,7 +78,8 @@ class _Rewrite:
         self._row_free = _row_free_inputs(graph)
         self._layouts = _ids_inputs(graph)  # real tensors whose rows line up with input_ids' (or are ids)
         self._padded: dict[str, str] = {}  # a tensor computed on padded rows: its layout
-        self._pads: set[str] = set()  # real tensors padded once already
+        self._pads: dict[str, str] = {}  # real tensors some node reads padded: their layout
+        self._emitted: set[str] = set()  # real tensors whose Pad is written
         self._cuts: set[str] = set()  # padded tensors something reads real
         self.pad_layouts: set[str] = set()  # of the Pads written
 
@@ -93,11 +94,14 @@ class _Rewrite:
         """The layout the node runs padded in, or None (real rows); notes what it produces."""
         layout = self._padded_layout(node)
         if layout is None:
-            self._cuts.update(i for i in node.input if i in self._padded)
+            cut = [i for i in node.input if i in self._padded]
+            self._cuts.update(cut)
+            self._layouts.update((i, self._padded[i]) for i in cut)  # cut back, it has the same rows
             real = self._real_layout(node)
             if real is not None:
                 self._layouts[node.output[0]] = real
         else:
+            self._pads.update((i, layout) for i in self._rows(node) if i not in self._padded)
             self._padded.update((o, layout) for o in node.output if o)
         return layout
 
@@ -108,9 +112,14 @@ class _Rewrite:
         rows = self._rows(node)
         if node.op_type == "MatMulNBits":
             return self._padded.get(rows[0], self._matmul_layouts[rows[0]])
-        if not any(i in self._padded for i in rows):
+        # A real tensor padded already (for a MatMulNBits) is read padded: a branch beside the projection
+        # (a LoRA bundle's, export/lora.py) then runs on the same padded rows.
+        padded = {
+            i: self._padded.get(i) or self._pads[i] for i in rows if i in self._padded or i in self._pads
+        }
+        if not padded:
             return None
-        layout = _one_layout({self._padded.get(i, self._layouts.get(i)) for i in rows})
+        layout = _one_layout({padded.get(i, self._layouts.get(i)) for i in rows})
         # Every input lines up (a real one gets padded too), and the op keeps rows apart.
         return layout if layout is not None and self._row_wise(node, RANK[layout]) else None
 
@@ -142,7 +151,7 @@ class _Rewrite:
             return len([o for o in node.output if o]) == 1 and _attr(node, "axis", -1) in last
         if op == "Split":
             return _attr(node, "axis", 0) in last
-        if op == "MatMul":  # by a weight: each row's product is its own
+        if op in ("MatMul", "FusedMatMul") and not _attr(node, "transA", 0):  # by a weight: rows kept apart
             weight = node.input[1]
             return weight in self._row_free or (
                 weight in self._constants and len(self._constants[weight].dims) == 2
@@ -161,11 +170,11 @@ class _Rewrite:
             return [node]
         pads = []
         for k, name in enumerate(node.input):
-            if not name or name in self._constants:
+            if not name or name in self._constants or name in self._row_free:
                 continue
-            if name not in self._padded and name not in self._pads:
+            if name not in self._padded and name not in self._emitted:
                 pads.append(_pad(name, layout))
-                self._pads.add(name)
+                self._emitted.add(name)
                 self.pad_layouts.add(layout)
             node.input[k] = _padded_name(name)
         cuts = [_cut(o, self._padded[o]) for o in node.output if o in self._cuts]

@@ -1,0 +1,346 @@
+"""LoRA slots: a bundle exported with them serves peft adapters as peft computes them in PyTorch, any mix of
+adapters and the base model in one batch with each request's tokens bit-identical to its tokens alone (fp32,
+int8, int4 with its row pads), base requests exactly as without slots, and bad adapters refused by name."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from quantized_bundles import quantized_graphs
+
+from export.lora import LoraOptions
+from export.model import Decoder, DecoderConfig
+from export.pipeline import ExportOptions, Precision, export_bundle, write_verified_bundle
+from serve.bundle import ROW_PAD_PREFIX, load_bundle
+from serve.engine.engine import Engine
+from serve.engine.lora import AdapterError, read_adapter
+from serve.engine.runtime import SessionConfig
+from serve.engine.sampling import SamplingParams
+from serve.engine.types import EngineSettings, NewSequence, TokenOut
+from serve.errors import BundleError
+
+CONFIG = DecoderConfig(
+    vocab_size=320, context_length=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+    positions="rotary", activation="swiglu", norm="rms", qkv_bias=False, out_bias=False, mlp_bias=False,
+)  # fmt: skip
+SLOTS, RANK = 3, 8
+ALL = ["qkv", "out", "up", "down"]
+# name -> peft config: ranks, scalings (rsLoRA too) and module sets that differ
+ADAPTERS = {
+    "a1": LoraConfig(r=4, lora_alpha=8, target_modules=ALL, init_lora_weights=False),
+    "a2": LoraConfig(
+        r=8, lora_alpha=16, use_rslora=True, target_modules=["qkv", "down"], init_lora_weights=False
+    ),
+    "a3": LoraConfig(r=2, lora_alpha=4, target_modules=["up", "out"], init_lora_weights=False),
+}
+SESSION = SessionConfig(threads=2, spinning=False)
+PRECISIONS = {"fp32": Precision(), "int8": Precision("int8"), "int4": Precision("int4")}  # int4: block 32
+
+
+@pytest.fixture(scope="module")
+def base_model() -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(CONFIG).eval()
+
+
+def peft_model(base: Decoder, config: LoraConfig, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return get_peft_model(copy.deepcopy(base), copy.deepcopy(config)).eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(
+    base_model: Decoder, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, torch.nn.Module]]:
+    """Each of ADAPTERS with random A and B, saved by peft, and its PyTorch model."""
+    folder = tmp_path_factory.mktemp("adapters")
+    made = {}
+    for seed, (name, config) in enumerate(ADAPTERS.items(), start=1):
+        model = peft_model(base_model, config, seed)
+        model.save_pretrained(folder / name)
+        made[name] = (folder / name, model)
+    return made
+
+
+@pytest.fixture(scope="module")
+def fp32_bundles(
+    base_model: Decoder, tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    """The model exported with LoRA slots and without."""
+    out = tmp_path_factory.mktemp("lora")
+    tokenizer = load_bundle(tiny_bundle).tokenizer
+    options = ExportOptions(model_name="lora", progress=False, lora=LoraOptions(SLOTS, RANK))
+    lora = export_bundle(base_model, tokenizer, out / "lora-fp32", options).root
+    plain = export_bundle(base_model, tokenizer, out / "plain-fp32", replace(options, lora=None)).root
+    return lora, plain
+
+
+def quantized(fp32: Path, base: Decoder, kind: str, out: Path) -> Path:
+    bundle = load_bundle(fp32)
+    lora = bundle.manifest.lora
+    options = ExportOptions(
+        model_name=kind,
+        progress=False,
+        precision=PRECISIONS[kind],
+        lora=None if lora is None else LoraOptions(lora.slots, lora.max_rank),
+    )
+    graphs = quantized_graphs(fp32, PRECISIONS[kind])
+    return write_verified_bundle(base, bundle.tokenizer, graphs, out / f"{fp32.name}-{kind}", options).root
+
+
+@pytest.fixture(scope="module", params=list(PRECISIONS))
+def bundles(
+    request: pytest.FixtureRequest,
+    fp32_bundles: tuple[Path, Path],
+    base_model: Decoder,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, Path]:
+    """(with slots, without) at each precision."""
+    if request.param == "fp32":
+        return fp32_bundles
+    out = tmp_path_factory.mktemp(request.param)
+    return tuple(quantized(path, base_model, request.param, out) for path in fp32_bundles)  # type: ignore[return-value]
+
+
+def engine_for(path: Path, adapters: dict[str, tuple[Path, torch.nn.Module]], **settings: object) -> Engine:
+    named = tuple((name, str(folder)) for name, (folder, _) in adapters.items())
+    return Engine.from_bundle(
+        load_bundle(path),
+        EngineSettings(max_batch_size=16, session=SESSION, adapters=named, **settings),  # type: ignore[arg-type]
+    )
+
+
+def prompts(count: int) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(3, CONFIG.vocab_size, size=int(rng.integers(5, 30))).tolist() for _ in range(count)]
+
+
+def run(engine: Engine, seqs: list[NewSequence], steps: int) -> dict[str, list[TokenOut]]:
+    """Every sequence's first `steps` tokens, all of them in one batch."""
+    outs: dict[str, list[TokenOut]] = {s.seq_id: [] for s in seqs}
+    for out in engine.prefill(seqs):
+        outs[out.seq_id].append(out)
+    for _ in range(steps - 1):
+        for out in engine.decode():
+            outs[out.seq_id].append(out)
+    engine.release(list(outs))
+    return outs
+
+
+def test_adapters_compute_what_peft_computes(
+    fp32_bundles: tuple[Path, Path], adapters: dict[str, tuple[Path, torch.nn.Module]], base_model: Decoder
+) -> None:
+    engine = engine_for(fp32_bundles[0], adapters)
+    references = {name: model for name, (_, model) in adapters.items()} | {"": base_model}
+    for prompt in prompts(4):
+        ids = torch.tensor([prompt])
+        for name, reference in references.items():
+            engine.prefill([NewSequence("s", prompt, SamplingParams(), adapter=name)])
+            got = engine.last_logits[0].copy()
+            engine.release(["s"])
+            with torch.no_grad():
+                want = reference(ids, torch.ones_like(ids), torch.arange(len(prompt))[None])[0][0, -1].numpy()
+            assert np.abs(got - want).max() < 1e-4, name
+            if name:  # the adapter does change the model
+                assert (
+                    np.abs(
+                        got
+                        - references[""](ids, torch.ones_like(ids), torch.arange(len(prompt))[None])[0][0, -1]
+                        .detach()
+                        .numpy()
+                    ).max()
+                    > 1e-2
+                )
+
+
+def test_greedy_decoding_follows_peft(
+    fp32_bundles: tuple[Path, Path], adapters: dict[str, tuple[Path, torch.nn.Module]]
+) -> None:
+    """Decode steps (the KV cache) with an adapter give the logits peft gives over the whole sequence."""
+    engine = engine_for(fp32_bundles[0], adapters)
+    prompt = prompts(1)[0]
+    for name, (_, reference) in adapters.items():
+        seq = NewSequence("s", prompt, SamplingParams(), adapter=name)
+        tokens = [o.token_id for o in run(engine, [seq], 12)["s"]]
+        with torch.no_grad():
+            for k in range(1, len(tokens)):
+                ids = torch.tensor([prompt + tokens[:k]])
+                logits = reference(ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None])[0][0, -1]
+                top2 = torch.topk(logits, 2).values
+                if float(top2[0] - top2[1]) > 1e-3:  # a near tie may go either way within the tolerance
+                    assert int(logits.argmax()) == tokens[k], (name, k)
+
+
+def test_each_request_gets_its_tokens_alone_and_in_any_mix_of_adapters(
+    bundles: tuple[Path, Path], adapters: dict[str, tuple[Path, torch.nn.Module]]
+) -> None:
+    """15 requests over the base and three adapters: greedy and seeded tokens and logprobs bit-identical
+    alone, among requests of their own adapter, and all mixed together."""
+    engine = engine_for(bundles[0], adapters)
+    names = ["", *adapters]
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.9, top_k=50, seed=5)):
+        seqs = [
+            NewSequence(
+                f"r{i}",
+                p,
+                replace(sampling, seed=sampling.seed and sampling.seed + i),
+                logprobs=True,
+                adapter=names[i % 4],
+            )
+            for i, p in enumerate(prompts(15))
+        ]
+        alone = {s.seq_id: run(engine, [s], 16)[s.seq_id] for s in seqs}
+        mixed = run(engine, seqs, 16)
+        by_adapter = {}
+        for name in names:
+            by_adapter |= run(engine, [s for s in seqs if s.adapter == name], 16)
+        for seq in seqs:
+            want = [(o.token_id, o.logprob) for o in alone[seq.seq_id]]
+            assert [(o.token_id, o.logprob) for o in mixed[seq.seq_id]] == want, seq.seq_id
+            assert [(o.token_id, o.logprob) for o in by_adapter[seq.seq_id]] == want, seq.seq_id
+        outputs = {name: [alone[s.seq_id][-1].token_id for s in seqs if s.adapter == name] for name in names}
+        assert len({tuple(v) for v in outputs.values()}) > 1  # the adapters do differ
+
+
+def test_base_requests_are_what_the_bundle_without_slots_gives(
+    bundles: tuple[Path, Path], adapters: dict[str, tuple[Path, torch.nn.Module]]
+) -> None:
+    with_slots, plain = engine_for(bundles[0], adapters), engine_for(bundles[1], {})
+    seqs = [NewSequence(f"r{i}", p, SamplingParams(), logprobs=True) for i, p in enumerate(prompts(5))]
+    mixed = [*seqs, NewSequence("other", prompts(6)[5], SamplingParams(), adapter="a1")]
+    got, want = run(with_slots, mixed, 16), run(plain, seqs, 16)
+    for seq in seqs:
+        assert [(o.token_id, o.logprob) for o in got[seq.seq_id]] == [
+            (o.token_id, o.logprob) for o in want[seq.seq_id]
+        ]
+
+
+def test_an_int4_bundle_with_slots_runs_its_branches_on_the_padded_rows(
+    fp32_bundles: tuple[Path, Path], base_model: Decoder, tmp_path: Path
+) -> None:
+    """Where the quantizer pads rows (4 bits past block 16), every branch runs on the padded rows beside its
+    projection: the graph has the Pads and Slices of the graph without slots, and one Pad per mask."""
+    import onnx
+
+    bundles = [quantized(path, base_model, "int4", tmp_path) for path in fp32_bundles]
+    assert load_bundle(bundles[0]).manifest.odd_rows_padded
+
+    def graph(path: Path) -> onnx.GraphProto:
+        inplace = load_bundle(path).inplace_graph
+        assert inplace is not None
+        return onnx.load(str(inplace)).graph
+
+    lora, plain = graph(bundles[0]), graph(bundles[1])
+    branches = [n for n in lora.node if n.name.endswith("/lora/b")]
+    assert len(branches) == 4 * CONFIG.n_layers
+    assert all(n.output[0].endswith(ROW_PAD_PREFIX) for n in branches)
+    widths = {i.name for i in lora.initializer if i.name.startswith("lora.onehot_")}
+    for op, more in (("Pad", len(widths)), ("Slice", 0)):
+        assert sum(n.op_type == op for n in lora.node) == sum(n.op_type == op for n in plain.node) + more
+
+
+def test_the_prefix_cache_never_serves_one_adapters_rows_to_another(
+    fp32_bundles: tuple[Path, Path], adapters: dict[str, tuple[Path, torch.nn.Module]]
+) -> None:
+    engine = engine_for(fp32_bundles[0], adapters, prefix_cache_rows=2, prefix_cache_min_tokens=4)
+    fresh = engine_for(fp32_bundles[0], adapters)
+    prompt = prompts(1)[0] * 2
+    run(engine, [NewSequence("first", prompt, SamplingParams(), adapter="a1")], 4)
+    assert engine.cached_tokens(prompt, "a1") > 0
+    assert engine.cached_tokens(prompt, "a2") == engine.cached_tokens(prompt) == 0
+    for name in ("a2", ""):
+        seq = NewSequence("again", prompt, SamplingParams(), logprobs=True, adapter=name)
+        got, want = run(engine, [seq], 8)["again"], run(fresh, [seq], 8)["again"]
+        assert [(o.token_id, o.logprob) for o in got] == [(o.token_id, o.logprob) for o in want]
+
+
+# --- refusals -------------------------------------------------------------------------------------------
+
+
+def broken(adapters: dict[str, tuple[Path, torch.nn.Module]], tmp_path: Path, edit: str) -> Path:
+    """A copy of adapter a1 with one thing wrong."""
+    folder = tmp_path / edit
+    shutil.copytree(adapters["a1"][0], folder)
+    config_path = folder / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    if edit == "no-config":
+        config_path.unlink()
+    elif edit == "corrupt-weights":
+        (folder / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    elif edit == "dora":
+        config_path.write_text(json.dumps(config | {"use_dora": True}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ("no-config", "adapter_config.json: not found"),
+        ("corrupt-weights", "not a readable safetensors file"),
+        ("dora", "DoRA adapters are not served"),
+    ],
+)
+def test_broken_adapter_folders_are_refused_by_name(
+    fp32_bundles: tuple[Path, Path],
+    adapters: dict[str, tuple[Path, torch.nn.Module]],
+    tmp_path: Path,
+    edit: str,
+    message: str,
+) -> None:
+    layout = load_bundle(fp32_bundles[0]).manifest.lora
+    assert layout is not None
+    with pytest.raises(AdapterError, match=message):
+        read_adapter(broken(adapters, tmp_path, edit), layout)
+
+
+def test_adapters_that_do_not_fit_the_bundle_are_refused_saying_what_differs(
+    fp32_bundles: tuple[Path, Path], base_model: Decoder, tmp_path: Path, tiny_bundle: Path
+) -> None:
+    layout = load_bundle(fp32_bundles[0]).manifest.lora
+    assert layout is not None
+    too_big = peft_model(
+        base_model, LoraConfig(r=RANK * 2, target_modules=["qkv"], init_lora_weights=False), 1
+    )
+    too_big.save_pretrained(tmp_path / "rank")
+    with pytest.raises(AdapterError, match=f"rank {RANK * 2}, above the bundle's --max-lora-rank {RANK}"):
+        read_adapter(tmp_path / "rank", layout)
+    other = peft_model(Decoder(replace(CONFIG, d_model=32, n_heads=2, n_kv_heads=1)), ADAPTERS["a1"], 1)
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(AdapterError, match="an adapter of another base model"):
+        read_adapter(tmp_path / "other", layout)
+    narrow = ExportOptions(model_name="narrow", progress=False, lora=LoraOptions(1, RANK, ("qkv",)))
+    narrow_bundle = export_bundle(base_model, load_bundle(tiny_bundle).tokenizer, tmp_path / "narrow", narrow)
+    assert narrow_bundle.manifest.lora is not None
+    peft_model(base_model, ADAPTERS["a3"], 1).save_pretrained(tmp_path / "a3")
+    with pytest.raises(
+        AdapterError, match=r"targets blocks\.0\.attn\.out, for which the bundle has no LoRA branch"
+    ):
+        read_adapter(tmp_path / "a3", narrow_bundle.manifest.lora)
+
+
+def test_engines_refuse_adapters_they_cannot_serve(
+    fp32_bundles: tuple[Path, Path], adapters: dict[str, tuple[Path, torch.nn.Module]]
+) -> None:
+    with pytest.raises(BundleError, match="has no LoRA slots"):
+        engine_for(fp32_bundles[1], {"a1": adapters["a1"]})
+    engine = engine_for(fp32_bundles[0], adapters)
+    layout = load_bundle(fp32_bundles[0]).manifest.lora
+    assert layout is not None
+    with pytest.raises(ValueError, match="every one of the bundle's 3 LoRA slots holds an adapter"):
+        engine.load_adapter("a4", read_adapter(adapters["a1"][0], layout))
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.load_adapter("a1", read_adapter(adapters["a1"][0], layout))
+    with pytest.raises(ValueError, match="no adapter named 'nope'"):
+        engine.prefill([NewSequence("s", [5, 6, 7], SamplingParams(), adapter="nope")])
+    with pytest.raises(ValueError, match="prompt logprobs are scored by the base model"):
+        engine.prefill([NewSequence("s", [5, 6, 7], SamplingParams(), adapter="a1", prompt_logprobs=True)])
+    assert engine.batch_size == 0
+    assert engine.info.adapters == ("a1", "a2", "a3") and engine.info.lora_slots == SLOTS
