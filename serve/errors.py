@@ -13,6 +13,7 @@ class ErrorKind(enum.Enum):
     """What went wrong, as a client would act on it."""
 
     INVALID_REQUEST = "invalid_request"  # fix the request; retrying it as it is fails again
+    NOT_FOUND = "not_found"  # it names a model or LoRA adapter this server does not serve
     OVERLOADED = "overloaded"  # the queue is full: retry later
     DEADLINE_EXCEEDED = "deadline_exceeded"
     CANCELLED = "cancelled"
@@ -29,6 +30,10 @@ class TextgenError(Exception):
 
 class InvalidRequest(TextgenError):
     kind = ErrorKind.INVALID_REQUEST
+
+
+class NotFound(TextgenError):
+    kind = ErrorKind.NOT_FOUND
 
 
 class QueueFull(TextgenError):

@@ -149,6 +149,11 @@ class ServerSettings(BaseSettings, BatchingKnobs):
         2, ge=1, le=64, description="with --speculative ngram: the shortest n-gram"
     )
     prompt_lookup_max: int = Field(4, ge=1, le=64, description="with --speculative ngram: the longest n-gram")
+    lora: Annotated[list[tuple[str, Path]], NoDecode] = Field(
+        default_factory=list,
+        description="LoRA adapters to serve, comma-separated NAME=DIR (peft folders) into the bundle's LoRA "
+        "slots (textgen-export --lora-slots); a request picks one by naming it as its model",
+    )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="longest prompt in tokens; default and upper bound: the context length - 1"
     )
@@ -190,6 +195,22 @@ class ServerSettings(BaseSettings, BatchingKnobs):
         if isinstance(value, str):
             return [p.strip() for p in value.split(",") if p.strip()]
         return value
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _split_adapters(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        adapters = []
+        for item in (part.strip() for part in value.split(",")):
+            name, sep, folder = item.partition("=")
+            if not sep or not name.strip() or not folder.strip():
+                raise ValueError(f"{item!r} is not NAME=DIR: give each adapter a name and its peft folder")
+            adapters.append((name.strip(), Path(folder.strip())))
+        names = [name for name, _ in adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapter names must differ: {', '.join(names)}")
+        return adapters
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

@@ -104,6 +104,7 @@ def options(request: pb.GenerateRequest) -> GenerationOptions:
             request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
         ),
         priority=request.priority,
+        adapter=request.adapter,
     )
 
 

@@ -33,7 +33,7 @@ from serve.api.state import ServingState
 from serve.api.tracing import RequestTracer, take_trace_context
 from serve.api.validation import check_request_id, token_ids
 from serve.engine.sampling import Alternatives
-from serve.errors import Draining, InvalidRequest
+from serve.errors import Draining, InvalidRequest, NotFound
 from serve.scheduling.handles import RequestHandle
 from serve.scheduling.request import Completion, Event, FinishEvent
 
@@ -257,6 +257,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         prompt = prompt_ids(*args) if on_loop else await asyncio.to_thread(prompt_ids, *args)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
+        if request.adapter and request.adapter not in model.info.adapters:
+            loaded = ", ".join(model.info.adapters) or "none"
+            raise NotFound(f"adapter {request.adapter!r} is not loaded on this server (adapters: {loaded})")
         generation = generation_request(
             request,
             request_id=record.request_id,
@@ -333,6 +336,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 batch_invariant=batch_invariant(manifest.batch_invariant, model.info.providers),
                 speculative=model.info.speculation.method,
                 num_speculative_tokens=model.info.speculation.num_tokens,
+                adapters=list(model.info.adapters),
+                lora_slots=model.info.lora_slots,
             )
 
     async def Tokenize(

@@ -8,6 +8,7 @@ from serve.errors import ErrorKind, describe
 
 GRPC_CODES = {
     ErrorKind.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorKind.CANCELLED: grpc.StatusCode.CANCELLED,

@@ -3,6 +3,7 @@
 | ErrorKind | HTTP | OpenAI `type` | metric `code` |
 |---|---|---|---|
 | INVALID_REQUEST | 400 | invalid_request_error | INVALID_ARGUMENT |
+| NOT_FOUND (a model or adapter not served) | 404 | invalid_request_error | NOT_FOUND |
 | UNAUTHENTICATED | 401 | authentication_error | UNAUTHENTICATED |
 | OVERLOADED | 429 | rate_limit_error | RESOURCE_EXHAUSTED |
 | CANCELLED | 499 (the client is gone: nobody reads it) | cancelled | CANCELLED |
@@ -12,7 +13,7 @@
 
 The metric `code` is the gRPC status name of the same kind (`serve.api.grpc_status`), so
 `textgen_requests_total{code=...}` and the alert rules read both front ends alike; the HTTP route is the
-`rpc` label. Two HTTP-only refusals have no ErrorKind: an unknown model or route (404, invalid_request_error,
+`rpc` label. Two HTTP-only refusals have no ErrorKind: an unknown route (404, invalid_request_error,
 NOT_FOUND) and a body over the size limit (413, invalid_request_error, RESOURCE_EXHAUSTED, as gRPC refuses
 an oversized message).
 
@@ -43,6 +44,7 @@ class HttpError(NamedTuple):
 
 HTTP_STATUSES: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorKind.NOT_FOUND: (404, "invalid_request_error"),
     ErrorKind.UNAUTHENTICATED: (401, "authentication_error"),
     ErrorKind.OVERLOADED: (429, "rate_limit_error"),
     ErrorKind.CANCELLED: (499, "cancelled"),

@@ -16,6 +16,7 @@ from serve.api.sizing import ITEMSIZE, DraftCost, KvSizing, size_kv_cache
 from serve.api.validation import RequestLimits
 from serve.bundle import Bundle, load_bundle, read_manifest, serving_weight_bytes
 from serve.engine.types import EngineInfo, EngineSettings, SessionConfig, SpeculationSettings
+from serve.errors import BundleError
 from serve.process import (
     allowed_cpus,
     beside,
@@ -70,6 +71,7 @@ def engine_settings(settings: ServerSettings, sizing: KvSizing | None = None) ->
         prefix_cache_rows=sizing.prefix_cache_rows if sizing else settings.prefix_cache_rows,
         prefix_cache_min_tokens=settings.prefix_cache_min_tokens,
         speculation=speculation_settings(settings),
+        adapters=tuple((name, str(folder)) for name, folder in settings.lora),
     )
 
 
@@ -90,6 +92,15 @@ def draft_cost(settings: ServerSettings) -> DraftCost | None:
     manifest = read_manifest(root)  # the engine loads and checks the draft bundle whole later
     per_token = manifest.architecture.kv_bytes_per_token(ITEMSIZE[manifest.dtype])
     return DraftCost(serving_weight_bytes(root, manifest), per_token)
+
+
+def check_adapter_names(settings: ServerSettings, bundle: Bundle) -> None:
+    """BundleError for an adapter named as the model: a request's `model` could not tell them apart."""
+    for name, _ in settings.lora:
+        if name == bundle.manifest.model_name:
+            raise BundleError(
+                f"adapter {name!r} has the model's own name ({bundle.root}): name it otherwise in --lora"
+            )
 
 
 def kv_sizing(settings: ServerSettings, bundle: Bundle) -> KvSizing:
@@ -151,6 +162,7 @@ async def load_model(
     """Bundle, warmed-up engine (in its own process, or here), started scheduler; raises BundleError for a
     bundle that cannot be served. `wrap` wraps the engine before the scheduler gets it (tests)."""
     bundle = await asyncio.to_thread(load_bundle, settings.bundle)
+    check_adapter_names(settings, bundle)
     sizing = kv_sizing(settings, bundle)
     cpus = checked_engine_cpus(settings) if settings.engine_process else None
     limits = scheduler_limits(settings, sizing)

@@ -84,6 +84,7 @@ class GenerationOptions:
     constraint: Constraint | None = None  # structured output (checked by `checked_constraint`)
     speculative_tokens: int | None = None  # most tokens speculation proposes per step; None: the server's
     priority: int = 0  # under the priority policy: lower is admitted first
+    adapter: str = ""  # a LoRA adapter the server loaded; "": the base model
 
 
 def check_request_id(request_id: str) -> str:
@@ -280,4 +281,5 @@ def build_request(
         constraint=checked_constraint(options.constraint),
         speculative_tokens=options.speculative_tokens,
         priority=options.priority,
+        adapter=options.adapter,
     )

@@ -162,7 +162,9 @@ class ProcessScheduler:
         if self._draining:
             raise draining(rid)
         self._handles.check_free(rid)
-        validate_request(request, started.info.vocab_size, started.max_total_tokens)
+        validate_request(
+            request, started.info.vocab_size, started.max_total_tokens, adapters=started.info.adapters
+        )
         if self._waiting >= started.limits.max_queue:
             self._rejected += 1
             raise queue_full(rid, started.limits.max_queue)

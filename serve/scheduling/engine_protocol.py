@@ -21,7 +21,7 @@ class EngineView(Protocol):
     """What the planner (serve/scheduling/planner.py) reads of the engine to decide a step: its prefix cache,
     and the prefills it has in progress. Reads only: planning never changes the engine."""
 
-    def cached_tokens(self, prompt_ids: Sequence[int]) -> int: ...
+    def cached_tokens(self, prompt_ids: Sequence[int], adapter: str = "") -> int: ...
     @property
     def staged_id(self) -> str | None: ...  # the sequence prefilled in chunks (None: none)
     @property

@@ -187,7 +187,9 @@ class Planner:
             for m in group.members
         ):
             return group.fork(tracker)
-        return group.plus(tracker, self.engine.cached_tokens(tracker.request.prompt_ids))
+        return group.plus(
+            tracker, self.engine.cached_tokens(tracker.request.prompt_ids, tracker.request.adapter)
+        )
 
     def _acceptable(self, running: _Group, group: _Group) -> bool:
         """Whether a group of two or more may prefill together (the head alone always may: a prompt longer

@@ -12,7 +12,7 @@ request's state machine and the only producer of its events.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -71,6 +71,8 @@ class GenerationRequest:
     # Under the server's priority policy: waiting requests are admitted lowest value first, arrival order
     # among equals (vLLM's convention); the fcfs policy ignores it.
     priority: int = 0
+    # The LoRA adapter it runs with, by the name the server loaded it under; "": the base model.
+    adapter: str = ""
 
 
 @dataclass
@@ -163,7 +165,12 @@ class RequestTimes:
 
 
 def validate_request(
-    request: GenerationRequest, vocab_size: int, max_total_tokens: int, *, stop_at_context: bool = False
+    request: GenerationRequest,
+    vocab_size: int,
+    max_total_tokens: int,
+    *,
+    stop_at_context: bool = False,
+    adapters: Collection[str] | None = None,
 ) -> None:
     """Raise InvalidRequest unless the request fits `max_total_tokens` (prompt + max_new_tokens).
 
@@ -184,6 +191,7 @@ def validate_request(
             f"allowed 0..{request.max_new_tokens} (max_new_tokens)"
         )
     _check_top(rid, "top_logprobs", request.top_logprobs, request.include_logprobs, "include_logprobs")
+    _check_adapter(request, adapters)
     constraint = request.constraint
     if constraint is not None and constraint.kind is ConstraintKind.CHOICE and not constraint.choices:
         raise InvalidRequest(f"request {rid}: constraint.choice needs at least one string")
@@ -207,6 +215,22 @@ def validate_request(
         raise InvalidRequest(
             f"request {rid}: prompt ({prompt} tokens) + max_new_tokens ({request.max_new_tokens}) = {total} "
             f"exceeds the limit of {max_total_tokens} tokens"
+        )
+
+
+def _check_adapter(request: GenerationRequest, adapters: Collection[str] | None) -> None:
+    """InvalidRequest for an adapter the server has not loaded (`adapters`; None: not known here, the engine
+    checks) and for prompt logprobs with one (the base model's graph scores prompts)."""
+    if not request.adapter:
+        return
+    rid = request.request_id
+    if adapters is not None and request.adapter not in adapters:
+        loaded = ", ".join(adapters) or "none"
+        raise InvalidRequest(f"request {rid}: no LoRA adapter named {request.adapter!r} is loaded ({loaded})")
+    if request.prompt_logprobs:
+        raise InvalidRequest(
+            f"request {rid}: prompt logprobs are scored by the base model's graph, without adapters "
+            f"({request.adapter!r})"
         )
 
 
@@ -307,6 +331,7 @@ class RequestTracker:
             fork_of=request.fork_of,
             constraint=compiled,
             speculative_tokens=request.speculative_tokens,
+            adapter=request.adapter,
         )
 
     def request_cancel(self) -> None:

@@ -89,7 +89,7 @@ class FakeEngine:
             return self.eos_token_id
         return self._alphabet[(sum(context) * 31 + len(context)) % len(self._alphabet)]
 
-    def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
+    def cached_tokens(self, prompt_ids: Sequence[int], adapter: str = "") -> int:
         """The longest prefix a finished sequence's context shares with the prompt, all but its last token."""
         shared = [shared_prefix(kept, prompt_ids) for kept in self._kept or []]
         return min(max(shared, default=0), len(prompt_ids) - 1)
@@ -247,8 +247,8 @@ class Instrumented:
         """The tokens a greedy sequence gets when it runs alone."""
         return self._reference(prompt, n)
 
-    def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
-        return self.inner.cached_tokens(prompt_ids)
+    def cached_tokens(self, prompt_ids: Sequence[int], adapter: str = "") -> int:
+        return self.inner.cached_tokens(prompt_ids, adapter)
 
     def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]:
         self._enter("prefill", [s.seq_id for s in new])

@@ -81,6 +81,7 @@ from serve.api.openai.translate import (
     messages_prompt,
     named_model,
     responses_plan,
+    with_adapter,
 )
 from serve.api.state import ServingState
 from serve.api.tracing import RequestTracer
@@ -154,7 +155,12 @@ class OpenAIApi:
             body = {"status": "serving" if serving else "not serving"}
             return JSONResponse(body, status_code=200 if serving else 503)
 
-        @app.get(MODELS, summary="the served model", response_model=ModelList, responses=ERRORS)
+        @app.get(
+            MODELS,
+            summary="the served model and its LoRA adapters",
+            response_model=ModelList,
+            responses=ERRORS,
+        )
         async def models(request: Request) -> Response:
             record = CallRecord(rpc=MODELS, request_id=request.scope[REQUEST_ID_KEY])
             try:
@@ -163,7 +169,8 @@ class OpenAIApi:
                 return self._accounting.failed(record, exc)
             record.status = 200
             self._accounting.account(record)
-            return JSONResponse({"object": "list", "data": [self._model_card(model)]})
+            cards = [self._model_card(model), *(self._model_card(model, a) for a in model.info.adapters)]
+            return JSONResponse({"object": "list", "data": cards})
 
         @app.post(
             COMPLETIONS,
@@ -233,13 +240,15 @@ class OpenAIApi:
         except Draining:
             return None
 
-    def _model_card(self, model: LoadedModel) -> dict[str, Any]:
+    def _model_card(self, model: LoadedModel, adapter: str = "") -> dict[str, Any]:
         return {
-            "id": model.name,
+            "id": adapter or model.name,
             "object": "model",
             "created": int(model.bundle.root.stat().st_mtime),
             "owned_by": "textgen",
             "max_model_len": model.limits.context_length,
+            "root": adapter or model.name,
+            "parent": model.name if adapter else None,
         }
 
     # -- the generation routes -----------------------------------------------------------------------------
@@ -258,18 +267,18 @@ class OpenAIApi:
 
     async def _renderer(self, body: GenerationBody, model: LoadedModel, record: CallRecord) -> Renderer[Any]:
         """The body's plan (its route's translation), in the renderer of its route's answers."""
-        max_n, vocab = self._settings.max_n, self._vocabulary(model)
+        max_n, vocab, rid = self._settings.max_n, self._vocabulary(model), record.request_id
         if isinstance(body, CompletionRequest):
             plan = await completion_plan(body, model, max_n, record)
-            return CompletionRenderer(plan, model.name, record.request_id, vocab)
+            return CompletionRenderer(plan, with_adapter(plan, model, body.model), rid, vocab)
         if isinstance(body, ResponsesRequest):
             response = await responses_plan(body, model, record)
-            return ResponsesRenderer(response, model.name, record.request_id, vocab)
+            return ResponsesRenderer(response, with_adapter(response, model, body.model), rid, vocab)
         if isinstance(body, MessagesRequest):
             message = await messages_plan(body, model, record)
-            return MessagesRenderer(message, model.name, record.request_id, vocab)
+            return MessagesRenderer(message, with_adapter(message, model, body.model), rid, vocab)
         chat = await chat_plan(body, model, max_n, record)
-        return ChatRenderer(chat, model.name, record.request_id, vocab)
+        return ChatRenderer(chat, with_adapter(chat, model, body.model), rid, vocab)
 
     @staticmethod
     def _record(route: str, request: Request) -> CallRecord:

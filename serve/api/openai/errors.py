@@ -15,13 +15,12 @@ from starlette.exceptions import HTTPException
 
 from serve.api.common import CallRecord, account
 from serve.api.config import ServerSettings
-from serve.api.http_status import NOT_FOUND, TOO_LARGE, HttpError, http_error
+from serve.api.http_status import TOO_LARGE, HttpError, http_error
 from serve.api.metrics import Metrics
 from serve.api.openai.front_door import error_response
 from serve.api.openai.paths import REQUEST_ID_KEY, ROUTES
-from serve.api.openai.translate import NotFound
 from serve.api.tracing import RequestTracer
-from serve.errors import InvalidRequest
+from serve.errors import InvalidRequest, NotFound
 
 log = logging.getLogger("textgen.http")
 
@@ -52,10 +51,7 @@ class Accounting:
 
     def failed(self, record: CallRecord, exc: BaseException, param: str | None = None) -> JSONResponse:
         error = http_error(exc, record.request_id or None)
-        code = None
-        if isinstance(exc, NotFound):
-            status, kind, label = NOT_FOUND
-            error, code = HttpError(status, kind, label, str(exc)), "model_not_found"
+        code = "model_not_found" if isinstance(exc, NotFound) else None
         record.code, record.status, record.error = error.code, error.status, error.message
         if error.code == "INTERNAL":
             log.error("request %s failed", record.request_id, exc_info=exc)

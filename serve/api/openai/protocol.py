@@ -321,6 +321,8 @@ class ModelCard(TypedDict):
     created: int
     owned_by: str
     max_model_len: int
+    root: str  # the base model's name, or an adapter's own (vLLM's field)
+    parent: str | None  # a LoRA adapter's base model; None for the base model
 
 
 class ModelList(TypedDict):

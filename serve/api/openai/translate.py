@@ -77,20 +77,26 @@ from serve.api.validation import (
 )
 from serve.engine.sampling import SamplingParams
 from serve.engine.types import Constraint
-from serve.errors import InvalidRequest
+from serve.errors import InvalidRequest, NotFound
 from serve.scheduling.request import GenerationRequest
 
 
-class NotFound(Exception):
-    """An unknown model (404)."""
-
-
 def named_model(state: ServingState, name: str | None) -> LoadedModel:
-    """The served model, if `name` (a request's `model`) names it or is None."""
+    """The served model, if `name` (a request's `model`) names it, one of its LoRA adapters, or is None."""
     model = state.ready_model()
-    if name is not None and name != model.name:
-        raise NotFound(f"the model {name!r} does not exist: this server serves {model.name!r}")
+    if name is not None and name != model.name and name not in model.info.adapters:
+        adapters = f" and its adapters {', '.join(model.info.adapters)}" if model.info.adapters else ""
+        raise NotFound(f"the model {name!r} does not exist: this server serves {model.name!r}{adapters}")
     return model
+
+
+def with_adapter(plan: Plan, model: LoadedModel, name: str | None) -> str:
+    """Run the plan's requests with the adapter `name` names ("" or the model's name: none); returns the
+    name its answers give as their `model`."""
+    if name is None or name == model.name:
+        return model.name
+    plan.requests[:] = [replace(request, adapter=name) for request in plan.requests]
+    return name
 
 
 @dataclass

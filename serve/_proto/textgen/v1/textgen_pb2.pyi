@@ -21,7 +21,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_CONTEXT: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "messages", "sampling", "stopping", "include_logprobs", "top_logprobs", "truncate_prompt_tokens", "include_prompt_logprobs", "prompt_top_logprobs", "constraint", "num_speculative_tokens", "priority")
+    __slots__ = ("request_id", "text", "token_ids", "messages", "sampling", "stopping", "include_logprobs", "top_logprobs", "truncate_prompt_tokens", "include_prompt_logprobs", "prompt_top_logprobs", "constraint", "num_speculative_tokens", "priority", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class GenerateRequest(_message.Message):
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -50,7 +51,8 @@ class GenerateRequest(_message.Message):
     constraint: Constraint
     num_speculative_tokens: int
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., include_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., include_prompt_logprobs: _Optional[bool] = ..., prompt_top_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., include_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., include_prompt_logprobs: _Optional[bool] = ..., prompt_top_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -214,7 +216,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "context_length", "max_new_tokens_limit", "max_batch_size", "dtype", "quantization", "execution_providers", "eos_token_id", "server_version", "prefix_cache_rows", "kv_cache_bytes", "eos_token_ids", "max_model_len", "batch_invariant", "speculative", "num_speculative_tokens")
+    __slots__ = ("model_name", "vocab_size", "context_length", "max_new_tokens_limit", "max_batch_size", "dtype", "quantization", "execution_providers", "eos_token_id", "server_version", "prefix_cache_rows", "kv_cache_bytes", "eos_token_ids", "max_model_len", "batch_invariant", "speculative", "num_speculative_tokens", "adapters", "lora_slots")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +234,8 @@ class ModelInfo(_message.Message):
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     context_length: int
@@ -249,7 +253,9 @@ class ModelInfo(_message.Message):
     batch_invariant: bool
     speculative: str
     num_speculative_tokens: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., execution_providers: _Optional[_Iterable[str]] = ..., eos_token_id: _Optional[int] = ..., server_version: _Optional[str] = ..., prefix_cache_rows: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., batch_invariant: _Optional[bool] = ..., speculative: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    lora_slots: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., execution_providers: _Optional[_Iterable[str]] = ..., eos_token_id: _Optional[int] = ..., server_version: _Optional[str] = ..., prefix_cache_rows: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., batch_invariant: _Optional[bool] = ..., speculative: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., lora_slots: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special_tokens")

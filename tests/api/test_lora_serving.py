@@ -1,0 +1,152 @@
+"""A server started with --lora: the OpenAI `model` field and gRPC's `adapter` pick an adapter, /v1/models
+and GetModelInfo list them, unknown names are 404 / NOT_FOUND, and bad flags fail at start."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from running_server import RunningServer, loopback_settings
+from server_tools import LoopThread, free_port
+
+from export.lora import LoraOptions
+from export.model import Decoder
+from export.pipeline import PRESETS, random_bundle
+from serve._proto.textgen.v1 import textgen_pb2 as pb
+from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.api.config import ConfigError, load_settings
+from serve.bundle import load_bundle
+from serve.engine.engine import Engine
+from serve.engine.sampling import SamplingParams
+from serve.engine.types import EngineSettings, NewSequence
+from serve.errors import BundleError
+
+NEW_TOKENS = 12
+PROMPT = "def main():"
+
+
+@pytest.fixture(scope="module")
+def lora_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    """The tiny preset with 2 LoRA slots, and two peft adapters of its model."""
+    out = tmp_path_factory.mktemp("lora-serving")
+    bundle = random_bundle("tiny", out / "bundle", seed=0, progress=False, lora=LoraOptions(2, 4)).root
+    adapters = {}
+    for seed, name in enumerate(("sql", "poet"), start=1):
+        torch.manual_seed(seed)
+        config = LoraConfig(r=4, lora_alpha=32, target_modules=["qkv", "up"], init_lora_weights=False)
+        get_peft_model(Decoder(PRESETS["tiny"]), config).save_pretrained(out / name)
+        adapters[name] = out / name
+    return bundle, adapters
+
+
+@pytest.fixture(scope="module")
+def running(loop: LoopThread, lora_bundle: tuple[Path, dict[str, Path]]) -> Iterator[RunningServer]:
+    bundle, adapters = lora_bundle
+    settings = loopback_settings(bundle, http_port=free_port(), lora=list(adapters.items()))
+    server = RunningServer(loop, settings)
+    yield server
+    loop.run(server.server.stop())
+
+
+def expected(bundle: Path, adapters: dict[str, Path], adapter: str) -> str:
+    """The text of the greedy tokens the engine gives the prompt with `adapter`, run here without a server."""
+    loaded = load_bundle(bundle)
+    named = tuple((name, str(path)) for name, path in adapters.items())
+    engine = Engine.from_bundle(loaded, EngineSettings(max_batch_size=2, adapters=named))
+    prompt = loaded.tokenizer.encode(PROMPT).ids
+    seq = NewSequence("x", prompt, SamplingParams(), adapter=adapter)
+    tokens = [out.token_id for out in engine.prefill([seq])]
+    while len(tokens) < NEW_TOKENS:
+        tokens += [out.token_id for out in engine.decode()]
+    return loaded.tokenizer.decode(tokens)
+
+
+def completion(client: openai.OpenAI, model: str) -> str:
+    answer = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert answer.model == model
+    return answer.choices[0].text
+
+
+def test_models_lists_the_adapters_with_their_parent(running: RunningServer) -> None:
+    cards = {m.id: m.model_dump() for m in running.openai_client().models.list().data}
+    base = running.model.name
+    assert set(cards) == {base, "sql", "poet"}
+    assert cards[base]["parent"] is None
+    assert cards["sql"]["parent"] == cards["poet"]["parent"] == base
+
+
+def test_the_model_field_picks_the_adapter(
+    running: RunningServer, lora_bundle: tuple[Path, dict[str, Path]]
+) -> None:
+    bundle, adapters = lora_bundle
+    client = running.openai_client()
+    got = {name: completion(client, name) for name in ("sql", "poet", running.model.name)}
+    for name in ("sql", "poet"):
+        assert got[name] == expected(bundle, adapters, name)
+    assert got[running.model.name] == expected(bundle, adapters, "")
+    assert len(set(got.values())) == 3  # each adapter changes the model
+
+
+def test_an_unknown_model_is_a_404_naming_the_adapters(running: RunningServer) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        completion(running.openai_client(), "nope")
+    assert "sql" in caught.value.message and caught.value.code == "model_not_found"
+
+
+def test_prompt_logprobs_with_an_adapter_are_refused(running: RunningServer) -> None:
+    with pytest.raises(openai.BadRequestError, match="prompt logprobs are scored by the base model"):
+        running.openai_client().completions.create(
+            model="sql", prompt=PROMPT, max_tokens=2, echo=True, logprobs=1
+        )
+
+
+def test_grpc_names_the_adapter_and_lists_them(
+    running: RunningServer, lora_bundle: tuple[Path, dict[str, Path]]
+) -> None:
+    bundle, adapters = lora_bundle
+    stopping = pb.StoppingCriteria(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    with grpc.insecure_channel(running.target) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        info = stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert (list(info.adapters), info.lora_slots) == (["sql", "poet"], 2)
+        answer = stub.Generate(pb.GenerateRequest(text=PROMPT, stopping=stopping, adapter="poet"))
+        assert answer.text == expected(bundle, adapters, "poet")
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Generate(pb.GenerateRequest(text=PROMPT, stopping=stopping, adapter="nope"))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "'nope' is not loaded" in (caught.value.details() or "")
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [("sql", "is not NAME=DIR"), ("a=/x,a=/y", "adapter names must differ"), ("=/x", "is not NAME=DIR")],
+)
+def test_bad_lora_flags_fail_at_start(flag: str, message: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_settings(["--bundle", str(tmp_path), "--lora", flag])
+
+
+def test_adapters_that_cannot_be_served_fail_at_start(
+    loop: LoopThread, lora_bundle: tuple[Path, dict[str, Path]], tiny_bundle: Path, tmp_path: Path
+) -> None:
+    bundle, adapters = lora_bundle
+    cases = [
+        (tiny_bundle, [("sql", adapters["sql"])], "has no LoRA slots"),
+        (bundle, [(load_bundle(bundle).manifest.model_name, adapters["sql"])], "has the model's own name"),
+        (
+            bundle,
+            [("a", adapters["sql"]), ("b", adapters["sql"]), ("c", adapters["poet"])],
+            "LoRA slots holds",
+        ),
+        (bundle, [("gone", tmp_path / "missing")], "not a directory"),
+    ]
+    for path, lora, message in cases:
+        with pytest.raises(BundleError, match=message):
+            RunningServer(loop, loopback_settings(path, lora=lora, engine_process=False))
