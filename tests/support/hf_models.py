@@ -12,7 +12,7 @@ then one token per row per decode step.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -376,9 +376,14 @@ def torch_forced(model: Decoder, prompts: Sequence[Sequence[int]], forced: np.nd
 
 
 def run_inplace(
-    graph: onnx.ModelProto, cfg: DecoderConfig, prompts: Sequence[Sequence[int]], steps: int = STEPS
+    graph: onnx.ModelProto,
+    cfg: DecoderConfig,
+    prompts: Sequence[Sequence[int]],
+    steps: int = STEPS,
+    lora: tuple[Mapping[str, np.ndarray], int] | None = None,
 ) -> Run:
-    """The serving graph with bound in-place KV buffers, as serve/engine.py runs it: its own greedy tokens."""
+    """The serving graph with bound in-place KV buffers, as serve/engine.py runs it: its own greedy tokens.
+    `lora`: a LoRA graph's weight inputs, and the slot every token runs with."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
     session = ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -418,6 +423,8 @@ def run_inplace(
                 "last_index": np.zeros(batch, np.int64),
             }
             lens = lens + 1
+        if lora is not None:
+            feed = {**lora[0], **feed, "lora_ids": np.full(feed["input_ids"].shape, lora[1], np.int64)}
         feed = {name: np.ascontiguousarray(array) for name, array in feed.items()}  # alive until run
         for name, array in feed.items():
             binding.bind_cpu_input(name, array)
