@@ -34,7 +34,7 @@ from tokenizers import Tokenizer
 from serve.bundle import LORA_IDS_INPUT, LoraLayout
 from serve.engine.constraints import ConstraintCompiler, ConstraintRows, MaskStats, MaskWorker, PendingMasks
 from serve.engine.kv_cache import KvCache
-from serve.engine.lora import Adapter, LoraSlots, read_adapter
+from serve.engine.lora import Adapter, LoraSlots, Residency, read_adapter
 from serve.engine.prefix_cache import PrefixCache, PrefixHit
 from serve.engine.prompt_scoring import PromptScorer, scoring_session
 from serve.engine.row_pad import unpadded_graph
@@ -164,7 +164,7 @@ class Engine:
         self._tokens = np.zeros((settings.max_batch_size, capacity), np.int64)  # each row's cached token ids
         self._row_index = np.arange(settings.max_batch_size)
         self._lora = None if lora is None else LoraSlots(lora)
-        self.adapters: dict[str, int] = {}  # adapter name -> its slot
+        self._adapters = Residency(0 if lora is None else lora.slots)  # which adapter is in which slot
         self._row_adapter = np.zeros(rows, np.int64)  # the slot of the sequence in each KV row; 0: none
         self._prefix = PrefixCache(range(settings.max_batch_size, rows), settings.prefix_cache_min_tokens)
         self._untrusted: set[str] = set()  # running when a step failed: their rows are not kept
@@ -251,7 +251,7 @@ class Engine:
                     "export it with --lora-slots N --max-lora-rank R"
                 )
             try:
-                engine.load_adapter(name, read_adapter(path, m.lora))
+                engine.register_adapter(name, read_adapter(path, m.lora))
             except ValueError as exc:  # AdapterError included: the folder and what differs
                 raise BundleError(f"adapter {name!r}: {exc}") from exc
         return engine
@@ -315,8 +315,8 @@ class Engine:
             kv_bytes=self.kv_bytes,
             eos_token_ids=self.eos_token_ids,
             speculation=self.speculation,
-            adapters=tuple(self.adapters),
-            lora_slots=0 if self._lora is None else self._lora.layout.slots,
+            adapters=tuple(self._adapters.registered),
+            lora_slots=self.lora_slots,
         )
 
     def kv_buffer_devices(self) -> list[str]:
@@ -372,7 +372,8 @@ class Engine:
 
     def cached_tokens(self, prompt_ids: Sequence[int], adapter: str = "") -> int:
         """How many of this prompt's tokens a prefill now would copy from the prefix cache (0: none)."""
-        return _reusable(self._hit(prompt_ids, self.slot(adapter)))
+        slot = self._adapters.resident.get(adapter) if adapter else 0
+        return 0 if slot is None else _reusable(self._hit(prompt_ids, slot))  # another's rows were forgotten
 
     def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]:
         """Run the prompts of `new` as one right-padded group; they join the batch. Returns first tokens.
@@ -391,6 +392,7 @@ class Engine:
         if not new:
             return []
         self._check_joining(new)
+        self._make_resident(new)
         forks = _forks(new)
         if forks:
             new = [seq for seq in new if seq.seq_id not in forks]
@@ -581,6 +583,7 @@ class Engine:
         self._check_joining(new)
         if not new:
             raise ValueError("begin_prefill() with no sequence")
+        self._make_resident(new)
         if any(self._hit(seq.prompt_ids, self.slot(seq.adapter)) is not None for seq in new):
             raise ValueError("a prompt with a prefix-cache hit cannot be prefilled beside decode steps")
         if _forks(new):
@@ -678,7 +681,9 @@ class Engine:
                 )
             if seq.seq_id in known:
                 raise ValueError(f"sequence {seq.seq_id} is already running")
-            if self.slot(seq.adapter) and seq.prompt_logprobs:
+            if seq.adapter and seq.adapter not in self._adapters.registered:
+                raise ValueError(f"no adapter named {seq.adapter!r} is loaded")
+            if seq.adapter and seq.prompt_logprobs:
                 raise ValueError(
                     "prompt logprobs are scored by the base model's graph, which has no adapters: not with "
                     f"adapter {seq.adapter!r}"
@@ -840,31 +845,57 @@ class Engine:
             binding.bind_cpu_input(name, array)
         return binding, inputs
 
-    def load_adapter(self, name: str, adapter: Adapter) -> int:
-        """Serve `adapter` as `name` from the next free slot; returns the slot. ValueError when the bundle has
-        no LoRA slots, the name is taken, or every slot is."""
+    @property
+    def lora_slots(self) -> int:
+        """Adapters resident at once (0: the bundle serves none); the scheduler runs no more distinct ones."""
+        return self._adapters.slots
+
+    @property
+    def adapter_counts(self) -> tuple[int, int]:
+        """Adapters written into a slot so far, and how many of those evicted another."""
+        return self._adapters.loads, self._adapters.evictions
+
+    def register_adapter(self, name: str, adapter: Adapter) -> None:
+        """Serve `adapter` as `name`: it takes a free slot now, or one when a request needs it. ValueError
+        when the bundle has no LoRA slots or the name is taken."""
         if self._lora is None:
             raise ValueError("the bundle has no LoRA slots: export it with --lora-slots to serve adapters")
-        if name in self.adapters:
-            raise ValueError(f"an adapter named {name!r} is already loaded")
-        free = sorted(set(range(1, self._lora.layout.slots + 1)) - set(self.adapters.values()))
-        if not free:
-            raise ValueError(
-                f"every one of the bundle's {self._lora.layout.slots} LoRA slots holds an adapter"
-            )
-        self._prefix.forget(free[0])  # rows kept from an adapter this slot held before
-        self._lora.write(free[0], adapter)
-        self.adapters[name] = free[0]
-        return free[0]
+        self._adapters.register(name, adapter)
+        if self._adapters.free_slot() is not None:
+            self._place(name)
+
+    def unregister_adapter(self, name: str) -> None:
+        """Stop serving `name`; ValueError for an unknown one or while a sequence runs with it."""
+        slot = self._adapters.unregister(name, self._busy_adapters())
+        if slot is not None and self._lora is not None:
+            self._lora.write(slot, None)
+            self._prefix.forget(slot)
 
     def slot(self, adapter: str) -> int:
-        """The slot of the adapter named `adapter` ("": the base model, 0); ValueError for an unknown name."""
-        if not adapter:
-            return 0
-        try:
-            return self.adapters[adapter]
-        except KeyError:
-            raise ValueError(f"no adapter named {adapter!r} is loaded") from None
+        """The slot of a resident adapter ("": the base model, 0)."""
+        return self._adapters.resident[adapter] if adapter else 0
+
+    def _make_resident(self, new: Sequence[NewSequence]) -> None:
+        """Write the adapters `new` runs with that are not in a slot into one (evicting idle ones)."""
+        wanted = {seq.adapter for seq in new if seq.adapter}
+        for name in wanted:
+            if name not in self._adapters.resident:
+                self._place(name, self._busy_adapters() | wanted)
+            self._adapters.touch(name)
+
+    def _place(self, name: str, busy: frozenset[str] | set[str] = frozenset()) -> None:
+        assert self._lora is not None
+        slot = self._adapters.place(name, busy)
+        self._prefix.forget(slot)  # rows kept from the adapter this slot held before
+        self._lora.write(slot, self._adapters.registered[name])
+
+    def _busy_adapters(self) -> set[str]:
+        """The adapters of the sequences that hold rows: running, prefilled in chunks or beside decode."""
+        held = len(self._ids) + (self._staged is not None)
+        if self._background is not None:
+            held = self._background.first + len(self._background.new)
+        slots = set(self._row_adapter[:held].tolist())
+        return {name for name, slot in self._adapters.resident.items() if slot in slots}
 
     def _lora_ids(self, rows: slice, tokens: int) -> dict[str, np.ndarray]:
         """The LoRA graph's per-token adapter input for a run over `rows` of `tokens` positions."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -210,3 +210,58 @@ def _scale(config: Mapping[str, Any], module: str, rank: int) -> float:
         if re.match(rf"(.*\.)?({pattern})$", module):  # as peft matches a pattern key
             alpha = float(value)
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+class Residency:
+    """Which of the registered adapters sit in which slots. An adapter not resident is written into a free
+    slot when a sequence needs it, else into the slot of the least recently used adapter no sequence holds
+    (the scheduler admits no more distinct adapters than there are slots)."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.registered: dict[str, Adapter] = {}
+        self.resident: dict[str, int] = {}  # name -> slot
+        self._used: dict[str, int] = {}  # name -> the clock when a sequence last took it
+        self._clock = 0
+        self.loads = 0  # adapters written into a slot, ever
+        self.evictions = 0  # of them, those that replaced another adapter
+
+    def register(self, name: str, adapter: Adapter) -> None:
+        if name in self.registered:
+            raise ValueError(f"an adapter named {name!r} is already loaded")
+        self.registered[name] = adapter
+
+    def unregister(self, name: str, busy: Collection[str]) -> int | None:
+        """Forget `name`; returns the slot it leaves empty (None: it was not resident). ValueError while a
+        sequence runs with it."""
+        if name not in self.registered:
+            raise ValueError(f"no adapter named {name!r} is loaded")
+        if name in busy:
+            raise ValueError(f"adapter {name!r} is in use by running requests; unload it once they finish")
+        del self.registered[name]
+        self._used.pop(name, None)
+        return self.resident.pop(name, None)
+
+    def free_slot(self) -> int | None:
+        taken = set(self.resident.values())
+        return next((s for s in range(1, self.slots + 1) if s not in taken), None)
+
+    def place(self, name: str, busy: Collection[str]) -> int:
+        """The slot `name` is written into: a free one, else the least recently used adapter's that no
+        sequence in `busy` holds (it is evicted). ValueError when every slot is held."""
+        slot = self.free_slot()
+        if slot is None:
+            idle = [n for n in self.resident if n not in busy]
+            if not idle:
+                raise ValueError(
+                    f"every one of the {self.slots} LoRA slots holds an adapter a running request uses"
+                )
+            slot = self.resident.pop(min(idle, key=lambda n: self._used.get(n, 0)))
+            self.evictions += 1
+        self.resident[name] = slot
+        self.loads += 1
+        return slot
+
+    def touch(self, name: str) -> None:
+        self._clock += 1
+        self._used[name] = self._clock

@@ -23,6 +23,8 @@ class EngineView(Protocol):
 
     def cached_tokens(self, prompt_ids: Sequence[int], adapter: str = "") -> int: ...
     @property
+    def lora_slots(self) -> int: ...  # LoRA adapters resident at once (0: none served)
+    @property
     def staged_id(self) -> str | None: ...  # the sequence prefilled in chunks (None: none)
     @property
     def staged_done(self) -> int: ...  # its prompt tokens prefilled so far

@@ -26,6 +26,11 @@ Admission policy, evaluated between every two engine steps:
 - KV budget: every request reserves prompt + max_new_tokens; the batch's padded footprint
   rows x largest reservation must stay within `max_batch_tokens`. Decode pads every row to the longest
   context, so this bounds every step; a long request gives its share back as soon as it leaves.
+- LoRA slots: the running requests and a group never use more distinct adapters than the engine has slots
+  (the engine writes an adapter into a slot as its first request is prefilled, evicting the least recently
+  used idle one). A request whose adapter finds no slot waits without holding back those behind it; while
+  one waits, no request of the adapter with the fewest running requests is admitted, so that adapter's
+  slot frees once they finish, and adapters new to the batch are not admitted either.
 - Running streams are never stalled by two prefills in a row, and a partial group waits up to
   `max_wait_seconds` for company while others are decoding (no wait when the engine is idle).
 """
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -148,7 +154,9 @@ class Planner:
         free_rows = self.limits.batch_size - len(state.running)
         if not state.waiting or free_rows <= 0 or (state.running and state.last_phase is StepKind.PREFILL):
             return None
-        waiting = self._admission_order(state.waiting)
+        waiting = self._admitted_adapters(state.running, self._admission_order(state.waiting))
+        if not waiting:
+            return None
         running = _Group.of(state.running)
         group = self._group_plus(_Group(), waiting[0])
         if not self._fits_kv(running, group):
@@ -175,6 +183,27 @@ class Planner:
         if self.limits.scheduling_policy == "fcfs":
             return waiting
         return sorted(waiting, key=_priority_then_arrival)
+
+    def _admitted_adapters(
+        self, running: Sequence[RequestTracker], waiting: Sequence[RequestTracker]
+    ) -> list[RequestTracker]:
+        """The waiting requests whose adapters can have a slot, in order (module docstring, LoRA slots): the
+        adapters of the ones kept and of the running requests stay within the engine's slots."""
+        held = Counter(t.request.adapter for t in running if t.request.adapter)
+        draining = min(held, key=lambda a: held[a]) if held else None  # its slot frees soonest
+        chosen, kept, blocked = set(held), [], False
+        for tracker in waiting:
+            adapter = tracker.request.adapter
+            if blocked:  # behind a request waiting for a slot: nothing that keeps it waiting longer
+                if not adapter or (adapter in chosen and adapter != draining):
+                    kept.append(tracker)
+            elif not adapter or adapter in chosen or len(chosen) < self.engine.lora_slots:
+                if adapter:
+                    chosen.add(adapter)
+                kept.append(tracker)
+            else:
+                blocked = True
+        return kept
 
     def _group_plus(self, group: _Group, tracker: RequestTracker) -> _Group:
         """`group` and `tracker`, whose prefill computes only what the engine's prefix cache lacks (nothing,

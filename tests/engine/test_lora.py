@@ -334,13 +334,54 @@ def test_engines_refuse_adapters_they_cannot_serve(
     engine = engine_for(fp32_bundles[0], adapters)
     layout = load_bundle(fp32_bundles[0]).manifest.lora
     assert layout is not None
-    with pytest.raises(ValueError, match="every one of the bundle's 3 LoRA slots holds an adapter"):
-        engine.load_adapter("a4", read_adapter(adapters["a1"][0], layout))
     with pytest.raises(ValueError, match="already loaded"):
-        engine.load_adapter("a1", read_adapter(adapters["a1"][0], layout))
+        engine.register_adapter("a1", read_adapter(adapters["a1"][0], layout))
+    engine.register_adapter("a4", read_adapter(adapters["a1"][0], layout))  # waits for a slot
+    seqs = [NewSequence(f"s{i}", [5, 6, 7], SamplingParams(), adapter=f"a{i}") for i in range(1, 5)]
+    engine.prefill(seqs[:3])
+    with pytest.raises(ValueError, match="every one of the 3 LoRA slots holds an adapter a running request"):
+        engine.prefill(seqs[3:])
+    with pytest.raises(ValueError, match="'a1' is in use by running requests"):
+        engine.unregister_adapter("a1")
+    engine.release(["s1", "s2", "s3"])
     with pytest.raises(ValueError, match="no adapter named 'nope'"):
         engine.prefill([NewSequence("s", [5, 6, 7], SamplingParams(), adapter="nope")])
     with pytest.raises(ValueError, match="prompt logprobs are scored by the base model"):
         engine.prefill([NewSequence("s", [5, 6, 7], SamplingParams(), adapter="a1", prompt_logprobs=True)])
     assert engine.batch_size == 0
-    assert engine.info.adapters == ("a1", "a2", "a3") and engine.info.lora_slots == SLOTS
+    assert engine.info.adapters == ("a1", "a2", "a3", "a4") and engine.info.lora_slots == SLOTS
+
+
+def test_more_adapters_than_slots_take_turns_in_them(
+    fp32_bundles: tuple[Path, Path],
+    adapters: dict[str, tuple[Path, torch.nn.Module]],
+    base_model: Decoder,
+    tmp_path: Path,
+) -> None:
+    """Four adapters, three slots: each request gets the tokens it gets where its adapter always has a
+    slot; the least recently used idle adapter gives its slot up, and its prefix-cache rows go with it."""
+    peft_model(base_model, ADAPTERS["a1"], 9).save_pretrained(tmp_path / "a4")
+    four = {**adapters, "a4": (tmp_path / "a4", adapters["a1"][1])}
+    engine = engine_for(fp32_bundles[0], four, prefix_cache_rows=2, prefix_cache_min_tokens=4)
+    assert engine.adapter_counts == (3, 0)  # three took a free slot at start; a4 waits
+    prompt = prompts(1)[0] * 2
+    resident = {
+        name: run(
+            engine_for(fp32_bundles[0], {name: four[name]}),
+            [NewSequence("s", prompt, SamplingParams(), logprobs=True, adapter=name)],
+            8,
+        )["s"]
+        for name in four
+    }
+    for name in ("a1", "a4", "a2", "a1", "a3", "a4"):
+        seq = NewSequence("s", prompt, SamplingParams(), logprobs=True, adapter=name)
+        got = run(engine, [seq], 8)["s"]
+        assert [(o.token_id, o.logprob) for o in got] == [(o.token_id, o.logprob) for o in resident[name]], (
+            name
+        )
+    loads, evictions = engine.adapter_counts
+    assert evictions >= 2 and loads == 3 + evictions
+    engine.unregister_adapter("a4")
+    assert "a4" not in engine.info.adapters and engine.cached_tokens(prompt, "a4") == 0
+    with pytest.raises(ValueError, match="no adapter named 'a4'"):
+        engine.prefill([NewSequence("s", prompt, SamplingParams(), adapter="a4")])

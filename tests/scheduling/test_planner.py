@@ -34,8 +34,9 @@ class View:
     background_ids: list[str] = field(default_factory=list)
     background_done: bool = False
     looked_up: list[tuple[int, ...]] = field(default_factory=list)
+    lora_slots: int = 0
 
-    def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
+    def cached_tokens(self, prompt_ids: Sequence[int], adapter: str = "") -> int:
         self.looked_up.append(tuple(prompt_ids))
         return self.hits.get(tuple(prompt_ids), 0)
 
@@ -50,17 +51,31 @@ def prompt_of(length: int, start: int = 40) -> list[int]:
 
 
 def queued(
-    rid: str, length: int, max_new: int = 8, arrival: float = 0.0, start: int = 40, priority: int = 0
+    rid: str,
+    length: int,
+    max_new: int = 8,
+    arrival: float = 0.0,
+    start: int = 40,
+    priority: int = 0,
+    adapter: str = "",
 ) -> RequestTracker:
     request = GenerationRequest(
-        rid, prompt_of(length, start), SamplingParams(), max_new, ignore_eos=True, priority=priority
+        rid,
+        prompt_of(length, start),
+        SamplingParams(),
+        max_new,
+        ignore_eos=True,
+        priority=priority,
+        adapter=adapter,
     )
     return RequestTracker(request, tokenizer(), EOS_ID, 10_000, arrival)
 
 
-def decoding(rid: str, length: int, max_new: int = 30, produced: int = 1) -> RequestTracker:
+def decoding(
+    rid: str, length: int, max_new: int = 30, produced: int = 1, adapter: str = ""
+) -> RequestTracker:
     """A running request past its prefill, with `produced` tokens (its context: length + produced)."""
-    tracker = queued(rid, length, max_new)
+    tracker = queued(rid, length, max_new, adapter=adapter)
     tracker.admit(0.0)
     letter = tokenizer().encode("a").ids[0]
     for _ in range(produced):
@@ -302,3 +317,30 @@ def test_forks_join_their_parents_group_at_no_prefill_cost() -> None:
     # A fork whose parent is not in the group is prefilled as any other prompt.
     alone = plan(View(), waiting=[forks[0]], max_prefill_tokens=30)
     assert alone.prefill_sizes == StepShape(1, 30, 30)
+
+
+# --- LoRA slots ---------------------------------------------------------------------------------------------
+
+
+def test_the_batch_never_holds_more_adapters_than_slots_and_a_waiting_one_holds_back_nobody() -> None:
+    running = [decoding("r", 3)]
+    waiting = [
+        queued("b1", 3, adapter="b"),
+        queued("d1", 3, adapter="d"),
+        queued("c1", 3, adapter="c"),  # b and d take both slots: it waits
+        queued("b2", 3, adapter="b"),
+        queued("base", 3),
+    ]
+    got = plan(View(lora_slots=2), running, waiting, max_batch_size=8)
+    assert ids(got.admitted) == ["b1", "d1", "b2", "base"]
+    assert ids(plan(View(lora_slots=3), running, waiting, max_batch_size=8).admitted) == ids(waiting)
+
+
+def test_a_request_waiting_for_a_slot_lets_the_least_used_adapter_drain() -> None:
+    running = [decoding("a1", 3, adapter="a"), decoding("a2", 3, adapter="a"), decoding("b1", 3, adapter="b")]
+    waiting = [queued("c1", 3, adapter="c"), queued("b2", 3, adapter="b"), queued("a3", 3, adapter="a")]
+    got = plan(View(lora_slots=2), running, waiting, max_batch_size=8)
+    # b has the fewest running requests: none of its waiting ones is admitted, so its slot frees for c.
+    assert ids(got.admitted) == ["a3"]
+    after = plan(View(lora_slots=2), running[:2], waiting, max_batch_size=8)  # b1 finished
+    assert ids(after.admitted) == ["c1"]  # c takes b's slot; now b2 waits, and a drains for it

@@ -49,6 +49,7 @@ class FakeEngine:
         self.eos_token_id = EOS_ID
         self.eos_token_ids: tuple[int, ...] = (EOS_ID,)
         self.eos_after = eos_after  # emit EOS as this many-th generated token
+        self.lora_slots = 0
         # (proposed, accepted): each decode step speculates for every sequence as the engine's do, proposing
         # that many tokens (fewer where its slot lacks room) of which sampling picks that many.
         self.speculation = speculation
@@ -249,6 +250,10 @@ class Instrumented:
 
     def cached_tokens(self, prompt_ids: Sequence[int], adapter: str = "") -> int:
         return self.inner.cached_tokens(prompt_ids, adapter)
+
+    @property
+    def lora_slots(self) -> int:
+        return self.inner.lora_slots
 
     def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]:
         self._enter("prefill", [s.seq_id for s in new])
