@@ -72,13 +72,39 @@ def instructions(dockerfile: Path) -> list[Instruction]:
 
 
 def stages(dockerfile: Path) -> list[list[Instruction]]:
-    """Instructions grouped by build stage (each starts with FROM)."""
+    """Instructions grouped by build stage (each starts with FROM); the global ARGs before it are left out."""
     grouped: list[list[Instruction]] = []
     for instruction in instructions(dockerfile):
         if instruction.command == "FROM":
             grouped.append([])
-        grouped[-1].append(instruction)
+        if grouped:
+            grouped[-1].append(instruction)
     return grouped
+
+
+def global_args(dockerfile: Path) -> dict[str, str]:
+    """The build arguments declared before the first FROM, with their defaults."""
+    declared: dict[str, str] = {}
+    for instruction in instructions(dockerfile):
+        if instruction.command == "FROM":
+            break
+        if instruction.command == "ARG":
+            name, _, default = instruction.args.partition("=")
+            declared[name] = default
+    return declared
+
+
+def base_image(dockerfile: Path, stage: list[Instruction]) -> str:
+    """A stage's FROM image, build arguments replaced by their defaults."""
+    image = stage[0].args.split()[0]
+    for name, default in global_args(dockerfile).items():
+        image = image.replace(f"${{{name}}}", default)
+    return image
+
+
+# What build.sh fills (pip download on the host) and the builds install from, with no package index.
+WHEELHOUSE = "deploy/docker/wheels"
+BUILD_SCRIPT = DOCKER / "build.sh"
 
 
 def exec_form(args: str) -> list[str]:
@@ -99,7 +125,7 @@ def test_base_images_are_pinned_by_tag(dockerfile: Path) -> None:
     names: set[str] = set()
     for stage in stages(dockerfile):
         words = stage[0].args.split()
-        image = words[0]
+        image = base_image(dockerfile, stage)
         if image not in names:
             # A version in the tag (not latest, not a bare major like 3): python:3.11.7-slim-bookworm.
             assert re.fullmatch(r"[\w./-]+:\d+\.\d+[\w.+-]*|[\w./-]+@sha256:[0-9a-f]{64}", image), image
@@ -126,9 +152,31 @@ def test_copy_sources_exist(dockerfile: Path) -> None:
         sources = [w for w in words if not w.startswith("--")][:-1]
         assert sources, instruction
         for source in sources:
+            if source.startswith(WHEELHOUSE):
+                continue  # filled by build.sh: test_builds_install_from_the_wheelhouse_only
             assert (REPO / source).exists(), (
                 f"{dockerfile.name}: COPY source {source} is not in the repository"
             )
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_base_image_is_a_build_argument(dockerfile: Path) -> None:
+    """build.sh and build_base.sh swap the base (a local one where the registry is out of reach)."""
+    assert "BASE_IMAGE" in global_args(dockerfile)
+    assert stages(dockerfile)[0][0].args.split()[0] == "${BASE_IMAGE}"
+    assert "BASE_IMAGE=$BASE_IMAGE" in BUILD_SCRIPT.read_text()
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_builds_install_from_the_wheelhouse_only(dockerfile: Path) -> None:
+    """Every pip of the build stage reads the wheelhouse build.sh fills for this image, never an index."""
+    image = dockerfile.suffix.removeprefix(".")
+    assert f"[{image}]={dockerfile.name}" in BUILD_SCRIPT.read_text()
+    build = stages(dockerfile)[-2]
+    env = " ".join(i.args for i in build if i.command == "ENV").split()
+    assert {"PIP_NO_INDEX=1", "PIP_FIND_LINKS=/tmp/wheels"} <= set(env)
+    assert f"{WHEELHOUSE}/{image} /tmp/wheels" in [i.args for i in build if i.command == "COPY"]
+    assert "index-url" not in " ".join(i.args for i in build if i.command == "RUN")
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -198,6 +246,15 @@ def test_locks_satisfy_pyproject(lock: str, extras: list[str], python: str) -> N
             f"{lock}: {name}=={pins[name]} vs {spec}"
         )
     assert "--hash=sha256:" in (DOCKER / lock).read_text()
+
+
+def test_build_lock_satisfies_the_build_system() -> None:
+    """The images build the project without build isolation, from this lock (lock.sh writes it)."""
+    pins = locked(DOCKER / "requirements-build.txt")
+    for spec in map(Requirement, PYPROJECT["build-system"]["requires"]):
+        name = canonicalize_name(spec.name)
+        assert name in pins, f"requirements-build.txt lacks {spec.name}: run deploy/docker/lock.sh"
+        assert spec.specifier.contains(pins[name]), f"requirements-build.txt: {name}=={pins[name]} vs {spec}"
 
 
 @pytest.mark.slow
