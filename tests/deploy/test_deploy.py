@@ -222,24 +222,72 @@ def locked(lock: Path) -> dict[str, str]:
     return {canonicalize_name(name): version for name, version in pins}
 
 
-@pytest.mark.parametrize(
-    ("lock", "extras", "python"),
-    [
-        # tracing: the serving images export request spans with --otlp-traces-endpoint.
-        ("requirements-serve.txt", ["cpu", "tracing"], "3.11"),
-        ("requirements-serve-gpu.txt", ["gpu", "tracing"], "3.12"),
-        ("requirements-export.txt", ["cpu", "export"], "3.11"),
-    ],
-)
-def test_locks_satisfy_pyproject(lock: str, extras: list[str], python: str) -> None:
-    """A dependency added to or tightened in pyproject.toml without re-running deploy/docker/lock.sh fails."""
-    pins = locked(DOCKER / lock)
+# Each image's lock, the extras deploy/docker/lock.sh resolves it with, and the image's Python.
+# tracing: the serving images export request spans with --otlp-traces-endpoint.
+LOCKS = [
+    ("requirements-serve.txt", ["cpu", "tracing"], "3.11"),
+    ("requirements-serve-gpu.txt", ["gpu", "tracing"], "3.12"),
+    ("requirements-export.txt", ["cpu", "export"], "3.11"),
+]
+# How uv's `# via` annotations name the project itself.
+PROJECT_VIA = f"{PYPROJECT['project']['name']} (pyproject.toml)"
+
+
+def required(extras: list[str], python: str) -> list[Requirement]:
+    """pyproject's dependencies and those of `extras` that apply on `python`."""
     wanted = list(PYPROJECT["project"]["dependencies"])
     for extra in extras:
         wanted += PYPROJECT["project"]["optional-dependencies"][extra]
-    for spec in map(Requirement, wanted):
-        if spec.marker is not None and not spec.marker.evaluate({"python_version": python}):
+    specs = map(Requirement, wanted)
+    return [s for s in specs if s.marker is None or s.marker.evaluate({"python_version": python})]
+
+
+def locked_because(lock: Path) -> dict[str, set[str]]:
+    """name -> what uv's `# via` annotations say requires it: packages, the project, `-r file` inputs."""
+    graph: dict[str, set[str]] = {}
+    current = ""
+    for line in lock.read_text().splitlines():
+        pin = re.match(r"([A-Za-z0-9_.-]+)==", line)
+        if pin:
+            current = canonicalize_name(pin[1])
+            graph[current] = set()
             continue
+        note = re.match(r"\s+#\s+(?:via\b)?\s*(.*)", line)
+        if current and note and note[1]:
+            graph[current].add(note[1])
+    return graph
+
+
+@pytest.mark.parametrize(("lock", "extras", "python"), LOCKS)
+def test_locks_are_resolved_for_their_image(lock: str, extras: list[str], python: str) -> None:
+    """The command uv recorded in the lock: the image's extras and Python (lock.sh runs it)."""
+    command = (DOCKER / lock).read_text().splitlines()[1]
+    assert re.findall(r"--extra (\S+)", command) == extras
+    assert f"--python-version {python}" in command
+
+
+@pytest.mark.parametrize(("lock", "extras", "python"), LOCKS)
+def test_locks_hold_nothing_pyproject_dropped(lock: str, extras: list[str], python: str) -> None:
+    """A dependency removed from pyproject.toml without re-running deploy/docker/lock.sh fails: every locked
+    package is required by the project as it is now, or by another locked package."""
+    graph = locked_because(DOCKER / lock)
+    direct = {name for name, why in graph.items() if PROJECT_VIA in why}
+    wanted = {canonicalize_name(spec.name) for spec in required(extras, python)}
+    assert direct == wanted, (
+        f"{lock} and pyproject.toml differ in {direct ^ wanted}: run deploy/docker/lock.sh"
+    )
+    for name, why in graph.items():
+        assert why, f"{lock}: nothing requires {name}"
+        for source in why - {PROJECT_VIA}:
+            known = source.startswith("-r ") or canonicalize_name(source) in graph
+            assert known, f"{lock}: {name} via {source}"
+
+
+@pytest.mark.parametrize(("lock", "extras", "python"), LOCKS)
+def test_locks_satisfy_pyproject(lock: str, extras: list[str], python: str) -> None:
+    """A dependency added to or tightened in pyproject.toml without re-running deploy/docker/lock.sh fails."""
+    pins = locked(DOCKER / lock)
+    for spec in required(extras, python):
         name = canonicalize_name(spec.name)
         assert name in pins, f"{lock} lacks {spec.name}: run deploy/docker/lock.sh"
         assert spec.specifier.contains(pins[name], prereleases=True), (
