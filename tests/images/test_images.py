@@ -138,13 +138,15 @@ def serving(volume: Path) -> Iterator[Container]:
 
 @pytest.fixture(scope="module")
 def served(exported: Export, bundle: Path) -> Iterator[Container]:
+    """The serving container on the exported bundle (`bundle` fails first if the export failed)."""
     with serving(exported.volume) as container:
         yield container
 
 
 @pytest.fixture(scope="module")
 def reference(bundle: Path) -> Iterator[str]:
-    """`textgen-serve` of the venv on the same bundle (no token: its env carries no TEXTGEN_* variable)."""
+    """The venv's server (`python -m serve`, what `textgen-serve` runs) on the same bundle; no token, as its
+    environment has no TEXTGEN_* variable."""
     server = ServerProcess("--bundle", str(bundle))
     try:
         yield server.wait_serving()
