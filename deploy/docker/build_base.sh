@@ -11,7 +11,10 @@ TAG="${1:-textgen-base:python3.11-bookworm}"
 MIRROR="${MIRROR:-http://deb.debian.org/debian}"
 SECURITY_MIRROR="${SECURITY_MIRROR:-http://deb.debian.org/debian-security}"
 
-command -v mmdebstrap >/dev/null || { echo "build_base.sh: needs mmdebstrap (apt-get install mmdebstrap)" >&2; exit 1; }
+if ! command -v mmdebstrap >/dev/null; then
+    echo "build_base.sh: needs mmdebstrap (apt-get install mmdebstrap)" >&2
+    exit 1
+fi
 
 # minbase: Debian's essential packages and apt, like the slim image. Documentation is left out, as there.
 mmdebstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
