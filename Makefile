@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BUNDLE := models/demo/bundle
 
-.PHONY: serve test test-other-seed lint venv proto bench bench-quick soak
+.PHONY: serve test test-other-seed lint venv proto bench bench-quick soak images image-gpu test-images
 
 venv: $(STAMP)
 
@@ -63,3 +63,22 @@ bench-quick: $(STAMP)
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak
 	TEXTGEN_FUZZ_EXAMPLES=1000 $(BIN)/pytest -q tests/api/test_http_fuzz.py
+
+## The container images (deploy/docker/build.sh; needs Docker and pip): the CPU serving image and the
+## exporter, tagged as deploy/k8s references them. Their wheels are downloaded here and installed in the build
+## from that wheelhouse, never from an index. Where python:3.11-slim-bookworm cannot be pulled, build a base
+## from Debian's packages first: sudo deploy/docker/build_base.sh, then
+## make images BASE_IMAGE=textgen-base:python3.11-bookworm
+images:
+	PYTHON=$(PYTHON) deploy/docker/build.sh cpu export
+
+## The GPU serving image (its base is NVIDIA's CUDA image: a registry that serves it must be reachable).
+image-gpu:
+	PYTHON=$(PYTHON) deploy/docker/build.sh gpu
+
+## The images against a real container engine (tests/images/, not part of `make test`): export with the
+## exporter image, serve as deploy/k8s runs the Deployment, answers equal to the venv's server, drain on
+## SIGTERM, refusals. Needs `make images` first.
+test-images: $(STAMP)
+	$(BIN)/python -m export.demo
+	$(BIN)/pytest -q -m images tests/images

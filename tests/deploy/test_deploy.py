@@ -72,13 +72,39 @@ def instructions(dockerfile: Path) -> list[Instruction]:
 
 
 def stages(dockerfile: Path) -> list[list[Instruction]]:
-    """Instructions grouped by build stage (each starts with FROM)."""
+    """Instructions grouped by build stage (each starts with FROM); the global ARGs before it are left out."""
     grouped: list[list[Instruction]] = []
     for instruction in instructions(dockerfile):
         if instruction.command == "FROM":
             grouped.append([])
-        grouped[-1].append(instruction)
+        if grouped:
+            grouped[-1].append(instruction)
     return grouped
+
+
+def global_args(dockerfile: Path) -> dict[str, str]:
+    """The build arguments declared before the first FROM, with their defaults."""
+    declared: dict[str, str] = {}
+    for instruction in instructions(dockerfile):
+        if instruction.command == "FROM":
+            break
+        if instruction.command == "ARG":
+            name, _, default = instruction.args.partition("=")
+            declared[name] = default
+    return declared
+
+
+def base_image(dockerfile: Path, stage: list[Instruction]) -> str:
+    """A stage's FROM image, build arguments replaced by their defaults."""
+    image = stage[0].args.split()[0]
+    for name, default in global_args(dockerfile).items():
+        image = image.replace(f"${{{name}}}", default)
+    return image
+
+
+# What build.sh fills (pip download on the host) and the builds install from, with no package index.
+WHEELHOUSE = "deploy/docker/wheels"
+BUILD_SCRIPT = DOCKER / "build.sh"
 
 
 def exec_form(args: str) -> list[str]:
@@ -99,7 +125,7 @@ def test_base_images_are_pinned_by_tag(dockerfile: Path) -> None:
     names: set[str] = set()
     for stage in stages(dockerfile):
         words = stage[0].args.split()
-        image = words[0]
+        image = base_image(dockerfile, stage)
         if image not in names:
             # A version in the tag (not latest, not a bare major like 3): python:3.11.7-slim-bookworm.
             assert re.fullmatch(r"[\w./-]+:\d+\.\d+[\w.+-]*|[\w./-]+@sha256:[0-9a-f]{64}", image), image
@@ -126,9 +152,31 @@ def test_copy_sources_exist(dockerfile: Path) -> None:
         sources = [w for w in words if not w.startswith("--")][:-1]
         assert sources, instruction
         for source in sources:
+            if source.startswith(WHEELHOUSE):
+                continue  # filled by build.sh: test_builds_install_from_the_wheelhouse_only
             assert (REPO / source).exists(), (
                 f"{dockerfile.name}: COPY source {source} is not in the repository"
             )
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_base_image_is_a_build_argument(dockerfile: Path) -> None:
+    """build.sh and build_base.sh swap the base (a local one where the registry is out of reach)."""
+    assert "BASE_IMAGE" in global_args(dockerfile)
+    assert stages(dockerfile)[0][0].args.split()[0] == "${BASE_IMAGE}"
+    assert "BASE_IMAGE=$BASE_IMAGE" in BUILD_SCRIPT.read_text()
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_builds_install_from_the_wheelhouse_only(dockerfile: Path) -> None:
+    """Every pip of the build stage reads the wheelhouse build.sh fills for this image, never an index."""
+    image = dockerfile.suffix.removeprefix(".")
+    assert f"[{image}]={dockerfile.name}" in BUILD_SCRIPT.read_text()
+    build = stages(dockerfile)[-2]
+    env = " ".join(i.args for i in build if i.command == "ENV").split()
+    assert {"PIP_NO_INDEX=1", "PIP_FIND_LINKS=/tmp/wheels"} <= set(env)
+    assert f"{WHEELHOUSE}/{image} /tmp/wheels" in [i.args for i in build if i.command == "COPY"]
+    assert "index-url" not in " ".join(i.args for i in build if i.command == "RUN")
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -174,30 +222,87 @@ def locked(lock: Path) -> dict[str, str]:
     return {canonicalize_name(name): version for name, version in pins}
 
 
-@pytest.mark.parametrize(
-    ("lock", "extras", "python"),
-    [
-        # tracing: the serving images export request spans with --otlp-traces-endpoint.
-        ("requirements-serve.txt", ["cpu", "tracing"], "3.11"),
-        ("requirements-serve-gpu.txt", ["gpu", "tracing"], "3.12"),
-        ("requirements-export.txt", ["cpu", "export"], "3.11"),
-    ],
-)
-def test_locks_satisfy_pyproject(lock: str, extras: list[str], python: str) -> None:
-    """A dependency added to or tightened in pyproject.toml without re-running deploy/docker/lock.sh fails."""
-    pins = locked(DOCKER / lock)
+# Each image's lock, the extras deploy/docker/lock.sh resolves it with, and the image's Python.
+# tracing: the serving images export request spans with --otlp-traces-endpoint.
+LOCKS = [
+    ("requirements-serve.txt", ["cpu", "tracing"], "3.11"),
+    ("requirements-serve-gpu.txt", ["gpu", "tracing"], "3.12"),
+    ("requirements-export.txt", ["cpu", "export"], "3.11"),
+]
+# How uv's `# via` annotations name the project itself.
+PROJECT_VIA = f"{PYPROJECT['project']['name']} (pyproject.toml)"
+
+
+def required(extras: list[str], python: str) -> list[Requirement]:
+    """pyproject's dependencies and those of `extras` that apply on `python`."""
     wanted = list(PYPROJECT["project"]["dependencies"])
     for extra in extras:
         wanted += PYPROJECT["project"]["optional-dependencies"][extra]
-    for spec in map(Requirement, wanted):
-        if spec.marker is not None and not spec.marker.evaluate({"python_version": python}):
+    specs = map(Requirement, wanted)
+    return [s for s in specs if s.marker is None or s.marker.evaluate({"python_version": python})]
+
+
+def locked_because(lock: Path) -> dict[str, set[str]]:
+    """name -> what uv's `# via` annotations say requires it: packages, the project, `-r file` inputs."""
+    graph: dict[str, set[str]] = {}
+    current = ""
+    for line in lock.read_text().splitlines():
+        pin = re.match(r"([A-Za-z0-9_.-]+)==", line)
+        if pin:
+            current = canonicalize_name(pin[1])
+            graph[current] = set()
             continue
+        note = re.match(r"\s+#\s+(?:via\b)?\s*(.*)", line)
+        if current and note and note[1]:
+            graph[current].add(note[1])
+    return graph
+
+
+@pytest.mark.parametrize(("lock", "extras", "python"), LOCKS)
+def test_locks_are_resolved_for_their_image(lock: str, extras: list[str], python: str) -> None:
+    """The command uv recorded in the lock: the image's extras and Python (lock.sh runs it)."""
+    command = (DOCKER / lock).read_text().splitlines()[1]
+    assert re.findall(r"--extra (\S+)", command) == extras
+    assert f"--python-version {python}" in command
+
+
+@pytest.mark.parametrize(("lock", "extras", "python"), LOCKS)
+def test_locks_hold_nothing_pyproject_dropped(lock: str, extras: list[str], python: str) -> None:
+    """A dependency removed from pyproject.toml without re-running deploy/docker/lock.sh fails: every locked
+    package is required by the project as it is now, or by another locked package."""
+    graph = locked_because(DOCKER / lock)
+    direct = {name for name, why in graph.items() if PROJECT_VIA in why}
+    wanted = {canonicalize_name(spec.name) for spec in required(extras, python)}
+    assert direct == wanted, (
+        f"{lock} and pyproject.toml differ in {direct ^ wanted}: run deploy/docker/lock.sh"
+    )
+    for name, why in graph.items():
+        assert why, f"{lock}: nothing requires {name}"
+        for source in why - {PROJECT_VIA}:
+            known = source.startswith("-r ") or canonicalize_name(source) in graph
+            assert known, f"{lock}: {name} via {source}"
+
+
+@pytest.mark.parametrize(("lock", "extras", "python"), LOCKS)
+def test_locks_satisfy_pyproject(lock: str, extras: list[str], python: str) -> None:
+    """A dependency added to or tightened in pyproject.toml without re-running deploy/docker/lock.sh fails."""
+    pins = locked(DOCKER / lock)
+    for spec in required(extras, python):
         name = canonicalize_name(spec.name)
         assert name in pins, f"{lock} lacks {spec.name}: run deploy/docker/lock.sh"
         assert spec.specifier.contains(pins[name], prereleases=True), (
             f"{lock}: {name}=={pins[name]} vs {spec}"
         )
     assert "--hash=sha256:" in (DOCKER / lock).read_text()
+
+
+def test_build_lock_satisfies_the_build_system() -> None:
+    """The images build the project without build isolation, from this lock (lock.sh writes it)."""
+    pins = locked(DOCKER / "requirements-build.txt")
+    for spec in map(Requirement, PYPROJECT["build-system"]["requires"]):
+        name = canonicalize_name(spec.name)
+        assert name in pins, f"requirements-build.txt lacks {spec.name}: run deploy/docker/lock.sh"
+        assert spec.specifier.contains(pins[name]), f"requirements-build.txt: {name}=={pins[name]} vs {spec}"
 
 
 @pytest.mark.slow
