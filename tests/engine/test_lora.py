@@ -24,7 +24,7 @@ from serve.engine.engine import Engine
 from serve.engine.lora import AdapterError, read_adapter
 from serve.engine.runtime import SessionConfig
 from serve.engine.sampling import SamplingParams
-from serve.engine.types import EngineSettings, NewSequence, TokenOut
+from serve.engine.types import Constraint, EngineSettings, NewSequence, SpeculationSettings, TokenOut
 from serve.errors import BundleError
 
 CONFIG = DecoderConfig(
@@ -385,3 +385,56 @@ def test_more_adapters_than_slots_take_turns_in_them(
     assert "a4" not in engine.info.adapters and engine.cached_tokens(prompt, "a4") == 0
     with pytest.raises(ValueError, match="no adapter named 'a4'"):
         engine.prefill([NewSequence("s", prompt, SamplingParams(), adapter="a4")])
+
+
+class Replay:
+    """Proposes the tokens a plain run gave next, spoiling every other proposal's last one: speculation
+    accepts and rejects on any model."""
+
+    def __init__(self, prompt: list[int], reference: list[int]) -> None:
+        self.prompt, self.reference, self.calls = prompt, reference, 0
+
+    def propose(self, context: np.ndarray, k: int) -> np.ndarray:
+        done = len(context) - len(self.prompt)
+        guess = np.array(self.reference[done : done + k], np.int64)
+        self.calls += 1
+        if self.calls % 2 and guess.size:
+            guess[-1] = (guess[-1] + 1) % CONFIG.vocab_size
+        return guess
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8"])  # int4 past block 16 keeps row pads: no speculation
+def test_speculation_and_constraints_keep_a_requests_adapter(
+    kind: str,
+    fp32_bundles: tuple[Path, Path],
+    adapters: dict[str, tuple[Path, torch.nn.Module]],
+    base_model: Decoder,
+    tmp_path: Path,
+) -> None:
+    """With an adapter, a speculating engine (the verification graph) gives the plain engine's tokens and
+    logprobs bit for bit, and a constrained request's tokens follow its adapter."""
+    bundle = fp32_bundles[0] if kind == "fp32" else quantized(fp32_bundles[0], base_model, kind, tmp_path)
+    plain = engine_for(bundle, adapters)
+    speculating = engine_for(bundle, adapters, speculation=SpeculationSettings(num_tokens=4))
+    prompt = prompts(1)[0]
+    for name in adapters:
+        seq = NewSequence("s", prompt, SamplingParams(), logprobs=True, adapter=name)
+        want = run(plain, [seq], 24)["s"]
+        proposer = Replay(prompt, [o.token_id for o in want])
+        speculating.proposer = proposer
+        outs = speculating.prefill([seq])
+        while len(outs) < 24:
+            outs += speculating.decode()
+        speculating.release(["s"])
+        assert [(o.token_id, o.logprob) for o in outs[:24]] == [(o.token_id, o.logprob) for o in want]
+        assert 0 < sum(o.accepted for o in outs) < sum(o.proposed for o in outs)
+    words = Constraint.regex("[a-z ]{1,30}")
+    texts = set()
+    for name in ["", *adapters]:
+        compiled = plain.constraint_compiler.compile(words)
+        seq = NewSequence("c", prompt, SamplingParams(), adapter=name, constraint=compiled)
+        tokens = [o.token_id for o in run(plain, [seq], 10)["c"] if o.error is None]
+        text = plain.tokenizer.decode(tokens)
+        assert all(c in "abcdefghijklmnopqrstuvwxyz " for c in text)
+        texts.add(text)
+    assert len(texts) > 1  # the constrained requests still follow their adapters
