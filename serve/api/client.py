@@ -121,6 +121,7 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
         prompt_top_logprobs=args.prompt_top_logprobs,
         constraint=constraint(args),
         priority=args.priority,
+        adapter=args.adapter,
     )
     if args.num_speculative_tokens is not None:
         request.num_speculative_tokens = args.num_speculative_tokens
@@ -402,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_int32,
         default=0,
         help="on a server with --scheduling-policy priority: lower is admitted first (default 0)",
+    )
+    gen.add_argument(
+        "--adapter", default="", help="a LoRA adapter the server serves (default: the base model)"
     )
     _constraint_options(gen)
     gen.add_argument("--request-id", default="")

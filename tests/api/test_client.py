@@ -113,7 +113,7 @@ def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
         "--frequency-penalty 0.5 --presence-penalty -0.5 --logit-bias 5=-100 --logit-bias 9=2.5 --seed 3 "
         "--max-new-tokens 9 --min-new-tokens 2 --truncate-prompt-tokens 30 "
         "--stop-token-id 7 --stop-token-id 11 --stop END --include-stop-str --ignore-eos --top-logprobs 4 "
-        "--prompt-logprobs --prompt-top-logprobs 2 --num-speculative-tokens 0 --priority -2"
+        "--prompt-logprobs --prompt-top-logprobs 2 --num-speculative-tokens 0 --priority -2 --adapter sql"
     )
     args = build_parser().parse_args(flags.split(" "))
     request = generate_request(args)
@@ -132,7 +132,7 @@ def test_every_sampling_and_stopping_flag_reaches_the_request() -> None:
     assert request.truncate_prompt_tokens == 30 and request.include_prompt_logprobs
     assert request.prompt_top_logprobs == 2
     assert request.HasField("num_speculative_tokens") and request.num_speculative_tokens == 0
-    assert request.priority == -2
+    assert request.priority == -2 and request.adapter == "sql"
     assert not generate_request(build_parser().parse_args(["generate", "hi"])).HasField(
         "num_speculative_tokens"
     )
