@@ -44,13 +44,15 @@ from serve.engine.runtime import (
     ortvalue,
     session_device_id,
 )
-from serve.engine.sampling import Alternatives, PromptScores, SamplingBatch, SamplingParams
+from serve.engine.sampling import Alternatives, PromptScores, RowState, SamplingBatch, SamplingParams
 from serve.engine.speculation import DraftModel, Pace, PromptLookup, Proposer
 from serve.engine.types import ConstraintState, EngineInfo, EngineSettings, ModelSpec, NewSequence, TokenOut
 from serve.engine.verify_graph import PICK_INDEX, chained_present_outputs, verification_graph
 from serve.errors import BundleError
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
     from serve.bundle import Bundle
 
 
@@ -104,6 +106,24 @@ def _timed(call: Callable[..., object], *args: object) -> float:
     start = time.perf_counter()
     call(*args)
     return time.perf_counter() - start
+
+
+@dataclass
+class _Swapped:
+    """A preempted sequence (`Engine.swap_out`): its row's valid keys and values ([heads, length, head_dim]
+    per buffer) and token ids, the token it still has to be fed, and the state that decides its next
+    tokens."""
+
+    kv: list[np.ndarray]
+    tokens: np.ndarray
+    pending: int
+    sampling: RowState
+    matcher: LLMatcher | None
+    pace: Pace
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self.kv) + self.tokens.nbytes
 
 
 @dataclass
@@ -169,6 +189,7 @@ class Engine:
         )
         self._ids: list[str] = []
         self._staged: _Staged | None = None
+        self._swapped: dict[str, _Swapped] = {}  # preempted sequences, by id, in the order they left
         self._sampling = SamplingBatch()
         self._masks = MaskWorker(spec.vocab_size)
         self._constraints = ConstraintRows(self._masks)  # the running rows' matchers, as _sampling's rows
@@ -616,24 +637,83 @@ class Engine:
                 assert self._background is not None
                 self._background.released.add(seq_id)  # its run is writing its row: it leaves once joined
                 continue
+            if self._swapped.pop(seq_id, None) is not None:  # preempted: its host copy is all there is
+                continue
             try:
                 row = self._ids.index(seq_id)
             except ValueError:
                 continue  # already gone: release is idempotent
             self._keep(row)
-            last = len(self._ids) - 1
-            if row != last:
-                self._move_row(last, row, int(self._lengths[last]))
-                self._pending[row] = self._pending[last]
-                self._ids[row] = self._ids[last]
-            self._ids.pop()
-            self._sampling.remove(row)
-            moved = self._speculating.pop()
-            if row < len(self._speculating):
-                self._speculating[row] = moved
-            self._constraints.remove(row)  # its matcher goes with it
-            if self._staged is not None:  # keep the staged row right after the running ones
-                self._move_row(last + 1, last, self._staged.done)
+            self._remove_row(row)  # its matcher goes with it
+
+    # -- preemption ----------------------------------------------------------------------------------------
+    def swap_out(self, seq_ids: Iterable[str]) -> None:
+        """Preempt running sequences: each one's row (its valid keys and values, token ids, pending token)
+        and its sampling, constraint and speculation state move to host memory, and its row is freed (the
+        last row takes its place). `swap_in` resumes it exactly where it stopped: the tokens it then gives
+        are those it would have given without the pause (vLLM's swapping; recomputing the keys and values by
+        a prefill would sum attention in another order than the decode steps did, and drift)."""
+        if self._staged is not None or self._background is not None:
+            raise RuntimeError("cannot preempt while a prefill is in progress: it holds the rows after them")
+        for seq_id in seq_ids:
+            row = self._row_of(seq_id)
+            length = int(self._lengths[row])
+            kv = self._kv.read_row(row, length)
+            tokens, pending = self._tokens[row, :length].copy(), int(self._pending[row])
+            sampling, matcher, pace = self._remove_row(row)
+            self._swapped[seq_id] = _Swapped(kv, tokens, pending, sampling, matcher, pace)
+
+    def swap_in(self, seq_ids: Sequence[str]) -> None:
+        """Resume preempted sequences (`swap_out`) in the rows after the running ones; the next decode step
+        feeds each its pending token. Sequences not preempted are refused (ValueError) before any moves."""
+        if self._staged is not None or self._background is not None:
+            raise RuntimeError("cannot resume while a prefill is in progress: it holds the rows after them")
+        missing = [seq_id for seq_id in seq_ids if seq_id not in self._swapped]
+        if missing:
+            raise ValueError(f"sequences {missing} are not preempted")
+        n, k = self.batch_size, len(seq_ids)
+        if n + k > self.max_batch_size:
+            raise ValueError(f"{n} running + {k} resumed exceed max_batch_size {self.max_batch_size}")
+        for seq_id in seq_ids:
+            kept = self._swapped.pop(seq_id)
+            row, length = self.batch_size, len(kept.tokens)
+            self._kv.write_row(row, kept.kv)
+            self._tokens[row, :length] = kept.tokens
+            self._lengths[row], self._pending[row] = length, kept.pending
+            self._sampling.put(kept.sampling)
+            self._constraints.append(kept.matcher)
+            self._speculating.append(kept.pace)
+            self._ids.append(seq_id)
+
+    @property
+    def swapped_bytes(self) -> int:
+        """Host memory holding the preempted sequences' keys and values."""
+        return sum(kept.nbytes for kept in self._swapped.values())
+
+    def _row_of(self, seq_id: str) -> int:
+        try:
+            return self._ids.index(seq_id)
+        except ValueError:
+            raise ValueError(f"sequence {seq_id} is not running") from None
+
+    def _remove_row(self, row: int) -> tuple[RowState, LLMatcher | None, Pace]:
+        """Take a running row out (the last row moves into its place, the staged one follows it down);
+        returns its sampling state, matcher and pace."""
+        last = len(self._ids) - 1
+        if row != last:
+            self._move_row(last, row, int(self._lengths[last]))
+            self._pending[row] = self._pending[last]
+            self._ids[row] = self._ids[last]
+        self._ids.pop()
+        sampling = self._sampling.remove(row)
+        pace = self._speculating[row]
+        moved = self._speculating.pop()
+        if row < len(self._speculating):
+            self._speculating[row] = moved
+        matcher = self._constraints.remove(row)
+        if self._staged is not None:  # keep the staged row right after the running ones
+            self._move_row(last + 1, last, self._staged.done)
+        return sampling, matcher, pace
 
     # -- internals ---------------------------------------------------------------------------------------
     def _check_joining(self, new: Sequence[NewSequence]) -> None:
