@@ -5,8 +5,10 @@ is copied) has `max_batch_size + prefix_cache_rows` rows of `capacity` tokens. R
 sequences, right-padded: row r's valid cache entries are [0, lengths[r]). A prefill group is written straight
 into rows [n, n + k), a contiguous range, so joining copies nothing; a sequence that leaves is replaced by the
 last row (swap-remove), which copies that row. The rows past max_batch_size are the prefix cache's
-(serve/engine/prefix_cache.py). A run's rows are bound as both the past input and the present output of the
-serving graph, so each step appends its keys and values in place. Small inputs are bound from host arrays
+(serve/engine/prefix_cache.py). A preempted sequence (`swap_out`) leaves its row as a released one does, its
+row's valid part and its sampling state kept in host memory until `swap_in` puts them in the row after the
+running ones. A run's rows are bound as both the past input and the present output of the serving graph,
+so each step appends its keys and values in place. Small inputs are bound from host arrays
 and logits are written into a host array (ONNX Runtime copies them from the device): sampling is numpy.
 
 Not thread-safe: the scheduler calls it from its one engine thread.

@@ -11,6 +11,9 @@ they run a tiny Identity graph on whole rows (runtime.copy_graph); in host memor
 head's filled positions, through views of the same buffers — a row is mostly empty, and a whole row holds
 every layer's keys and values for the whole context (docs/benchmarks.md, "Prefix cache").
 
+A preempted sequence's row goes to host memory and back (`read_row`, `write_row`): numpy copies of its filled
+positions in host memory, a run of the copy graph between the row and host arrays on a device.
+
 Which rows hold what (running sequences, a prefill group, the prefix cache) is the engine's business
 (serve/engine/engine.py); this module knows rows only by index.
 """

@@ -260,7 +260,7 @@ class BatchRunner:
                 gone = {id(t) for t in self._sweep(list(self._compiling), now, deliveries)}
                 self._compiling = [t for t in self._compiling if id(t) not in gone]
             plan = self._planner.plan(self._state(now, tuple(self._waiting)))
-            self._drop_waiting((*plan.admitted, *plan.resumed))
+            self._drop_waiting(plan.admitted)
         self._forget([t for t in preempted if t.done])
         self._preempt(plan.preempted, deliveries)
         self._resume(plan.resumed, deliveries)
@@ -336,15 +336,17 @@ class BatchRunner:
             log.exception("engine failed to preempt %d requests", len(trackers))
             self._fail(trackers, "the engine failed to preempt it", exc, out)
             return
+        with self._cv:  # from running to queued at once: a cancel from another thread finds it either way
+            for tracker in trackers:
+                del self._running[tracker.request_id]
+                tracker.preempt()
+            self._waiting.extend(trackers)
         now = time.monotonic()
         for tracker in trackers:
-            del self._running[tracker.request_id]
-            tracker.preempt()
-            held = tracker.pace(None, now, self.limits.stream_interval_seconds, flush=True)
+            # A stream's held tokens go now; a request that does not stream still gets everything at the end.
+            held = tracker.pace(None, now, self.limits.stream_interval_seconds, flush=tracker.request.stream)
             if held is not None:
                 out.append(Delivery(tracker, held))
-        with self._cv:
-            self._waiting.extend(trackers)
         if self._metrics is not None:
             self._metrics.on_preempted(len(trackers))
 
@@ -352,9 +354,11 @@ class BatchRunner:
         """Swap the plan's preempted requests back in: they decode in this step."""
         if not trackers:
             return
-        for tracker in trackers:
-            tracker.resume()
-            self._running[tracker.request_id] = tracker
+        with self._cv:  # from queued to running at once, as in _preempt
+            self._drop_waiting(trackers)
+            for tracker in trackers:
+                tracker.resume()
+                self._running[tracker.request_id] = tracker
         try:
             self.engine.swap_in([t.request_id for t in trackers])
         except Exception as exc:

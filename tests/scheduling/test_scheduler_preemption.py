@@ -25,24 +25,35 @@ LOW_TOKENS, URGENT_TOKENS = 12, 3
 class Served:
     """What one run gave: each request's completion, the order they finished in, the preemptions counted."""
 
-    def __init__(self, engine: Instrumented, policy: str) -> None:
+    def __init__(self, engine: Instrumented, policy: str, stream_interval_ms: float = 0.0) -> None:
         self.metrics = Metrics(new_registry())
-        limits = SchedulerLimits(scheduling_policy=policy, max_wait_seconds=0.0).resolve(engine)
+        limits = SchedulerLimits(
+            scheduling_policy=policy, max_wait_seconds=0.0, stream_interval_ms=stream_interval_ms
+        ).resolve(engine)
         self.runner = BatchRunner(engine, limits, self.metrics)
         self.completions: dict[str, Completion] = {}
         self.finished: list[str] = []
 
-    def submit(self, rid: str, params: SamplingParams, max_new: int, priority: int) -> None:
-        request = GenerationRequest(rid, prompt_of(5), params, max_new, ignore_eos=True, priority=priority)
+    def submit(
+        self, rid: str, params: SamplingParams, max_new: int, priority: int, stream: bool = True
+    ) -> None:
+        request = GenerationRequest(
+            rid, prompt_of(5), params, max_new, ignore_eos=True, priority=priority, stream=stream
+        )
         self.runner.enqueue(self.runner.track(request))
         self.completions[rid] = Completion(rid)
 
-    def step(self) -> None:
+    def step(self) -> list[str]:
+        """One step; the ids of the requests it gave tokens to."""
+        given = []
         for tracker, item in self.runner.step():
             assert not isinstance(item, TextgenError), item
             self.completions[tracker.request_id].add(item)
             if isinstance(item, FinishEvent):
                 self.finished.append(tracker.request_id)
+            else:
+                given.append(tracker.request_id)
+        return given
 
     def sample(self, name: str) -> float | None:
         return self.metrics.registry.get_sample_value(name)
@@ -98,3 +109,23 @@ def test_a_preempted_request_cancelled_in_the_queue_leaves_nothing_behind(make_e
         (t.request_id, type(item).__name__) for t, item in cancelled if isinstance(item, TextgenError)
     ] == [("low", "Cancelled")]
     assert engine.swapped_bytes == 0
+
+
+def test_a_preempted_stream_gets_the_tokens_pacing_held_when_it_pauses(make_engine: EngineFactory) -> None:
+    # Pacing holds every token after the first for 10 s; a pause must not hold them too.
+    engine = make_engine(max_batch_size=2)
+    served = Served(engine, "priority", stream_interval_ms=10_000)
+    served.submit("streamed", SamplingParams(), LOW_TOKENS, priority=1)
+    served.submit("whole", SamplingParams(), LOW_TOKENS, priority=1, stream=False)
+    for _ in range(4):
+        served.step()
+    assert len(served.completions["streamed"].token_ids) == 1
+    served.submit("urgent", SamplingParams(), URGENT_TOKENS, priority=0)
+    served.submit("urgent2", SamplingParams(), URGENT_TOKENS, priority=0)
+    given = served.step()  # both are preempted
+    assert served.preemptions == 2
+    assert "streamed" in given and len(served.completions["streamed"].token_ids) == 4
+    assert "whole" not in given  # a request that does not stream still gets everything at the end
+    while not served.runner.idle:
+        served.step()
+    assert [len(served.completions[r].token_ids) for r in ("streamed", "whole")] == [LOW_TOKENS] * 2
