@@ -9,10 +9,10 @@ from scheduler_runs import EngineFactory, prompt_of
 
 from serve.api.metrics import Metrics, new_registry
 from serve.engine.sampling import SamplingParams
-from serve.errors import TextgenError
+from serve.errors import Draining, TextgenError
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.request import Completion, FinishEvent, GenerationRequest
-from serve.scheduling.runner import BatchRunner
+from serve.scheduling.runner import BatchRunner, draining_error
 
 # Greedy, and seeded sampling with a penalty: both carry state across the pause.
 LOW = {
@@ -129,3 +129,23 @@ def test_a_preempted_stream_gets_the_tokens_pacing_held_when_it_pauses(make_engi
     while not served.runner.idle:
         served.step()
     assert [len(served.completions[r].token_ids) for r in ("streamed", "whole")] == [LOW_TOKENS] * 2
+
+
+def test_draining_refuses_the_queued_requests_but_lets_a_preempted_one_finish(
+    make_engine: EngineFactory,
+) -> None:
+    engine = make_engine(max_batch_size=1)
+    served = Served(engine, "priority")
+    served.submit("low", SamplingParams(), LOW_TOKENS, priority=1)
+    served.step()
+    served.step()  # past its prefill: no preemption right after one
+    served.submit("urgent", SamplingParams(), URGENT_TOKENS, priority=0)
+    served.step()  # "low" is swapped out for it
+    assert served.preemptions == 1
+    served.submit("queued", SamplingParams(), URGENT_TOKENS, priority=1)
+    refused = served.runner.reject_waiting(draining_error)
+    assert [(t.request_id, type(item)) for t, item in refused] == [("queued", Draining)]
+    while not served.runner.idle:
+        served.step()
+    assert served.finished == ["urgent", "low"]
+    assert len(served.completions["low"].token_ids) == LOW_TOKENS
