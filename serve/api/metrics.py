@@ -332,7 +332,9 @@ class Metrics:
         reg = self.registry
         self.running = Gauge("textgen_requests_running", "Requests in the running batch.", registry=reg)
         self.waiting = Gauge(
-            WAITING, "Requests queued, not yet admitted (their constraint compiling or not).", registry=reg
+            WAITING,
+            "Requests queued: not yet admitted (their constraint compiling or not), or preempted to resume.",
+            registry=reg,
         )
         self.kv_used = Gauge("textgen_kv_cache_slots_used", "KV-cache slots (rows) in use.", registry=reg)
         self.kv_capacity = Gauge(
