@@ -207,6 +207,15 @@ def test_no_preemption_while_a_row_is_free_or_right_after_a_prefill() -> None:
     assert after.kind is StepKind.DECODE and after.preempted == ()
 
 
+def test_no_preemption_while_a_group_prefills_beside_the_decode_steps() -> None:
+    # Its rows are the ones after the running ones, where a resumed request would go.
+    rows = full_rows()
+    urgent = queued("urgent", 4, arrival=3.0, priority=0)
+    view = View(background_ids=["late"])
+    got = plan(view, rows, [urgent], max_batch_size=3, scheduling_policy="priority")
+    assert got.kind is StepKind.DECODE and got.preempted == () and ids(got.decoded) == ["early", "mid"]
+
+
 def test_no_preemption_for_a_request_the_kv_budget_would_not_take_anyway() -> None:
     rows = [decoding("r1", 4, max_new=10, priority=5), decoding("r2", 4, max_new=10, priority=5)]  # 14 each
     big = queued("big", 40, max_new=20, arrival=3.0, priority=0)  # 2 rows x 60 > 100
