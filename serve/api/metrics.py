@@ -5,7 +5,7 @@ instances and the server exposes exactly one registry on its own HTTP port (`sta
 
 The hooks are called from two places: the scheduler's engine thread (`on_admitted`, `on_first_token`,
 `on_token`, `on_finished`, `on_step`, `on_masks`, `on_constraint_compiled`, `on_speculated`,
-`on_speculation_done`, `set_load`, `set_priorities`) and the front
+`on_speculation_done`, `set_load`, `set_priorities`, `on_preempted`, `set_preempted_kv_bytes`) and the front
 ends (`on_request_done`, `on_constrained`, `set_ready`, `set_model_info`). prometheus_client's metrics are
 thread-safe, so no locking is needed here. The queue's length is not a hook: the scheduler hands a function
 (`watch_waiting`) that every scrape calls, so the gauge counts the requests that arrived during a long engine
@@ -315,6 +315,11 @@ class Metrics:
             "Tokens emitted by speculating steps: the accepted ones and one sampled token per step.",
             registry=reg,
         )
+        self.preemptions = Counter(
+            "textgen_preemptions",
+            "Running requests preempted for a more urgent one (priority policy): swapped out, resumed later.",
+            registry=reg,
+        )
         # Known label values exist from the start, so rate() sees their first increment.
         for kind in CONSTRAINT_KINDS:
             self.constrained.labels(kind=kind)
@@ -327,7 +332,9 @@ class Metrics:
         reg = self.registry
         self.running = Gauge("textgen_requests_running", "Requests in the running batch.", registry=reg)
         self.waiting = Gauge(
-            WAITING, "Requests queued, not yet admitted (their constraint compiling or not).", registry=reg
+            WAITING,
+            "Requests queued: not yet admitted (their constraint compiling or not), or preempted to resume.",
+            registry=reg,
         )
         self.kv_used = Gauge("textgen_kv_cache_slots_used", "KV-cache slots (rows) in use.", registry=reg)
         self.kv_capacity = Gauge(
@@ -359,6 +366,11 @@ class Metrics:
         for gauge in (self.waiting_by_priority, self.running_by_priority):
             gauge.labels(priority="0")
             self._priorities_shown[gauge] = {0}
+        self.preempted_kv_bytes = Gauge(
+            "textgen_preempted_kv_bytes",
+            "Host memory holding the keys and values of preempted requests until they resume.",
+            registry=reg,
+        )
         self.ready = Gauge("textgen_ready", "1 when the server accepts requests, else 0.", registry=reg)
         self.model_info = Info("textgen_model", "The model being served.", registry=reg)
 
@@ -438,6 +450,14 @@ class Metrics:
             for priority, count in counts.items():
                 gauge.labels(priority=str(priority)).set(count)
             shown.update(counts)
+
+    def on_preempted(self, requests: int) -> None:
+        """After an engine step that preempted running requests."""
+        self.preemptions.inc(requests)
+
+    def set_preempted_kv_bytes(self, kv_bytes: int) -> None:
+        """When the preempted requests' host memory changed."""
+        self.preempted_kv_bytes.set(kv_bytes)
 
     def watch_waiting(self, waiting: Callable[[], int]) -> None:
         """The queue's length (and its gateway alias) from `waiting`, which every scrape calls on its own

@@ -348,14 +348,15 @@ class ConstraintRows:
         if other.constrained:
             self._constrained = None
 
-    def remove(self, index: int) -> None:
-        """Drop row `index` (its matcher is freed); the last row moves into its place."""
+    def remove(self, index: int) -> llguidance.LLMatcher | None:
+        """Drop row `index` and return its matcher (freed unless kept); the last row moves into its place."""
         gone = self._matchers[index]
         last = self._matchers.pop()
         if index < len(self._matchers):
             self._matchers[index] = last
         if gone is not None or last is not None:
             self._constrained = None
+        return gone
 
     def start_fill(self) -> PendingMasks | None:
         """Start computing every constrained row's mask on the masks' thread; None when no row is."""

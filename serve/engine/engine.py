@@ -5,8 +5,10 @@ is copied) has `max_batch_size + prefix_cache_rows` rows of `capacity` tokens. R
 sequences, right-padded: row r's valid cache entries are [0, lengths[r]). A prefill group is written straight
 into rows [n, n + k), a contiguous range, so joining copies nothing; a sequence that leaves is replaced by the
 last row (swap-remove), which copies that row. The rows past max_batch_size are the prefix cache's
-(serve/engine/prefix_cache.py). A run's rows are bound as both the past input and the present output of the
-serving graph, so each step appends its keys and values in place. Small inputs are bound from host arrays
+(serve/engine/prefix_cache.py). A preempted sequence (`swap_out`) leaves its row as a released one does, its
+row's valid part and its sampling state kept in host memory until `swap_in` puts them in the row after the
+running ones. A run's rows are bound as both the past input and the present output of the serving graph,
+so each step appends its keys and values in place. Small inputs are bound from host arrays
 and logits are written into a host array (ONNX Runtime copies them from the device): sampling is numpy.
 
 Not thread-safe: the scheduler calls it from its one engine thread.
@@ -46,13 +48,15 @@ from serve.engine.runtime import (
     ortvalue,
     session_device_id,
 )
-from serve.engine.sampling import Alternatives, PromptScores, SamplingBatch, SamplingParams
+from serve.engine.sampling import Alternatives, PromptScores, RowState, SamplingBatch, SamplingParams
 from serve.engine.speculation import DraftModel, Pace, PromptLookup, Proposer
 from serve.engine.types import ConstraintState, EngineInfo, EngineSettings, ModelSpec, NewSequence, TokenOut
 from serve.engine.verify_graph import PICK_INDEX, chained_present_outputs, verification_graph
 from serve.errors import BundleError
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
     from serve.bundle import Bundle
 
 
@@ -106,6 +110,25 @@ def _timed(call: Callable[..., object], *args: object) -> float:
     start = time.perf_counter()
     call(*args)
     return time.perf_counter() - start
+
+
+@dataclass
+class _Swapped:
+    """A preempted sequence (`Engine.swap_out`): its row's valid keys and values ([heads, length, head_dim]
+    per buffer) and token ids, the token it still has to be fed, and the state that decides its next
+    tokens."""
+
+    kv: list[np.ndarray]
+    tokens: np.ndarray
+    pending: int
+    sampling: RowState
+    matcher: LLMatcher | None
+    pace: Pace
+    adapter: str  # its LoRA adapter ("": none): resident again, maybe in another slot, when it resumes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self.kv) + self.tokens.nbytes
 
 
 @dataclass
@@ -175,6 +198,7 @@ class Engine:
         )
         self._ids: list[str] = []
         self._staged: _Staged | None = None
+        self._swapped: dict[str, _Swapped] = {}  # preempted sequences, by id, in the order they left
         self._sampling = SamplingBatch()
         self._masks = MaskWorker(spec.vocab_size)
         self._constraints = ConstraintRows(self._masks)  # the running rows' matchers, as _sampling's rows
@@ -392,7 +416,7 @@ class Engine:
         if not new:
             return []
         self._check_joining(new)
-        self._make_resident(new)
+        self._make_resident({seq.adapter for seq in new if seq.adapter})
         forks = _forks(new)
         if forks:
             new = [seq for seq in new if seq.seq_id not in forks]
@@ -583,7 +607,7 @@ class Engine:
         self._check_joining(new)
         if not new:
             raise ValueError("begin_prefill() with no sequence")
-        self._make_resident(new)
+        self._make_resident({seq.adapter for seq in new if seq.adapter})
         if any(self._hit(seq.prompt_ids, self.slot(seq.adapter)) is not None for seq in new):
             raise ValueError("a prompt with a prefix-cache hit cannot be prefilled beside decode steps")
         if _forks(new):
@@ -643,24 +667,86 @@ class Engine:
                 assert self._background is not None
                 self._background.released.add(seq_id)  # its run is writing its row: it leaves once joined
                 continue
+            if self._swapped.pop(seq_id, None) is not None:  # preempted: its host copy is all there is
+                continue
             try:
                 row = self._ids.index(seq_id)
             except ValueError:
                 continue  # already gone: release is idempotent
             self._keep(row)
-            last = len(self._ids) - 1
-            if row != last:
-                self._move_row(last, row, int(self._lengths[last]))
-                self._pending[row] = self._pending[last]
-                self._ids[row] = self._ids[last]
-            self._ids.pop()
-            self._sampling.remove(row)
-            moved = self._speculating.pop()
-            if row < len(self._speculating):
-                self._speculating[row] = moved
-            self._constraints.remove(row)  # its matcher goes with it
-            if self._staged is not None:  # keep the staged row right after the running ones
-                self._move_row(last + 1, last, self._staged.done)
+            self._remove_row(row)  # its matcher goes with it
+
+    # -- preemption ----------------------------------------------------------------------------------------
+    def swap_out(self, seq_ids: Iterable[str]) -> None:
+        """Preempt running sequences: each one's row (its valid keys and values, token ids, pending token)
+        and its sampling, constraint and speculation state move to host memory, and its row is freed (the
+        last row takes its place). `swap_in` resumes it exactly where it stopped: the tokens it then gives
+        are those it would have given without the pause (vLLM's swapping; recomputing the keys and values by
+        a prefill would sum attention in another order than the decode steps did, and drift)."""
+        if self._staged is not None or self._background is not None:
+            raise RuntimeError("cannot preempt while a prefill is in progress: it holds the rows after them")
+        for seq_id in seq_ids:
+            row = self._row_of(seq_id)
+            length = int(self._lengths[row])
+            kv = self._kv.read_row(row, length)
+            tokens, pending = self._tokens[row, :length].copy(), int(self._pending[row])
+            adapter = self._adapter_in(int(self._row_adapter[row]))
+            sampling, matcher, pace = self._remove_row(row)
+            self._swapped[seq_id] = _Swapped(kv, tokens, pending, sampling, matcher, pace, adapter)
+
+    def swap_in(self, seq_ids: Sequence[str]) -> None:
+        """Resume preempted sequences (`swap_out`) in the rows after the running ones; the next decode step
+        feeds each its pending token. Sequences not preempted are refused (ValueError) before any moves."""
+        if self._staged is not None or self._background is not None:
+            raise RuntimeError("cannot resume while a prefill is in progress: it holds the rows after them")
+        missing = [seq_id for seq_id in seq_ids if seq_id not in self._swapped]
+        if missing:
+            raise ValueError(f"sequences {missing} are not preempted")
+        n, k = self.batch_size, len(seq_ids)
+        if n + k > self.max_batch_size:
+            raise ValueError(f"{n} running + {k} resumed exceed max_batch_size {self.max_batch_size}")
+        self._make_resident({self._swapped[seq_id].adapter for seq_id in seq_ids} - {""})
+        for seq_id in seq_ids:
+            kept = self._swapped.pop(seq_id)
+            row, length = self.batch_size, len(kept.tokens)
+            self._row_adapter[row] = self.slot(kept.adapter)
+            self._kv.write_row(row, kept.kv)
+            self._tokens[row, :length] = kept.tokens
+            self._lengths[row], self._pending[row] = length, kept.pending
+            self._sampling.put(kept.sampling)
+            self._constraints.append(kept.matcher)
+            self._speculating.append(kept.pace)
+            self._ids.append(seq_id)
+
+    @property
+    def swapped_bytes(self) -> int:
+        """Host memory holding the preempted sequences' keys and values."""
+        return sum(kept.nbytes for kept in self._swapped.values())
+
+    def _row_of(self, seq_id: str) -> int:
+        try:
+            return self._ids.index(seq_id)
+        except ValueError:
+            raise ValueError(f"sequence {seq_id} is not running") from None
+
+    def _remove_row(self, row: int) -> tuple[RowState, LLMatcher | None, Pace]:
+        """Take a running row out (the last row moves into its place, the staged one follows it down);
+        returns its sampling state, matcher and pace."""
+        last = len(self._ids) - 1
+        if row != last:
+            self._move_row(last, row, int(self._lengths[last]))
+            self._pending[row] = self._pending[last]
+            self._ids[row] = self._ids[last]
+        self._ids.pop()
+        sampling = self._sampling.remove(row)
+        pace = self._speculating[row]
+        moved = self._speculating.pop()
+        if row < len(self._speculating):
+            self._speculating[row] = moved
+        matcher = self._constraints.remove(row)
+        if self._staged is not None:  # keep the staged row right after the running ones
+            self._move_row(last + 1, last, self._staged.done)
+        return sampling, matcher, pace
 
     # -- internals ---------------------------------------------------------------------------------------
     def _check_joining(self, new: Sequence[NewSequence]) -> None:
@@ -866,7 +952,8 @@ class Engine:
 
     def unregister_adapter(self, name: str) -> None:
         """Stop serving `name`; ValueError for an unknown one or while a sequence runs with it."""
-        slot = self._adapters.unregister(name, self._busy_adapters())
+        resuming = {kept.adapter for kept in self._swapped.values()}
+        slot = self._adapters.unregister(name, self._busy_adapters() | resuming)
         if slot is not None and self._lora is not None:
             self._lora.write(slot, None)
             self._prefix.forget(slot)
@@ -875,9 +962,8 @@ class Engine:
         """The slot of a resident adapter ("": the base model, 0)."""
         return self._adapters.resident[adapter] if adapter else 0
 
-    def _make_resident(self, new: Sequence[NewSequence]) -> None:
-        """Write the adapters `new` runs with that are not in a slot into one (evicting idle ones)."""
-        wanted = {seq.adapter for seq in new if seq.adapter}
+    def _make_resident(self, wanted: set[str]) -> None:
+        """Write the adapters about to run that are not in a slot into one (evicting idle ones)."""
         for name in wanted:
             if name not in self._adapters.resident:
                 self._place(name, self._busy_adapters() | wanted)
@@ -888,6 +974,10 @@ class Engine:
         slot = self._adapters.place(name, busy)
         self._prefix.forget(slot)  # rows kept from the adapter this slot held before
         self._lora.write(slot, self._adapters.registered[name])
+
+    def _adapter_in(self, slot: int) -> str:
+        """The name of the adapter in `slot` ("" for 0, the base model)."""
+        return next((name for name, s in self._adapters.resident.items() if s == slot), "")
 
     def _busy_adapters(self) -> set[str]:
         """The adapters of the sequences that hold rows: running, prefilled in chunks or beside decode."""

@@ -11,6 +11,9 @@ they run a tiny Identity graph on whole rows (runtime.copy_graph); in host memor
 head's filled positions, through views of the same buffers — a row is mostly empty, and a whole row holds
 every layer's keys and values for the whole context (docs/benchmarks.md, "Prefix cache").
 
+A preempted sequence's row goes to host memory and back (`read_row`, `write_row`): numpy copies of its filled
+positions in host memory, a run of the copy graph between the row and host arrays on a device.
+
 Which rows hold what (running sequences, a prefill group, the prefix cache) is the engine's business
 (serve/engine/engine.py); this module knows rows only by index.
 """
@@ -113,4 +116,37 @@ class KvCache:
                 binding.bind_input(f"src.{i}", device.type, device.id, buf.dtype, shape, buf.row_ptr(src))
                 binding.bind_output(f"dst.{i}", device.type, device.id, buf.dtype, shape, buf.row_ptr(dst))
             self._copy_bindings[(src, dst)] = binding
+        self._copy_session.run_with_iobinding(binding)
+
+    def read_row(self, row: int, length: int) -> list[np.ndarray]:
+        """A host copy of row `row`'s first `length` positions, [heads, length, head_dim] per buffer (a
+        preempted sequence's keys and values, kept while others use its row). On a device the copy graph
+        brings the whole row over (one run), of which only the valid positions are kept."""
+        if self._host_views is not None:
+            return [view[row, :, :length].copy() for view in self._host_views]
+        whole = [np.empty(self.row_shape, b.dtype) for b in self.buffers]
+        self._copy_through_host(row, whole, to_host=True)
+        return [np.ascontiguousarray(array[:, :length]) for array in whole]
+
+    def write_row(self, row: int, kept: Sequence[np.ndarray]) -> None:
+        """Put what `read_row` returned back, into row `row` (the positions past it are left as they were)."""
+        if self._host_views is not None:
+            for view, array in zip(self._host_views, kept, strict=True):
+                view[row, :, : array.shape[1]] = array
+            return
+        whole = [np.zeros(self.row_shape, b.dtype) for b in self.buffers]
+        for target, array in zip(whole, kept, strict=True):
+            target[:, : array.shape[1]] = array
+        self._copy_through_host(row, whole, to_host=False)
+
+    def _copy_through_host(self, row: int, host: Sequence[np.ndarray], *, to_host: bool) -> None:
+        """Run the copy graph between row `row` of every buffer and whole-row host arrays: ONNX Runtime
+        copies between the device and the host side of the binding."""
+        binding = self._copy_session.io_binding()
+        device, shape = self.device, self.row_shape
+        for i, (buf, array) in enumerate(zip(self.buffers, host, strict=True)):
+            ends = [(device.type, device.id, buf.row_ptr(row)), ("cpu", 0, array.ctypes.data)]
+            src, dst = ends if to_host else ends[::-1]
+            binding.bind_input(f"src.{i}", src[0], src[1], buf.dtype, shape, src[2])
+            binding.bind_output(f"dst.{i}", dst[0], dst[1], buf.dtype, shape, dst[2])
         self._copy_session.run_with_iobinding(binding)

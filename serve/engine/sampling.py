@@ -187,6 +187,11 @@ class _Row:
     banned_for: int  # tokens still to pick without them
 
 
+# One row's sampling state (its RNG, penalty history, bans left), opaque outside this module: what the engine
+# keeps of a preempted sequence between `SamplingBatch.remove` and `put`.
+RowState = _Row
+
+
 def _penalizes_openai(params: SamplingParams) -> bool:
     return params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
 
@@ -352,13 +357,21 @@ class SamplingBatch:
         self._rows.extend(other._rows)
         self._layout = None
 
-    def remove(self, index: int) -> None:
-        """Drop row `index`; the last row moves into its place, as the engine's KV rows do."""
+    def remove(self, index: int) -> RowState:
+        """Drop row `index` and return its state (`put` resumes it, RNG and penalties where they were); the
+        last row moves into its place, as the engine's KV rows do."""
         if not 0 <= index < len(self._rows):
             raise IndexError(f"row {index} out of range for a batch of {len(self._rows)}")
+        gone = self._rows[index]
         last = self._rows.pop()
         if index < len(self._rows):
             self._rows[index] = last
+        self._layout = None
+        return gone
+
+    def put(self, row: RowState) -> None:
+        """Add a row that `remove` took, at the end, its state as it was (a preempted sequence resuming)."""
+        self._rows.append(row)
         self._layout = None
 
     def sample(

@@ -92,6 +92,12 @@ class MetricRecorder:
     def set_priorities(self, waiting: PriorityCounts, running: PriorityCounts) -> None:
         self.calls.append(("set_priorities", (waiting, running)))
 
+    def on_preempted(self, requests: int) -> None:
+        self.calls.append(("on_preempted", (requests,)))
+
+    def set_preempted_kv_bytes(self, kv_bytes: int) -> None:
+        self.calls.append(("set_preempted_kv_bytes", (kv_bytes,)))
+
     def take(self) -> list[MetricCall]:
         calls, self.calls = self.calls, []
         return calls

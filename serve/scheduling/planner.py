@@ -33,6 +33,14 @@ Admission policy, evaluated between every two engine steps:
   slot frees once they finish, and adapters new to the batch are not admitted either.
 - Running streams are never stalled by two prefills in a row, and a partial group waits up to
   `max_wait_seconds` for company while others are decoding (no wait when the engine is idle).
+- Preemption (priority policy only): when every row is busy and waiting requests rank strictly above the
+  lowest-ranked decoding ones, as many of those as the waiting ones admitted need are preempted (the
+  highest priority value first, the latest arrival among equals): the runner swaps their rows out to host
+  memory (`Engine.swap_out`) and they rejoin the queue with their arrival, so they come first among their
+  priority. A preempted request at the head of the queue resumes (`Engine.swap_in`, no compute) into a free
+  row and decodes in the same step. Equal priorities never preempt each other, and the fcfs policy never
+  preempts. No preemption while a prefill is in progress (chunked or beside the decode steps): it holds the
+  rows a resumed request would take.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from typing import NamedTuple
 
 from serve.scheduling.engine_protocol import EngineView
 from serve.scheduling.limits import SchedulerLimits
-from serve.scheduling.request import RequestTracker
+from serve.scheduling.request import RequestState, RequestTracker
 
 
 class StepKind(enum.StrEnum):
@@ -85,6 +93,8 @@ class StepPlan:
     prefill_sizes: StepShape = NO_STEP  # its prefill's record (BEGIN_BACKGROUND: written by END_BACKGROUND)
     decoded: tuple[RequestTracker, ...] = ()
     decode_sizes: StepShape = NO_STEP
+    preempted: tuple[RequestTracker, ...] = ()  # running ones swapped out before the step, back to the queue
+    resumed: tuple[RequestTracker, ...] = ()  # preempted ones swapped back in before the step (they decode)
 
     @property
     def admitted(self) -> tuple[RequestTracker, ...]:
@@ -132,10 +142,72 @@ class Planner:
             if decoding and state.last_phase is StepKind.PREFILL:
                 return self._decode(state)  # the decoders are not stalled by two prefill pieces in a row
             return self._continue(staged)
-        group = None if self.engine.background_ids else self._select(state)
-        if group is not None:
-            return self._begin(state, group) if self._beside(group, decoding) else self._prefill(state, group)
+        planned = None if self.engine.background_ids else self._admission(state)
+        if planned is not None:
+            return planned
         return self._decode(state) if decoding else IDLE
+
+    # -- preemption -----------------------------------------------------------------------------------------
+    def _admission(self, state: RunnerState) -> StepPlan | None:
+        """The plan that admits or resumes the head of the queue, preempting for it where the policy says."""
+        victims = self._victims(state)
+        if victims:
+            planned = self._admit_or_resume(_without(state, victims))
+            if planned is not None:  # preempt no more rows than the plan takes
+                taken = len(planned.admitted) + len(planned.resumed)
+                if taken < len(victims):
+                    victims = victims[:taken]
+                    planned = self._admit_or_resume(_without(state, victims))
+            if planned is not None:
+                return replace(planned, preempted=victims)
+        return self._admit_or_resume(state)
+
+    def _victims(self, state: RunnerState) -> tuple[RequestTracker, ...]:
+        """The decoding requests to preempt for waiting ones that rank strictly above them, the lowest-ranked
+        first, one per such waiting request; none unless every row is busy."""
+        if (
+            self.limits.scheduling_policy != "priority"
+            or len(state.running) < self.limits.batch_size
+            or not state.waiting
+            or state.last_phase is StepKind.PREFILL  # no admission this step: nothing to preempt for
+        ):
+            return ()
+        decoding = (t for t in state.running if t.state is RequestState.DECODING)
+        lowest_first = sorted(decoding, key=_priority_then_arrival, reverse=True)
+        victims: list[RequestTracker] = []
+        for urgent, victim in zip(self._admission_order(state.waiting), lowest_first, strict=False):
+            if urgent.request.priority >= victim.request.priority:
+                break
+            victims.append(victim)
+        return tuple(victims)
+
+    def _admit_or_resume(self, state: RunnerState) -> StepPlan | None:
+        """Resume the preempted requests at the head of the queue, else admit the next prefill group; None:
+        neither now."""
+        resumed = self._resumable(state)
+        if resumed:
+            running = (*state.running, *resumed)
+            return replace(self._decode(replace(state, running=running)), resumed=resumed)
+        group = self._select(state)
+        if group is None:
+            return None
+        if self._beside(group, self._decoding(state)):
+            return self._begin(state, group)
+        return self._prefill(state, group)
+
+    def _resumable(self, state: RunnerState) -> tuple[RequestTracker, ...]:
+        """The preempted requests at the head of the queue that the free rows and the KV budget take."""
+        free_rows = self.limits.batch_size - len(state.running)
+        running = _Group.of(state.running)
+        resumed = _Group()
+        for tracker in self._admission_order(state.waiting):
+            if not tracker.preempted or len(resumed.members) == free_rows:
+                break
+            more = resumed.plus(tracker, 0)
+            if not self._fits_kv(running, more):
+                break
+            resumed = more
+        return resumed.members
 
     # -- which rows are where -----------------------------------------------------------------------------
     def _staged(self, state: RunnerState) -> RequestTracker | None:
@@ -157,13 +229,15 @@ class Planner:
         waiting = self._admitted_adapters(state.running, self._admission_order(state.waiting))
         if not waiting:
             return None
+        if waiting[0].preempted:
+            return None  # it resumes once it fits; nobody overtakes it meanwhile
         running = _Group.of(state.running)
         group = self._group_plus(_Group(), waiting[0])
         if not self._fits_kv(running, group):
             return None  # FCFS: nobody overtakes the head; running requests leave until it fits
         left_out = False
         for candidate in itertools.islice(waiting, 1, None):
-            if len(group.members) == free_rows:
+            if len(group.members) == free_rows or candidate.preempted:  # it resumes, before those after it
                 break
             bigger = self._group_plus(group, candidate)
             if self._acceptable(running, bigger):
@@ -356,3 +430,9 @@ class _Group:
 
 def _priority_then_arrival(tracker: RequestTracker) -> tuple[int, float]:
     return tracker.request.priority, tracker.times.arrival
+
+
+def _without(state: RunnerState, victims: tuple[RequestTracker, ...]) -> RunnerState:
+    """The state as it is once `victims` are preempted: they leave the running set (and, ranked below those
+    they make room for, are not resumed in the same step)."""
+    return replace(state, running=tuple(t for t in state.running if t not in victims))

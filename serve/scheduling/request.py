@@ -139,6 +139,7 @@ class RequestState(enum.Enum):
     QUEUED = "queued"
     PREFILLING = "prefilling"
     DECODING = "decoding"
+    PREEMPTED = "preempted"  # its row given to a more urgent request; back in the queue to resume
     FINISHED = "finished"
     CANCELLED = "cancelled"
     EXPIRED = "expired"
@@ -151,7 +152,8 @@ _ENDINGS = frozenset(
 _TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     RequestState.QUEUED: frozenset({RequestState.PREFILLING}) | (_ENDINGS - {RequestState.FINISHED}),
     RequestState.PREFILLING: frozenset({RequestState.DECODING}) | _ENDINGS,
-    RequestState.DECODING: _ENDINGS,
+    RequestState.DECODING: _ENDINGS | {RequestState.PREEMPTED},
+    RequestState.PREEMPTED: frozenset({RequestState.DECODING}) | (_ENDINGS - {RequestState.FINISHED}),
 }
 
 
@@ -347,6 +349,18 @@ class RequestTracker:
         self.times.admitted = now
         self.cached_tokens = cached_tokens
         return now - self.times.arrival
+
+    def preempt(self) -> None:
+        """Give up its row to a more urgent request: it waits in the queue, its output so far kept."""
+        self._move(RequestState.PREEMPTED)
+
+    def resume(self) -> None:
+        """Take a row again after `preempt`, to go on where it stopped."""
+        self._move(RequestState.DECODING)
+
+    @property
+    def preempted(self) -> bool:
+        return self.state is RequestState.PREEMPTED
 
     def end(self, state: RequestState, now: float) -> None:
         """Leave without finishing normally (cancelled, expired or failed)."""

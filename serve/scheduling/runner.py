@@ -121,6 +121,7 @@ class BatchRunner:
         self._masks_seen = engine.mask_stats.copy()  # the masks' cost the metrics have been told of
         self._compiler: ConstraintCompiler | None = None  # the engine's, once a request has a constraint
         self._priorities: tuple[PriorityCounts, PriorityCounts] = ({}, {})  # as the metrics were last told
+        self._swapped_bytes = 0  # the preempted requests' host memory, as the metrics were last told
 
     @property
     def max_total_tokens(self) -> int:
@@ -175,8 +176,9 @@ class BatchRunner:
     def reject_waiting(self, error: Callable[[RequestTracker], TextgenError]) -> list[Delivery]:
         """Fail every queued request (used when draining: they can be retried elsewhere at once)."""
         with self._cv:
-            rejected = [*self._waiting, *self._compiling]
-            self._waiting.clear()
+            # A preempted request stays: it is as far along as a running one, and resumes as rows free up.
+            rejected = [*(t for t in self._waiting if not t.preempted), *self._compiling]
+            self._waiting = deque(t for t in self._waiting if t.preempted)
             self._compiling = []
         deliveries: list[Delivery] = []
         self._refuse(deliveries)
@@ -252,12 +254,16 @@ class BatchRunner:
         if joining is not None:
             self._execute(joining, deliveries)  # the next group may begin beside this step's decode at once
         with self._cv:
+            preempted = [t for t in self._waiting if t.preempted]
             self._drop_waiting(self._sweep(list(self._waiting), now, deliveries))
             if self._compiling:
                 gone = {id(t) for t in self._sweep(list(self._compiling), now, deliveries)}
                 self._compiling = [t for t in self._compiling if id(t) not in gone]
             plan = self._planner.plan(self._state(now, tuple(self._waiting)))
             self._drop_waiting(plan.admitted)
+        self._forget([t for t in preempted if t.done])
+        self._preempt(plan.preempted, deliveries)
+        self._resume(plan.resumed, deliveries)
         self._execute(plan, deliveries)
         self._publish_load()
         self._partial = []
@@ -275,6 +281,10 @@ class BatchRunner:
         """Fail everything queued or running (draining past its grace, or a scheduler bug)."""
         deliveries = [*self._partial, *self.reject_waiting(error)]
         self._partial = []
+        with self._cv:
+            preempted, self._waiting = list(self._waiting), deque()
+        self._fail_all(preempted, error, deliveries)
+        self._forget(preempted)
         running = list(self._running.values())
         self._fail_all(running, error, deliveries)
         self._leave(running)
@@ -314,6 +324,55 @@ class BatchRunner:
         if trackers:
             taken = {id(t) for t in trackers}
             self._waiting = deque(t for t in self._waiting if id(t) not in taken)
+
+    def _preempt(self, trackers: Sequence[RequestTracker], out: list[Delivery]) -> None:
+        """Swap the plan's victims out and put them back in the queue; what pacing held of their output goes
+        to their clients now, so nothing waits out the pause."""
+        if not trackers:
+            return
+        try:
+            self.engine.swap_out([t.request_id for t in trackers])
+        except Exception as exc:  # a half-done swap leaves rows nobody can trust: they fail, as a step would
+            log.exception("engine failed to preempt %d requests", len(trackers))
+            self._fail(trackers, "the engine failed to preempt it", exc, out)
+            return
+        with self._cv:  # from running to queued at once: a cancel from another thread finds it either way
+            for tracker in trackers:
+                del self._running[tracker.request_id]
+                tracker.preempt()
+            self._waiting.extend(trackers)
+        now = time.monotonic()
+        for tracker in trackers:
+            # A stream's held tokens go now; a request that does not stream still gets everything at the end.
+            held = tracker.pace(None, now, self.limits.stream_interval_seconds, flush=tracker.request.stream)
+            if held is not None:
+                out.append(Delivery(tracker, held))
+        if self._metrics is not None:
+            self._metrics.on_preempted(len(trackers))
+
+    def _resume(self, trackers: Sequence[RequestTracker], out: list[Delivery]) -> None:
+        """Swap the plan's preempted requests back in: they decode in this step."""
+        if not trackers:
+            return
+        with self._cv:  # from queued to running at once, as in _preempt
+            self._drop_waiting(trackers)
+            for tracker in trackers:
+                tracker.resume()
+                self._running[tracker.request_id] = tracker
+        try:
+            self.engine.swap_in([t.request_id for t in trackers])
+        except Exception as exc:
+            log.exception("engine failed to resume %d requests", len(trackers))
+            self._fail(trackers, "the engine failed to resume it", exc, out)
+
+    def _forget(self, trackers: Sequence[RequestTracker]) -> None:
+        """Preempted requests that ended while queued: the engine drops the rows it keeps for them."""
+        if not trackers:
+            return
+        try:
+            self.engine.release([t.request_id for t in trackers])
+        except Exception:  # as in _leave: they already ended
+            log.exception("engine release failed for %s", [t.request_id for t in trackers])
 
     def _state(self, now: float, waiting: tuple[RequestTracker, ...] = ()) -> RunnerState:
         """What the planner decides on; `waiting` is read under the lock (other threads enqueue)."""
@@ -562,6 +621,10 @@ class BatchRunner:
         if self._metrics is not None:
             self._metrics.set_load(self._load.running, self._load.batch_size, self.engine.max_batch_size)
             self._publish_priorities(self._metrics)
+            swapped = self.engine.swapped_bytes
+            if swapped != self._swapped_bytes:  # told only when it changed, as the priorities are
+                self._swapped_bytes = swapped
+                self._metrics.set_preempted_kv_bytes(swapped)
 
     def _publish_priorities(self, metrics: EngineMetrics) -> None:
         """Waiting and running requests by priority, told only when they changed: most steps change neither,

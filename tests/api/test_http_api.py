@@ -646,6 +646,50 @@ def test_tls_and_mtls_with_the_grpc_ports_files(loop: LoopThread, tiny_bundle: P
         running.stop()
 
 
+def test_a_preempted_chat_stream_only_pauses(loop: LoopThread, tiny_bundle: Path) -> None:
+    # One row, held by a slowed low-priority chat stream: an urgent request preempts it, and the stream goes
+    # on where it stopped, one role chunk and the very text it gives alone.
+    settings = loopback_settings(
+        tiny_bundle,
+        http_port=free_port(),
+        max_batch_size=1,
+        scheduling_policy="priority",
+        engine_process=False,
+    )
+    running = RunningServer(loop, settings, InjectedFaults(slow_seconds=0.02))
+    low: dict[str, Any] = {"max_tokens": 24, **GREEDY, "extra_body": {"ignore_eos": True, "priority": 5}}
+    try:
+        client, model = running.openai_client(), running.model.name
+        alone = client.chat.completions.create(model=model, messages=MESSAGES, **low)  # type: ignore[arg-type]
+        chunks: list[Any] = []
+
+        def stream() -> None:
+            chunks.extend(
+                client.chat.completions.create(
+                    model=model,
+                    messages=MESSAGES,  # type: ignore[arg-type]
+                    stream=True,
+                    extra_headers={"X-Request-Id": "slow-low"},
+                    **low,
+                )
+            )
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        running.wait_for(lambda s: s.running == 1)
+        urgent = client.chat.completions.create(
+            model=model, messages=MESSAGES, max_tokens=4, extra_body={"ignore_eos": True, "priority": 0}
+        )
+        reader.join(30)
+        preemptions = running.metric("textgen_preemptions_total")
+    finally:
+        running.stop()
+    assert urgent.choices[0].finish_reason == "length" and preemptions == 1
+    assert [c.choices[0].delta.role for c in chunks if c.choices[0].delta.role] == ["assistant"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == alone.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+
+
 # --- clients that go away ---------------------------------------------------------------------------------
 
 

@@ -57,6 +57,9 @@ EXPECTED_FAMILIES = {
     "textgen_spec_decode_accepted_tokens",
     "textgen_spec_decode_emitted_tokens",
     "textgen_spec_decode_acceptance_rate",
+    # request priority: preemption
+    "textgen_preemptions",
+    "textgen_preempted_kv_bytes",
 }
 
 
@@ -88,6 +91,8 @@ def exercise(m: Metrics) -> None:
     m.on_constraint_compiled(0.002)
     m.on_speculated(5, 3)
     m.on_speculation_done(0.6)
+    m.on_preempted(2)
+    m.set_preempted_kv_bytes(4096)
 
 
 def test_latency_histograms_count_and_sum(metrics: Metrics) -> None:

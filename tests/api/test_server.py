@@ -11,6 +11,7 @@ import asyncio
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -512,6 +513,55 @@ def test_queue_full_is_resource_exhausted(
     assert "queue is full" in error.details()
     assert list(running)[-1].finish_reason == pb.FINISH_REASON_LENGTH
     waiting.join(10)
+
+
+def test_an_urgent_request_preempts_low_priority_streams_that_then_finish_in_full(
+    loop: LoopThread, tiny_bundle: Path
+) -> None:
+    # Two rows, both held by slowed low-priority streams, a third waiting: an urgent request preempts one
+    # of them and its first token comes before the queued one's; each stream ends with the tokens it gives
+    # alone.
+    settings = loopback_settings(tiny_bundle, max_batch_size=2, max_queue=2, scheduling_policy="priority")
+    server = RunningServer(loop, settings, InjectedFaults(slow_seconds=0.02))
+    seeded = pb.SamplingParams(temperature=1.0, seed=11)
+    lows = {f"slow-low-{i}": greedy(30, priority=5, sampling=seeded if i else None) for i in range(3)}
+    try:
+        with grpc.insecure_channel(server.target) as chan:
+            stub = pb_grpc.TextGenerationStub(chan)
+            alone = {rid: list(stub.Generate(request).token_ids) for rid, request in lows.items()}
+            first_tokens: dict[str, float] = {}
+            streamed: dict[str, list[pb.GenerateStreamResponse]] = {}
+
+            def read(rid: str, request: pb.GenerateRequest) -> None:
+                request.request_id = rid
+                for part in stub.GenerateStream(request):
+                    first_tokens.setdefault(rid, time.monotonic())
+                    streamed.setdefault(rid, []).append(part)
+
+            readers = [threading.Thread(target=read, args=item) for item in lows.items()]
+            for reader in readers[:2]:
+                reader.start()
+            server.wait_for(lambda s: s.running == 2)
+            readers[2].start()
+            server.wait_for(lambda s: s.waiting == 1)
+            urgent = threading.Thread(target=read, args=("slow-urgent", greedy(20, priority=-1)))
+            urgent.start()
+            server.wait_for(lambda s: server.metric("textgen_preemptions_total") == 1)
+            # The preempted stream waits in the queue beside the third: the queue is full, whatever priority.
+            server.wait_for(lambda s: s.waiting == 2)
+            error = rpc_error(lambda: stub.Generate(greedy(2, priority=-9)))
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            for reader in (urgent, *readers):
+                reader.join(30)
+    finally:
+        server.stop()
+    assert first_tokens["slow-urgent"] < first_tokens["slow-low-2"]
+    assert sum(len(part.token_ids) for part in streamed["slow-urgent"]) == 20
+    for rid, tokens in alone.items():
+        parts = streamed[rid]
+        assert [t for part in parts for t in part.token_ids] == tokens and len(tokens) == 30
+        finished = [part.finish_reason for part in parts if part.finish_reason]
+        assert finished == [pb.FINISH_REASON_LENGTH]
 
 
 def test_deadline_while_queued_leaves_the_queue(

@@ -438,3 +438,30 @@ def test_speculation_and_constraints_keep_a_requests_adapter(
         assert all(c in "abcdefghijklmnopqrstuvwxyz " for c in text)
         texts.add(text)
     assert len(texts) > 1  # the constrained requests still follow their adapters
+
+
+def test_a_preempted_request_resumes_with_its_adapter_even_after_it_left_its_slot(
+    fp32_bundles: tuple[Path, Path],
+    adapters: dict[str, tuple[Path, torch.nn.Module]],
+    base_model: Decoder,
+    tmp_path: Path,
+) -> None:
+    peft_model(base_model, ADAPTERS["a1"], 9).save_pretrained(tmp_path / "a4")
+    engine = engine_for(fp32_bundles[0], {**adapters, "a4": (tmp_path / "a4", adapters["a1"][1])})
+    prompt = prompts(1)[0]
+    seq = NewSequence("s", prompt, SamplingParams(temperature=0.9, seed=4), logprobs=True, adapter="a1")
+    want = [(o.token_id, o.logprob) for o in run(engine, [seq], 20)["s"]]
+    outs = engine.prefill([seq])
+    for _ in range(7):
+        outs += engine.decode()
+    engine.swap_out(["s"])
+    with pytest.raises(ValueError, match="in use by running requests"):
+        engine.unregister_adapter("a1")  # it resumes with it
+    others = [NewSequence(f"o{i}", prompt, SamplingParams(), adapter=f"a{i}") for i in (2, 3, 4)]
+    run(engine, others, 4)  # a4 takes a1's slot
+    assert engine.adapter_counts[1] == 1  # a1, the only adapter no running request held
+    engine.swap_in(["s"])
+    while len(outs) < 20:
+        outs += engine.decode()
+    engine.release(["s"])
+    assert [(o.token_id, o.logprob) for o in outs] == want

@@ -235,6 +235,8 @@ def test_recorded_metric_calls_replay_as_the_same_exposition() -> None:
         metrics.on_step("decode", 3, 0.1, 0.01)
         metrics.set_load(3, 3, 8)
         metrics.set_priorities({-1: 2}, {0: 3})
+        metrics.on_preempted(1)
+        metrics.set_preempted_kv_bytes(2048)
     replay(replayed, recorder.take())
     assert recorder.take() == []
 
@@ -244,6 +246,7 @@ def test_recorded_metric_calls_replay_as_the_same_exposition() -> None:
 
     assert textgen_series(replayed) == textgen_series(direct)
     assert "textgen_inter_token_latency_seconds_count 1.0" in textgen_series(direct)
+    assert "textgen_preemptions_total 1.0" in textgen_series(direct)
 
 
 def test_an_engine_process_that_will_not_stop_is_killed(

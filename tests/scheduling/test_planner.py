@@ -72,10 +72,16 @@ def queued(
 
 
 def decoding(
-    rid: str, length: int, max_new: int = 30, produced: int = 1, adapter: str = ""
+    rid: str,
+    length: int,
+    max_new: int = 30,
+    produced: int = 1,
+    arrival: float = 0.0,
+    priority: int = 0,
+    adapter: str = "",
 ) -> RequestTracker:
     """A running request past its prefill, with `produced` tokens (its context: length + produced)."""
-    tracker = queued(rid, length, max_new, adapter=adapter)
+    tracker = queued(rid, length, max_new, arrival=arrival, priority=priority, adapter=adapter)
     tracker.admit(0.0)
     letter = tokenizer().encode("a").ids[0]
     for _ in range(produced):
@@ -161,6 +167,99 @@ def test_a_priority_head_that_does_not_fit_the_kv_budget_blocks_lower_ones() -> 
     assert got.kind is StepKind.DECODE and got.admitted == ()
     got = plan(View(), (), [small, urgent], max_batch_tokens=100, scheduling_policy="priority")
     assert ids(got.group) == ["urgent"]
+
+
+def preempted(rid: str, arrival: float, priority: int, length: int = 4) -> RequestTracker:
+    """A request swapped out after a token, back in the queue."""
+    tracker = decoding(rid, length, arrival=arrival, priority=priority)
+    tracker.preempt()
+    return tracker
+
+
+def full_rows() -> list[RequestTracker]:
+    """Two busy rows: the lowest-ranked is "late" (priority 5, the later of two), then "early", then "mid"."""
+    return [
+        decoding("early", 4, arrival=0.0, priority=5),
+        decoding("mid", 4, arrival=1.0, priority=1),
+        decoding("late", 4, arrival=2.0, priority=5),
+    ]
+
+
+def test_a_more_urgent_request_preempts_the_lowest_ranked_running_one() -> None:
+    urgent = queued("urgent", 4, arrival=3.0, priority=0)
+    got = plan(View(), full_rows(), [urgent], max_batch_size=3, scheduling_policy="priority")
+    assert ids(got.preempted) == ["late"]  # of the two at priority 5, the later arrival
+    assert got.kind is StepKind.PREFILL and ids(got.admitted) == ["urgent"]
+    two = [urgent, queued("urgent2", 4, arrival=4.0, priority=2)]
+    got = plan(View(), full_rows(), two, max_batch_size=3, scheduling_policy="priority")
+    assert ids(got.preempted) == ["late", "early"] and ids(got.admitted) == ["urgent", "urgent2"]
+
+
+def test_a_waiting_request_preempts_only_those_it_strictly_outranks() -> None:
+    # Priority 1 outranks the two at 5 but not "mid": one victim per waiting request that outranks one.
+    waiting = [queued("a", 4, arrival=3.0, priority=1), queued("b", 4, arrival=4.0, priority=5)]
+    got = plan(View(), full_rows(), waiting, max_batch_size=3, scheduling_policy="priority")
+    assert ids(got.preempted) == ["late"] and ids(got.admitted) == ["a"]
+
+
+def test_equal_priorities_and_the_fcfs_policy_never_preempt() -> None:
+    rows = [decoding("r1", 4, priority=3), decoding("r2", 4, arrival=1.0, priority=3)]
+    equal = plan(
+        View(),
+        rows,
+        [queued("q", 4, arrival=2.0, priority=3)],
+        max_batch_size=2,
+        scheduling_policy="priority",
+    )
+    assert equal.kind is StepKind.DECODE and equal.preempted == () and equal.admitted == ()
+    fcfs = plan(View(), rows, [queued("q", 4, arrival=2.0, priority=-9)], max_batch_size=2)
+    assert fcfs.kind is StepKind.DECODE and fcfs.preempted == () and fcfs.admitted == ()
+
+
+def test_no_preemption_while_a_row_is_free_or_right_after_a_prefill() -> None:
+    urgent = queued("urgent", 4, arrival=3.0, priority=0)
+    free = plan(View(), full_rows(), [urgent], max_batch_size=4, scheduling_policy="priority")
+    assert free.preempted == () and ids(free.admitted) == ["urgent"]
+    after = plan(
+        View(), full_rows(), [urgent], StepKind.PREFILL, max_batch_size=3, scheduling_policy="priority"
+    )
+    assert after.kind is StepKind.DECODE and after.preempted == ()
+
+
+def test_no_preemption_while_a_group_prefills_beside_the_decode_steps() -> None:
+    # Its rows are the ones after the running ones, where a resumed request would go.
+    rows = full_rows()
+    urgent = queued("urgent", 4, arrival=3.0, priority=0)
+    view = View(background_ids=["late"])
+    got = plan(view, rows, [urgent], max_batch_size=3, scheduling_policy="priority")
+    assert got.kind is StepKind.DECODE and got.preempted == () and ids(got.decoded) == ["early", "mid"]
+
+
+def test_no_preemption_for_a_request_the_kv_budget_would_not_take_anyway() -> None:
+    rows = [decoding("r1", 4, max_new=10, priority=5), decoding("r2", 4, max_new=10, priority=5)]  # 14 each
+    big = queued("big", 40, max_new=20, arrival=3.0, priority=0)  # 2 rows x 60 > 100
+    got = plan(View(), rows, [big], max_batch_size=2, max_batch_tokens=100, scheduling_policy="priority")
+    assert got.kind is StepKind.DECODE and got.preempted == ()
+
+
+def test_a_preempted_request_resumes_before_younger_equals_and_decodes_at_once() -> None:
+    back = preempted("back", arrival=0.0, priority=1)
+    young = queued("young", 4, arrival=5.0, priority=1)
+    running = [decoding("r", 4, priority=0)]
+    got = plan(View(), running, [young, back], max_batch_size=2, scheduling_policy="priority")
+    assert got.kind is StepKind.DECODE and ids(got.resumed) == ["back"] and got.admitted == ()
+    assert ids(got.decoded) == ["r", "back"] and got.decode_sizes == StepShape(2, 2 * 5, 5 + 5)
+    # Ranked below a waiting request, it waits for it.
+    urgent = queued("urgent", 4, arrival=6.0, priority=0)
+    got = plan(View(), running, [back, urgent], max_batch_size=2, scheduling_policy="priority")
+    assert ids(got.admitted) == ["urgent"] and got.resumed == ()
+
+
+def test_a_preempted_request_outranking_a_running_one_takes_its_row_back() -> None:
+    back = preempted("back", arrival=0.0, priority=0)
+    running = [decoding("low", 4, arrival=1.0, priority=4)]
+    got = plan(View(), running, [back], max_batch_size=1, scheduling_policy="priority")
+    assert ids(got.preempted) == ["low"] and ids(got.resumed) == ["back"] and ids(got.decoded) == ["back"]
 
 
 def test_padding_ratio_bounds_the_group() -> None:

@@ -25,6 +25,7 @@ from serve.engine.engine import Engine
 from serve.engine.types import Constraint, NewSequence, TokenOut
 
 LETTERS = string.ascii_lowercase[:12]
+SWAPPED_BYTES_PER_TOKEN = 64  # what a preempted sequence's fake host copy counts per token of its context
 
 
 def letter_tokenizer() -> Tokenizer:
@@ -60,6 +61,7 @@ class FakeEngine:
         self._staged: tuple[NewSequence, int, int] | None = None  # (sequence, chunk, prompt tokens done)
         self._background: list[NewSequence] = []  # begun, not ended
         self._released: set[str] = set()  # of them, released meanwhile
+        self._swapped: set[str] = set()  # preempted: their context kept, no row
         self.background_steps = 0  # decode steps a background prefill takes (0: done at once)
         self._background_left = 0
         # A prefix cache in bookkeeping only: tokens are a function of the context, wherever its KV came from.
@@ -168,13 +170,35 @@ class FakeEngine:
                 self._released.add(seq_id)
             if self._staged is not None and self._staged[0].seq_id == seq_id:
                 self._staged = None
-            if seq_id in self._context:
+            if seq_id in self._swapped:
+                self._swapped.discard(seq_id)
+                del self._context[seq_id], self._generated[seq_id]
+            elif seq_id in self._context:
                 if self._kept is not None:
                     self._kept.append(self._context[seq_id][:-1])  # the last token never ran
                 row = self._ids.index(seq_id)
                 self._ids[row] = self._ids[-1]
                 self._ids.pop()
                 del self._context[seq_id], self._generated[seq_id]
+
+    def swap_out(self, seq_ids: Iterable[str]) -> None:
+        if self._staged is not None or self._background:
+            raise RuntimeError("a chunked or background prefill is in progress")
+        for seq_id in seq_ids:
+            row = self._ids.index(seq_id)
+            self._ids[row] = self._ids[-1]
+            self._ids.pop()
+            self._swapped.add(seq_id)  # its context and count stay: its tokens go on from them
+
+    def swap_in(self, seq_ids: Sequence[str]) -> None:
+        if not self._swapped.issuperset(seq_ids) or len(self._ids) + len(seq_ids) > self.max_batch_size:
+            raise ValueError(f"cannot resume {list(seq_ids)}")
+        self._swapped.difference_update(seq_ids)
+        self._ids.extend(seq_ids)
+
+    @property
+    def swapped_bytes(self) -> int:
+        return sum(SWAPPED_BYTES_PER_TOKEN * len(self._context[seq_id]) for seq_id in self._swapped)
 
     def expected(self, prompt: Sequence[int], n: int) -> list[int]:
         """The tokens a sequence gets alone (EOS included, as the engine emits them)."""
@@ -301,6 +325,22 @@ class Instrumented:
 
     def release(self, seq_ids: Iterable[str]) -> None:
         self.inner.release(seq_ids)
+
+    def swap_out(self, seq_ids: Iterable[str]) -> None:
+        seq_ids = list(seq_ids)
+        self.calls.append(("swap_out", seq_ids))
+        if "swap_out" in self.fail_next:
+            self.fail_next.discard("swap_out")
+            raise RuntimeError("injected swap_out failure")
+        self.inner.swap_out(seq_ids)
+
+    def swap_in(self, seq_ids: Sequence[str]) -> None:
+        self.calls.append(("swap_in", list(seq_ids)))
+        self.inner.swap_in(seq_ids)
+
+    @property
+    def swapped_bytes(self) -> int:
+        return self.inner.swapped_bytes
 
     def _leave(self, outs: list[TokenOut]) -> list[TokenOut]:
         self.shapes.append(self.inner.kv_shape())
