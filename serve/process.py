@@ -114,3 +114,18 @@ def freeze_startup_objects() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def resident_memory(pid: int | str = "self") -> tuple[int, int]:
+    """A process's resident memory now and at its peak (VmRSS, VmHWM), in bytes; (0, 0) where /proc cannot
+    tell (not Linux, or the process is gone)."""
+    values = {}
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            for line in status:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    values[key] = int(rest.split()[0]) * 1024  # kB
+    except (OSError, ValueError):
+        return 0, 0
+    return values.get("VmRSS", 0), values.get("VmHWM", 0)

@@ -140,6 +140,8 @@ class TextgenServer:
         if isinstance(model.scheduler, ProcessScheduler):
             assert model.scheduler.exited is not None
             model.scheduler.exited.add_done_callback(self._engine_exited)
+            if model.scheduler.pid is not None:
+                self.metrics.watch_process("engine", model.scheduler.pid)
         self.state.loaded(model)
         self._publish_model_info(model)
         if self._freeze_heap:

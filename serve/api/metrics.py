@@ -57,6 +57,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from serve.process import resident_memory
 from serve.scheduling.engine_protocol import PRIORITY_LABEL_BOUND, PriorityCounts
 
 FINISH_REASONS = ("length", "eos", "stop", "context")
@@ -330,6 +331,21 @@ class Metrics:
 
     def _define_gauges(self) -> None:
         reg = self.registry
+        self.resident_memory = Gauge(
+            "textgen_process_resident_memory_bytes",
+            "Resident memory of each of the server's processes (VmRSS): the server, and the engine when it "
+            "runs in a process of its own.",
+            ["process"],
+            registry=reg,
+        )
+        self.peak_resident_memory = Gauge(
+            "textgen_process_peak_resident_memory_bytes",
+            "The most resident memory each process has held since it started (VmHWM): start-up included, "
+            "what a pod's memory limit must cover.",
+            ["process"],
+            registry=reg,
+        )
+        self.watch_process("server", "self")
         self.running = Gauge("textgen_requests_running", "Requests in the running batch.", registry=reg)
         self.waiting = Gauge(
             WAITING,
@@ -481,6 +497,11 @@ class Metrics:
 
     def set_ready(self, ready: bool) -> None:
         self.ready.set(1 if ready else 0)
+
+    def watch_process(self, name: str, pid: int | str) -> None:
+        """Report process `pid`'s resident memory under `process=name`, read from /proc at each scrape."""
+        self.resident_memory.labels(process=name).set_function(lambda: resident_memory(pid)[0])
+        self.peak_resident_memory.labels(process=name).set_function(lambda: resident_memory(pid)[1])
 
     def set_model_info(self, model: str, dtype: str, quantization: str, provider: str) -> None:
         self.model_info.info(

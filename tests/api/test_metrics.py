@@ -5,12 +5,16 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 from metric_refs import promtool_input
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from running_server import RunningServer, loopback_settings
+from server_tools import LoopThread
 
 from serve.api.metrics import (
     GATEWAY_ALIASES,
@@ -22,6 +26,8 @@ from serve.api.metrics import (
 
 # The families issue 7 asks for (the parser names counters without `_total` and info metrics with `_info`).
 EXPECTED_FAMILIES = {
+    "textgen_process_resident_memory_bytes",
+    "textgen_process_peak_resident_memory_bytes",
     "textgen_request_duration_seconds",
     "textgen_request_queue_seconds",
     "textgen_time_to_first_token_seconds",
@@ -318,3 +324,28 @@ def test_http_endpoint_serves_the_registry(metrics: Metrics) -> None:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+def test_each_process_reports_its_resident_memory_and_its_peak(metrics: Metrics) -> None:
+    rss = value(metrics, "textgen_process_resident_memory_bytes", process="server")
+    peak = value(metrics, "textgen_process_peak_resident_memory_bytes", process="server")
+    assert (
+        rss is not None and peak is not None and 10 * 2**20 < rss <= peak
+    )  # a Python process with prometheus-client loaded holds more than 10 MiB
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    metrics.watch_process("engine", gone.pid)  # a process no longer there reads 0, not an error
+    assert value(metrics, "textgen_process_resident_memory_bytes", process="engine") == 0
+
+
+def test_a_server_reports_its_engine_process_memory(loop: LoopThread, tiny_bundle: Path) -> None:
+    server = RunningServer(loop, loopback_settings(tiny_bundle))
+    try:
+        pid = server.model.scheduler.pid  # type: ignore[attr-defined]
+        engine = server.metric("textgen_process_resident_memory_bytes", process="engine")
+        status = Path(f"/proc/{pid}/status").read_text()
+        rss = int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) * 1024
+        assert engine == pytest.approx(rss, rel=0.2)
+        assert server.metric("textgen_process_peak_resident_memory_bytes", process="engine") >= engine
+    finally:
+        loop.run(server.server.stop())
