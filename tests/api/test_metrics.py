@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import time
 import urllib.request
 
 import pytest
@@ -57,6 +58,10 @@ EXPECTED_FAMILIES = {
     "textgen_spec_decode_accepted_tokens",
     "textgen_spec_decode_emitted_tokens",
     "textgen_spec_decode_acceptance_rate",
+    # LoRA adapters
+    "textgen_lora_requests",
+    "textgen_lora_slot_loads",
+    "textgen_lora_slot_evictions",
 }
 
 
@@ -88,6 +93,9 @@ def exercise(m: Metrics) -> None:
     m.on_constraint_compiled(0.002)
     m.on_speculated(5, 3)
     m.on_speculation_done(0.6)
+    m.on_adapter_request("sql")
+    m.on_adapter_slots(2, 1)
+    m.set_lora_requests(2, "sql", "poet")
 
 
 def test_latency_histograms_count_and_sum(metrics: Metrics) -> None:
@@ -313,3 +321,24 @@ def test_http_endpoint_serves_the_registry(metrics: Metrics) -> None:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+def test_adapters_are_counted_and_the_gateway_reads_them_as_from_vllm(metrics: Metrics) -> None:
+    """textgen's per-adapter and slot counters, and vLLM's lora_requests_info: its labels the adapters of
+    running and waiting requests, its value the time they changed, one series at a time."""
+    for adapter in ("sql", "sql", "poet"):
+        metrics.on_adapter_request(adapter)
+    metrics.on_adapter_slots(3, 0)
+    metrics.on_adapter_slots(1, 1)
+    assert value(metrics, "textgen_lora_requests_total", adapter="sql") == 2
+    assert value(metrics, "textgen_lora_requests_total", adapter="poet") == 1
+    assert value(metrics, "textgen_lora_slot_loads_total") == 4
+    assert value(metrics, "textgen_lora_slot_evictions_total") == 1
+    before = time.time()
+    metrics.set_lora_requests(2, "sql,poet", "chef")
+    first = {"max_lora": "2", "running_lora_adapters": "sql,poet", "waiting_lora_adapters": "chef"}
+    assert before <= (value(metrics, "vllm:lora_requests_info", **first) or 0) <= time.time()
+    metrics.set_lora_requests(2, "", "")
+    idle = {"max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert value(metrics, "vllm:lora_requests_info", **first) is None
+    assert (value(metrics, "vllm:lora_requests_info", **idle) or 0) >= before
