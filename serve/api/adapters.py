@@ -12,9 +12,8 @@ from __future__ import annotations
 import asyncio
 
 from serve.api.common import LoadedModel
-from serve.engine.lora import AdapterError, read_adapter
 from serve.errors import InvalidRequest
-from serve.scheduling.adapters import LoadAdapter, UnloadAdapter, name_taken
+from serve.scheduling.adapters import UnloadAdapter, name_taken, read_load
 
 
 async def load_adapter(model: LoadedModel, name: str, folder: str) -> None:
@@ -26,11 +25,8 @@ async def load_adapter(model: LoadedModel, name: str, folder: str) -> None:
             f"model {model.name} has no LoRA slots: export its bundle with --lora-slots N --max-lora-rank R"
         )
     _check_name(model, name)
-    try:
-        adapter = await asyncio.to_thread(read_adapter, folder, layout)
-    except AdapterError as exc:
-        raise InvalidRequest(f"adapter {name!r}: {exc}") from None
-    await model.scheduler.update_adapters(LoadAdapter(name, adapter))
+    load = await asyncio.to_thread(read_load, name, folder, layout)
+    await model.scheduler.update_adapters(load)
 
 
 async def unload_adapter(model: LoadedModel, name: str) -> None:

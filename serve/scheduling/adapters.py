@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from serve.engine.lora import Adapter
+from serve.bundle import LoraLayout
+from serve.engine.lora import Adapter, AdapterError, read_adapter
 from serve.errors import InvalidRequest, NotFound, TextgenError
 
 
@@ -32,6 +33,16 @@ class UnloadAdapter:
 
 
 AdapterUpdate = LoadAdapter | UnloadAdapter
+
+
+def read_load(name: str, folder: str, layout: LoraLayout) -> LoadAdapter:
+    """The load of the peft adapter in `folder` as `name`, read and laid out for `layout`'s slots (seconds
+    for a large one: call it off the event loop and the engine thread). InvalidRequest names what does not
+    fit."""
+    try:
+        return LoadAdapter(name, read_adapter(folder, layout))
+    except AdapterError as exc:
+        raise InvalidRequest(f"adapter {name!r}: {exc}") from None
 
 
 @runtime_checkable

@@ -10,11 +10,10 @@ import pytest
 
 from serve.bundle import Bundle, load_bundle
 from serve.engine.engine import Engine
-from serve.engine.lora import read_adapter
 from serve.engine.sampling import SamplingParams
 from serve.engine.types import EngineSettings
 from serve.errors import InvalidRequest, NotFound
-from serve.scheduling.adapters import LoadAdapter, UnloadAdapter
+from serve.scheduling.adapters import LoadAdapter, UnloadAdapter, read_load
 from serve.scheduling.engine_core import MetricRecorder
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.request import GenerationRequest
@@ -32,7 +31,7 @@ def request(rid: str, adapter: str) -> GenerationRequest:
 
 def load(bundle: Bundle, folder: Path, name: str) -> LoadAdapter:
     assert bundle.manifest.lora is not None
-    return LoadAdapter(name, read_adapter(folder, bundle.manifest.lora))
+    return read_load(name, str(folder), bundle.manifest.lora)
 
 
 def test_updates_wait_for_a_step_and_an_unload_spares_queued_requests(
