@@ -287,7 +287,7 @@ class BatchRunner:
     def _apply_updates(self) -> None:
         """Make the queued adapter updates; not while a group prefills beside the decode steps, whose run
         reads the slots on a thread of its own (they wait for the step that joins it)."""
-        if self.engine.background_ids:
+        if not self._updates or self.engine.background_ids:  # unlocked: most steps have none to make
             return
         with self._cv:  # held: enqueue's adapter check sees the adapters before or after, never between
             updates, self._updates = self._updates, []
