@@ -152,6 +152,7 @@ class _EngineLoop:
         self._updates: list[tuple[int, Future[tuple[str, ...]]]] = []  # made at the next step
 
     def run(self) -> None:
+        self._send_now([])  # what the metrics were told while the runner was built (the LoRA slots)
         while True:
             if self._runner.idle:
                 self._conn.poll(None)  # nothing to step: sleep until the server sends something

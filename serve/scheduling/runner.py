@@ -126,6 +126,8 @@ class BatchRunner:
         self._updates: list[tuple[AdapterUpdate, Future[tuple[str, ...]]]] = []  # made at the next step
         self._slot_counts = (0, 0)  # the engine's adapter loads and evictions the metrics were told of
         self._lora_requests: tuple[str, str] | None = None  # running and waiting adapters, as last told
+        if metrics is not None:  # the gateway sees the slots, and the adapters loaded at start, at once
+            self._publish_adapters(metrics)
 
     @property
     def max_total_tokens(self) -> int:
@@ -301,6 +303,13 @@ class BatchRunner:
                     log.exception("adapter update %r failed", update.name)
                     reason = f"adapter {update.name!r}: the update failed: {type(exc).__name__}: {exc}"
                     future.set_exception(EngineFailure(reason))
+
+    def drop_updates(self, error: TextgenError) -> None:
+        """Refuse the updates not made yet (the engine thread stops): their callers must not wait forever."""
+        with self._cv:
+            updates, self._updates = self._updates, []
+        for _, future in updates:
+            future.set_exception(error)
 
     def safe_step(self) -> list[Delivery]:
         """`step`; a scheduler bug fails every request in flight instead of leaving its callers waiting."""

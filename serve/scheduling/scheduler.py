@@ -152,6 +152,7 @@ class Scheduler:
             if not self._post(self._runner.safe_step()):
                 return
         self._post(self._runner.abort(draining_error))
+        self._runner.drop_updates(draining("adapter update"))
 
     def _post(self, deliveries: list[Delivery]) -> bool:
         """Hand deliveries to the event loop; False once the loop is closed (nobody is left to tell)."""

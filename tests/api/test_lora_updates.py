@@ -60,6 +60,12 @@ def served(running: RunningServer) -> set[str]:
     return {m.id for m in client(running).models.list().data} - {running.model.name}
 
 
+def test_the_gateway_sees_the_slots_and_the_start_loads_before_any_request(running: RunningServer) -> None:
+    idle = {"max_lora": str(SLOTS), "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert wait_for_metric(running, INFO, **idle) <= time.time()
+    assert wait_for_metric(running, "textgen_lora_slot_loads_total") == 1  # "sql", into a free slot
+
+
 def test_a_loaded_adapter_is_served_as_one_given_at_start_until_unloaded(
     running: RunningServer, lora_bundle: tuple[Path, dict[str, Path]]
 ) -> None:

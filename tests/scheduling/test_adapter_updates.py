@@ -12,7 +12,7 @@ from serve.bundle import Bundle, load_bundle
 from serve.engine.engine import Engine
 from serve.engine.sampling import SamplingParams
 from serve.engine.types import EngineSettings
-from serve.errors import InvalidRequest, NotFound
+from serve.errors import Draining, InvalidRequest, NotFound
 from serve.scheduling.adapters import LoadAdapter, UnloadAdapter, read_load
 from serve.scheduling.engine_core import MetricRecorder
 from serve.scheduling.limits import SchedulerLimits
@@ -74,3 +74,12 @@ def test_a_bundle_without_slots_takes_no_update(
     runner.step()
     with pytest.raises(InvalidRequest, match="has no LoRA slots"):
         update.result()
+
+
+def test_updates_not_made_when_the_engine_thread_stops_are_refused(tiny_bundle: Path) -> None:
+    runner = runner_of(load_bundle(tiny_bundle))
+    update = runner.request_update(UnloadAdapter("sql"))
+    runner.drop_updates(Draining("the server is shutting down"))
+    with pytest.raises(Draining):
+        update.result(timeout=0)
+    assert runner.idle
