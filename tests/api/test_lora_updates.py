@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -17,6 +18,9 @@ from engine_faults import InjectedFaults
 from lora_adapters import MAX_RANK, SLOTS, completion, expected, save_adapter
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, free_port
+
+from serve._proto.textgen.v1 import textgen_pb2 as pb
+from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 
 TOKEN = "adapters-secret"
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
@@ -57,7 +61,14 @@ def refused(answer: httpx.Response, status: int, message: str) -> None:
 
 
 def served(running: RunningServer) -> set[str]:
-    return {m.id for m in client(running).models.list().data} - {running.model.name}
+    """The adapters /v1/models lists, once GetModelInfo lists the same."""
+    listed = {m.id for m in client(running).models.list().data} - {running.model.name}
+    with grpc.insecure_channel(running.target) as channel:
+        info = pb_grpc.TextGenerationStub(channel).GetModelInfo(
+            pb.GetModelInfoRequest(), metadata=[("authorization", f"Bearer {TOKEN}")]
+        )
+    assert set(info.adapters) == listed
+    return listed
 
 
 def test_the_gateway_sees_the_slots_and_the_start_loads_before_any_request(running: RunningServer) -> None:
