@@ -52,6 +52,14 @@ def demo_bundle(demo_checkpoint: Path) -> Path:
     return ensure_demo_bundle(progress=False)[0].root
 
 
+@pytest.fixture(scope="session")
+def lora_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    """The tiny preset with 2 LoRA slots and three peft adapters of its model (support/lora_adapters.py)."""
+    from lora_adapters import lora_bundle
+
+    return lora_bundle(tmp_path_factory.mktemp("lora-serving"))
+
+
 @pytest.fixture(scope="module")
 def loop() -> Iterator[LoopThread]:
     """An asyncio event loop on its own thread, for the real servers the tests start (one per module)."""

@@ -39,7 +39,6 @@ def chat_template(bundle: Bundle) -> ChatTemplate | None:
 @dataclass
 class LoadedModel:
     bundle: Bundle
-    info: EngineInfo
     scheduler: RequestScheduler
     limits: RequestLimits
     chat: ChatTemplate | None = None  # the bundle's chat template (made from it when not given)
@@ -47,6 +46,12 @@ class LoadedModel:
     def __post_init__(self) -> None:
         if self.chat is None:
             self.chat = chat_template(self.bundle)
+
+    @property
+    def info(self) -> EngineInfo:
+        """The engine's description, from the scheduler: its adapters change as they are loaded and
+        unloaded while the server runs, and every reader sees the same ones."""
+        return self.scheduler.info
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -154,6 +154,11 @@ class ServerSettings(BaseSettings, BatchingKnobs):
         description="LoRA adapters to serve, comma-separated NAME=DIR (peft folders) into the bundle's LoRA "
         "slots (textgen-export --lora-slots); a request picks one by naming it as its model",
     )
+    lora_runtime_updates: bool = Field(
+        False,
+        description="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), which load and "
+        "unload LoRA adapters while the server runs; off: those routes are 404",
+    )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="longest prompt in tokens; default and upper bound: the context length - 1"
     )

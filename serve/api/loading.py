@@ -168,13 +168,12 @@ async def load_model(
     limits = scheduler_limits(settings, sizing)
     spec = EngineSpec(bundle, engine_settings(settings, sizing), limits, settings.log_level, wrap, cpus)
     if not settings.engine_process:
-        scheduler, info = await open_in_thread(spec, metrics)
-        return LoadedModel(
-            bundle, info, scheduler, request_limits(settings, info, scheduler.max_total_tokens)
-        )
+        scheduler = await open_in_thread(spec, metrics)
+        checks = request_limits(settings, scheduler.info, scheduler.max_total_tokens)
+        return LoadedModel(bundle, scheduler, checks)
     process = ProcessScheduler(spec, metrics)
     await process.start()
     if cpus is not None:
         place_server(cpus)
     checks = request_limits(settings, process.info, process.max_total_tokens)
-    return LoadedModel(bundle, process.info, process, checks)
+    return LoadedModel(bundle, process, checks)

@@ -5,7 +5,8 @@ instances and the server exposes exactly one registry on its own HTTP port (`sta
 
 The hooks are called from two places: the scheduler's engine thread (`on_admitted`, `on_first_token`,
 `on_token`, `on_finished`, `on_step`, `on_masks`, `on_constraint_compiled`, `on_speculated`,
-`on_speculation_done`, `set_load`, `set_priorities`, `on_preempted`, `set_preempted_kv_bytes`) and the front
+`on_speculation_done`, `set_load`, `set_priorities`, `on_preempted`, `set_preempted_kv_bytes`,
+`on_adapter_request`, `on_adapter_slots`, `set_lora_requests`) and the front
 ends (`on_request_done`, `on_constrained`, `set_ready`, `set_model_info`). prometheus_client's metrics are
 thread-safe, so no locking is needed here. The queue's length is not a hook: the scheduler hands a function
 (`watch_waiting`) that every scrape calls, so the gauge counts the requests that arrived during a long engine
@@ -161,6 +162,11 @@ GATEWAY_ALIASES = {
     "vllm:kv_cache_usage_perc": "textgen_kv_cache_usage_ratio",
     "vllm:gpu_cache_usage_perc": "textgen_kv_cache_usage_ratio",
 }
+# The picker routes a request for a LoRA adapter by this gauge, as vLLM exposes it: labels max_lora (the
+# slots), running_lora_adapters and waiting_lora_adapters (comma-separated names); its value is the time the
+# labels were set, and the picker reads the series with the latest value. textgen keeps that series alone
+# (vLLM leaves the older ones behind), so the gauge does not grow a series per mix of adapters.
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 
 
 class Metrics:
@@ -321,6 +327,22 @@ class Metrics:
             "Running requests preempted for a more urgent one (priority policy): swapped out, resumed later.",
             registry=reg,
         )
+        self.lora_requests = Counter(
+            "textgen_lora_requests",
+            "Requests admitted to a batch with a LoRA adapter, by the adapter's name.",
+            ["adapter"],
+            registry=reg,
+        )
+        self.lora_slot_loads = Counter(
+            "textgen_lora_slot_loads",
+            "LoRA adapters written into a slot (at start, when loaded, when a request needs one).",
+            registry=reg,
+        )
+        self.lora_slot_evictions = Counter(
+            "textgen_lora_slot_evictions",
+            "Slot loads that evicted the least recently used adapter no running request held.",
+            registry=reg,
+        )
         # Known label values exist from the start, so rate() sees their first increment.
         for kind in CONSTRAINT_KINDS:
             self.constrained.labels(kind=kind)
@@ -387,6 +409,13 @@ class Metrics:
             "Host memory holding the keys and values of preempted requests until they resume.",
             registry=reg,
         )
+        self.lora_requests_info = Gauge(
+            LORA_REQUESTS_INFO,
+            "Running stats on lora requests.",  # vLLM's help text
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=reg,
+        )
+        self._lora_labels: tuple[str, str, str] | None = None  # the gauge's one series
         self.ready = Gauge("textgen_ready", "1 when the server accepts requests, else 0.", registry=reg)
         self.model_info = Info("textgen_model", "The model being served.", registry=reg)
 
@@ -474,6 +503,25 @@ class Metrics:
     def set_preempted_kv_bytes(self, kv_bytes: int) -> None:
         """When the preempted requests' host memory changed."""
         self.preempted_kv_bytes.set(kv_bytes)
+
+    def on_adapter_request(self, adapter: str) -> None:
+        """Once per request with a LoRA adapter, when it joins a batch."""
+        self.lora_requests.labels(adapter=adapter).inc()
+
+    def on_adapter_slots(self, loads: int, evictions: int) -> None:
+        """After an engine step (or an adapter update) that wrote adapters into slots: how many, and how
+        many of them evicted another."""
+        self.lora_slot_loads.inc(loads)
+        self.lora_slot_evictions.inc(evictions)
+
+    def set_lora_requests(self, max_lora: int, running: str, waiting: str) -> None:
+        """When the adapters of running or waiting requests changed (comma-separated names): the gauge's
+        one series gets them as labels and the current time as its value, the series before it goes."""
+        labels = (str(max_lora), waiting, running)
+        if self._lora_labels is not None and self._lora_labels != labels:  # one thread calls it: no race
+            self.lora_requests_info.remove(*self._lora_labels)
+        self._lora_labels = labels
+        self.lora_requests_info.labels(*labels).set_to_current_time()
 
     def watch_waiting(self, waiting: Callable[[], int]) -> None:
         """The queue's length (and its gateway alias) from `waiting`, which every scrape calls on its own

@@ -339,7 +339,7 @@ class Engine:
             kv_bytes=self.kv_bytes,
             eos_token_ids=self.eos_token_ids,
             speculation=self.speculation,
-            adapters=tuple(self._adapters.registered),
+            adapters=self.adapter_names,
             lora_slots=self.lora_slots,
         )
 
@@ -935,6 +935,11 @@ class Engine:
     def lora_slots(self) -> int:
         """Adapters resident at once (0: the bundle serves none); the scheduler runs no more distinct ones."""
         return self._adapters.slots
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The LoRA adapters a request may name, in the order they were registered."""
+        return tuple(self._adapters.registered)
 
     @property
     def adapter_counts(self) -> tuple[int, int]:

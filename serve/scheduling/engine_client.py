@@ -8,6 +8,7 @@ tells the server, which stops: a half-working server would only hide it from its
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import queue
@@ -21,11 +22,13 @@ from typing import Any, NamedTuple
 
 from serve.engine.types import EngineInfo
 from serve.errors import EngineFailure
+from serve.scheduling.adapters import AdapterUpdate
 from serve.scheduling.engine_core import engine_main
 from serve.scheduling.engine_protocol import EngineMetrics, SchedulerMetrics
 from serve.scheduling.handles import HandleTable, RequestHandle
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.messages import (
+    AdaptersUpdated,
     Cancel,
     Command,
     EngineSpec,
@@ -36,6 +39,7 @@ from serve.scheduling.messages import (
     StepOutput,
     Stop,
     Submit,
+    UpdateAdapters,
 )
 from serve.scheduling.request import GenerationRequest, validate_request
 from serve.scheduling.runner import SchedulerSnapshot, StepRecord, draining, queue_full
@@ -90,6 +94,8 @@ class ProcessScheduler:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
         self._closed = asyncio.Event()
+        self._updates: dict[int, asyncio.Future[None]] = {}  # sent, not yet answered
+        self._update_ids = itertools.count()
         self.exited: asyncio.Future[str] | None = None
 
     # -- start -------------------------------------------------------------------------------------------
@@ -137,7 +143,21 @@ class ProcessScheduler:
 
     @property
     def info(self) -> EngineInfo:
+        """The engine's description; its adapters are those served now (`update_adapters` changes them)."""
         return self._ready.info
+
+    async def update_adapters(self, update: AdapterUpdate) -> None:
+        """Load or unload a LoRA adapter in the engine process, between two of its steps; raises the error
+        that left the adapters as they were (InvalidRequest, NotFound, EngineFailure). On the event loop."""
+        if self._loop is None:
+            raise RuntimeError("ProcessScheduler.start() was not awaited")
+        if self._draining or self._closed.is_set():
+            raise draining("adapter update")
+        update_id = next(self._update_ids)
+        reply: asyncio.Future[None] = self._loop.create_future()
+        self._updates[update_id] = reply
+        self._post(UpdateAdapters(update_id, update))
+        await reply
 
     @property
     def limits(self) -> SchedulerLimits:
@@ -247,15 +267,35 @@ class ProcessScheduler:
             return False
         return True
 
-    def _receive(self, output: StepOutput) -> None:
+    def _receive(self, output: StepOutput | AdaptersUpdated) -> None:
+        if isinstance(output, AdaptersUpdated):
+            self._updated(output)
+            return
         if self._metrics is not None:
             replay(self._metrics, output.metric_calls)
         self._steps.extend(output.steps)
         self._ready.latest = _Latest(output.snapshot, output.received)
         self._handles.deliver(output.outcomes)
 
+    def _updated(self, reply: AdaptersUpdated) -> None:
+        """An update made or refused: the front end's adapters follow the engine's (also when the caller
+        went away meanwhile: the update was made all the same)."""
+        future = self._updates.pop(reply.update_id)
+        if reply.error is None:
+            self._ready.info = replace(self._ready.info, adapters=reply.adapters)
+        if future.done():
+            return
+        if reply.error is not None:
+            future.set_exception(reply.error)
+        else:
+            future.set_result(None)
+
     def _on_closed(self) -> None:
         self._closed.set()
+        for future in self._updates.values():
+            if not future.done():
+                future.set_exception(EngineFailure("the engine process stopped before the adapter update"))
+        self._updates.clear()
         self._post(None)
         if self._stopping:
             return

@@ -16,6 +16,7 @@ import logging
 import pickle
 import signal
 import time
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
 from serve.engine.engine import open_engine
@@ -24,6 +25,7 @@ from serve.process import configure_logging, freeze_startup_objects, pin_process
 from serve.scheduling.engine_protocol import PriorityCounts
 from serve.scheduling.handles import Outcome
 from serve.scheduling.messages import (
+    AdaptersUpdated,
     Cancel,
     Command,
     EngineSpec,
@@ -34,6 +36,7 @@ from serve.scheduling.messages import (
     StepOutput,
     Stop,
     Submit,
+    UpdateAdapters,
 )
 from serve.scheduling.planner import StepKind
 from serve.scheduling.runner import BatchRunner, Delivery, StepRecord, draining_error, outcomes
@@ -98,6 +101,15 @@ class MetricRecorder:
     def set_preempted_kv_bytes(self, kv_bytes: int) -> None:
         self.calls.append(("set_preempted_kv_bytes", (kv_bytes,)))
 
+    def on_adapter_request(self, adapter: str) -> None:
+        self.calls.append(("on_adapter_request", (adapter,)))
+
+    def on_adapter_slots(self, loads: int, evictions: int) -> None:
+        self.calls.append(("on_adapter_slots", (loads, evictions)))
+
+    def set_lora_requests(self, max_lora: int, running: str, waiting: str) -> None:
+        self.calls.append(("set_lora_requests", (max_lora, running, waiting)))
+
     def take(self) -> list[MetricCall]:
         calls, self.calls = self.calls, []
         return calls
@@ -143,8 +155,10 @@ class _EngineLoop:
         self._last_step: StepRecord | None = None
         self._steps: list[StepRecord] = []  # run since the last output
         self._sent_at = 0.0
+        self._updates: list[tuple[int, Future[tuple[str, ...]]]] = []  # made at the next step
 
     def run(self) -> None:
+        self._send_now([])  # what the metrics were told while the runner was built (the LoRA slots)
         while True:
             if self._runner.idle:
                 self._conn.poll(None)  # nothing to step: sleep until the server sends something
@@ -160,6 +174,7 @@ class _EngineLoop:
             if self._runner.ready:
                 deliveries += self._runner.safe_step()
             self._send(deliveries)
+            self._reply_updates()
 
     def _command(self, command: Command) -> list[Delivery]:
         if isinstance(command, Submit):
@@ -171,11 +186,27 @@ class _EngineLoop:
                 self._send_now([Outcome(request.request_id, exc)])
         elif isinstance(command, Cancel):
             self._runner.request_cancel(command.request_id)
+        elif isinstance(command, UpdateAdapters):
+            self._updates.append((command.update_id, self._runner.request_update(command.update)))
         elif isinstance(command, RejectWaiting):
             return self._runner.reject_waiting(draining_error)
         else:
             raise ValueError(f"unknown engine process command {command!r}")
         return []
+
+    def _reply_updates(self) -> None:
+        """Tell the server of each adapter update the step made (or refused); after the step's outcomes,
+        so a request it ended is not seen running by the server when it hears of the update."""
+        pending = []
+        for update_id, future in self._updates:
+            if not future.done():  # deferred: a group prefills beside the decode steps
+                pending.append((update_id, future))
+            elif (error := future.exception()) is not None:
+                assert isinstance(error, TextgenError), error
+                self._conn.send(AdaptersUpdated(update_id, (), error))
+            else:
+                self._conn.send(AdaptersUpdated(update_id, future.result()))
+        self._updates = pending
 
     def _send(self, deliveries: list[Delivery]) -> None:
         step = self._runner.last_step

@@ -1,9 +1,10 @@
 """The messages between the server's process and its engine process, pickled over one `multiprocessing` pipe.
 
-server -> engine: `Submit`, `Cancel`, `RejectWaiting` (the start of a drain: fail the queue), `Stop` (fail
-what still runs, send it, exit). engine -> server: once `Ready` or `Failed`, then a `StepOutput` after every
-pass of the engine loop that has outcomes to deliver (step records and metric calls alone wait up to
-`engine_core.FLUSH_SECONDS` for company).
+server -> engine: `Submit`, `Cancel`, `UpdateAdapters` (load or unload a LoRA adapter between two steps),
+`RejectWaiting` (the start of a drain: fail the queue), `Stop` (fail what still runs, send it, exit).
+engine -> server: once `Ready` or `Failed`, then a `StepOutput` after every pass of the engine loop that has
+outcomes to deliver (step records and metric calls alone wait up to `engine_core.FLUSH_SECONDS` for
+company), and an `AdaptersUpdated` for each `UpdateAdapters` once it is made or refused.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from serve.bundle import Bundle
 from serve.engine.types import EngineInfo, EngineSettings
+from serve.errors import TextgenError
+from serve.scheduling.adapters import AdapterUpdate
 from serve.scheduling.engine_protocol import BatchEngine
 from serve.scheduling.handles import Outcome
 from serve.scheduling.limits import SchedulerLimits
@@ -53,6 +56,12 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class UpdateAdapters:
+    update_id: int  # the server's, to match the reply
+    update: AdapterUpdate
+
+
+@dataclass(frozen=True)
 class RejectWaiting:
     pass
 
@@ -62,7 +71,7 @@ class Stop:
     pass
 
 
-Command = Submit | Cancel | RejectWaiting | Stop
+Command = Submit | Cancel | UpdateAdapters | RejectWaiting | Stop
 
 
 @dataclass(frozen=True)
@@ -91,3 +100,12 @@ class StepOutput:
     snapshot: SchedulerSnapshot
     steps: tuple[StepRecord, ...]  # the engine steps run since the previous output
     received: int  # submit commands the engine process has read so far
+
+
+@dataclass(frozen=True)
+class AdaptersUpdated:
+    """The reply to `UpdateAdapters`: the adapters served after it, or the error that left them unchanged."""
+
+    update_id: int
+    adapters: tuple[str, ...]
+    error: TextgenError | None = None

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -39,6 +39,7 @@ from serve.errors import (
     QueueFull,
     TextgenError,
 )
+from serve.scheduling.adapters import AdapterUpdate, apply_update, lora_engine, unknown_adapter
 from serve.scheduling.engine_protocol import BatchEngine, EngineMetrics, PriorityCounts, priority_counts
 from serve.scheduling.handles import Outcome
 from serve.scheduling.limits import SchedulerLimits
@@ -122,6 +123,12 @@ class BatchRunner:
         self._compiler: ConstraintCompiler | None = None  # the engine's, once a request has a constraint
         self._priorities: tuple[PriorityCounts, PriorityCounts] = ({}, {})  # as the metrics were last told
         self._swapped_bytes = 0  # the preempted requests' host memory, as the metrics were last told
+        self._lora = lora_engine(engine)  # None: the engine serves no adapters
+        self._updates: list[tuple[AdapterUpdate, Future[tuple[str, ...]]]] = []  # made at the next step
+        self._slot_counts = (0, 0)  # the engine's adapter loads and evictions the metrics were told of
+        self._lora_requests: tuple[str, str] | None = None  # running and waiting adapters, as last told
+        if metrics is not None:  # the gateway sees the slots, and the adapters loaded at start, at once
+            self._publish_adapters(metrics)
 
     @property
     def max_total_tokens(self) -> int:
@@ -144,7 +151,8 @@ class BatchRunner:
     # -- called from any thread -------------------------------------------------------------------------
     def enqueue(self, tracker: RequestTracker) -> None:
         """Queue a tracked request; one whose constraint still compiles joins the queue once it has."""
-        with self._cv:
+        with self._cv:  # an unload holds it too: a request never queues for an adapter being unloaded
+            self._check_adapter(tracker.request)
             if self.waiting >= self.limits.max_queue:
                 self.count("rejected")
                 raise queue_full(tracker.request_id, self.limits.max_queue)
@@ -155,6 +163,20 @@ class BatchRunner:
                 self._compiling.append(tracker)
                 compiled.add_done_callback(functools.partial(self._compiled, tracker))
             self._cv.notify()
+
+    def _check_adapter(self, request: GenerationRequest) -> None:
+        """NotFound for an adapter unloaded since the front end checked the request."""
+        if request.adapter and self._lora is not None and request.adapter not in self._lora.adapter_names:
+            raise unknown_adapter(request.request_id, request.adapter, self._lora.adapter_names)
+
+    def request_update(self, update: AdapterUpdate) -> Future[tuple[str, ...]]:
+        """Queue a change to the served adapters, made between two engine steps; the future gets the
+        adapters served after it, or the error that left them as they were."""
+        future: Future[tuple[str, ...]] = Future()
+        with self._cv:
+            self._updates.append((update, future))
+            self._cv.notify_all()
+        return future
 
     def _compiled(self, tracker: RequestTracker, _done: Future[CompiledConstraint]) -> None:
         """A constraint's compile ended (on the compiler's thread): its request joins the queue."""
@@ -205,12 +227,12 @@ class BatchRunner:
 
     @property
     def idle(self) -> bool:
-        return not (self._running or self._waiting or self._compiling or self._refused)
+        return not (self._running or self._waiting or self._compiling or self._refused or self._updates)
 
     @property
     def ready(self) -> bool:
-        """Whether a step has something to do: requests running, queued, or to refuse."""
-        return bool(self._running or self._waiting or self._refused)
+        """Whether a step has something to do: requests running, queued, or to refuse, or an update."""
+        return bool(self._running or self._waiting or self._refused or self._updates)
 
     @property
     def waiting(self) -> int:
@@ -247,6 +269,7 @@ class BatchRunner:
         step's plan: one prefill (admission) or one decode step."""
         deliveries: list[Delivery] = []
         self._partial = deliveries  # what `abort` still owes the callers should this step raise
+        self._apply_updates()
         now = time.monotonic()
         self._refuse(deliveries)
         self._leave(self._sweep(list(self._running.values()), now, deliveries))
@@ -268,6 +291,31 @@ class BatchRunner:
         self._publish_load()
         self._partial = []
         return deliveries
+
+    def _apply_updates(self) -> None:
+        """Make the queued adapter updates; not while a group prefills beside the decode steps, whose run
+        reads the slots on a thread of its own (they wait for the step that joins it)."""
+        if not self._updates or self.engine.background_ids:  # unlocked: most steps have none to make
+            return
+        with self._cv:  # held: enqueue's adapter check sees the adapters before or after, never between
+            updates, self._updates = self._updates, []
+            users = [t.request.adapter for t in (*self._running.values(), *self._waiting, *self._compiling)]
+            for update, future in updates:
+                try:
+                    future.set_result(apply_update(self._lora, update, users))
+                except TextgenError as exc:
+                    future.set_exception(exc)
+                except Exception as exc:  # a bug: the caller hears of it, the requests in flight go on
+                    log.exception("adapter update %r failed", update.name)
+                    reason = f"adapter {update.name!r}: the update failed: {type(exc).__name__}: {exc}"
+                    future.set_exception(EngineFailure(reason))
+
+    def drop_updates(self, error: TextgenError) -> None:
+        """Refuse the updates not made yet (the engine thread stops): their callers must not wait forever."""
+        with self._cv:
+            updates, self._updates = self._updates, []
+        for _, future in updates:
+            future.set_exception(error)
 
     def safe_step(self) -> list[Delivery]:
         """`step`; a scheduler bug fails every request in flight instead of leaving its callers waiting."""
@@ -404,6 +452,8 @@ class BatchRunner:
             self._running[tracker.request_id] = tracker
             if self._metrics is not None:
                 self._metrics.on_admitted(queued)
+                if tracker.request.adapter:
+                    self._metrics.on_adapter_request(tracker.request.adapter)
         return [t.new_sequence() for t in plan.group]
 
     def _prefill(self, plan: StepPlan, deliveries: list[Delivery]) -> None:
@@ -625,6 +675,7 @@ class BatchRunner:
             if swapped != self._swapped_bytes:  # told only when it changed, as the priorities are
                 self._swapped_bytes = swapped
                 self._metrics.set_preempted_kv_bytes(swapped)
+            self._publish_adapters(self._metrics)
 
     def _publish_priorities(self, metrics: EngineMetrics) -> None:
         """Waiting and running requests by priority, told only when they changed: most steps change neither,
@@ -635,6 +686,23 @@ class BatchRunner:
         if (waiting, running) != self._priorities:
             self._priorities = (waiting, running)
             metrics.set_priorities(waiting, running)
+
+    def _publish_adapters(self, metrics: EngineMetrics) -> None:
+        """The adapters of running and waiting requests, and the slot loads and evictions since last told,
+        each only when it changed (the gauge's value is the time it changed, as vLLM's)."""
+        engine = self._lora
+        if engine is None:
+            return
+        counts = engine.adapter_counts
+        if counts != self._slot_counts:
+            metrics.on_adapter_slots(counts[0] - self._slot_counts[0], counts[1] - self._slot_counts[1])
+            self._slot_counts = counts
+        with self._cv:
+            waiting = _names(t.request.adapter for t in (*self._waiting, *self._compiling))
+        lora_requests = (_names(t.request.adapter for t in self._running.values()), waiting)
+        if lora_requests != self._lora_requests:
+            self._lora_requests = lora_requests
+            metrics.set_lora_requests(engine.lora_slots, *lora_requests)
 
 
 class _Taken(NamedTuple):
@@ -658,6 +726,11 @@ def _by_sequence(outs: list[TokenOut]) -> dict[str, list[TokenOut]]:
     for out in outs:
         step.setdefault(out.seq_id, []).append(out)
     return step
+
+
+def _names(adapters: Iterable[str]) -> str:
+    """Distinct adapter names, comma-separated in the order first seen (vLLM's label format)."""
+    return ",".join(dict.fromkeys(a for a in adapters if a))
 
 
 def _deadline_message(tracker: RequestTracker) -> str:

@@ -12,10 +12,12 @@ import asyncio
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Protocol
 
 from serve.engine.engine import open_engine
 from serve.engine.types import EngineInfo
+from serve.scheduling.adapters import AdapterUpdate
 from serve.scheduling.engine_protocol import BatchEngine, SchedulerMetrics
 from serve.scheduling.handles import HandleTable, RequestHandle
 from serve.scheduling.limits import SchedulerLimits
@@ -40,7 +42,10 @@ class RequestScheduler(Protocol):
 
     @property
     def max_total_tokens(self) -> int: ...
+    @property
+    def info(self) -> EngineInfo: ...  # its adapters: those served now
     async def start(self) -> None: ...
+    async def update_adapters(self, update: AdapterUpdate) -> None: ...
     def submit(self, request: GenerationRequest) -> RequestHandle: ...
     def snapshot(self) -> SchedulerSnapshot: ...
     def steps(self) -> list[StepRecord]: ...
@@ -55,8 +60,10 @@ class Scheduler:
         engine: BatchEngine,
         limits: SchedulerLimits | None = None,
         metrics: SchedulerMetrics | None = None,
+        info: EngineInfo | None = None,  # the engine's (Engine.info); None: a test's engine without one
     ) -> None:
         self.limits = (limits or SchedulerLimits()).resolve(engine)
+        self._info = info
         self._engine = engine
         self._runner = BatchRunner(engine, self.limits, metrics)
         if metrics is not None:
@@ -71,6 +78,27 @@ class Scheduler:
     def max_total_tokens(self) -> int:
         """The most prompt + max_new_tokens one request may ask for."""
         return self._runner.max_total_tokens
+
+    @property
+    def info(self) -> EngineInfo:
+        """The engine's description; its adapters are those served now (`update_adapters` changes them)."""
+        if self._info is None:
+            raise RuntimeError("this scheduler was given no EngineInfo")
+        return self._info
+
+    async def update_adapters(self, update: AdapterUpdate) -> None:
+        """Load or unload a LoRA adapter on the engine thread, between two steps; raises the error that
+        left the adapters as they were (InvalidRequest, NotFound). Call on the event loop."""
+        if self._draining:
+            raise draining("adapter update")
+        reply = asyncio.wrap_future(self._runner.request_update(update))
+        reply.add_done_callback(self._updated)
+        await asyncio.shield(reply)  # a caller that goes away leaves the update to be made all the same
+
+    def _updated(self, reply: asyncio.Future[tuple[str, ...]]) -> None:
+        """An update made or refused: the adapters named here follow the engine's."""
+        if not reply.cancelled() and reply.exception() is None:
+            self._info = replace(self.info, adapters=reply.result())
 
     async def start(self) -> None:
         if self._thread is not None:
@@ -124,6 +152,7 @@ class Scheduler:
             if not self._post(self._runner.safe_step()):
                 return
         self._post(self._runner.abort(draining_error))
+        self._runner.drop_updates(draining("adapter update"))
 
     def _post(self, deliveries: list[Delivery]) -> bool:
         """Hand deliveries to the event loop; False once the loop is closed (nobody is left to tell)."""
@@ -138,12 +167,10 @@ class Scheduler:
         return True
 
 
-async def open_in_thread(
-    spec: EngineSpec, metrics: SchedulerMetrics | None = None
-) -> tuple[Scheduler, EngineInfo]:
+async def open_in_thread(spec: EngineSpec, metrics: SchedulerMetrics | None = None) -> Scheduler:
     """The engine built and warmed up in this process, and a started `Scheduler` over it (the in-process
     twin of `ProcessScheduler`, built from the same spec; `spec.cpus` is not used here)."""
     engine = await asyncio.to_thread(open_engine, spec.bundle, spec.engine)
-    scheduler = Scheduler(spec.wrap(engine) if spec.wrap else engine, spec.limits, metrics)
+    scheduler = Scheduler(spec.wrap(engine) if spec.wrap else engine, spec.limits, metrics, engine.info)
     await scheduler.start()
-    return scheduler, engine.info
+    return scheduler

@@ -9,42 +9,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import httpx
 import openai
 import pytest
-import torch
-from peft import LoraConfig, get_peft_model
+from lora_adapters import NEW_TOKENS, PROMPT, completion, expected
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread, free_port
 
-from export.lora import LoraOptions
-from export.model import Decoder
-from export.pipeline import PRESETS, random_bundle
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.api.config import ConfigError, load_settings
 from serve.api.loading import load_model
 from serve.bundle import load_bundle
-from serve.engine.engine import Engine
-from serve.engine.sampling import SamplingParams
-from serve.engine.types import EngineSettings, NewSequence
 from serve.errors import BundleError
-
-NEW_TOKENS = 12
-PROMPT = "def main():"
-
-
-@pytest.fixture(scope="module")
-def lora_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
-    """The tiny preset with 2 LoRA slots, and three peft adapters of its model (one more than slots)."""
-    out = tmp_path_factory.mktemp("lora-serving")
-    bundle = random_bundle("tiny", out / "bundle", seed=0, progress=False, lora=LoraOptions(2, 4)).root
-    adapters = {}
-    for seed, name in enumerate(("sql", "poet", "chef"), start=1):
-        torch.manual_seed(seed)
-        config = LoraConfig(r=4, lora_alpha=32, target_modules=["qkv", "up"], init_lora_weights=False)
-        get_peft_model(Decoder(PRESETS["tiny"]), config).save_pretrained(out / name)
-        adapters[name] = out / name
-    return bundle, adapters
 
 
 @pytest.fixture(scope="module")
@@ -54,27 +31,6 @@ def running(loop: LoopThread, lora_bundle: tuple[Path, dict[str, Path]]) -> Iter
     server = RunningServer(loop, settings)
     yield server
     loop.run(server.server.stop())
-
-
-def expected(bundle: Path, adapters: dict[str, Path], adapter: str) -> str:
-    """The text of the greedy tokens the engine gives the prompt with `adapter`, run here without a server."""
-    loaded = load_bundle(bundle)
-    named = tuple((name, str(path)) for name, path in adapters.items())
-    engine = Engine.from_bundle(loaded, EngineSettings(max_batch_size=2, adapters=named))
-    prompt = loaded.tokenizer.encode(PROMPT).ids
-    seq = NewSequence("x", prompt, SamplingParams(), adapter=adapter)
-    tokens = [out.token_id for out in engine.prefill([seq])]
-    while len(tokens) < NEW_TOKENS:
-        tokens += [out.token_id for out in engine.decode()]
-    return loaded.tokenizer.decode(tokens)
-
-
-def completion(client: openai.OpenAI, model: str) -> str:
-    answer = client.completions.create(
-        model=model, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True}
-    )
-    assert answer.model == model
-    return answer.choices[0].text
 
 
 def test_models_lists_the_adapters_with_their_parent(running: RunningServer) -> None:
@@ -153,3 +109,13 @@ def test_adapters_that_cannot_be_served_fail_at_start(
     for path, lora, message in cases:
         with pytest.raises(BundleError, match=message):  # what start-up raises before serving anything
             asyncio.run(load_model(loopback_settings(path, lora=lora, engine_process=False), None))
+
+
+def test_runtime_updates_are_404_without_their_flag(running: RunningServer) -> None:
+    """As vLLM's routes are without VLLM_ALLOW_RUNTIME_LORA_UPDATING: nothing changes the adapters."""
+    for path, body in [
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"}),
+        ("/v1/unload_lora_adapter", {"lora_name": "sql"}),
+    ]:
+        assert httpx.post(running.http_base + path, json=body).status_code == 404
+    assert "sql" in running.model.info.adapters

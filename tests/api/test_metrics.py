@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -66,6 +67,10 @@ EXPECTED_FAMILIES = {
     # request priority: preemption
     "textgen_preemptions",
     "textgen_preempted_kv_bytes",
+    # LoRA adapters
+    "textgen_lora_requests",
+    "textgen_lora_slot_loads",
+    "textgen_lora_slot_evictions",
 }
 
 
@@ -99,6 +104,9 @@ def exercise(m: Metrics) -> None:
     m.on_speculation_done(0.6)
     m.on_preempted(2)
     m.set_preempted_kv_bytes(4096)
+    m.on_adapter_request("sql")
+    m.on_adapter_slots(2, 1)
+    m.set_lora_requests(2, "sql", "poet")
 
 
 def test_latency_histograms_count_and_sum(metrics: Metrics) -> None:
@@ -349,3 +357,24 @@ def test_a_server_reports_its_engine_process_memory(loop: LoopThread, tiny_bundl
         assert server.metric("textgen_process_peak_resident_memory_bytes", process="engine") >= engine
     finally:
         loop.run(server.server.stop())
+
+
+def test_adapters_are_counted_and_the_gateway_reads_them_as_from_vllm(metrics: Metrics) -> None:
+    """textgen's per-adapter and slot counters, and vLLM's lora_requests_info: its labels the adapters of
+    running and waiting requests, its value the time they changed, one series at a time."""
+    for adapter in ("sql", "sql", "poet"):
+        metrics.on_adapter_request(adapter)
+    metrics.on_adapter_slots(3, 0)
+    metrics.on_adapter_slots(1, 1)
+    assert value(metrics, "textgen_lora_requests_total", adapter="sql") == 2
+    assert value(metrics, "textgen_lora_requests_total", adapter="poet") == 1
+    assert value(metrics, "textgen_lora_slot_loads_total") == 4
+    assert value(metrics, "textgen_lora_slot_evictions_total") == 1
+    before = time.time()
+    metrics.set_lora_requests(2, "sql,poet", "chef")
+    first = {"max_lora": "2", "running_lora_adapters": "sql,poet", "waiting_lora_adapters": "chef"}
+    assert before <= (value(metrics, "vllm:lora_requests_info", **first) or 0) <= time.time()
+    metrics.set_lora_requests(2, "", "")
+    idle = {"max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert value(metrics, "vllm:lora_requests_info", **first) is None
+    assert (value(metrics, "vllm:lora_requests_info", **idle) or 0) >= before

@@ -43,6 +43,8 @@ CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule"}
 # Custom resources of the Gateway API Inference Extension: no schema in kubernetes-validate, and no package on
 # the registries the project installs from ships their CRDs; checked by hand below.
 GATEWAY_KINDS = {"InferencePool", "InferenceObjective"}
+# What the LoRA overlay adds to route a client's model name to the adapters the pods serve.
+REWRITE_KIND = "InferenceModelRewrite"
 # The gauges the extension's endpoint picker scrapes from a model server by default (its flags
 # --total-queued-requests-metric and --kv-cache-usage-percentage-metric).
 GATEWAY_SCRAPED_METRICS = {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
@@ -430,7 +432,13 @@ def render(kustomization: str) -> tuple[dict[str, Any], ...]:
     return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
 
 
-KUSTOMIZATIONS = ("overlays/cpu", "overlays/gpu", "overlays/inference-gateway", "export")
+KUSTOMIZATIONS = (
+    "overlays/cpu",
+    "overlays/gpu",
+    "overlays/inference-gateway",
+    "overlays/inference-gateway-lora",
+    "export",
+)
 
 
 def one(objects: tuple[dict[str, Any], ...], kind: str, name: str | None = None) -> dict[str, Any]:
@@ -452,7 +460,7 @@ def test_manifests_validate_against_kubernetes_schemas(kustomization: str) -> No
     objects = render(kustomization)
     assert objects
     for obj in objects:
-        if obj["kind"] in CUSTOM_KINDS | GATEWAY_KINDS:
+        if obj["kind"] in CUSTOM_KINDS | GATEWAY_KINDS | {REWRITE_KIND}:
             continue
         for version in K8S_VERSIONS:
             # strict: unknown fields are errors, as `kubectl apply --validate=strict` would make them.
@@ -626,13 +634,34 @@ def test_inference_objective_references_the_pool() -> None:
     assert isinstance(objective["spec"]["priority"], int)
 
 
+def test_the_lora_overlay_rewrites_a_model_to_adapters_every_pod_serves() -> None:
+    """Beside the gateway overlay's objects, a rewrite whose targets are adapters the server's TEXTGEN_LORA
+    names, each in a folder on the bundle volume."""
+    objects = render("overlays/inference-gateway-lora")
+    others = tuple(o for o in objects if o["kind"] != REWRITE_KIND)
+    assert identities(others) == identities(render("overlays/inference-gateway"))
+    rewrite = one(objects, REWRITE_KIND)
+    assert rewrite["apiVersion"] == "inference.networking.x-k8s.io/v1alpha2"
+    ref = rewrite["spec"]["poolRef"]
+    pool = one(objects, "InferencePool", ref["name"])
+    assert (ref["group"], ref["kind"]) == (pool["apiVersion"].split("/")[0], pool["kind"])
+    config = one(objects, "ConfigMap")["data"]
+    served = dict(ServerSettings(bundle=REPO, lora=config["TEXTGEN_LORA"]).lora)
+    mount = next(m for m in container(objects)["volumeMounts"] if m["name"] == "bundle")["mountPath"]
+    assert all(folder.is_relative_to(mount) for folder in served.values())
+    for rule in rewrite["spec"]["rules"]:
+        assert all(match["model"]["value"] not in served for match in rule["matches"])
+        assert {target["modelRewrite"] for target in rule["targets"]} <= set(served)
+        assert sum(target["weight"] for target in rule["targets"]) > 0
+
+
 def test_the_gateway_scrapes_what_the_server_exposes() -> None:
     """The endpoint picker's default metric names are among the aliases the server exports."""
-    from serve.api.metrics import GATEWAY_ALIASES
+    from serve.api.metrics import GATEWAY_ALIASES, LORA_REQUESTS_INFO
 
     assert set(GATEWAY_ALIASES) >= GATEWAY_SCRAPED_METRICS
     docs = (REPO / "docs" / "deploy.md").read_text()
-    assert all(name in docs for name in GATEWAY_SCRAPED_METRICS)
+    assert all(name in docs for name in {*GATEWAY_SCRAPED_METRICS, LORA_REQUESTS_INFO})
 
 
 def test_prometheus_rule_is_well_formed() -> None:

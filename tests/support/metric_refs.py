@@ -113,13 +113,14 @@ def missing_metrics(exposition: str) -> dict[str, set[str]]:
 
 
 def promtool_input(exposition: str) -> str:
-    """The exposition less the inference-gateway aliases (serve.api.metrics.GATEWAY_ALIASES): vLLM's names
-    carry ':', which promtool's lint keeps for recording rules; everything else must pass it."""
-    from serve.api.metrics import GATEWAY_ALIASES
+    """The exposition less the inference gateway's metrics under vLLM's names (serve.api.metrics's
+    GATEWAY_ALIASES and LORA_REQUESTS_INFO): they carry ':', which promtool's lint keeps for recording rules;
+    everything else must pass it."""
+    from serve.api.metrics import GATEWAY_ALIASES, LORA_REQUESTS_INFO
 
     def alias(line: str) -> bool:  # a sample, or its family's # HELP / # TYPE line
         words = line.split()
         name = words[2] if line.startswith("# ") and len(words) > 2 else line.split("{")[0].split(" ")[0]
-        return name in GATEWAY_ALIASES
+        return name in GATEWAY_ALIASES or name == LORA_REQUESTS_INFO
 
     return "".join(line for line in exposition.splitlines(keepends=True) if not alias(line))

@@ -7,6 +7,7 @@
     POST /v1/messages            Anthropic's Messages API, served as the chat it means (messages.py)
     POST /v1/messages/count_tokens  the tokens of a Messages request's prompt
     POST /tokenize, /detokenize  a prompt's or a chat's token ids, and back
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter  vLLM's, with --lora-runtime-updates (else 404)
     GET  /health                 200 while serving, 503 while loading or draining (no token needed)
 
 It shares the gRPC front end's request core (serve/api/validation.py), error kinds (serve/api/http_status.py
@@ -23,12 +24,13 @@ route's renderer (completions.py, chat.py, responses.py, messages.py), run by se
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from serve.api.adapters import load_adapter, unload_adapter
 from serve.api.common import CallRecord, LoadedModel
 from serve.api.config import ServerSettings
 from serve.api.metrics import Metrics
@@ -51,11 +53,13 @@ from serve.api.openai.paths import (
     COUNT_TOKENS,
     DETOKENIZE,
     HEALTH,
+    LOAD_LORA,
     MESSAGES,
     MODELS,
     REQUEST_ID_KEY,
     RESPONSES,
     TOKENIZE,
+    UNLOAD_LORA,
 )
 from serve.api.openai.protocol import (
     ChatCompletionRequest,
@@ -65,11 +69,13 @@ from serve.api.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoraAdapterRequest,
     ModelList,
     ResponseObject,
     ResponsesRequest,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoraAdapterRequest,
 )
 from serve.api.openai.responses import ResponsesRenderer
 from serve.api.openai.serving import Renderer, Serving
@@ -232,7 +238,44 @@ class OpenAIApi:
         async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
             return await self._answer(DETOKENIZE, request, self._detokenize(body))
 
+        if self._settings.lora_runtime_updates:
+            self._adapter_routes(app)
         return app
+
+    def _adapter_routes(self, app: FastAPI) -> None:
+        """vLLM's routes that change the served LoRA adapters; each answers as vLLM does, in plain text."""
+
+        @app.post(LOAD_LORA, summary="load a LoRA adapter (a peft folder) while serving", responses=ERRORS)
+        async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> Response:
+            name = body.lora_name
+
+            def update(model: LoadedModel) -> Awaitable[None]:
+                return load_adapter(model, name, body.lora_path)
+
+            return await self._updated(LOAD_LORA, request, update, f"LoRA adapter {name!r} added")
+
+        @app.post(UNLOAD_LORA, summary="unload a LoRA adapter no request uses", responses=ERRORS)
+        async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> Response:
+            name = body.lora_name
+
+            def update(model: LoadedModel) -> Awaitable[None]:
+                return unload_adapter(model, name)
+
+            return await self._updated(UNLOAD_LORA, request, update, f"LoRA adapter {name!r} removed")
+
+    async def _updated(
+        self, route: str, request: Request, update: Callable[[LoadedModel], Awaitable[None]], done: str
+    ) -> Response:
+        """An adapter update's answer: vLLM's success text, or the error that left the adapters unchanged."""
+        record = self._record(route, request)
+        try:
+            await update(self._state.ready_model())
+        except Exception as exc:
+            return self._accounting.failed(record, exc)
+        record.status = 200
+        self._accounting.account(record)
+        headers = {"X-Request-Id": record.request_id}
+        return PlainTextResponse(f"Success: {done} successfully.", headers=headers)
 
     def _ready(self) -> LoadedModel | None:
         try:

@@ -139,6 +139,19 @@ class DetokenizeRequest(_Body):
     tokens: list[int] = Field(description="token ids, each in the model's vocabulary")
 
 
+class LoadLoraAdapterRequest(_Body):
+    """vLLM's /v1/load_lora_adapter (served with --lora-runtime-updates)."""
+
+    lora_name: str = Field(description="the name requests give as their model to run with it")
+    lora_path: str = Field(description="the adapter's folder as peft saves it, on the server's machine")
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """vLLM's /v1/unload_lora_adapter (served with --lora-runtime-updates)."""
+
+    lora_name: str = Field(description="a loaded adapter's name")
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], AT_LEAST_ONE]
     max_completion_tokens: int | None = Field(None, ge=0)
