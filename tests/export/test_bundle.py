@@ -103,7 +103,7 @@ def as_format_1(data: dict[str, Any]) -> None:
     for key in ("n_kv_heads", "norm", "sliding_window"):
         del data["architecture"][key]
     data["eos_token_id"] = data.pop("eos_token_ids")[0]
-    for key in ("bos_token_id", *FIELDS_ADDED_WITH_INT4):
+    for key in ("bos_token_id", "lora", *FIELDS_ADDED_WITH_INT4):
         del data[key]
 
 
