@@ -21,8 +21,8 @@ bundle serving base requests, and the LoRA bundle with every row on an adapter (
 where a served difference comes from.
 
 `peers` serves the same adapters from textgen (`--lora`, the OpenAI `model` field) and from llama.cpp's
-llama-server (each adapter converted with its convert_lora_to_gguf.py, `--lora` at start with
-`--lora-init-without-apply`, the per-request `lora` field), one server at a time, the first flipping every
+llama-server (each adapter converted with its convert_lora_to_gguf.py, loaded at start with scale 0 by
+`--lora-scaled`, picked by the per-request `lora` field), one server at a time, the first flipping every
 round, as bench.served_peers runs them; C clients over HTTP with requests spread round-robin over the
 adapters, and the same clients on the base model.
 
@@ -155,6 +155,18 @@ def server_starts(bundle: Path, adapters: list[Path], starts: int, log: Path) ->
     return {f"start_{kind}_s": statistics.median(values) for kind, values in seconds.items()}
 
 
+def bytes_a_step(plain: Path, lora: Path) -> dict[str, int]:
+    """What a decode step reads: the base weights (of the bundle without slots) and, with slots, every slot's
+    LoRA arrays (each token runs through all of them)."""
+    from bench.peers_bench import weight_bytes
+
+    slots = LoraSlots(bundle_layout(lora))
+    return {
+        "base_weights": weight_bytes(plain / "model_inplace.onnx").streamed,
+        "lora_arrays": sum(array.nbytes for array in slots.arrays.values()),
+    }
+
+
 # --- decode steps in-process -------------------------------------------------------------------------------
 
 
@@ -260,7 +272,8 @@ def peer_servers(
     textgen = textgen_command(args.bundle.resolve(), port, work, lora_flag(args.adapters))
     bin_dir = args.llama_cpp / "build" / "bin"
     llama = llama_cpp.server_command(bin_dir, args.gguf, port, work.slots, work.ctx_per_slot, work.threads)
-    llama += ["--lora", ",".join(str(g) for g in ggufs), "--lora-init-without-apply"]
+    # scale 0 by default: a request that lists no adapter gets none (with `--lora` it would get all of them)
+    llama += ["--lora-scaled", ",".join(f"{g}:0" for g in ggufs)]
     return {
         "textgen": PeerServer("textgen", textgen, tuple(adapter_names(args.adapters)), "model"),
         "llama-server": PeerServer("llama-server", llama, tuple(str(i) for i in range(len(ggufs))), "lora"),
@@ -366,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             cell |= server_starts(args.bundle, args.adapters, args.starts, log)
         print(json.dumps(cell))
     elif args.command == "steps":
+        print(json.dumps(bytes_a_step(args.plain, args.lora)))
         cases = step_cases(args.plain, args.lora, args.adapters)
         print(json.dumps(step_times(cases, args.adapters, args.batches, args.steps, args.rounds)))
     else:
