@@ -22,6 +22,11 @@ when the load shape lets it through (its arrival; with a cap, when a place frees
 lets nothing through after its end. Prompts are random
 token ids (`--dataset synthetic`, sent as `token_ids`) or text windows from the Python stdlib sources
 (`--dataset corpus`, sent as `text`, cut to length with the server's Tokenize RPC).
+
+LoRA adapters: `--models a,b,c,d` spreads the requests over adapters the server loaded (`textgen-serve
+--lora`), round-robin, each naming one in the gRPC `adapter` field or the OpenAI `model` field (an empty
+name, as in `a,,b`: the base model). bench.lora_bench drives llama-server's adapters the same way, through its
+per-request `lora` field (LoadConfig.adapter_field).
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ from serve.process import check_cpus, parse_cpu_list
 
 Dataset = Literal["synthetic", "corpus"]
 Rpc = Literal["stream", "unary", "http"]
+# Where an HTTP request names its LoRA adapter: OpenAI's `model` (textgen), or llama-server's per-request
+# `lora` list, the name being the adapter's index in the server's --lora order
+AdapterField = Literal["model", "lora"]
 T = TypeVar("T")
 # The server's name of each, as its request counter labels it.
 RPC_NAMES: dict[str, str] = {"stream": "GenerateStream", "unary": "Generate", "http": "/v1/completions"}
@@ -82,6 +90,8 @@ class LoadConfig:
     rpc: Rpc = "stream"
     cpus: tuple[int, ...] | None = None  # the load generator's CPUs (off the engine's); None: anywhere
     http_target: str | None = None  # HOST:PORT of the HTTP API (rpc "http")
+    models: tuple[str, ...] = ()  # LoRA adapters the requests name in turn ("": the base model); (): none
+    adapter_field: AdapterField = "model"
 
     def __post_init__(self) -> None:
         if (self.num_requests is None) == (self.duration is None):
@@ -100,6 +110,8 @@ class LoadConfig:
             "rpc": self.rpc in RPC_NAMES,
             "cpus": self.cpus is None or bool(self.cpus),
             "http_target": (self.rpc == "http") == (self.http_target is not None),
+            "adapter_field": self.adapter_field == "model"
+            or all(name == "" or name.isdigit() for name in self.models),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -119,20 +131,21 @@ class Prompt:
     token_ids: tuple[int, ...]
     max_new_tokens: int
 
-    def message(self, request_id: str, config: LoadConfig) -> pb.GenerateRequest:
+    def message(self, request_id: str, config: LoadConfig, adapter: str = "") -> pb.GenerateRequest:
         stopping = pb.StoppingCriteria(max_new_tokens=self.max_new_tokens, ignore_eos=config.ignore_eos)
         sampling = pb.SamplingParams(temperature=config.temperature)
         if config.temperature > 0:
             sampling.seed = config.seed
         if self.text is not None:
             return pb.GenerateRequest(
-                request_id=request_id, text=self.text, sampling=sampling, stopping=stopping
+                request_id=request_id, text=self.text, sampling=sampling, stopping=stopping, adapter=adapter
             )
         return pb.GenerateRequest(
             request_id=request_id,
             token_ids=pb.TokenIds(ids=self.token_ids),
             sampling=sampling,
             stopping=stopping,
+            adapter=adapter,
         )
 
 
@@ -238,12 +251,15 @@ async def send(
     timeout: float,
     rpc: Rpc = "stream",
     http: HttpConnections | None = None,
+    adapter_field: AdapterField = "model",
 ) -> RequestRecord:
     """`sent` is when the load shape issued the request (its arrival), not when this task got to run."""
     record = RequestRecord(request_id=message.request_id, start=sent - origin)
     if http is not None:
         try:
-            await asyncio.wait_for(http.stream(completion_body(message), sent, record), timeout)
+            await asyncio.wait_for(
+                http.stream(completion_body(message, adapter_field), sent, record), timeout
+            )
             record.success = True
         except (HttpFailure, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"
@@ -372,8 +388,9 @@ class HttpFailure(Exception):
     pass
 
 
-def completion_body(message: pb.GenerateRequest) -> bytes:
-    """The OpenAI /v1/completions body of a GenerateRequest, streamed with usage."""
+def completion_body(message: pb.GenerateRequest, adapter_field: AdapterField = "model") -> bytes:
+    """The OpenAI /v1/completions body of a GenerateRequest, streamed with usage, naming its adapter (if any)
+    in `adapter_field`."""
     body: dict[str, object] = {
         "prompt": message.text if message.WhichOneof("input") == "text" else list(message.token_ids.ids),
         "max_tokens": message.stopping.max_new_tokens,
@@ -384,6 +401,10 @@ def completion_body(message: pb.GenerateRequest) -> bytes:
     }
     if message.sampling.HasField("seed"):
         body["seed"] = message.sampling.seed
+    if message.adapter:
+        body[adapter_field] = (
+            message.adapter if adapter_field == "model" else [{"id": int(message.adapter), "scale": 1.0}]
+        )
     return json.dumps(body).encode()
 
 
@@ -425,8 +446,10 @@ class _Plan:
         if self._end is not None and now >= self._end:
             return None
         prompt = self._prompts[self._issued % len(self._prompts)]
+        models = self._config.models
+        adapter = models[self._issued % len(models)] if models else ""
         self._issued += 1
-        return _Issued(prompt.message(f"bench-{self._issued - 1}", self._config), now)
+        return _Issued(prompt.message(f"bench-{self._issued - 1}", self._config, adapter), now)
 
 
 async def _closed_loop(plan: _Plan, clients: int, issue: _Issue) -> list[RequestRecord]:
@@ -478,7 +501,9 @@ async def run_load(
     http = HttpConnections(config.http_target) if config.http_target is not None else None
 
     def issue(message: pb.GenerateRequest, sent: float) -> asyncio.Future[RequestRecord]:
-        future = asyncio.ensure_future(send(stub, message, origin, sent, config.timeout, config.rpc, http))
+        future = asyncio.ensure_future(
+            send(stub, message, origin, sent, config.timeout, config.rpc, http, config.adapter_field)
+        )
         future.add_done_callback(lambda _f: bar.update(1))
         return future
 
@@ -880,6 +905,13 @@ def parser() -> argparse.ArgumentParser:
         "OpenAI's streamed /v1/completions on --http-target, timed per SSE chunk",
     )
     p.add_argument("--http-target", default=None, help="HOST:PORT of the server's HTTP API (--rpc http)")
+    p.add_argument(
+        "--models",
+        type=model_names,
+        default=(),
+        help="comma-separated LoRA adapters the requests name in turn, round-robin ('' in the list: the "
+        "base model), as the gRPC adapter or the OpenAI model field",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths, arrivals and sampling")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, seconds")
@@ -935,7 +967,13 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         rpc=args.rpc,
         cpus=None if args.cpus is None else tuple(sorted(args.cpus)),
         http_target=args.http_target,
+        models=args.models,
     )
+
+
+def model_names(text: str) -> tuple[str, ...]:
+    """`--models a,b,,c`: the names in order, an empty one the base model."""
+    return tuple(name.strip() for name in text.split(","))
 
 
 def write_json(output: BenchmarkOutput, path: Path) -> None:

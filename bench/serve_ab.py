@@ -20,6 +20,12 @@ generator (this process); `--json` keeps every figure.
 A configuration's `--bench-rpc=NAME` is the clients' call for it alone (`--rpc` for the rest), so a streamed
 run and a unary one alternate under one load: `--config='' --config='--bench-rpc=unary'`. `--rpc http` calls
 the server's OpenAI API (streamed /v1/completions) instead of gRPC.
+
+A configuration may also serve a bundle of its own (`--bench-bundle=DIR`, `--bundle` for the rest) and spread
+its requests over LoRA adapters (`--bench-models=a,b,c,d`, `--models` for the rest: round-robin, each request
+naming one; an empty name is the base model), so a LoRA bundle serving adapters alternates with a bundle
+without slots: `--bundle plain --config='' --config='--bench-bundle=lora --lora a=DIR,b=DIR
+--bench-models=a,b'`.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.cpus import engine_cpus_flag
-from bench.loadgen import RPC_NAMES, LoadConfig, Rpc, benchmark
+from bench.loadgen import RPC_NAMES, LoadConfig, Rpc, benchmark, model_names
 from bench.proc import CpuMeter, descendants, main_thread_cpu_seconds
 from bench.serving_bench import ROOT, free_port, server_process
 from serve.process import beside
@@ -44,7 +50,8 @@ from serve.process import beside
 ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 
 
-BENCH_RPC = "--bench-rpc="
+BENCH = "--bench-"  # a configuration's own benchmark settings: --bench-NAME=value, NAME one of BENCH_NAMES
+BENCH_NAMES = ("rpc", "bundle", "models")
 CLIENT_RPCS: dict[str, Rpc] = {"stream": "stream", "unary": "unary", "http": "http"}  # --bench-rpc's choices
 CPU_PARTS = ("front_end", "event_loop", "engine", "load_generator")  # Figures.cpu_us_per_token's keys
 
@@ -57,16 +64,52 @@ class Figures:
     cpu_us_per_token: dict[str, float]  # by CPU_PARTS
 
 
+def bench_settings(flags: list[str]) -> tuple[dict[str, str], list[str]]:
+    """A configuration's own benchmark settings (`--bench-NAME=value`, the last of each wins) and its
+    server flags."""
+    settings: dict[str, str] = {}
+    rest = []
+    for flag in flags:
+        if not flag.startswith(BENCH):
+            rest.append(flag)
+            continue
+        name, equals, value = flag.removeprefix(BENCH).partition("=")
+        if name not in BENCH_NAMES or not equals:
+            raise ValueError(
+                f"{flag!r}: a configuration's own settings are --bench-{{{','.join(BENCH_NAMES)}}}=..."
+            )
+        settings[name] = value
+    return settings, rest
+
+
 def client_rpc(flags: list[str], default: Rpc) -> tuple[Rpc, list[str]]:
-    """A configuration's own client call (`--bench-rpc=stream|unary`, else `default`) and its server flags."""
-    chosen = [f.removeprefix(BENCH_RPC) for f in flags if f.startswith(BENCH_RPC)]
-    rest = [f for f in flags if not f.startswith(BENCH_RPC)]
-    if not chosen:
+    """A configuration's own client call (`--bench-rpc=stream|unary|http`, else `default`) and the flags
+    without it."""
+    settings, _ = bench_settings(flags)
+    rest = [f for f in flags if not f.startswith(f"{BENCH}rpc=")]
+    rpc = settings.get("rpc")
+    if rpc is None:
         return default, rest
-    rpc = chosen[-1]
     if rpc in CLIENT_RPCS:
         return CLIENT_RPCS[rpc], rest
     raise ValueError(f"--bench-rpc is one of {', '.join(CLIENT_RPCS)}, got {rpc!r}")
+
+
+@dataclass(frozen=True)
+class Served:
+    """What one configuration serves and sends: its bundle, its clients' call, the adapters they name."""
+
+    bundle: Path
+    rpc: Rpc
+    models: tuple[str, ...]
+    flags: list[str]  # the server's
+
+
+def served(flags: list[str], args: argparse.Namespace) -> Served:
+    rpc, flags = client_rpc(flags, args.rpc)
+    settings, flags = bench_settings(flags)
+    models = model_names(settings["models"]) if "models" in settings else args.models
+    return Served(Path(settings.get("bundle", args.bundle)), rpc, models, flags)
 
 
 def split_config(config: str) -> tuple[dict[str, str], list[str]]:
@@ -87,13 +130,14 @@ def round_order(configs: list[str], round_: int) -> list[str]:
 
 def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
     port = free_port()
-    env, flags = split_config(config)
-    rpc, flags = client_rpc(flags, args.rpc)
+    env, words = split_config(config)
+    setup = served(words, args)
+    rpc, flags = setup.rpc, setup.flags
     http_port = free_port() if rpc == "http" else 0  # the HTTP API only where the clients call it
     engine_cpus = engine_cpus_flag(flags)
     command = [
         sys.executable,
-        *("-m", "serve", "--bundle", str(args.bundle.resolve())),
+        *("-m", "serve", "--bundle", str(setup.bundle.resolve())),
         *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--http-port", str(http_port)),
         *("--max-batch-size", str(args.clients), "--log-level", "WARNING"),
         *(("--threads", str(args.threads)) if args.threads else ()),
@@ -112,6 +156,7 @@ def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
         rpc=rpc,
         cpus=None if engine_cpus is None else beside(engine_cpus),  # off them, as the server's process
         http_target=f"127.0.0.1:{http_port}" if http_port else None,
+        models=setup.models,
     )
     cwd = Path(env.get("PYTHONPATH", ROOT))
     with server_process(command, log, load.target, env, cwd=cwd) as server:
@@ -135,7 +180,7 @@ def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="serve_ab", description=__doc__.splitlines()[0])
-    p.add_argument("--bundle", type=Path, required=True, help="model bundle")
+    p.add_argument("--bundle", type=Path, required=True, help="model bundle (a --bench-bundle= replaces it)")
     p.add_argument(
         "--config",
         action="append",
@@ -155,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
     p.add_argument("--threads", type=int, default=None, help="textgen-serve --threads")
     p.add_argument("--rpc", choices=tuple(RPC_NAMES), default="stream", help="the clients' call")
+    p.add_argument(
+        "--models",
+        type=model_names,
+        default=(),
+        help="LoRA adapters the requests name in turn, comma-separated ('' : the base model; a "
+        "configuration's --bench-models= replaces it)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = p.parse_args(argv)
     if len(args.config) < 2:

@@ -50,6 +50,7 @@ from typing import Any
 from bench import llama_cpp
 from bench.engine_bench import REPO, cell_in_subprocess, machine_roofline
 from bench.loadgen import (
+    AdapterField,
     LoadConfig,
     Prompt,
     corpus_window,
@@ -79,6 +80,9 @@ class Workload:
     # bundle's) and sent as token ids, so both servers get the same ids; "synthetic": random ids
     dataset: str = "synthetic"
     tokenizer: str | None = None
+    # LoRA adapters the requests name in turn, and where (bench.loadgen.LoadConfig's fields; bench.lora_bench)
+    models: tuple[str, ...] = ()
+    adapter_field: AdapterField = "model"
 
 
 def textgen_command(bundle: Path, port: int, work: Workload, flags: list[str]) -> list[str]:
@@ -138,6 +142,8 @@ def load(port: int, clients: int, work: Workload, seed: int) -> Cell:
         progress=False,
         rpc="http",
         http_target=f"127.0.0.1:{port}",
+        models=work.models,
+        adapter_field=work.adapter_field,
     )
     return summarize(asyncio.run(run_load(config, None, shown)), config.percentiles)
 

@@ -21,12 +21,14 @@ from bench.loadgen import (
     RunResult,
     benchmark,
     compare_with_server,
+    completion_body,
     cut_to_tokens,
     distribution,
     engine_steps,
     format_report,
     format_steps,
     main,
+    model_names,
     parse_server_figures,
     summarize,
     synthetic_ids,
@@ -179,6 +181,23 @@ def test_bad_settings_are_refused_by_name() -> None:
         LoadConfig(target="x:1", concurrency=0)
     with pytest.raises(ValueError, match="exactly one"):
         LoadConfig(target="x:1", num_requests=4, duration=1.0)
+
+
+def test_requests_name_the_models_in_turn() -> None:
+    assert model_names("a,,b") == ("a", "", "b")
+    config = LoadConfig(target="t", num_requests=4, progress=False, models=model_names("a,,b"))
+    plan = loadgen._Plan(config, [loadgen.Prompt(None, (5, 6), 2)], origin=0.0)
+    assert [issued.message.adapter for issued in iter(plan.next, None)] == ["a", "", "b", "a"]
+
+
+def test_an_http_request_names_its_adapter_in_the_servers_field() -> None:
+    message = loadgen.Prompt(None, (5, 6), 2).message("r", LoadConfig(target="t"), adapter="1")
+    assert json.loads(completion_body(message))["model"] == "1"
+    assert json.loads(completion_body(message, "lora"))["lora"] == [{"id": 1, "scale": 1.0}]
+    base = loadgen.Prompt(None, (5, 6), 2).message("r", LoadConfig(target="t"))
+    assert not {"model", "lora"} & set(json.loads(completion_body(base)))
+    with pytest.raises(ValueError, match="adapter_field"):  # llama-server's lora list holds indices
+        LoadConfig(target="t", models=("a",), adapter_field="lora")
 
 
 # --- smoke run against a real server ------------------------------------------------------------------------

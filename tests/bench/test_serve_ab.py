@@ -3,13 +3,14 @@ reads a configuration (its environment words, its own client call, the round ord
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-from bench.serve_ab import CPU_PARTS, client_rpc, main, round_order, split_config
+from bench.serve_ab import CPU_PARTS, Served, client_rpc, main, round_order, served, split_config
 
 
 def test_the_ab_benchmark_alternates_server_configurations(tiny_bundle: Path, tmp_path: Path) -> None:
@@ -57,3 +58,12 @@ def test_an_ab_configuration_starts_with_the_servers_environment() -> None:
     assert env == {"PYTHONPATH": "/tmp/old", "A_B": "x y"}
     assert flags == ["--threads", "1", "--label=K=V"]
     assert split_config("") == ({}, [])
+
+
+def test_an_ab_configuration_may_serve_its_own_bundle_and_name_adapters() -> None:
+    args = argparse.Namespace(bundle=Path("plain"), rpc="stream", models=())
+    flags = ["--bench-bundle=lora", "--lora", "a=/x,b=/y", "--bench-models=a,,b", "--bench-rpc=http"]
+    assert served(flags, args) == Served(Path("lora"), "http", ("a", "", "b"), ["--lora", "a=/x,b=/y"])
+    assert served(["--threads", "1"], args) == Served(Path("plain"), "stream", (), ["--threads", "1"])
+    with pytest.raises(ValueError, match="bench-"):
+        served(["--bench-bundel=lora"], args)
