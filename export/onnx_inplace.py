@@ -97,12 +97,8 @@ class _GraphBuilder:
         assert self.lora is not None
         width = self.lora.width(branch)
         if width not in self._lora_masks:
-            slots = self.lora.slots
-            table = np.zeros((slots + 1, slots * width), np.float32)
-            for s in range(1, slots + 1):
-                table[s, (s - 1) * width : s * width] = 1.0
-            name = f"lora.mask_{width}"
-            (mask,) = self.node("Gather", [self.weight(f"lora.onehot_{width}", table), LORA_IDS_INPUT], name)
+            table = self.lora.onehot_input(width)  # an input: zero columns when no row has an adapter
+            (mask,) = self.node("Gather", [table, LORA_IDS_INPUT], f"lora.mask_{width}")
             self._lora_masks[width] = mask
         return self._lora_masks[width]
 
@@ -276,8 +272,15 @@ def _make_model(g: _GraphBuilder, n_layers: int, heads: int, head_dim: int, voca
 
 def _lora_inputs(lora: LoraLayout) -> list[onnx.ValueInfoProto]:
     inputs = [helper.make_tensor_value_info(LORA_IDS_INPUT, TensorProto.INT64, ["batch", "seq"])]
+    for width in lora.widths():
+        columns = lora.columns(width)
+        inputs.append(
+            helper.make_tensor_value_info(
+                lora.onehot_input(width), TensorProto.FLOAT, [lora.slots + 1, columns]
+            )
+        )
     for b in lora.branches:
-        columns = lora.slots * lora.width(b)
+        columns = lora.columns(lora.width(b))
         inputs.append(helper.make_tensor_value_info(b.a_input, TensorProto.FLOAT, [b.in_features, columns]))
         inputs.append(helper.make_tensor_value_info(b.b_input, TensorProto.FLOAT, [columns, b.out_features]))
     return inputs

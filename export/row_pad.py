@@ -126,7 +126,8 @@ class _Rewrite:
     def _real_layout(self, node: onnx.NodeProto) -> str | None:
         """The layout of a real node's first output, where its rows are known to line up with input_ids'."""
         rows = self._rows(node)
-        if node.op_type in ("Gather", "GatherBlockQuantized") and node.input[0] in self._constants:
+        table = node.input[0] in self._constants or node.input[0] in self._row_free
+        if node.op_type in ("Gather", "GatherBlockQuantized") and table:
             axis = _attr(node, "gather_axis" if node.op_type == "GatherBlockQuantized" else "axis", 0)
             return BATCH_SEQ if axis == 0 and self._layouts.get(node.input[1]) == IDS else None
         if node.op_type in ROWS_KEPT:

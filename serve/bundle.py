@@ -252,6 +252,19 @@ class LoraLayout(_Strict):
     def width(self, branch: LoraBranch) -> int:
         return len(branch.parts) * self.max_rank
 
+    def widths(self) -> list[int]:
+        return sorted({self.width(b) for b in self.branches})
+
+    @staticmethod
+    def onehot_input(width: int) -> str:
+        """The graph input [slots + 1, slots * width] that Gather turns into each token's column mask."""
+        return f"lora_onehot.{width}"
+
+    @staticmethod
+    def columns(width: int) -> str:
+        """The symbolic column count of a width's inputs: slots * width, or 0 when no row has an adapter."""
+        return f"lora_columns_{width}"
+
 
 # The names of the nodes and constants export's row pad adds (export/row_pad.py): tensors computed on padded
 # rows are named `{real name}_{ROW_PAD_PREFIX}`; the engine takes them out where its CPU does not need them

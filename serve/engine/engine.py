@@ -187,6 +187,13 @@ class Engine:
         self._tokens = np.zeros((settings.max_batch_size, capacity), np.int64)  # each row's cached token ids
         self._row_index = np.arange(settings.max_batch_size)
         self._lora = None if lora is None else LoraSlots(lora)
+        # (no adapter in the run, some) -> the LoRA inputs' values; what each binding has bound, by its id
+        empty, full = ({}, {}) if self._lora is None else (self._lora.empty, self._lora.arrays)
+        self._lora_values = (
+            {name: ortvalue(array) for name, array in empty.items()},
+            {name: ortvalue(array) for name, array in full.items()},
+        )
+        self._lora_bound: dict[int, bool] = {}
         self._adapters = Residency(0 if lora is None else lora.slots)  # which adapter is in which slot
         self._row_adapter = np.zeros(rows, np.int64)  # the slot of the sequence in each KV row; 0: none
         self._prefix = PrefixCache(range(settings.max_batch_size, rows), settings.prefix_cache_min_tokens)
@@ -565,7 +572,6 @@ class Engine:
             binding = self._verify_bindings[len(ids)] = self._verifier.io_binding()
             binding.bind_ortvalue_output("logits", ortvalue(self._logits[: len(ids)]))
             self._kv.bind(binding, slice(0, 1), chained_present_outputs(self._positions))
-            self._bind_adapters(binding)
         steps = np.arange(length, length + len(ids), dtype=np.int64)
         inputs = {
             "input_ids": ids[None],
@@ -577,6 +583,7 @@ class Engine:
         }
         for name, array in inputs.items():
             binding.bind_cpu_input(name, array)
+        self._bind_adapters(binding, slice(0, 1))
         try:
             self._verifier.run_with_iobinding(binding)
         except Exception:  # as _run: the row may be half written
@@ -929,6 +936,7 @@ class Engine:
         binding = self._binding(rows, side)
         for name, array in inputs.items():
             binding.bind_cpu_input(name, array)
+        self._bind_adapters(binding, rows)
         return binding, inputs
 
     @property
@@ -999,11 +1007,17 @@ class Engine:
         slots = self._row_adapter[rows]
         return {LORA_IDS_INPUT: np.ascontiguousarray(np.broadcast_to(slots[:, None], (len(slots), tokens)))}
 
-    def _bind_adapters(self, binding: Any) -> None:
-        """Bind the slots' weights: ONNX Runtime reads the arrays in place, and sees a slot written later."""
-        if self._lora is not None:
-            for name, array in self._lora.arrays.items():
-                binding.bind_ortvalue_input(name, ortvalue(array))
+    def _bind_adapters(self, binding: Any, rows: slice) -> None:
+        """Bind the slots' weights when some row of the run has an adapter, their empty forms when none has
+        (LoraSlots); rebound only when that changes. ONNX Runtime reads the arrays in place: a slot written
+        later is read."""
+        if self._lora is None:
+            return
+        active = bool(self._row_adapter[rows].any())
+        if self._lora_bound.get(id(binding)) is not active:
+            for name, value in self._lora_values[active].items():
+                binding.bind_ortvalue_input(name, value)
+            self._lora_bound[id(binding)] = active
 
     def _keep(self, row: int) -> None:
         """Offer a leaving row to the prefix cache, unless a failed step may have left it half written."""
@@ -1037,7 +1051,6 @@ class Engine:
             logits = self._side_logits if side else self._logits
             binding.bind_ortvalue_output("logits", ortvalue(logits[: rows.stop - rows.start]))
             self._kv.bind(binding, rows)
-            self._bind_adapters(binding)
             self._bindings[key] = binding
         return binding
 

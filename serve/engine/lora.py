@@ -90,16 +90,28 @@ def read_adapter(path: Path | str, layout: LoraLayout) -> Adapter:
 
 
 class LoraSlots:
-    """Every slot's adapter weights, as the graph's LoRA inputs read them (one array per input)."""
+    """Every slot's adapter weights, as the graph's LoRA inputs read them (one array per input), and the
+    same inputs with no columns: a run none of whose rows has an adapter is given those, so it reads no
+    adapter weights and computes no branch (each adds zeros, exactly what every slot's masked branch adds)."""
 
     def __init__(self, layout: LoraLayout) -> None:
         self.layout = layout
         self._branches = {b.projection: b for b in layout.branches}
         self.arrays: dict[str, np.ndarray] = {}
+        self.empty: dict[str, np.ndarray] = {}
+        slots = layout.slots
+        for width in layout.widths():
+            table = np.zeros((slots + 1, slots * width), np.float32)  # row s: 1 on slot s's columns
+            for s in range(1, slots + 1):
+                table[s, (s - 1) * width : s * width] = 1.0
+            self.arrays[layout.onehot_input(width)] = table
+            self.empty[layout.onehot_input(width)] = np.zeros((slots + 1, 0), np.float32)
         for b in layout.branches:
-            columns = layout.slots * layout.width(b)
+            columns = slots * layout.width(b)
             self.arrays[b.a_input] = np.zeros((b.in_features, columns), np.float32)
             self.arrays[b.b_input] = np.zeros((columns, b.out_features), np.float32)
+            self.empty[b.a_input] = np.zeros((b.in_features, 0), np.float32)
+            self.empty[b.b_input] = np.zeros((0, b.out_features), np.float32)
 
     def write(self, slot: int, adapter: Adapter | None) -> None:
         """Put `adapter` in `slot` (1-based), replacing what it held; None empties it."""

@@ -242,7 +242,7 @@ def test_an_int4_bundle_with_slots_runs_its_branches_on_the_padded_rows(
     branches = [n for n in lora.node if n.name.endswith("/lora/b")]
     assert len(branches) == 4 * CONFIG.n_layers
     assert all(n.output[0].endswith(ROW_PAD_PREFIX) for n in branches)
-    widths = {i.name for i in lora.initializer if i.name.startswith("lora.onehot_")}
+    widths = {i.name for i in lora.input if i.name.startswith("lora_onehot.")}
     for op, more in (("Pad", len(widths)), ("Slice", 0)):
         assert sum(n.op_type == op for n in lora.node) == sum(n.op_type == op for n in plain.node) + more
 
