@@ -109,7 +109,7 @@ def bundle_layout(bundle: Path) -> LoraLayout:
 
 def slot_bytes(slots: LoraSlots) -> int:
     """The bytes one slot's columns and rows take in the graph's LoRA inputs (every slot takes the same)."""
-    return sum(array.nbytes for array in slots.arrays.values()) // slots.layout.slots
+    return slots.weight_bytes // slots.layout.slots
 
 
 def adapter_load(bundle: Path, adapters: list[Path], repeats: int) -> Cell:
@@ -163,7 +163,7 @@ def bytes_a_step(plain: Path, lora: Path) -> dict[str, int]:
     slots = LoraSlots(bundle_layout(lora))
     return {
         "base_weights": weight_bytes(plain / "model_inplace.onnx").streamed,
-        "lora_arrays": sum(array.nbytes for array in slots.arrays.values()),
+        "lora_arrays": slots.weight_bytes,
     }
 
 

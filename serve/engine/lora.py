@@ -113,6 +113,11 @@ class LoraSlots:
             self.empty[b.a_input] = np.zeros((b.in_features, 0), np.float32)
             self.empty[b.b_input] = np.zeros((0, b.out_features), np.float32)
 
+    @property
+    def weight_bytes(self) -> int:
+        """The bytes of every slot's A and B (the one-hot tables aside)."""
+        return sum(self.arrays[n].nbytes for b in self.layout.branches for n in (b.a_input, b.b_input))
+
     def write(self, slot: int, adapter: Adapter | None) -> None:
         """Put `adapter` in `slot` (1-based), replacing what it held; None empties it."""
         if not 1 <= slot <= self.layout.slots:
