@@ -263,6 +263,8 @@ class Planner:
     ) -> list[RequestTracker]:
         """The waiting requests whose adapters can have a slot, in order (module docstring, LoRA slots): the
         adapters of the ones kept and of the running requests stay within the engine's slots."""
+        if not self.engine.lora_slots:  # no adapters served: nothing to keep within slots
+            return list(waiting)
         held = Counter(t.request.adapter for t in running if t.request.adapter)
         draining = min(held, key=lambda a: held[a]) if held else None  # its slot frees soonest
         chosen, kept, blocked = set(held), [], False

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from proposers import Oracle
 from quantized_bundles import quantized_graphs
 
 from export.lora import LoraOptions
@@ -387,22 +388,6 @@ def test_more_adapters_than_slots_take_turns_in_them(
         engine.prefill([NewSequence("s", prompt, SamplingParams(), adapter="a4")])
 
 
-class Replay:
-    """Proposes the tokens a plain run gave next, spoiling every other proposal's last one: speculation
-    accepts and rejects on any model."""
-
-    def __init__(self, prompt: list[int], reference: list[int]) -> None:
-        self.prompt, self.reference, self.calls = prompt, reference, 0
-
-    def propose(self, context: np.ndarray, k: int) -> np.ndarray:
-        done = len(context) - len(self.prompt)
-        guess = np.array(self.reference[done : done + k], np.int64)
-        self.calls += 1
-        if self.calls % 2 and guess.size:
-            guess[-1] = (guess[-1] + 1) % CONFIG.vocab_size
-        return guess
-
-
 @pytest.mark.parametrize("kind", ["fp32", "int8"])  # int4 past block 16 keeps row pads: no speculation
 def test_speculation_and_constraints_keep_a_requests_adapter(
     kind: str,
@@ -420,8 +405,9 @@ def test_speculation_and_constraints_keep_a_requests_adapter(
     for name in adapters:
         seq = NewSequence("s", prompt, SamplingParams(), logprobs=True, adapter=name)
         want = run(plain, [seq], 24)["s"]
-        proposer = Replay(prompt, [o.token_id for o in want])
-        speculating.proposer = proposer
+        oracle = Oracle(CONFIG.vocab_size)
+        oracle.references[tuple(prompt)] = [o.token_id for o in want]
+        speculating.proposer = oracle
         outs = speculating.prefill([seq])
         while len(outs) < 24:
             outs += speculating.decode()
