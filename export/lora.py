@@ -3,9 +3,13 @@
 `textgen-export ... --lora-slots N --max-lora-rank R` gives every targeted projection y = x @ W (+ bias) a
 branch over all N slots at once (serve/bundle.py's LoraBranch has the layout):
 
-    mask = Gather(onehot, lora_ids)          [B,S,N*width]  1 on the columns of the token's slot, else 0
+    mask = Gather(onehot, lora_ids)          [B*S,N*width]  1 on the columns of the token's slot, else 0
     y   += ((x @ lora_a) * mask) @ lora_b    lora_a [in, N*width], lora_b [N*width, out]: graph inputs
                                              (FusedMatMuls: export/onnx_inplace.py says why)
+
+with lora_a held as groups of at most 16 columns and lora_b, past 128 rows, as chunks of a slot (or of a
+part) each: products that sum a token's terms in the same blocks alone and in any batch, on any number of
+threads (serve/bundle.py's LoraLayout says why and how).
 
 Why this form rather than gathering each row's adapter matrices: a gather copies an adapter's weights once per
 row per step (16 rows, 4 adapters: 4x the bytes of reading each adapter once), and it makes the per-row
@@ -27,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from export.model import DecoderConfig
-from serve.bundle import LoraBranch, LoraLayout, LoraPart
+from serve.bundle import LORA_GEMM_TERMS, LoraBranch, LoraLayout, LoraPart
 
 # Our projection -> the checkpoint modules it is made of, in order, each with its output features.
 ModuleMap = Mapping[str, Sequence[tuple[str, int]]]
@@ -43,8 +47,8 @@ class LoraOptions:
     def __post_init__(self) -> None:
         if self.slots < 1:
             raise ValueError(f"--lora-slots must be >= 1, got {self.slots}")
-        if self.max_rank < 1:
-            raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_rank}")
+        if not 1 <= self.max_rank <= LORA_GEMM_TERMS:
+            raise ValueError(f"--max-lora-rank must be between 1 and {LORA_GEMM_TERMS}, got {self.max_rank}")
 
 
 def own_modules(cfg: DecoderConfig) -> dict[str, list[tuple[str, int]]]:

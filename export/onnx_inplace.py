@@ -77,28 +77,53 @@ class _GraphBuilder:
         return y if branch is None else self.lora_branch(x, y, branch)
 
     def lora_branch(self, x: str, y: str, branch: LoraBranch) -> str:
-        """y + ((x @ a) * mask) @ b: every slot at once, each token keeping its own (export/lora.py)."""
+        """y + ((x @ a) * mask) @ b: every slot at once, each token keeping its own (export/lora.py), in
+        products that sum a token's terms in the same blocks alone and in any batch (LoraLayout says why)."""
+        assert self.lora is not None
         name = f"{branch.projection}/lora"
+        width = self.lora.width(branch)
         # FusedMatMul with alpha 1/2 then 2, not MatMul: ONNX Runtime's CPU MatMul by a weight it has not
         # packed at load computes a single row (a lone decode step) with another kernel than several, which
         # rounds differently; an alpha other than 1 keeps every row count on one kernel. Scaling by powers of
         # two is exact, so the product is x @ a @ b still.
+        (rows,) = self.node(
+            "Reshape", [x, self.const_i64(f"{name}.rows", [-1, branch.in_features])], f"{name}/rows"
+        )  # [R,in]
         (xa,) = self.node(
-            "FusedMatMul", [x, branch.a_input], f"{name}/a", domain=MS_DOMAIN, alpha=0.5
-        )  # [B,S,slots*width]
-        (xm,) = self.node("Mul", [xa, self.lora_mask(branch)], f"{name}/mask")
-        (d,) = self.node(
-            "FusedMatMul", [xm, branch.b_input], f"{name}/b", domain=MS_DOMAIN, alpha=2.0
-        )  # [B,S,out]
+            "FusedMatMul", [rows, branch.a_input], f"{name}/a", domain=MS_DOMAIN, alpha=0.5
+        )  # [groups,R,group]
+        (xa,) = self.node("Transpose", [xa], f"{name}/a_rows", perm=[1, 0, 2])  # [R,groups,group]
+        (xa,) = self.node("Reshape", [xa, self.const_i64(f"{name}.flat", [0, -1])], f"{name}/a_flat")
+        (xm,) = self.node("Mul", [xa, self.lora_mask(branch)], f"{name}/mask")  # [R,slots*width]
+        chunk = self.lora.chunk(branch)
+        if chunk == self.lora.slots * width:
+            (d,) = self.node(
+                "FusedMatMul", [xm, branch.b_input], f"{name}/b", domain=MS_DOMAIN, alpha=2.0
+            )  # [R,out]
+        else:
+            (xm,) = self.node(
+                "Reshape", [xm, self.const_i64(f"{name}.chunks", [0, -1, chunk])], f"{name}/chunks"
+            )
+            (xm,) = self.node("Transpose", [xm], f"{name}/chunk_rows", perm=[1, 0, 2])  # [chunks,R,chunk]
+            (d,) = self.node(
+                "FusedMatMul", [xm, branch.b_input], f"{name}/b", domain=MS_DOMAIN, alpha=2.0
+            )  # [chunks,R,out]: one nonzero chunk per token and output
+            (d,) = self.node(
+                "ReduceSum", [d, self.const_i64(f"{name}.chunk_axis", [0])], f"{name}/sum", keepdims=0
+            )
+        (shape,) = self.node("Shape", [y], f"{name}/shape")
+        (d,) = self.node("Reshape", [d, shape], f"{name}/unflat")  # [B,S,out]
         return self.node("Add", [y, d], f"{name}/add")[0]
 
     def lora_mask(self, branch: LoraBranch) -> str:
-        """[B,S,slots*width]: 1 on the columns of each token's slot (lora_ids), 0 elsewhere and for id 0."""
+        """[R,slots*width]: 1 on the columns of each token's slot (lora_ids), 0 elsewhere and for id 0."""
         assert self.lora is not None
         width = self.lora.width(branch)
         if width not in self._lora_masks:
+            if not self._lora_masks:
+                self.node("Reshape", [LORA_IDS_INPUT, self.const_i64("lora.flat", [-1])], "lora.ids_flat")
             table = self.lora.onehot_input(width)  # an input: zero columns when no row has an adapter
-            (mask,) = self.node("Gather", [table, LORA_IDS_INPUT], f"lora.mask_{width}")
+            (mask,) = self.node("Gather", [table, "lora.ids_flat"], f"lora.mask_{width}")
             self._lora_masks[width] = mask
         return self._lora_masks[width]
 
@@ -280,7 +305,9 @@ def _lora_inputs(lora: LoraLayout) -> list[onnx.ValueInfoProto]:
             )
         )
     for b in lora.branches:
-        columns = lora.columns(lora.width(b))
-        inputs.append(helper.make_tensor_value_info(b.a_input, TensorProto.FLOAT, [b.in_features, columns]))
-        inputs.append(helper.make_tensor_value_info(b.b_input, TensorProto.FLOAT, [columns, b.out_features]))
+        # The shapes over every slot, with the leading axis symbolic (0 when no row has an adapter).
+        full, columns = lora.slots * lora.width(b), lora.columns(lora.width(b))
+        for name, shape in ((b.a_input, lora.a_shape(b, full)), (b.b_input, lora.b_shape(b, full))):
+            leading = columns if shape[0] == full else f"{columns}_by_{full // shape[0]}"
+            inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [leading, *shape[1:]]))
     return inputs

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -210,6 +211,7 @@ def _graph_files(graphs: Graphs) -> list[str]:
 
 # Graph inputs of a bundle exported with LoRA slots (export/lora.py): each token's adapter, 0 for none.
 LORA_IDS_INPUT = "lora_ids"  # [batch, seq] int64, as input_ids
+LORA_GEMM_TERMS = 128  # ONNX Runtime's CPU SGEMM sums at least this many terms in one block (LoraLayout)
 
 
 class LoraPart(_Strict):
@@ -224,9 +226,10 @@ class LoraPart(_Strict):
 class LoraBranch(_Strict):
     """One projection's LoRA branch: y += ((x @ a) * mask(lora_ids)) @ b over every slot at once.
 
-    a is [in_features, slots * width] and b [slots * width, out_features], width = len(parts) * max_rank:
-    slot s (1-based) owns columns [(s - 1) * width, s * width) of a (rows of b), part j of them
-    [j * max_rank, (j + 1) * max_rank) within, and part j's b writes its output features only."""
+    In columns: a is [in_features, slots * width] and b [slots * width, out_features], width =
+    len(parts) * max_rank: slot s (1-based) owns columns [(s - 1) * width, s * width) of a (rows of b), part j
+    of them [j * max_rank, (j + 1) * max_rank) within, and part j's b writes its output features only. The
+    graph's inputs hold them as LoraLayout's a_shape and b_shape say."""
 
     projection: str = Field(min_length=1)  # the serving graph's projection (blocks.0.attn.qkv)
     in_features: PositiveInt
@@ -246,7 +249,7 @@ class LoraLayout(_Strict):
     """The LoRA branches of a bundle's serving graph, fed per token by LORA_IDS_INPUT."""
 
     slots: PositiveInt  # adapters resident at once (ids 1..slots)
-    max_rank: PositiveInt  # the largest adapter rank a slot holds
+    max_rank: PositiveInt = Field(le=LORA_GEMM_TERMS)  # the largest adapter rank a slot holds
     branches: list[LoraBranch] = Field(min_length=1)
 
     def width(self, branch: LoraBranch) -> int:
@@ -264,6 +267,37 @@ class LoraLayout(_Strict):
     def columns(width: int) -> str:
         """The symbolic column count of a width's inputs: slots * width, or 0 when no row has an adapter."""
         return f"lora_columns_{width}"
+
+    # Why a and b are not plain [in, columns] and [columns, out] matrices: ONNX Runtime's CPU GEMM sums a
+    # product of more than LORA_GEMM_TERMS terms in blocks whose length follows the columns each thread
+    # computes, and how it splits the columns among threads follows the row count. A row's sums would then
+    # round differently alone and in a batch. A product by `group` columns at a time cannot be split among
+    # threads, and one of at most LORA_GEMM_TERMS terms is one block whatever the split.
+    @property
+    def group(self) -> int:
+        """Columns of a multiplied at once: every slot's width is a whole number of groups."""
+        return math.gcd(self.max_rank, 16)
+
+    def chunk(self, branch: LoraBranch) -> int:
+        """Rows of b multiplied at once: all of them (slots * width) when that is one block, else one slot's,
+        else one part's (where one token adds at most one nonzero chunk to each output)."""
+        width = self.width(branch)
+        if self.slots * width <= LORA_GEMM_TERMS:
+            return self.slots * width
+        return width if width <= LORA_GEMM_TERMS else self.max_rank
+
+    def a_shape(self, branch: LoraBranch, columns: int) -> tuple[int, int, int]:
+        """The a input over `columns` columns: [groups, in_features, group], group g holding columns
+        [g * group, (g + 1) * group)."""
+        return (columns // self.group, branch.in_features, self.group)
+
+    def b_shape(self, branch: LoraBranch, columns: int) -> tuple[int, ...]:
+        """The b input over `columns` rows: [columns, out] when one chunk covers every slot, else [chunks,
+        chunk, out]."""
+        chunk = self.chunk(branch)
+        if chunk == self.slots * self.width(branch):
+            return (columns, branch.out_features)
+        return (columns // chunk, chunk, branch.out_features)
 
 
 # The names of the nodes and constants export's row pad adds (export/row_pad.py): tensors computed on padded

@@ -187,13 +187,11 @@ class Engine:
         self._tokens = np.zeros((settings.max_batch_size, capacity), np.int64)  # each row's cached token ids
         self._row_index = np.arange(settings.max_batch_size)
         self._lora = None if lora is None else LoraSlots(lora)
-        # (no adapter in the run, some) -> the LoRA inputs' values; what each binding has bound, by its id
-        empty, full = ({}, {}) if self._lora is None else (self._lora.empty, self._lora.arrays)
-        self._lora_values = (
-            {name: ortvalue(array) for name, array in empty.items()},
-            {name: ortvalue(array) for name, array in full.items()},
-        )
-        self._lora_bound: dict[int, bool] = {}
+        # the span of slots a run uses (first, last; (0, 0): none) -> the LoRA inputs' values, made on first
+        # use; what each binding has bound, by its id
+        empty = {} if self._lora is None else self._lora.empty
+        self._lora_values = {(0, 0): {name: ortvalue(array) for name, array in empty.items()}}
+        self._lora_bound: dict[int, tuple[int, int]] = {}
         self._adapters = Residency(0 if lora is None else lora.slots)  # which adapter is in which slot
         self._row_adapter = np.zeros(rows, np.int64)  # the slot of the sequence in each KV row; 0: none
         self._prefix = PrefixCache(range(settings.max_batch_size, rows), settings.prefix_cache_min_tokens)
@@ -1000,24 +998,35 @@ class Engine:
         slots = set(self._row_adapter[:held].tolist())
         return {name for name, slot in self._adapters.resident.items() if slot in slots}
 
+    def _lora_span(self, rows: slice) -> tuple[int, int]:
+        """The first and last slot the rows of a run use ((0, 0): none)."""
+        slots = self._row_adapter[rows]
+        used = slots[slots > 0]
+        return (int(used.min()), int(used.max())) if used.size else (0, 0)
+
     def _lora_ids(self, rows: slice, tokens: int) -> dict[str, np.ndarray]:
-        """The LoRA graph's per-token adapter input for a run over `rows` of `tokens` positions."""
+        """The LoRA graph's per-token adapter input for a run over `rows` of `tokens` positions: each row's
+        slot counted from the first its run uses (LoraSlots.span), 0 for none."""
         if self._lora is None:
             return {}
         slots = self._row_adapter[rows]
-        return {LORA_IDS_INPUT: np.ascontiguousarray(np.broadcast_to(slots[:, None], (len(slots), tokens)))}
+        ids = np.where(slots > 0, slots - self._lora_span(rows)[0] + 1, 0)
+        return {LORA_IDS_INPUT: np.ascontiguousarray(np.broadcast_to(ids[:, None], (len(ids), tokens)))}
 
     def _bind_adapters(self, binding: Any, rows: slice) -> None:
-        """Bind the slots' weights when some row of the run has an adapter, their empty forms when none has
-        (LoraSlots); rebound only when that changes. ONNX Runtime reads the arrays in place: a slot written
-        later is read."""
+        """Bind the weights of the slots the run's rows use (none: the inputs with no columns); rebound only
+        when that span changes. ONNX Runtime reads the arrays in place: a slot written later is read."""
         if self._lora is None:
             return
-        active = bool(self._row_adapter[rows].any())
-        if self._lora_bound.get(id(binding)) is not active:
-            for name, value in self._lora_values[active].items():
+        span = self._lora_span(rows)
+        if self._lora_bound.get(id(binding)) != span:
+            values = self._lora_values.get(span)
+            if values is None:
+                arrays = self._lora.span(*span)
+                values = self._lora_values[span] = {name: ortvalue(a) for name, a in arrays.items()}
+            for name, value in values.items():
                 binding.bind_ortvalue_input(name, value)
-            self._lora_bound[id(binding)] = active
+            self._lora_bound[id(binding)] = span
 
     def _keep(self, row: int) -> None:
         """Offer a leaving row to the prefix cache, unless a failed step may have left it half written."""

@@ -91,8 +91,9 @@ def read_adapter(path: Path | str, layout: LoraLayout) -> Adapter:
 
 class LoraSlots:
     """Every slot's adapter weights, as the graph's LoRA inputs read them (one array per input), and the
-    same inputs with no columns: a run none of whose rows has an adapter is given those, so it reads no
-    adapter weights and computes no branch (each adds zeros, exactly what every slot's masked branch adds)."""
+    inputs over a span of slots: a run is given those of the slots its rows use, first to last, so it reads
+    and multiplies no other slot's weights (with no slot, no columns at all: each branch adds zeros, exactly
+    what every other slot's masked branch adds)."""
 
     def __init__(self, layout: LoraLayout) -> None:
         self.layout = layout
@@ -100,18 +101,33 @@ class LoraSlots:
         self.arrays: dict[str, np.ndarray] = {}
         self.empty: dict[str, np.ndarray] = {}
         slots = layout.slots
+        # by span length k: row i (1..k, the ids counted from the span's first slot) 1 on slot i's columns
+        self._tables: dict[int, dict[str, np.ndarray]] = {k: {} for k in range(1, slots + 1)}
         for width in layout.widths():
-            table = np.zeros((slots + 1, slots * width), np.float32)  # row s: 1 on slot s's columns
-            for s in range(1, slots + 1):
-                table[s, (s - 1) * width : s * width] = 1.0
-            self.arrays[layout.onehot_input(width)] = table
+            for k, tables in self._tables.items():
+                table = np.zeros((slots + 1, k * width), np.float32)
+                for i in range(1, k + 1):
+                    table[i, (i - 1) * width : i * width] = 1.0
+                tables[layout.onehot_input(width)] = table
+            self.arrays[layout.onehot_input(width)] = self._tables[slots][layout.onehot_input(width)]
             self.empty[layout.onehot_input(width)] = np.zeros((slots + 1, 0), np.float32)
         for b in layout.branches:
             columns = slots * layout.width(b)
-            self.arrays[b.a_input] = np.zeros((b.in_features, columns), np.float32)
-            self.arrays[b.b_input] = np.zeros((columns, b.out_features), np.float32)
-            self.empty[b.a_input] = np.zeros((b.in_features, 0), np.float32)
-            self.empty[b.b_input] = np.zeros((0, b.out_features), np.float32)
+            self.arrays[b.a_input] = np.zeros(layout.a_shape(b, columns), np.float32)
+            self.arrays[b.b_input] = np.zeros(layout.b_shape(b, columns), np.float32)
+            self.empty[b.a_input] = np.zeros(layout.a_shape(b, 0), np.float32)
+            self.empty[b.b_input] = np.zeros(layout.b_shape(b, 0), np.float32)
+
+    def span(self, first: int, last: int) -> dict[str, np.ndarray]:
+        """The inputs over slots first..last (1-based) for ids counted from `first` (1: slot `first`):
+        views of the slots' arrays, so an adapter written later is read."""
+        inputs = dict(self._tables[last - first + 1])
+        for b in self.layout.branches:
+            width = self.layout.width(b)
+            for name, shape in ((b.a_input, self.layout.a_shape), (b.b_input, self.layout.b_shape)):
+                per_slot = shape(b, width)[0]  # a slot's share of the input's leading axis
+                inputs[name] = self.arrays[name][(first - 1) * per_slot : last * per_slot]
+        return inputs
 
     @property
     def weight_bytes(self) -> int:
@@ -122,12 +138,18 @@ class LoraSlots:
         """Put `adapter` in `slot` (1-based), replacing what it held; None empties it."""
         if not 1 <= slot <= self.layout.slots:
             raise ValueError(f"slot {slot} is not one of the bundle's 1..{self.layout.slots}")
+        group = self.layout.group
         for projection, branch in self._branches.items():
             width = self.layout.width(branch)
             columns = slice((slot - 1) * width, slot * width)
-            a, b = self.arrays[branch.a_input], self.arrays[branch.b_input]
-            a[:, columns] = 0.0 if adapter is None else adapter.a[projection]
-            b[columns, :] = 0.0 if adapter is None else adapter.b[projection]
+            groups = slice(columns.start // group, columns.stop // group)
+            a = self.arrays[branch.a_input]  # [groups, in, group]
+            b = self.arrays[branch.b_input].reshape(-1, branch.out_features)  # a view: [columns, out]
+            if adapter is None:
+                a[groups], b[columns] = 0.0, 0.0
+                continue
+            a[groups] = adapter.a[projection].reshape(branch.in_features, -1, group).transpose(1, 0, 2)
+            b[columns] = adapter.b[projection]
 
 
 def _config(path: Path) -> dict[str, Any]:

@@ -29,10 +29,10 @@ from serve.engine.types import Constraint, EngineSettings, NewSequence, Speculat
 from serve.errors import BundleError
 
 CONFIG = DecoderConfig(
-    vocab_size=320, context_length=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+    vocab_size=320, context_length=128, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=1024,
     positions="rotary", activation="swiglu", norm="rms", qkv_bias=False, out_bias=False, mlp_bias=False,
 )  # fmt: skip
-SLOTS, RANK = 3, 8
+SLOTS, RANK = 3, 16
 ALL = ["qkv", "out", "up", "down"]
 # name -> peft config: ranks, scalings (rsLoRA too) and module sets that differ
 ADAPTERS = {
@@ -224,11 +224,12 @@ def test_base_requests_are_what_the_bundle_without_slots_gives(
         ]
 
 
-def test_an_int4_bundle_with_slots_runs_its_branches_on_the_padded_rows(
+def test_an_int4_bundle_with_slots_cuts_its_padded_rows_around_each_branch_at_most_once(
     fp32_bundles: tuple[Path, Path], base_model: Decoder, tmp_path: Path
 ) -> None:
-    """Where the quantizer pads rows (4 bits past block 16), every branch runs on the padded rows beside its
-    projection: the graph has the Pads and Slices of the graph without slots, and one Pad per mask."""
+    """Where the quantizer pads rows (4 bits past block 16), a branch's products run on the real rows (they
+    take the rows as one axis, which the row pad does not follow): each branch costs at most one Pad and one
+    Slice more than the graph without slots."""
     import onnx
 
     bundles = [quantized(path, base_model, "int4", tmp_path) for path in fp32_bundles]
@@ -242,10 +243,10 @@ def test_an_int4_bundle_with_slots_runs_its_branches_on_the_padded_rows(
     lora, plain = graph(bundles[0]), graph(bundles[1])
     branches = [n for n in lora.node if n.name.endswith("/lora/b")]
     assert len(branches) == 4 * CONFIG.n_layers
-    assert all(n.output[0].endswith(ROW_PAD_PREFIX) for n in branches)
-    widths = {i.name for i in lora.input if i.name.startswith("lora_onehot.")}
-    for op, more in (("Pad", len(widths)), ("Slice", 0)):
-        assert sum(n.op_type == op for n in lora.node) == sum(n.op_type == op for n in plain.node) + more
+    assert not any(ROW_PAD_PREFIX in name for n in branches for name in [*n.input, *n.output])
+    for op in ("Pad", "Slice"):
+        extra = sum(n.op_type == op for n in lora.node) - sum(n.op_type == op for n in plain.node)
+        assert 0 <= extra <= len(branches), op
 
 
 def test_the_prefix_cache_never_serves_one_adapters_rows_to_another(
@@ -451,3 +452,27 @@ def test_a_preempted_request_resumes_with_its_adapter_even_after_it_left_its_slo
         outs += engine.decode()
     engine.release(["s"])
     assert [(o.token_id, o.logprob) for o in outs] == want
+
+
+def test_a_span_of_slots_is_those_slots_columns_read_in_place(
+    fp32_bundles: tuple[Path, Path], adapters: dict[str, tuple[Path, torch.nn.Module]]
+) -> None:
+    """A run is given the inputs of the slots its rows use, first to last: views of the slots' arrays (an
+    adapter written later is read) and a one-hot table for ids counted from the first of them."""
+    from serve.engine.lora import LoraSlots
+
+    layout = load_bundle(fp32_bundles[0]).manifest.lora
+    assert layout is not None
+    slots = LoraSlots(layout)
+    span = slots.span(2, 3)
+    slots.write(2, read_adapter(adapters["a1"][0], layout))
+    for branch in layout.branches:
+        width = layout.width(branch)
+        a, b = span[branch.a_input], span[branch.b_input].reshape(-1, branch.out_features)
+        assert a.shape == layout.a_shape(branch, 2 * width) and b.shape == (2 * width, branch.out_features)
+        assert np.abs(a[: width // layout.group]).sum() > 0 and not a[width // layout.group :].any()
+        assert np.abs(b[:width]).sum() > 0 and not b[width:].any()
+        table = span[layout.onehot_input(width)]
+        assert table.shape == (SLOTS + 1, 2 * width)
+        assert table[1, :width].all() and table[2, width:].all()
+        assert table[0].sum() == table[1, width:].sum() == table[2, :width].sum() == table[3:].sum() == 0
