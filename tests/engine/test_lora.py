@@ -451,3 +451,22 @@ def test_a_preempted_request_resumes_with_its_adapter_even_after_it_left_its_slo
         outs += engine.decode()
     engine.release(["s"])
     assert [(o.token_id, o.logprob) for o in outs] == want
+
+
+def test_adapters_mix_alike_with_an_fp16_kv_cache(
+    fp32_bundles: tuple[Path, Path], adapters: dict[str, tuple[Path, torch.nn.Module]]
+) -> None:
+    """--kv-cache-dtype fp16 rewrites the attention, not the branches: requests of any adapter still get
+    their tokens alone and mixed, bit for bit."""
+    engine = engine_for(fp32_bundles[0], adapters, kv_cache_dtype="fp16")
+    assert engine.kv_dtype == "float16"
+    names = ["", *adapters]
+    seqs = [
+        NewSequence(f"r{i}", p, SamplingParams(), logprobs=True, adapter=names[i % 4])
+        for i, p in enumerate(prompts(8))
+    ]
+    alone = {s.seq_id: run(engine, [s], 16)[s.seq_id] for s in seqs}
+    mixed = run(engine, seqs, 16)
+    for seq in seqs:
+        want = [(o.token_id, o.logprob) for o in alone[seq.seq_id]]
+        assert [(o.token_id, o.logprob) for o in mixed[seq.seq_id]] == want, seq.seq_id
