@@ -147,6 +147,14 @@ def test_what_a_graph_cannot_take_is_refused(demo_bundle: Path) -> None:
     graph = load_bundle(demo_bundle).inplace_graph
     assert graph is not None
     model = onnx.load(str(graph))
+    biased = onnx.ModelProto()  # with an attention_bias (input 10): a float input the rewrite does not handle
+    biased.CopyFrom(model)
+    attention = next(node for node in biased.graph.node if node.op_type == "GroupQueryAttention")
+    attention.input.extend([""] * (10 - len(attention.input)) + ["bias"])
+    with pytest.raises(
+        BundleError, match=r"inputs \(at positions \[10\]\) that the float16 KV cache rewrite"
+    ):
+        fp16_attention(biased, graph)
     fp16_attention(model, graph)
     with pytest.raises(BundleError, match="KV cache is not float32"):  # already rewritten
         fp16_attention(model, graph)
