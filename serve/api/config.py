@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, FilePath, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliApp, NoDecode, SettingsConfigDict, SettingsError
 
+from serve.engine.types import KvCacheDtype
 from serve.process import read_engine_cpus
 from serve.scheduling.limits import BatchingKnobs
 
@@ -116,6 +117,12 @@ class ServerSettings(BaseSettings, BatchingKnobs):
         description="memory for the KV cache, e.g. 512MiB or 4GiB (a bare number: MiB): rows of "
         "max_model_len tokens, running first (up to max_batch_size), then the prefix cache's (default: "
         "max_batch_size + prefix_cache_rows rows, whatever they take)",
+    )
+    kv_cache_dtype: KvCacheDtype = Field(
+        "auto",
+        description="element type of the KV cache: auto keeps the bundle's own (float32; float16 for an fp16 "
+        "bundle); fp16 halves a float32 bundle's cache (its attention then computes in float16: see "
+        "docs/benchmarks.md, 'KV cache dtype', for the cost in speed and accuracy)",
     )
     prefix_cache_rows: int = Field(
         4,

@@ -12,7 +12,7 @@ from pathlib import Path
 from serve.api.common import LoadedModel
 from serve.api.config import ConfigError, ServerSettings
 from serve.api.metrics import Metrics
-from serve.api.sizing import ITEMSIZE, DraftCost, KvSizing, size_kv_cache
+from serve.api.sizing import DraftCost, KvSizing, kv_itemsize, size_kv_cache
 from serve.api.validation import RequestLimits
 from serve.bundle import Bundle, load_bundle, read_manifest, serving_weight_bytes
 from serve.engine.types import EngineInfo, EngineSettings, SessionConfig, SpeculationSettings
@@ -72,6 +72,7 @@ def engine_settings(settings: ServerSettings, sizing: KvSizing | None = None) ->
         prefix_cache_min_tokens=settings.prefix_cache_min_tokens,
         speculation=speculation_settings(settings),
         adapters=tuple((name, str(folder)) for name, folder in settings.lora),
+        kv_cache_dtype=settings.kv_cache_dtype,
     )
 
 
@@ -90,7 +91,7 @@ def draft_cost(settings: ServerSettings) -> DraftCost | None:
         return None
     root = Path(settings.draft_bundle)
     manifest = read_manifest(root)  # the engine loads and checks the draft bundle whole later
-    per_token = manifest.architecture.kv_bytes_per_token(ITEMSIZE[manifest.dtype])
+    per_token = manifest.architecture.kv_bytes_per_token(kv_itemsize(manifest))  # its cache: as exported
     return DraftCost(serving_weight_bytes(root, manifest), per_token)
 
 
@@ -112,6 +113,7 @@ def kv_sizing(settings: ServerSettings, bundle: Bundle) -> KvSizing:
         settings.max_batch_size,
         settings.prefix_cache_rows,
         draft_cost(settings),
+        settings.kv_cache_dtype,
     )
     log.info("%s", sizing.describe())
     if sizing.max_batch_size < settings.max_batch_size:

@@ -2,11 +2,12 @@
 `--max-batch-size` and `--prefix-cache-rows`, and the bundle's architecture.
 
 A row holds one sequence: `max_model_len` tokens of K and V for every layer's key/value heads
-(n_layers x 2 x n_kv_heads x head_dim elements a token, in the graph's precision). Without a memory budget
-the server allocates max_batch_size + prefix_cache_rows rows, whatever they take; with one, as many as fit,
-running rows first (up to max_batch_size), then the prefix cache's. A draft model (--speculative draft) is
-paid from the budget first: its weights and its own KV row of `max_model_len` tokens. A budget that holds no
-row at all refuses to start, saying what one row takes.
+(n_layers x 2 x n_kv_heads x head_dim elements a token, of the bundle's precision or --kv-cache-dtype's).
+Without a memory budget the server allocates max_batch_size + prefix_cache_rows rows, whatever they take;
+with one, as many as fit, running rows first (up to max_batch_size), then the prefix cache's. A draft model
+(--speculative draft) is paid from the budget first: its weights and its own KV row of `max_model_len`
+tokens, as its bundle stores them. A budget that holds no row at all refuses to start, saying what one row
+takes.
 """
 
 from __future__ import annotations
@@ -15,12 +16,18 @@ from dataclasses import dataclass
 
 from serve.api.config import ConfigError
 from serve.bundle import Manifest
+from serve.engine.types import KV_CACHE_DTYPES, KvCacheDtype
 
 # A model's full context (32k for Qwen2.5, 128k for Llama 3.1) times 20 rows is tens of GiB: serve a
 # shorter one unless asked (--max-model-len).
 DEFAULT_MAX_MODEL_LEN = 4096
 ITEMSIZE = {"float32": 4, "float16": 2}
 MIB = 2**20
+
+
+def kv_itemsize(manifest: Manifest, kv_cache_dtype: KvCacheDtype = "auto") -> int:
+    """Bytes of one KV cache element: --kv-cache-dtype's, or (auto) the bundle's own."""
+    return ITEMSIZE[manifest.dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype]]
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,7 @@ def size_kv_cache(
     max_batch_size: int,
     prefix_cache_rows: int,
     draft: DraftCost | None = None,
+    kv_cache_dtype: KvCacheDtype = "auto",
 ) -> KvSizing:
     """The rows to allocate; ConfigError when max_model_len exceeds the model or no row fits the budget."""
     arch = manifest.architecture
@@ -78,7 +86,8 @@ def size_kv_cache(
             f"give at most {context}"
         )
     length = max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
-    row = arch.kv_bytes_per_token(ITEMSIZE[manifest.dtype]) * length
+    itemsize = kv_itemsize(manifest, kv_cache_dtype)
+    row = arch.kv_bytes_per_token(itemsize) * length
     running, prefix = max_batch_size, prefix_cache_rows
     drafting = 0 if draft is None else draft.bytes(length)
     if kv_cache_memory is not None:
@@ -90,7 +99,7 @@ def size_kv_cache(
             raise ConfigError(
                 f"kv_cache_memory {kv_cache_memory / MIB:.1f} MiB holds no KV row{after}: one row of "
                 f"{length} tokens takes {row / MIB:.1f} MiB ({arch.n_layers} layers x K,V x "
-                f"{arch.n_kv_heads} heads x {arch.head_dim} x {ITEMSIZE[manifest.dtype]} bytes a token); "
+                f"{arch.n_kv_heads} heads x {arch.head_dim} x {itemsize} bytes a token); "
                 "raise --kv-cache-memory or lower --max-model-len"
             )
         running = min(max_batch_size, rows)

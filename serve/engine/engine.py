@@ -36,6 +36,7 @@ from tokenizers import Tokenizer
 from serve.bundle import LORA_IDS_INPUT, LoraLayout
 from serve.engine.constraints import ConstraintCompiler, ConstraintRows, MaskStats, MaskWorker, PendingMasks
 from serve.engine.kv_cache import KvCache
+from serve.engine.kv_dtype import fp16_cache_graph, needs_rewrite
 from serve.engine.lora import Adapter, LoraSlots, Residency, read_adapter
 from serve.engine.prefix_cache import PrefixCache, PrefixHit
 from serve.engine.prompt_scoring import PromptScorer, scoring_session
@@ -263,6 +264,8 @@ class Engine:
         if m.odd_rows_padded:  # only such a graph has pads to take out: no other is read before its session
             unpadded = unpadded_graph(bundle.inplace_graph, session)
             graph = graph if unpadded is None else unpadded[0]
+        if needs_rewrite(settings.kv_cache_dtype, m.dtype, bundle.root):
+            graph = fp16_cache_graph(Path(graph) if isinstance(graph, str) else graph)
         proposer: Proposer | None = None
         verifier = None
         if settings.speculation.enabled:
@@ -329,6 +332,11 @@ class Engine:
     def kv_bytes(self) -> int:
         """Memory of every KV row, running and prefix cache, on the engine's device."""
         return self._kv.kv_bytes
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's element type, as numpy names it ("float32", "float16")."""
+        return self._kv.dtype_name
 
     @property
     def info(self) -> EngineInfo:
@@ -1147,12 +1155,13 @@ def open_engine(bundle: Bundle, settings: EngineSettings) -> Engine:
             f"here): its first step failed: {type(exc).__name__}: {detail}"
         ) from exc
     log.info(
-        "KV cache: %d rows (%d running, %d prefix cache) of %d tokens, %.1f MiB on %s",
+        "KV cache: %d rows (%d running, %d prefix cache) of %d tokens, %.1f MiB of %s on %s",
         engine.max_batch_size + engine.prefix_cache_rows,
         engine.max_batch_size,
         engine.prefix_cache_rows,
         engine.capacity,
         engine.kv_bytes / 2**20,
+        engine.kv_dtype,
         engine.kv_device.type,
     )
     return engine

@@ -75,6 +75,11 @@ class KvCache:
         """Memory of every row of every buffer, on the cache's device."""
         return self.rows * sum(b.row_bytes for b in self.buffers)
 
+    @property
+    def dtype_name(self) -> str:
+        """The buffers' element type ("float32", "float16"): the graph gives K and V of every layer one."""
+        return np.dtype(self.buffers[0].dtype).name
+
     def kv_buffer_devices(self) -> list[str]:
         """The device ONNX Runtime reports for each buffer ("cpu", "cuda"), K and V per layer."""
         return [b.value.device_name() for b in self.buffers]

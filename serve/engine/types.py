@@ -8,12 +8,17 @@ import enum
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from serve.engine.sampling import Alternatives, PromptScores, SamplingParams
 
 if TYPE_CHECKING:
     from serve.engine.constraints import CompiledConstraint
+
+
+# --kv-cache-dtype (serve/engine/kv_dtype.py): auto keeps the bundle's own; the others as manifests name them
+KvCacheDtype = Literal["auto", "fp32", "fp16"]
+KV_CACHE_DTYPES = {"fp32": "float32", "fp16": "float16"}
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,8 @@ class EngineSettings:
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)  # off by default
     # LoRA adapters loaded at start, (name, peft folder), into a LoRA bundle's slots (serve/engine/lora.py).
     adapters: tuple[tuple[str, str], ...] = ()
+    # The KV cache's element type (serve/engine/kv_dtype.py); auto: the bundle's own.
+    kv_cache_dtype: KvCacheDtype = "auto"
 
 
 class ConstraintKind(enum.Enum):

@@ -142,3 +142,28 @@ def test_the_choice_is_logged(loop: LoopThread, tiny_bundle: Path, caplog: pytes
     messages = [r.getMessage() for r in caplog.records if r.name == "textgen.server"]
     assert any("KV cache: max_model_len 32" in m and "5 running + 0 prefix-cache rows" in m for m in messages)
     assert any("max_batch_size 16 -> 5" in m for m in messages)
+
+
+def test_an_fp16_cache_fits_twice_the_rows_in_a_budget(
+    loop: LoopThread, tiny_bundle: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    manifest = load_bundle(tiny_bundle).manifest  # float32: 512 B a token, 256 B in float16
+    assert size_kv_cache(manifest, None, None, 16, 4, kv_cache_dtype="fp16").row_bytes == 256 * 128
+    budget = 5 * 512 * 64  # five float32 rows of 64 tokens
+    assert load_settings(["--bundle", str(tiny_bundle), "--kv-cache-dtype", "fp16"]).kv_cache_dtype == "fp16"
+    settings = loopback_settings(
+        tiny_bundle,
+        max_model_len=64,
+        kv_cache_memory=f"{budget}B",
+        kv_cache_dtype="fp16",
+        engine_process=False,
+    )
+    with caplog.at_level(logging.INFO, logger="textgen.engine"):
+        running = RunningServer(loop, settings)
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            info = pb_grpc.TextGenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest())
+    finally:
+        running.stop()
+    assert (info.max_batch_size, info.prefix_cache_rows, info.kv_cache_bytes) == (10, 0, budget)
+    assert any("MiB of float16 on cpu" in r.getMessage() for r in caplog.records)

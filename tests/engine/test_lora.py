@@ -476,3 +476,22 @@ def test_a_span_of_slots_is_those_slots_columns_read_in_place(
         assert table.shape == (SLOTS + 1, 2 * width)
         assert table[1, :width].all() and table[2, width:].all()
         assert table[0].sum() == table[1, width:].sum() == table[2, :width].sum() == table[3:].sum() == 0
+
+
+def test_adapters_mix_alike_with_an_fp16_kv_cache(
+    fp32_bundles: tuple[Path, Path], adapters: dict[str, tuple[Path, torch.nn.Module]]
+) -> None:
+    """--kv-cache-dtype fp16 rewrites the attention, not the branches: requests of any adapter still get
+    their tokens alone and mixed, bit for bit."""
+    engine = engine_for(fp32_bundles[0], adapters, kv_cache_dtype="fp16")
+    assert engine.kv_dtype == "float16"
+    names = ["", *adapters]
+    seqs = [
+        NewSequence(f"r{i}", p, SamplingParams(), logprobs=True, adapter=names[i % 4])
+        for i, p in enumerate(prompts(8))
+    ]
+    alone = {s.seq_id: run(engine, [s], 16)[s.seq_id] for s in seqs}
+    mixed = run(engine, seqs, 16)
+    for seq in seqs:
+        want = [(o.token_id, o.logprob) for o in alone[seq.seq_id]]
+        assert [(o.token_id, o.logprob) for o in mixed[seq.seq_id]] == want, seq.seq_id

@@ -160,12 +160,14 @@ def rotary_gqa_bundle(tiny_bundle: Path, out: Path, precision: Precision) -> Pat
     )  # fmt: skip
     model = Decoder(config).eval()
     tokenizer = load_bundle(tiny_bundle).tokenizer
-    options = ExportOptions(model_name=f"gqa-{precision.kind}", precision=Precision(), progress=False)
-    fp32 = export_bundle(model, tokenizer, out / "fp32", options).root
+    options = ExportOptions(model_name="gqa-fp32", precision=Precision(), progress=False)
+    fp32 = out / "fp32"
+    if not (fp32 / "manifest.json").exists():  # exported once for every precision made from it
+        export_bundle(model, tokenizer, fp32, options)
     if precision.kind == "fp32":
         return fp32
     graphs = quantized_graphs(fp32, precision)
-    options = replace(options, precision=precision)
+    options = replace(options, model_name=f"gqa-{precision.kind}", precision=precision)
     return write_verified_bundle(model, tokenizer, graphs, out / precision.kind, options).root
 
 
@@ -173,18 +175,29 @@ def rotary_gqa_bundle(tiny_bundle: Path, out: Path, precision: Precision) -> Pat
 PRECISIONS = {"int8": Precision("int8"), "int4": Precision("int4", block_size=16), "fp32": Precision()}
 
 
-@pytest.fixture(scope="module", params=["demo", "fp32", "int8", "int4"])
+@pytest.fixture(scope="module")
+def gqa_bundles(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the rotary GQA bundles are written, the fp32 one shared by all."""
+    return tmp_path_factory.mktemp("gqa")
+
+
+@pytest.fixture(scope="module", params=["demo", "fp32", "int8", "int4", "fp32-fp16-cache"])
 def pair(
-    request: pytest.FixtureRequest, tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, tiny_bundle: Path, gqa_bundles: Path
 ) -> tuple[Engine, Engine, Oracle]:
     """A plain engine and a speculating one proposing with an `Oracle`, of the trained demo model or of the
-    rotary GQA bundle at a precision."""
-    if request.param == "demo":
+    rotary GQA bundle at a precision (fp32-fp16-cache: fp32 served with --kv-cache-dtype fp16)."""
+    precision, _, cache = request.param.partition("-")
+    if precision == "demo":
         path = request.getfixturevalue("demo_bundle")
     else:
-        path = rotary_gqa_bundle(tiny_bundle, tmp_path_factory.mktemp("gqa"), PRECISIONS[request.param])
+        path = rotary_gqa_bundle(tiny_bundle, gqa_bundles, PRECISIONS[precision])
     bundle = load_bundle(path)
-    plain, speculating = Engine.from_bundle(bundle, SETTINGS), Engine.from_bundle(bundle, SPECULATING)
+    dtype = "fp16" if cache == "fp16-cache" else "auto"
+    plain, speculating = (
+        Engine.from_bundle(bundle, replace(settings, kv_cache_dtype=dtype))
+        for settings in (SETTINGS, SPECULATING)
+    )
     oracle = Oracle(plain.vocab_size)
     speculating.proposer = oracle
     return plain, speculating, oracle
