@@ -137,8 +137,11 @@ def command_of(server: str, ready: Prepared, precision: str, port: int, work: Wo
     return llama_cpp.server_command(ready.bin_dir, gguf, port, work.slots, work.ctx_per_slot, work.threads)
 
 
-def measure(ready: Prepared, args: argparse.Namespace, base: Workload, logs: Path) -> list[Cell]:
-    records = []
+def measure(ready: Prepared, args: argparse.Namespace, base: Workload, result: Cell, output: Path) -> None:
+    """Every cell into result["records"], the record written to `output` after each (a run cut short keeps
+    what it measured; `--report` reads it)."""
+    logs = output.with_suffix("")
+    records = result["records"]
     for round_no in range(args.rounds):
         for context in args.contexts:
             work = replace(base, ctx_per_slot=context)
@@ -150,8 +153,8 @@ def measure(ready: Prepared, args: argparse.Namespace, base: Workload, logs: Pat
                     cell = run_cell(command, port, log, work, args.requests, seed=1000 * (round_no + 1))
                     record = {"round": round_no, "context": context, "precision": precision, "server": server}
                     records.append(record | cell)
+                    output.write_text(json.dumps(result, indent=1))
                     print(json.dumps(records[-1]), flush=True)
-    return records
 
 
 def assets(args: argparse.Namespace) -> Prepared:
@@ -298,8 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"## {path}\n\n{report(json.loads(path.read_text()))}\n")
         return 0
     output = args.output or REPO / "bench" / "results" / f"served-memory-{time.strftime('%Y%m%d-%H%M')}.json"
-    logs = output.with_suffix("")
-    logs.mkdir(parents=True, exist_ok=True)
+    output.with_suffix("").mkdir(parents=True, exist_ok=True)  # the servers' logs
     ready = assets(args)
     work = Workload(max_tokens=args.new_tokens)
     result: Cell = {
@@ -318,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
             for p in args.precisions
         },
         "workload": asdict(work) | {"requests": args.requests},
+        "records": [],
     }
-    result["records"] = measure(ready, args, work, logs)
+    measure(ready, args, work, result, output)
     result["finished"] = time.strftime("%Y-%m-%d %H:%M")
     output.write_text(json.dumps(result, indent=1))
     print(report(result))
