@@ -42,7 +42,7 @@ from bench.peers_bench import PRECISIONS
 from bench.proc import tree_status_mib
 from bench.served_peers import Prepared, Workload, http_answers, load, prepare, textgen_command
 from bench.serving_bench import free_port, machine, server_process
-from serve.api.sizing import FIXED_BYTES, ITEMSIZE, WEIGHT_FACTORS, pod_memory, size_kv_cache
+from serve.api.sizing import FIXED_BYTES, ITEMSIZE, WEIGHT_FACTORS, PodMemory, pod_memory, size_kv_cache
 from serve.bundle import read_manifest
 
 SERVERS = ("textgen", "llama-server")
@@ -185,6 +185,16 @@ def _pick(records: list[Cell], server: str, precision: str, context: int) -> lis
     ]
 
 
+def formula(result: Cell, precision: str, context: int) -> PodMemory:
+    """The sizing formula's figures for textgen's cell as serve/api/sizing.py gives them now (the record keeps
+    those of its own run too), so a refitted formula can be checked against earlier records."""
+    given = result["predicted"][precision][str(context)]
+    kv = result["kv_mib"][precision][str(context)]["textgen"]
+    return PodMemory(
+        round(given["weights_mib"] * MIB), round(kv * MIB), WEIGHT_FACTORS[given["quantization"]]
+    )
+
+
 def _span(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
     """The lowest and the highest of `values` / `scale` ("a" when they round the same): memory after start-up
     differs from start to start by what the allocator kept of the graph it parsed."""
@@ -210,7 +220,7 @@ def table(result: Cell) -> list[str]:
             engine = [total - part for total, part in zip(steady, front, strict=True)]
             their_steady = [r["steady_mib"] for r in theirs]
             kv = result["kv_mib"][precision][str(context)]
-            formula = result["predicted"][precision][str(context)]
+            pod = formula(result, precision, context)
             lines.append(
                 f"| {precision} / {PRECISIONS[precision].llamacpp} "
                 f"| {slots} x {context} ({kv['textgen']:,.0f}; {kv['llama-server']:,.0f} MiB) "
@@ -219,7 +229,7 @@ def table(result: Cell) -> list[str]:
                 f"| **{_span(steady, statistics.median(their_steady), 2)}** "
                 f"| {_median(ours, 'file_mib'):,.0f}; {_median(theirs, 'file_mib'):,.0f} MiB "
                 f"| {_median(ours, 'ready_s'):.1f} s; {_median(theirs, 'ready_s'):.1f} s "
-                f"| {formula['request_mib']:,} / {formula['limit_mib']:,} MiB |"
+                f"| {pod.request_mib:,} / {pod.limit_mib:,} MiB |"
             )
     return lines
 
@@ -237,13 +247,13 @@ def factor_table(result: Cell) -> list[str]:
         fits: dict[str, list[float]] = {"steady_mib": [], "peak_mib": []}
         for context in result["contexts"]:
             ours = _pick(result["records"], "textgen", precision, context)
-            formula = result["predicted"][precision][str(context)]
+            given = result["predicted"][precision][str(context)]
             kv = result["kv_mib"][precision][str(context)]["textgen"]
             for key, fit in fits.items():
-                fit += [(r[key] - kv - FIXED_BYTES / MIB) / formula["weights_mib"] for r in ours]
-        factor = WEIGHT_FACTORS[formula["quantization"]]
+                fit += [(r[key] - kv - FIXED_BYTES / MIB) / given["weights_mib"] for r in ours]
+        factor = WEIGHT_FACTORS[given["quantization"]]
         lines.append(
-            f"| {precision} | {formula['weights_mib']:,.1f} MiB | {max(fits['steady_mib']):.2f} / "
+            f"| {precision} | {given['weights_mib']:,.1f} MiB | {max(fits['steady_mib']):.2f} / "
             f"{max(fits['peak_mib']):.2f} | {factor.steady:.2f} / {factor.peak:.2f} |"
         )
     return lines
