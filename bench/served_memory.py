@@ -8,20 +8,22 @@ weights (fp32 / int8 / int4 against GGUF f32 / q8_0 / q4_0) and the same KV capa
 The assets are bench.served_peers' (prepared in WORK, each only when missing), unless `--bundle
 PRECISION=DIR`, `--gguf QUANT=FILE` and `--bin-dir` (llama-server's folder) name them all.
 
-A cell: one server started alone with `--slots` rows of C positions each, C one of `--contexts` (textgen:
-`--max-batch-size slots --max-model-len C --prefix-cache-rows 0`; llama-server: `-np slots -c slots x C`, its
-KV cache in its default f16), then `--requests` requests at once over HTTP (bench.served_peers' client, random
-32-token prompts, 64 new tokens each). It reports:
+A cell: one server started alone with 16 rows of C positions each (bench.served_peers' Workload), C one of
+`--contexts` (textgen: `--max-batch-size 16 --max-model-len C --prefix-cache-rows 0`; llama-server: `-np 16
+-c 16 x C`, its KV cache in its default f16), then `--requests` requests at once over HTTP
+(bench.served_peers' client, random 32-token prompts, `--new-tokens` each). It reports:
 - ready: seconds from starting the process to GET /health answering 200 (asked every 50 ms; both servers
-  answer 503 while they load). Noisy on a shared machine: the median over `--rounds`;
+  answer 503 while they load). Noisy on a shared machine: the table shows the median over `--rounds`;
 - steady: VmRSS of every process of the server (textgen: the front end and the engine process it starts)
-  after the requests, summed;
+  after the requests, summed, and how much of it is pages of mapped files (RssFile);
 - peak: VmHWM of each process (its resident high-water mark), summed: an upper bound of the whole server's
   peak, which is what a container's memory limit must cover.
-Memory hardly depends on the machine's load, so one round says it; the median is kept all the same.
+Memory hardly depends on the machine's load, but what start-up leaves resident can differ from one start to
+the next: the table shows the lowest and the highest over `--rounds`.
 
-Beside each textgen cell: what the pod sizing formula (serve.api.sizing.pod_memory, docs/deploy.md) predicts
-for it, so a change of the engine's memory shows against the formula's figures.
+Beside each textgen cell: what the pod sizing formula (serve.api.sizing.pod_memory, docs/deploy.md) gives
+for it, and after the table the weight factor each precision asks of the formula, so new figures for
+serve/api/sizing.py are one run away when the engine's memory changes.
 """
 
 from __future__ import annotations
@@ -208,7 +210,7 @@ def table(result: Cell) -> list[str]:
         "| model | KV capacity (textgen fp32; llama-server f16 cache) | textgen steady (front end + engine) "
         "| textgen peak | llama-server steady / peak | textgen ÷ llama-server steady "
         "| of steady, mapped files (textgen; llama-server) | ready after start, median (textgen; "
-        "llama-server) | formula request / limit |",
+        "llama-server) | sizing formula request / limit |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for context in result["contexts"]:
