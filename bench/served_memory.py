@@ -21,6 +21,9 @@ A cell: one server started alone with 16 rows of C positions each (bench.served_
 Memory hardly depends on the machine's load, but what start-up leaves resident can differ from one start to
 the next: the table shows the lowest and the highest over `--rounds`.
 
+`--textgen-flag` and `--llama-flag` add a flag to every cell of that server (a KV cache type, say); the KV
+columns and the formula's figures still take textgen's cache in the bundle's dtype, llama-server's in f16.
+
 Beside each textgen cell: what the pod sizing formula (serve.api.sizing.pod_memory, docs/deploy.md) gives
 for it, and after the table the weight factor each precision asks of the formula, so new figures for
 serve/api/sizing.py are one run away when the engine's memory changes.
@@ -132,11 +135,16 @@ def kv_mib(bundle: Path, work: Workload) -> dict[str, float]:
     return {"textgen": ours / MIB, "llama-server": arch.kv_bytes_per_token(LLAMA_KV_ITEMSIZE) * tokens / MIB}
 
 
-def command_of(server: str, ready: Prepared, precision: str, port: int, work: Workload) -> list[str]:
+def command_of(
+    server: str, ready: Prepared, precision: str, port: int, work: Workload, args: argparse.Namespace
+) -> list[str]:
+    """The server's command for the cell, with the run's own flags for it (--textgen-flag, --llama-flag)."""
     if server == "textgen":
-        return textgen_command(ready.bundles[precision], port, work, ["--prefix-cache-rows", "0"])
+        flags = ["--prefix-cache-rows", "0", *args.textgen_flag]
+        return textgen_command(ready.bundles[precision], port, work, flags)
     gguf = ready.ggufs[PRECISIONS[precision].llamacpp]
-    return llama_cpp.server_command(ready.bin_dir, gguf, port, work.slots, work.ctx_per_slot, work.threads)
+    command = llama_cpp.server_command(ready.bin_dir, gguf, port, work.slots, work.ctx_per_slot, work.threads)
+    return command + args.llama_flag
 
 
 def measure(ready: Prepared, args: argparse.Namespace, base: Workload, result: Cell, output: Path) -> None:
@@ -151,7 +159,7 @@ def measure(ready: Prepared, args: argparse.Namespace, base: Workload, result: C
                 for server in SERVERS:
                     port = free_port()
                     log = logs / f"{server}-{precision}-{context}-{round_no}.log"
-                    command = command_of(server, ready, precision, port, work)
+                    command = command_of(server, ready, precision, port, work, args)
                     cell = run_cell(command, port, log, work, args.requests, seed=1000 * (round_no + 1))
                     record = {"round": round_no, "context": context, "precision": precision, "server": server}
                     records.append(record | cell)
@@ -299,6 +307,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=4, help="sent at once before memory is read")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--textgen-flag", action="append", default=[], help="a textgen-serve flag (repeatable)")
+    p.add_argument("--llama-flag", action="append", default=[], help="a llama-server flag (repeatable)")
     p.add_argument(
         "--output", type=Path, help="the JSON record (default bench/results/served-memory-TIME.json)"
     )
