@@ -70,15 +70,20 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def tree_rss_mib(pid: int) -> float:
-    """Resident memory of a process and its descendants together, now."""
-    total = 0.0
+def tree_status_mib(pid: int, field: str) -> dict[int, float]:
+    """A memory line of /proc/PID/status (VmRSS, VmHWM, ...) in MiB for a process and each descendant."""
+    found = {}
     for p in (pid, *descendants(pid)):
         try:
-            total += status_mib(p, "VmRSS")
+            found[p] = status_mib(p, field)
         except OSError:  # it ended meanwhile
             continue
-    return total
+    return found
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and its descendants together, now."""
+    return sum(tree_status_mib(pid, "VmRSS").values())
 
 
 def machine_busy_seconds() -> float:

@@ -95,10 +95,10 @@ def textgen_command(bundle: Path, port: int, work: Workload, flags: list[str]) -
     ]
 
 
-def http_answers(port: int) -> bool:
-    """Whether GET /v1/models answers 200 (llama-server answers 503 while it loads)."""
+def http_answers(port: int, path: str = "/v1/models") -> bool:
+    """Whether GET `path` answers 200 (llama-server answers 503 while it loads)."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as reply:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as reply:
             return bool(reply.status == 200)
     except (urllib.error.URLError, OSError):
         return False

@@ -254,10 +254,11 @@ def server_process(
     env: dict[str, str] | None = None,
     cwd: Path = ROOT,
     answers: Callable[[], bool] | None = None,
+    interval: float = 0.5,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A server subprocess (`env`: variables set for it on top of ours; run in `cwd`), yielded once it is
-    ready (`answers()` is true; by default, once it answers GetModelInfo on `target`); SIGTERM (then
-    SIGKILL) afterwards."""
+    ready (`answers()` is true, asked every `interval` seconds; by default, once it answers GetModelInfo on
+    `target`); SIGTERM (then SIGKILL) afterwards."""
     assignments = [f"{name}={value}" for name, value in (env or {}).items()]
     print(f"$ {shlex.join(assignments + command)}", flush=True)
     with log_path.open("wb") as log:
@@ -268,7 +269,7 @@ def server_process(
             if answers is None:
                 wait_ready(process, target, log_path)
             else:
-                wait_until(process, log_path, answers)
+                wait_until(process, log_path, answers, interval=interval)
             yield process
         finally:
             process.terminate()
@@ -295,17 +296,21 @@ def wait_ready(process: subprocess.Popen[bytes], target: str, log_path: Path, ti
 
 
 def wait_until(
-    process: subprocess.Popen[bytes], log_path: Path, answers: Callable[[], bool], timeout: float = 300.0
+    process: subprocess.Popen[bytes],
+    log_path: Path,
+    answers: Callable[[], bool],
+    timeout: float = 300.0,
+    interval: float = 0.5,
 ) -> None:
-    """Until `answers()` is true, asked every 0.5 s; an error naming the log if the server exits first or
-    `timeout` seconds pass."""
+    """Until `answers()` is true, asked every `interval` seconds; an error naming the log if the server
+    exits first or `timeout` seconds pass."""
     deadline = time.monotonic() + timeout
     while not answers():
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with code {process.returncode}; see {log_path}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"the server was not ready after {timeout:.0f} s; see {log_path}")
-        time.sleep(0.5)
+        time.sleep(interval)
 
 
 def measure(name: str, config: LoadConfig, results: Path, metrics_url: str | None = None) -> BenchmarkOutput:

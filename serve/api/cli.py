@@ -12,6 +12,7 @@ import sys
 
 from serve.api.config import ConfigError, load_settings
 from serve.api.lifecycle import serve
+from serve.api.loading import pod_memory_report
 from serve.errors import TextgenError
 from serve.process import configure_logging
 
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(settings.log_level)
     try:
+        if settings.print_pod_memory:
+            print(pod_memory_report(settings))
+            return 0
         return asyncio.run(serve(settings))
     except EXPECTED_STARTUP_ERRORS as exc:
         log.error("start-up failed: %s", exc)

@@ -61,6 +61,11 @@ class ServerSettings(BaseSettings, BatchingKnobs):
     )
 
     bundle: Path = Field(description="model bundle directory (written by textgen-export)")
+    print_pod_memory: bool = Field(
+        False,
+        description="print the memory a Kubernetes pod serving this configuration needs (requests and "
+        "limits: the bundle's weights x a factor + the KV rows + a fixed part; docs/deploy.md) and exit",
+    )
     host: str = Field("0.0.0.0", description="gRPC listen address")
     port: Port = Field(50051, description="gRPC port (0: any free port, logged at start)")
     http_host: str = Field("0.0.0.0", description="OpenAI-compatible HTTP API listen address")

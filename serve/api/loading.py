@@ -12,9 +12,9 @@ from pathlib import Path
 from serve.api.common import LoadedModel
 from serve.api.config import ConfigError, ServerSettings
 from serve.api.metrics import Metrics
-from serve.api.sizing import DraftCost, KvSizing, kv_itemsize, size_kv_cache
+from serve.api.sizing import DraftCost, KvSizing, kv_itemsize, pod_memory, size_kv_cache
 from serve.api.validation import RequestLimits
-from serve.bundle import Bundle, load_bundle, read_manifest, serving_weight_bytes
+from serve.bundle import Bundle, Manifest, load_bundle, read_manifest, serving_weight_bytes
 from serve.engine.types import EngineInfo, EngineSettings, SessionConfig, SpeculationSettings
 from serve.errors import BundleError
 from serve.process import (
@@ -104,10 +104,10 @@ def check_adapter_names(settings: ServerSettings, bundle: Bundle) -> None:
             )
 
 
-def kv_sizing(settings: ServerSettings, bundle: Bundle) -> KvSizing:
-    """The KV rows to allocate for this bundle (ConfigError: none fits the budget), logged."""
-    sizing = size_kv_cache(
-        bundle.manifest,
+def kv_rows(settings: ServerSettings, manifest: Manifest) -> KvSizing:
+    """The KV rows the settings allocate for a bundle of this manifest (ConfigError: none fits the budget)."""
+    return size_kv_cache(
+        manifest,
         settings.max_model_len,
         settings.kv_cache_memory,
         settings.max_batch_size,
@@ -115,6 +115,26 @@ def kv_sizing(settings: ServerSettings, bundle: Bundle) -> KvSizing:
         draft_cost(settings),
         settings.kv_cache_dtype,
     )
+
+
+def pod_memory_report(settings: ServerSettings) -> str:
+    """The memory a pod serving these settings needs, with the arithmetic (--print-pod-memory)."""
+    root = Path(settings.bundle)
+    manifest = read_manifest(root)
+    sizing = kv_rows(settings, manifest)
+    pod = pod_memory(root, manifest, sizing)
+    arch, itemsize = manifest.architecture, kv_itemsize(manifest, settings.kv_cache_dtype)
+    per_token = (
+        f"a token: 2 (K, V) x {arch.n_layers} layers x {arch.n_kv_heads} KV heads x {arch.head_dim} "
+        f"head dim x {itemsize} bytes = {arch.kv_bytes_per_token(itemsize)} bytes"
+    )
+    model = f"{root} ({manifest.model_name}, quantization {manifest.quantization})"
+    return "\n".join([model, f"{sizing.describe()}; {per_token}", pod.describe()])
+
+
+def kv_sizing(settings: ServerSettings, bundle: Bundle) -> KvSizing:
+    """The KV rows to allocate for this bundle (ConfigError: none fits the budget), logged."""
+    sizing = kv_rows(settings, bundle.manifest)
     log.info("%s", sizing.describe())
     if sizing.max_batch_size < settings.max_batch_size:
         log.warning(

@@ -8,14 +8,20 @@ with one, as many as fit, running rows first (up to max_batch_size), then the pr
 (--speculative draft) is paid from the budget first: its weights and its own KV row of `max_model_len`
 tokens, as its bundle stores them. A budget that holds no row at all refuses to start, saying what one row
 takes.
+
+What a pod serving a bundle needs (`pod_memory`; `textgen-serve --print-pod-memory`, docs/deploy.md): its
+weights times a factor, plus the KV cache, plus a fixed part for the front end and the engine process's
+runtime. The factors and the fixed part are fitted to the measurements of bench/served_memory.py
+(docs/benchmarks.md, "Memory and start-up against llama-server").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from serve.api.config import ConfigError
-from serve.bundle import Manifest
+from serve.bundle import Manifest, serving_weight_bytes
 from serve.engine.types import KV_CACHE_DTYPES, KvCacheDtype
 
 # A model's full context (32k for Qwen2.5, 128k for Llama 3.1) times 20 rows is tens of GiB: serve a
@@ -28,6 +34,34 @@ MIB = 2**20
 def kv_itemsize(manifest: Manifest, kv_cache_dtype: KvCacheDtype = "auto") -> int:
     """Bytes of one KV cache element: --kv-cache-dtype's, or (auto) the bundle's own."""
     return ITEMSIZE[manifest.dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype]]
+
+
+@dataclass(frozen=True)
+class WeightFactor:
+    """Resident memory per byte of a serving graph's files: after start-up (a pod's request) and at the
+    start-up peak (its limit)."""
+
+    steady: float
+    peak: float
+
+
+# By the bundle's quantization (Manifest.quantization): the largest C-llama (373M) needed at fp32, int8 and
+# int4, with rows of 256 and of 2,048 positions, rounded up; fp32's with room, as its steady memory differs
+# by ~300 MiB from one start to the next (bench/served_memory.py prints what each run needs;
+# docs/benchmarks.md, "Memory and start-up against llama-server"). Beside the weights a factor covers ONNX
+# Runtime's buffers for a step's activations. int4's covers CPUs where a lone row computes like a batch
+# (AVX-512 VNNI, AMX) too, measured on an AMD EPYC Zen 4: there start-up edits the graph in Python before
+# its session is made (the row-pad strip), peaking at 1,685-1,721 MB and keeping 854-867 MB in the engine,
+# against 571 MiB steady and no higher peak on AVX2.
+WEIGHT_FACTORS = {
+    "none": WeightFactor(steady=1.25, peak=1.25),
+    "int8": WeightFactor(steady=1.55, peak=1.55),
+    "int4": WeightFactor(steady=2.30, peak=5.55),
+}
+# What the front end and the engine process's Python, ONNX Runtime and libraries hold with no model to speak
+# of: the demo model's 223 MiB (both processes and multiprocessing's resource tracker) and some room, as the
+# figure differs a little from CPU to CPU and from one library version to another.
+FIXED_BYTES = 288 * MIB
 
 
 @dataclass(frozen=True)
@@ -105,3 +139,39 @@ def size_kv_cache(
         running = min(max_batch_size, rows)
         prefix = min(prefix_cache_rows, rows - running)
     return KvSizing(length, running, prefix, row, context, kv_cache_memory, drafting)
+
+
+@dataclass(frozen=True)
+class PodMemory:
+    """The memory a pod serving one bundle needs: its request (the steady resident set) and its limit (the
+    start-up peak), in whole MiB (Kubernetes' `Mi`), rounded up."""
+
+    weight_bytes: int
+    kv_bytes: int
+    factor: WeightFactor
+
+    @property
+    def request_mib(self) -> int:
+        return self._mib(self.factor.steady)
+
+    @property
+    def limit_mib(self) -> int:
+        return self._mib(self.factor.peak)
+
+    def _mib(self, factor: float) -> int:
+        return -(-(int(self.weight_bytes * factor) + self.kv_bytes + FIXED_BYTES) // MIB)
+
+    def describe(self) -> str:
+        weights = f"{self.weight_bytes / MIB:.1f} MiB weights"
+        rest = f"{self.kv_bytes / MIB:.1f} MiB KV cache + {FIXED_BYTES // MIB} MiB fixed"
+        return (
+            f"requests.memory: {self.request_mib}Mi = {weights} x {self.factor.steady} + {rest}\n"
+            f"limits.memory: {self.limit_mib}Mi = {weights} x {self.factor.peak} + {rest}"
+        )
+
+
+def pod_memory(root: Path, manifest: Manifest, kv: KvSizing) -> PodMemory:
+    """What a pod serving the bundle at `root` with the KV rows `kv` needs (a draft model's weights and row
+    counted with the KV cache)."""
+    factor = WEIGHT_FACTORS[manifest.quantization]
+    return PodMemory(serving_weight_bytes(root, manifest), kv.total_bytes + kv.draft_bytes, factor)

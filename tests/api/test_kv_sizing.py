@@ -15,11 +15,19 @@ from server_tools import LoopThread
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.api import cli
 from serve.api.config import ConfigError, load_settings, parse_memory
 from serve.api.lifecycle import TextgenServer
 from serve.api.loading import draft_cost
-from serve.api.sizing import DEFAULT_MAX_MODEL_LEN, DraftCost, size_kv_cache
-from serve.bundle import load_bundle
+from serve.api.sizing import (
+    DEFAULT_MAX_MODEL_LEN,
+    FIXED_BYTES,
+    WEIGHT_FACTORS,
+    DraftCost,
+    pod_memory,
+    size_kv_cache,
+)
+from serve.bundle import load_bundle, serving_weight_bytes
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 
@@ -167,3 +175,38 @@ def test_an_fp16_cache_fits_twice_the_rows_in_a_budget(
         running.stop()
     assert (info.max_batch_size, info.prefix_cache_rows, info.kv_cache_bytes) == (10, 0, budget)
     assert any("MiB of float16 on cpu" in r.getMessage() for r in caplog.records)
+
+
+def test_a_pods_memory_is_weights_times_a_factor_plus_kv_plus_the_fixed_part(tiny_bundle: Path) -> None:
+    manifest = load_bundle(tiny_bundle).manifest
+    rows = size_kv_cache(manifest, 128, None, 4, 1)
+    pod = pod_memory(tiny_bundle, manifest, rows)
+    factor = WEIGHT_FACTORS[manifest.quantization]
+    weights = serving_weight_bytes(tiny_bundle, manifest)
+    assert pod.kv_bytes == 5 * 128 * manifest.architecture.kv_bytes_per_token(4)
+    for mib, times in ((pod.request_mib, factor.steady), (pod.limit_mib, factor.peak)):
+        exact = weights * times + pod.kv_bytes + FIXED_BYTES
+        assert mib * MIB >= exact > (mib - 1) * MIB  # rounded up to whole MiB
+    assert pod.request_mib <= pod.limit_mib
+    assert f"requests.memory: {pod.request_mib}Mi" in pod.describe()
+
+
+def test_a_draft_model_counts_with_the_kv_cache(tiny_bundle: Path) -> None:
+    manifest = load_bundle(tiny_bundle).manifest
+    rows = size_kv_cache(manifest, 128, None, 4, 0, DraftCost(3 * MIB, 512))
+    assert pod_memory(tiny_bundle, manifest, rows).kv_bytes == rows.total_bytes + 3 * MIB + 512 * 128
+
+
+def test_print_pod_memory_prints_the_figures_and_starts_nothing(
+    tiny_bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ["--bundle", str(tiny_bundle), "--max-model-len", "128", "--max-batch-size", "4"]
+    assert cli.main([*flags, "--prefix-cache-rows", "0", "--print-pod-memory"]) == 0
+    manifest = load_bundle(tiny_bundle).manifest
+    pod = pod_memory(tiny_bundle, manifest, size_kv_cache(manifest, 128, None, 4, 0))
+    printed = capsys.readouterr().out
+    assert f"requests.memory: {pod.request_mib}Mi" in printed
+    assert f"limits.memory: {pod.limit_mib}Mi" in printed
+    assert "4 running + 0 prefix-cache rows" in printed
+    assert cli.main([*flags, "--kv-cache-dtype", "fp16", "--print-pod-memory"]) == 0
+    assert "head dim x 2 bytes" in capsys.readouterr().out

@@ -4,6 +4,7 @@ Kubernetes schemas offline."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -26,8 +27,13 @@ import yaml
 from metric_refs import REPO, missing_metrics, promtool_input
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from server_process import ServerProcess
 
+from bench.proc import tree_status_mib
 from serve.api.config import ServerSettings
+from serve.api.loading import kv_rows
+from serve.api.sizing import PodMemory, pod_memory
+from serve.bundle import read_manifest
 
 DOCKER = REPO / "deploy" / "docker"
 K8S = REPO / "deploy" / "k8s"
@@ -715,3 +721,78 @@ def test_every_manifest_file_is_used() -> None:
     manifests = {p.resolve() for p in iter_files(".yaml") if p.name != "kustomization.yaml"}
     manifests -= {(K8S / "prometheus-adapter" / "values.yaml").resolve()}  # Helm values, not a manifest
     assert manifests - listed == set()
+
+
+# Pod memory --------------------------------------------------------------------------------
+
+# How far above a served demo's measured resident memory the formula may predict: its fixed part has room for
+# other CPUs and library versions, but a formula this far above what a pod holds is wrong.
+MEMORY_SLACK = 1.5
+
+
+def mib(quantity: str) -> float:
+    """A Kubernetes memory quantity in MiB (Mi and Gi, the ones the manifests use)."""
+    number, unit = re.fullmatch(r"(\d+)(Mi|Gi)", quantity).groups()  # type: ignore[union-attr]
+    return int(number) * (1024 if unit == "Gi" else 1)
+
+
+def demo_pod_memory(overlay: str, bundle: Path) -> tuple[ServerSettings, PodMemory]:
+    """The overlay's settings with the demo bundle, and what the sizing formula gives a pod serving them."""
+    config = one(render(overlay), "ConfigMap")["data"]
+    settings = ServerSettings(
+        **{k.removeprefix("TEXTGEN_").lower(): v for k, v in config.items()} | {"bundle": bundle}
+    )
+    manifest = read_manifest(bundle)
+    return settings, pod_memory(bundle, manifest, kv_rows(settings, manifest))
+
+
+@pytest.mark.parametrize("overlay", ["overlays/cpu", "overlays/inference-gateway"])
+def test_memory_requests_and_limits_are_the_formulas_for_the_demo(overlay: str, demo_bundle: Path) -> None:
+    _, pod = demo_pod_memory(overlay, demo_bundle)
+    resources = container(render(overlay))["resources"]
+    assert (resources["requests"]["memory"], resources["limits"]["memory"]) == (
+        f"{pod.request_mib}Mi",
+        f"{pod.limit_mib}Mi",
+    )
+
+
+def test_the_gpu_overlay_covers_the_formula_for_the_demo(demo_bundle: Path) -> None:
+    _, pod = demo_pod_memory("overlays/gpu", demo_bundle)
+    resources = container(render("overlays/gpu"))["resources"]
+    assert mib(resources["requests"]["memory"]) >= pod.request_mib
+    assert mib(resources["limits"]["memory"]) >= pod.limit_mib
+
+
+def test_the_formula_covers_what_a_served_demo_holds(demo_bundle: Path) -> None:
+    """The demo served as the CPU overlay configures it (an engine process; its threads and rows), after 4
+    requests: the resident memory of all its processes is within the formula's request, and not far below
+    it; their peaks within its limit."""
+    settings, pod = demo_pod_memory("overlays/cpu", demo_bundle)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        http_port = s.getsockname()[1]
+    server = ServerProcess(
+        *("--bundle", str(demo_bundle), "--http-port", str(http_port)),
+        *("--max-batch-size", str(settings.max_batch_size), "--threads", str(settings.threads)),
+        *("--prefix-cache-rows", str(settings.prefix_cache_rows)),
+        "--engine-process" if settings.engine_process else "--no-engine-process",
+        slow=False,
+    )
+    try:
+        server.wait_serving()
+        for _ in range(4):
+            body = json.dumps({"model": "textgen-demo", "prompt": "Once upon a time", "max_tokens": 16})
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{http_port}/v1/completions",
+                body.encode(),
+                {"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                assert reply.status == 200
+        steady = sum(tree_status_mib(server.proc.pid, "VmRSS").values())
+        peak = sum(tree_status_mib(server.proc.pid, "VmHWM").values())
+    finally:
+        server.proc.terminate()
+        server.proc.wait(timeout=60)
+    assert steady <= pod.request_mib <= MEMORY_SLACK * steady, (steady, pod.describe())
+    assert peak <= pod.limit_mib, (peak, pod.describe())

@@ -26,12 +26,14 @@ def health_status(target: str) -> int:
 
 class ServerProcess:
     """`python -m serve` with the given flags on loopback ports, its decode steps slowed by 20 ms
-    (tests/support/slow_server/sitecustomize.py) so streams are still running when a test acts."""
+    (tests/support/slow_server/sitecustomize.py) so streams are still running when a test acts; `slow=False`:
+    the server as it is."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, slow: bool = True) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TEXTGEN_")}
-        env["PYTHONPATH"] = os.pathsep.join([str(SLOW_SERVER), *filter(None, [env.get("PYTHONPATH")])])
-        env["SLOW_DECODE_SECONDS"] = "0.02"
+        if slow:
+            env["PYTHONPATH"] = os.pathsep.join([str(SLOW_SERVER), *filter(None, [env.get("PYTHONPATH")])])
+            env["SLOW_DECODE_SECONDS"] = "0.02"
         loopback = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-host", "127.0.0.1"]
         if "--http-port" not in args:
             loopback += ["--http-port", "0"]
