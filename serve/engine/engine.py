@@ -53,6 +53,7 @@ from serve.engine.speculation import DraftModel, Pace, PromptLookup, Proposer
 from serve.engine.types import ConstraintState, EngineInfo, EngineSettings, ModelSpec, NewSequence, TokenOut
 from serve.engine.verify_graph import PICK_INDEX, chained_present_outputs, verification_graph
 from serve.errors import BundleError
+from serve.process import trim_heap
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -1137,6 +1138,7 @@ def open_engine(bundle: Bundle, settings: EngineSettings) -> Engine:
             f"{bundle.inplace_graph}: the graph does not match the manifest's architecture (or cannot run "
             f"here): its first step failed: {type(exc).__name__}: {detail}"
         ) from exc
+    trim_heap()
     log.info(
         "KV cache: %d rows (%d running, %d prefix cache) of %d tokens, %.1f MiB on %s",
         engine.max_batch_size + engine.prefix_cache_rows,
