@@ -8,6 +8,9 @@ protobuf is walked field by field (tags and lengths only, read with `pread`), an
 INLINE_BYTES becomes an external-data reference to its own bytes at their offset in the same file. The graph
 Python holds is then the structure only (kilobytes to a few MB), and ONNX Runtime, given it with the bundle's
 folder, maps each tensor from the file as it maps a bundle's external data file.
+
+The headers are read with `pread`, not through a memory map of the file: a map makes resident whatever the
+kernel maps around each header touched (whole page-cache folios), 170 MB of C-llama int4's 234 MB graph.
 """
 
 from __future__ import annotations
