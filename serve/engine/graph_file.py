@@ -4,19 +4,21 @@ A bundle's graph keeps its weights inside the .onnx file unless they pass protob
 bundle's external data file). `onnx.load` reads an embedded graph whole, and ONNX Runtime, given its path,
 parses the whole protobuf and then copies each tensor out of it: at start-up the weights are held two or
 three times over, and whatever glibc keeps of the freed copies stays resident afterwards. Here the file's
-protobuf is walked field by field (tags and lengths only, read with `pread`), and every embedded tensor over
+protobuf is walked field by field (tags and lengths only), and every embedded tensor over
 INLINE_BYTES becomes an external-data reference to its own bytes at their offset in the same file. The graph
 Python holds is then the structure only (kilobytes to a few MB), and ONNX Runtime, given it with the bundle's
 folder, maps each tensor from the file as it maps a bundle's external data file.
 
-The headers are read with `pread`, not through a memory map of the file: a map makes resident whatever the
-kernel maps around each header touched (whole page-cache folios), 170 MB of C-llama int4's 234 MB graph.
+The headers are read a few bytes at a time, not through a memory map of the file: a map makes resident
+whatever the kernel maps around each header touched (whole page-cache folios), 170 MB of C-llama int4's
+234 MB graph.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from io import FileIO
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -54,11 +56,16 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(fd: int, start: int, end: int) -> Iterator[_Field]:
+def _read(file: FileIO, first: int, end: int) -> bytes:
+    file.seek(first)
+    return file.read(end - first) or b""
+
+
+def _fields(file: FileIO, start: int, end: int) -> Iterator[_Field]:
     """The fields of the message that fills bytes [start, end) of the file, read a header at a time."""
     pos = start
     while pos < end:
-        header = os.pread(fd, _HEADER, pos)
+        header = _read(file, pos, pos + _HEADER)
         tag, at = _varint(header, 0)
         number, wire = tag >> 3, tag & 7
         if wire == _VARINT:
@@ -80,38 +87,37 @@ def read_structure(path: Path) -> onnx.ModelProto:
     """The graph at `path` without its weights' bytes: each tensor over INLINE_BYTES refers to where its bytes
     are (in `path` itself when embedded, in the external data file otherwise), smaller ones are inside."""
     try:
-        with path.open("rb") as file:
-            model = _structure(file.fileno(), path.name, os.fstat(file.fileno()).st_size)
+        with FileIO(path, "rb") as file:  # unbuffered: each read takes only the bytes asked for
+            model = _structure(file, path.name, os.fstat(file.fileno()).st_size)
     except Exception as exc:  # the walk's ValueError or IndexError, protobuf's own DecodeError
         raise BundleError(f"{path}: not a readable ONNX graph: {exc}") from exc
     inline_small_external_tensors(model, path.parent)
     return model
 
 
-def _structure(fd: int, name: str, size: int) -> onnx.ModelProto:
+def _structure(file: FileIO, name: str, size: int) -> onnx.ModelProto:
     import onnx
-
-    def read(first: int, end: int) -> bytes:
-        return os.pread(fd, end - first, first)
 
     model_parts, graph_parts, referenced = [], [], []
     graph: _Field | None = None
-    for field in _fields(fd, 0, size):
+    for field in _fields(file, 0, size):
         if field.number == MODEL_GRAPH:
             graph = field
         else:
-            model_parts.append(read(field.start, field.end))
+            model_parts.append(_read(file, field.start, field.end))
     if graph is None:
         raise ValueError("no graph")
-    for field in _fields(fd, graph.value, graph.end):
+    for field in _fields(file, graph.value, graph.end):
         raw = None
         if field.number == GRAPH_INITIALIZER:
-            raw = next((f for f in _fields(fd, field.value, field.end) if f.number == TENSOR_RAW_DATA), None)
+            tensor_fields = _fields(file, field.value, field.end)
+            raw = next((f for f in tensor_fields if f.number == TENSOR_RAW_DATA), None)
         if raw is None or raw.end - raw.value <= INLINE_BYTES:
-            graph_parts.append(read(field.start, field.end))
+            graph_parts.append(_read(file, field.start, field.end))
             continue
         # the tensor's other fields (name, type, dims) lie before and after its bytes
-        tensor = onnx.TensorProto.FromString(read(field.value, raw.start) + read(raw.end, field.end))
+        fields = _read(file, field.value, raw.start) + _read(file, raw.end, field.end)
+        tensor = onnx.TensorProto.FromString(fields)
         for key, value in (("location", name), ("offset", raw.value), ("length", raw.end - raw.value)):
             entry = tensor.external_data.add()
             entry.key, entry.value = key, str(value)
