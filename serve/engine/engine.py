@@ -263,7 +263,7 @@ class Engine:
             session = replace(session, spin_between_runs=False)
         settings = replace(settings, session=session)
         graph: str | InMemoryGraph = str(bundle.inplace_graph)
-        if m.odd_rows_padded:  # only such a graph has pads to take out: no other is read before its session
+        if m.odd_rows_padded:  # only such a graph has pads to take out: no other is probed
             unpadded = unpadded_graph(bundle.inplace_graph, session)
             graph = graph if unpadded is None else unpadded[0]
         proposer: Proposer | None = None
