@@ -11,6 +11,7 @@ its compute threads and leaves a core to its front end). Linux only: `os.sched_s
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import os
@@ -114,6 +115,18 @@ def freeze_startup_objects() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def trim_heap() -> bool:
+    """Give the heap memory this process has freed back to the OS (glibc's `malloc_trim`), as the engine does
+    once built: building sessions frees more than it keeps (a CPU probe's sessions, ONNX Runtime's copies of
+    the weights before it packs them), and glibc would otherwise keep it resident for the process's life.
+    False where the C library has no `malloc_trim` (musl, macOS)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return bool(trim(0))
 
 
 def resident_memory(pid: int | str = "self") -> tuple[int, int]:

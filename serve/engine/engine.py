@@ -54,6 +54,7 @@ from serve.engine.speculation import DraftModel, Pace, PromptLookup, Proposer
 from serve.engine.types import ConstraintState, EngineInfo, EngineSettings, ModelSpec, NewSequence, TokenOut
 from serve.engine.verify_graph import PICK_INDEX, chained_present_outputs, verification_graph
 from serve.errors import BundleError
+from serve.process import trim_heap
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -261,7 +262,7 @@ class Engine:
             session = replace(session, spin_between_runs=False)
         settings = replace(settings, session=session)
         graph: str | InMemoryGraph = str(bundle.inplace_graph)
-        if m.odd_rows_padded:  # only such a graph has pads to take out: no other is read before its session
+        if m.odd_rows_padded:  # only such a graph has pads to take out: no other is probed
             unpadded = unpadded_graph(bundle.inplace_graph, session)
             graph = graph if unpadded is None else unpadded[0]
         if needs_rewrite(settings.kv_cache_dtype, m.dtype, bundle.root):
@@ -1154,6 +1155,7 @@ def open_engine(bundle: Bundle, settings: EngineSettings) -> Engine:
             f"{bundle.inplace_graph}: the graph does not match the manifest's architecture (or cannot run "
             f"here): its first step failed: {type(exc).__name__}: {detail}"
         ) from exc
+    trim_heap()
     log.info(
         "KV cache: %d rows (%d running, %d prefix cache) of %d tokens, %.1f MiB of %s on %s",
         engine.max_batch_size + engine.prefix_cache_rows,

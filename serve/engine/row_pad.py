@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from serve.bundle import ROW_PAD_PREFIX
+from serve.engine.graph_file import read_structure
 from serve.engine.runtime import InMemoryGraph, cpu_only, onnxruntime
 from serve.engine.types import SessionConfig
 
@@ -33,7 +34,6 @@ PADDED_SUFFIX = f"_{ROW_PAD_PREFIX}"  # a tensor computed on padded rows: its re
 PROBE_ROWS = 9
 PROBE_BATCHES = (2, 3, 4, 5, PROBE_ROWS)  # row counts compared against each row alone: odd and even
 MS_DOMAIN = "com.microsoft"
-INLINE_EXTERNAL_BYTES = 1 << 16  # external tensors up to this size are read in when the graph is rewritten
 
 
 @dataclass(frozen=True)
@@ -125,14 +125,11 @@ def unpadded_graph(path: Path, config: SessionConfig) -> tuple[InMemoryGraph, in
     """The graph at `path` without its row pads, and how many Pads went, when it has them, it runs on the
     CPU alone, and this CPU computes each of its MatMulNBits shapes alike for a row alone and among others;
     else None (serve it as exported)."""
-    import onnx
-
     if not cpu_only(config):
         return None
-    model = onnx.load(str(path), load_external_data=False)
+    model = read_structure(path)  # the weights stay in the bundle's files: ONNX Runtime maps them from there
     if not any(node.name.startswith(ROW_PAD_PREFIX) for node in model.graph.node):
         return None
-    inline_small_external_tensors(model, path.parent)
     shapes = nbits_shapes(model)
     if not shapes or not all(lone_row_exact(shape, config) for shape in shapes):
         log.info("row pads kept: this CPU computes a lone row of the graph's MatMulNBits unlike a batch's")
@@ -145,18 +142,3 @@ def unpadded_graph(path: Path, config: SessionConfig) -> tuple[InMemoryGraph, in
         len(shapes),
     )
     return InMemoryGraph(model.SerializeToString(), path.parent), pads
-
-
-def inline_small_external_tensors(model: onnx.ModelProto, folder: Path) -> None:
-    """Read small external tensors into the model: ONNX Runtime's shape inference needs the values of shape
-    constants, which it cannot read from external data when the model comes from memory."""
-    from onnx import TensorProto
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
-
-    for tensor in model.graph.initializer:
-        if uses_external_data(tensor):
-            length = next((int(e.value) for e in tensor.external_data if e.key == "length"), None)
-            if length is not None and length <= INLINE_EXTERNAL_BYTES:
-                load_external_data_for_tensor(tensor, str(folder))
-                tensor.data_location = TensorProto.DEFAULT
-                del tensor.external_data[:]

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from serve.bundle import ROW_PAD_PREFIX
-from serve.engine.row_pad import inline_small_external_tensors
+from serve.engine.graph_file import read_structure
 from serve.engine.runtime import InMemoryGraph
 from serve.errors import BundleError
 
@@ -58,8 +58,7 @@ def verification_graph(graph: Path | InMemoryGraph, positions: int) -> InMemoryG
     if isinstance(graph, InMemoryGraph):
         model, folder = onnx.load_from_string(graph.model), graph.folder
     else:
-        model, folder = onnx.load(str(graph), load_external_data=False), graph.parent
-        inline_small_external_tensors(model, folder)
+        model, folder = read_structure(graph), graph.parent
     where = graph if isinstance(graph, Path) else folder
     if any(node.name.startswith(ROW_PAD_PREFIX) for node in model.graph.node):
         raise BundleError(

@@ -237,8 +237,8 @@ def test_the_engine_serves_the_graph_unpadded_only_where_every_shape_is_exact(
 def test_only_a_bundle_marked_padded_is_read_for_its_pads(
     tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Reading a graph to look for pads costs its whole size at start (seconds for a float 0.5B): the engine
-    does it only for a bundle whose manifest says its odd rows are padded."""
+    """Looking for pads costs a read of the graph's structure, and probing the CPU a session per MatMulNBits
+    shape, at start: the engine does it only for a bundle whose manifest says its odd rows are padded."""
     from dataclasses import replace
 
     from serve.bundle import load_bundle

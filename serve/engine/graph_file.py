@@ -1,0 +1,143 @@
+"""A graph file read for its structure alone, its weights left where they are on disk.
+
+A bundle's graph keeps its weights inside the .onnx file unless they pass protobuf's 2 GB limit (then in the
+bundle's external data file). `onnx.load` reads an embedded graph whole, and ONNX Runtime, given its path,
+parses the whole protobuf and then copies each tensor out of it: at start-up the weights are held two or
+three times over, and whatever glibc keeps of the freed copies stays resident afterwards. Here the file's
+protobuf is walked field by field (tags and lengths only), and every embedded tensor over
+INLINE_BYTES becomes an external-data reference to its own bytes at their offset in the same file. The graph
+Python holds is then the structure only (kilobytes to a few MB), and ONNX Runtime, given it with the bundle's
+folder, maps each tensor from the file as it maps a bundle's external data file.
+
+The headers are read a few bytes at a time, not through a memory map of the file: a map makes resident
+whatever the kernel maps around each header touched (whole page-cache folios), 170 MB of C-llama int4's
+234 MB graph.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from io import FileIO
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+from serve.errors import BundleError
+
+if TYPE_CHECKING:
+    import onnx
+
+# ModelProto.graph, GraphProto.initializer, TensorProto.raw_data (onnx.proto's field numbers)
+MODEL_GRAPH, GRAPH_INITIALIZER, TENSOR_RAW_DATA = 7, 5, 9
+# Tensors up to this size stay inside the graph: ONNX Runtime's shape inference needs the values of shape
+# constants, which it cannot read from external data when the model comes from memory.
+INLINE_BYTES = 1 << 16
+_VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
+_HEADER = 20  # a field's tag and length: two varints of at most 10 bytes each
+
+
+class _Field(NamedTuple):
+    """One field of a serialized protobuf message: its number, and where it, its value and its end lie."""
+
+    number: int
+    start: int
+    value: int
+    end: int
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = data[pos]
+        result |= (byte & 0x7F) << shift
+        pos += 1
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+
+
+def _read(file: FileIO, first: int, end: int) -> bytes:
+    file.seek(first)
+    return file.read(end - first) or b""
+
+
+def _fields(file: FileIO, start: int, end: int) -> Iterator[_Field]:
+    """The fields of the message that fills bytes [start, end) of the file, read a header at a time."""
+    pos = start
+    while pos < end:
+        header = _read(file, pos, pos + _HEADER)
+        tag, at = _varint(header, 0)
+        number, wire = tag >> 3, tag & 7
+        if wire == _VARINT:
+            _, at = _varint(header, at)
+            size = 0
+        elif wire in (_FIXED64, _FIXED32):
+            size = 8 if wire == _FIXED64 else 4
+        elif wire == _LENGTH:
+            size, at = _varint(header, at)
+        else:  # groups (3, 4): no ONNX message has them
+            raise ValueError(f"protobuf wire type {wire} at byte {pos}")
+        yield _Field(number, pos, pos + at, pos + at + size)
+        pos += at + size
+    if pos != end:
+        raise ValueError(f"a field runs past its message's end (byte {end})")
+
+
+def read_structure(path: Path) -> onnx.ModelProto:
+    """The graph at `path` without its weights' bytes: each tensor over INLINE_BYTES refers to where its bytes
+    are (in `path` itself when embedded, in the external data file otherwise), smaller ones are inside."""
+    try:
+        with FileIO(path, "rb") as file:  # unbuffered: each read takes only the bytes asked for
+            model = _structure(file, path.name, os.fstat(file.fileno()).st_size)
+    except Exception as exc:  # the walk's ValueError or IndexError, protobuf's own DecodeError
+        raise BundleError(f"{path}: not a readable ONNX graph: {exc}") from exc
+    inline_small_external_tensors(model, path.parent)
+    return model
+
+
+def _structure(file: FileIO, name: str, size: int) -> onnx.ModelProto:
+    import onnx
+
+    model_parts, graph_parts, referenced = [], [], []
+    graph: _Field | None = None
+    for field in _fields(file, 0, size):
+        if field.number == MODEL_GRAPH:
+            graph = field
+        else:
+            model_parts.append(_read(file, field.start, field.end))
+    if graph is None:
+        raise ValueError("no graph")
+    for field in _fields(file, graph.value, graph.end):
+        raw = None
+        if field.number == GRAPH_INITIALIZER:
+            tensor_fields = _fields(file, field.value, field.end)
+            raw = next((f for f in tensor_fields if f.number == TENSOR_RAW_DATA), None)
+        if raw is None or raw.end - raw.value <= INLINE_BYTES:
+            graph_parts.append(_read(file, field.start, field.end))
+            continue
+        # the tensor's other fields (name, type, dims) lie before and after its bytes
+        fields = _read(file, field.value, raw.start) + _read(file, raw.end, field.end)
+        tensor = onnx.TensorProto.FromString(fields)
+        for key, value in (("location", name), ("offset", raw.value), ("length", raw.end - raw.value)):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, str(value)
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        referenced.append(tensor)
+    model = onnx.ModelProto.FromString(b"".join(model_parts))
+    model.graph.ParseFromString(b"".join(graph_parts))
+    model.graph.initializer.extend(referenced)
+    return model
+
+
+def inline_small_external_tensors(model: onnx.ModelProto, folder: Path) -> None:
+    """Read external tensors of up to INLINE_BYTES into the model (see INLINE_BYTES for why)."""
+    from onnx import TensorProto
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    for tensor in model.graph.initializer:
+        if uses_external_data(tensor):
+            length = next((int(e.value) for e in tensor.external_data if e.key == "length"), None)
+            if length is not None and length <= INLINE_BYTES:
+                load_external_data_for_tensor(tensor, str(folder))
+                tensor.data_location = TensorProto.DEFAULT
+                del tensor.external_data[:]
