@@ -11,9 +11,8 @@ after it, and the graph's past and present KV tensors become float16. The projec
 stay as exported; what changes precision is what the cache keeps and the attention's own arithmetic.
 docs/benchmarks.md ("KV cache dtype") has what it costs in speed and accuracy.
 
-Only the graph's structure is edited: weights in an external data file stay there, read by ONNX Runtime from
-the bundle's folder; a graph that holds its weights inline is read and written whole (as for the row-pad
-strip, serve/engine/row_pad.py), which start-up pays for once.
+Only the graph's structure is edited (serve/engine/graph_file.py): the weights stay where they lie in the
+bundle's files, and ONNX Runtime reads them from there.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from serve.engine.row_pad import inline_small_external_tensors
+from serve.engine.graph_file import read_structure
 from serve.engine.runtime import InMemoryGraph
 from serve.engine.types import KV_CACHE_DTYPES, KvCacheDtype
 from serve.errors import BundleError
@@ -61,9 +60,8 @@ def fp16_cache_graph(graph: Path | InMemoryGraph) -> InMemoryGraph:
 
     if isinstance(graph, InMemoryGraph):
         model, folder, where = onnx.load_from_string(graph.model), graph.folder, graph.folder
-    else:
-        model, folder, where = onnx.load(str(graph), load_external_data=False), graph.parent, graph
-        inline_small_external_tensors(model, folder)
+    else:  # its structure: the weights stay where they lie in the bundle's files
+        model, folder, where = read_structure(graph), graph.parent, graph
     nodes = fp16_attention(model, where)
     log.info("KV cache in float16: the graph's %d attention nodes run in float16", nodes)
     return InMemoryGraph(model.SerializeToString(), folder)
