@@ -45,18 +45,18 @@ class WeightFactor:
     peak: float
 
 
-# By the bundle's quantization (Manifest.quantization): the largest C-llama (373M) needed at fp32, int8 and
-# int4, with rows of 256 and of 2,048 positions, rounded up; fp32's with room, as its steady memory differs
-# by ~300 MiB from one start to the next (bench/served_memory.py prints what each run needs;
-# docs/benchmarks.md, "Memory and start-up against llama-server"). Beside the weights a factor covers ONNX
-# Runtime's buffers for a step's activations. int4's covers CPUs where a lone row computes like a batch
-# (AVX-512 VNNI, AMX) too, measured on an AMD EPYC Zen 4: there start-up edits the graph in Python before
-# its session is made (the row-pad strip), peaking at 1,685-1,721 MB and keeping 854-867 MB in the engine,
-# against 571 MiB steady and no higher peak on AVX2.
+# By the bundle's quantization (Manifest.quantization): what C-llama (373M) needed at fp32, int8 and int4,
+# with rows of 256 and of 2,048 positions, with room for other CPUs' packed-weight layouts and for fp32's
+# steady memory, which differed by ~300 MiB from one start to the next (bench/served_memory.py prints what
+# each run needs: fp32 0.95, int8 0.99, int4 1.18 on an idle AVX2 EPYC; docs/benchmarks.md, "Memory and
+# start-up against llama-server"). Beside the weights a factor covers ONNX Runtime's buffers for a step's
+# activations. The start-up peak is the steady memory on every path since graphs are read by their structure
+# (serve/engine/graph_file.py), the int4 row-pad strip included (534 MiB ready and peak, forced on AVX2; it
+# peaked at 1,685-1,721 MB on a Zen 4 when the strip loaded the graph whole).
 WEIGHT_FACTORS = {
     "none": WeightFactor(steady=1.25, peak=1.25),
     "int8": WeightFactor(steady=1.55, peak=1.55),
-    "int4": WeightFactor(steady=2.30, peak=5.55),
+    "int4": WeightFactor(steady=2.30, peak=2.30),
 }
 # What the front end and the engine process's Python, ONNX Runtime and libraries hold with no model to speak
 # of: the demo model's 223 MiB (both processes and multiprocessing's resource tracker) and some room, as the
