@@ -45,7 +45,17 @@ from bench import llama_cpp
 from bench.engine_bench import REPO
 from bench.peers_bench import PRECISIONS
 from bench.proc import tree_status_mib
-from bench.served_peers import Prepared, Workload, http_answers, load, prepare, textgen_command
+from bench.served_peers import (
+    Prepared,
+    Workload,
+    add_record_options,
+    finish_record,
+    http_answers,
+    load,
+    prepare,
+    print_reports,
+    textgen_command,
+)
 from bench.serving_bench import free_port, machine, server_process
 from serve.api.sizing import FIXED_BYTES, ITEMSIZE, WEIGHT_FACTORS, PodMemory, pod_memory, size_kv_cache
 from serve.bundle import read_manifest
@@ -307,20 +317,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=4, help="sent at once before memory is read")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--textgen-flag", action="append", default=[], help="a textgen-serve flag (repeatable)")
-    p.add_argument("--llama-flag", action="append", default=[], help="a llama-server flag (repeatable)")
-    p.add_argument(
-        "--output", type=Path, help="the JSON record (default bench/results/served-memory-TIME.json)"
-    )
-    p.add_argument("--report", type=Path, nargs="+", help="print the tables of saved records and exit")
+    add_record_options(p, "served-memory")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.report:
-        for path in args.report:
-            print(f"## {path}\n\n{report(json.loads(path.read_text()))}\n")
+        print_reports(args.report, report)
         return 0
     output = args.output or REPO / "bench" / "results" / f"served-memory-{time.strftime('%Y%m%d-%H%M')}.json"
     output.with_suffix("").mkdir(parents=True, exist_ok=True)  # the servers' logs
@@ -345,11 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         "records": [],
     }
     measure(ready, args, work, result, output)
-    result["finished"] = time.strftime("%Y-%m-%d %H:%M")
-    output.write_text(json.dumps(result, indent=1))
-    print(report(result))
-    print(f"record: {output}")
-    return 0
+    return finish_record(result, output, report)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -440,20 +441,36 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--served", action=argparse.BooleanOptionalAction, default=True)
+    add_record_options(p, "served-peers")
+    return p
+
+
+def add_record_options(p: argparse.ArgumentParser, record: str) -> None:
+    """What every served-against-served benchmark takes: flags for each server, its record, its reports."""
     p.add_argument("--textgen-flag", action="append", default=[], help="a textgen-serve flag (repeatable)")
     p.add_argument("--llama-flag", action="append", default=[], help="a llama-server flag (repeatable)")
-    p.add_argument(
-        "--output", type=Path, help="the JSON record (default bench/results/served-peers-TIME.json)"
-    )
+    p.add_argument("--output", type=Path, help=f"the JSON record (default bench/results/{record}-TIME.json)")
     p.add_argument("--report", type=Path, nargs="+", help="print the tables of saved records and exit")
-    return p
+
+
+def print_reports(paths: list[Path], report: Callable[[Cell], str]) -> None:
+    for path in paths:
+        print(f"## {path}\n\n{report(json.loads(path.read_text()))}\n")
+
+
+def finish_record(result: Cell, output: Path, report: Callable[[Cell], str]) -> int:
+    """Write the record with its end time, print its tables; the exit status."""
+    result["finished"] = time.strftime("%Y-%m-%d %H:%M")
+    output.write_text(json.dumps(result, indent=1))
+    print(report(result))
+    print(f"record: {output}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.report:
-        for path in args.report:
-            print(f"## {path}\n\n{report(json.loads(path.read_text()))}\n")
+        print_reports(args.report, report)
         return 0
     unknown = sorted(set(args.precisions) - set(PRECISIONS))
     if unknown:
@@ -477,11 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         output.write_text(json.dumps(result, indent=1))
     if args.served:
         result["served"] = served(ready, args, work, logs)
-    result["finished"] = time.strftime("%Y-%m-%d %H:%M")
-    output.write_text(json.dumps(result, indent=1))
-    print(report(result))
-    print(f"record: {output}")
-    return 0
+    return finish_record(result, output, report)
 
 
 if __name__ == "__main__":
