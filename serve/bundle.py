@@ -260,12 +260,14 @@ class LoraLayout(_Strict):
 
     @staticmethod
     def onehot_input(width: int) -> str:
-        """The graph input [slots + 1, slots * width] that Gather turns into each token's column mask."""
+        """The graph input [slots + 1, k * width] that Gather turns into each token's column mask, for a run
+        over a span of k slots (ids counted from its first)."""
         return f"lora_onehot.{width}"
 
     @staticmethod
     def columns(width: int) -> str:
-        """The symbolic column count of a width's inputs: slots * width, or 0 when no row has an adapter."""
+        """The symbolic column count of a width's inputs: k * width for a run over a span of k slots, 0 when
+        no row has an adapter."""
         return f"lora_columns_{width}"
 
     # Why a and b are not plain [in, columns] and [columns, out] matrices: ONNX Runtime's CPU GEMM sums a

@@ -191,8 +191,7 @@ class Engine:
         self._lora = None if lora is None else LoraSlots(lora)
         # the span of slots a run uses (first, last; (0, 0): none) -> the LoRA inputs' values, made on first
         # use; what each binding has bound, by its id
-        empty = {} if self._lora is None else self._lora.empty
-        self._lora_values = {(0, 0): {name: ortvalue(array) for name, array in empty.items()}}
+        self._lora_values: dict[tuple[int, int], dict[str, Any]] = {}
         self._lora_bound: dict[int, tuple[int, int]] = {}
         self._adapters = Residency(0 if lora is None else lora.slots)  # which adapter is in which slot
         self._row_adapter = np.zeros(rows, np.int64)  # the slot of the sequence in each KV row; 0: none
@@ -580,17 +579,18 @@ class Engine:
             binding.bind_ortvalue_output("logits", ortvalue(self._logits[: len(ids)]))
             self._kv.bind(binding, slice(0, 1), chained_present_outputs(self._positions))
         steps = np.arange(length, length + len(ids), dtype=np.int64)
+        span = self._lora_span(slice(0, 1))
         inputs = {
             "input_ids": ids[None],
             "position_ids": steps[None],
             "seqlens_k": steps[-1:].astype(np.int32),
             "total_sequence_length": np.array(steps[-1] + 1, np.int32),
             PICK_INDEX: np.arange(len(ids), dtype=np.int64),
-            **self._lora_ids(slice(0, 1), len(ids)),
+            **self._lora_ids(slice(0, 1), len(ids), span),
         }
         for name, array in inputs.items():
             binding.bind_cpu_input(name, array)
-        self._bind_adapters(binding, slice(0, 1))
+        self._bind_adapters(binding, span)
         try:
             self._verifier.run_with_iobinding(binding)
         except Exception:  # as _run: the row may be half written
@@ -932,18 +932,19 @@ class Engine:
 
     def _bound(self, rows: slice, run: _RunInputs, side: bool = False) -> tuple[Any, dict[str, np.ndarray]]:
         """A row range's binding with these inputs bound, and the arrays to keep alive until it has run."""
+        span = self._lora_span(rows)
         inputs: dict[str, np.ndarray] = {
             "input_ids": np.ascontiguousarray(run.input_ids, np.int64),
             "position_ids": np.ascontiguousarray(run.position_ids, np.int64),
             "seqlens_k": run.seqlens_k.astype(np.int32),
             "total_sequence_length": np.array(run.total, np.int32),
             "last_index": np.ascontiguousarray(run.last_index, np.int64),
-            **self._lora_ids(rows, run.input_ids.shape[1]),
+            **self._lora_ids(rows, run.input_ids.shape[1], span),
         }
         binding = self._binding(rows, side)
         for name, array in inputs.items():
             binding.bind_cpu_input(name, array)
-        self._bind_adapters(binding, rows)
+        self._bind_adapters(binding, span)
         return binding, inputs
 
     @property
@@ -1013,29 +1014,27 @@ class Engine:
         used = slots[slots > 0]
         return (int(used.min()), int(used.max())) if used.size else (0, 0)
 
-    def _lora_ids(self, rows: slice, tokens: int) -> dict[str, np.ndarray]:
-        """The LoRA graph's per-token adapter input for a run over `rows` of `tokens` positions: each row's
-        slot counted from the first its run uses (LoraSlots.span), 0 for none."""
+    def _lora_ids(self, rows: slice, tokens: int, span: tuple[int, int]) -> dict[str, np.ndarray]:
+        """The LoRA graph's per-token adapter input for a run over `rows` of `tokens` positions over the slots
+        of `span`: each row's slot counted from the span's first (LoraSlots.span), 0 for none."""
         if self._lora is None:
             return {}
         slots = self._row_adapter[rows]
-        ids = np.where(slots > 0, slots - self._lora_span(rows)[0] + 1, 0)
+        ids = np.where(slots > 0, slots - span[0] + 1, 0)
         return {LORA_IDS_INPUT: np.ascontiguousarray(np.broadcast_to(ids[:, None], (len(ids), tokens)))}
 
-    def _bind_adapters(self, binding: Any, rows: slice) -> None:
-        """Bind the weights of the slots the run's rows use (none: the inputs with no columns); rebound only
-        when that span changes. ONNX Runtime reads the arrays in place: a slot written later is read."""
-        if self._lora is None:
+    def _bind_adapters(self, binding: Any, span: tuple[int, int]) -> None:
+        """Bind the weights of the slots `span` (none: the inputs with no columns); rebound only when it
+        changes. ONNX Runtime reads the arrays in place: a slot written later is read."""
+        if self._lora is None or self._lora_bound.get(id(binding)) == span:
             return
-        span = self._lora_span(rows)
-        if self._lora_bound.get(id(binding)) != span:
-            values = self._lora_values.get(span)
-            if values is None:
-                arrays = self._lora.span(*span)
-                values = self._lora_values[span] = {name: ortvalue(a) for name, a in arrays.items()}
-            for name, value in values.items():
-                binding.bind_ortvalue_input(name, value)
-            self._lora_bound[id(binding)] = span
+        values = self._lora_values.get(span)
+        if values is None:
+            arrays = self._lora.empty if span == (0, 0) else self._lora.span(*span)
+            values = self._lora_values[span] = {name: ortvalue(a) for name, a in arrays.items()}
+        for name, value in values.items():
+            binding.bind_ortvalue_input(name, value)
+        self._lora_bound[id(binding)] = span
 
     def _keep(self, row: int) -> None:
         """Offer a leaving row to the prefix cache, unless a failed step may have left it half written."""

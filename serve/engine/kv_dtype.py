@@ -21,8 +21,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from serve.engine.graph_file import read_structure
-from serve.engine.runtime import InMemoryGraph
+from serve.engine.runtime import InMemoryGraph, editable_graph
 from serve.engine.types import KV_CACHE_DTYPES, KvCacheDtype
 from serve.errors import BundleError
 
@@ -56,13 +55,8 @@ def needs_rewrite(dtype: KvCacheDtype, manifest_dtype: str, where: object) -> bo
 def fp16_cache_graph(graph: Path | InMemoryGraph) -> InMemoryGraph:
     """The float32 serving graph `graph` (a path, or a graph already rewritten at load) with a float16 KV
     cache; BundleError when it is not a graph this rewrite knows."""
-    import onnx
-
-    if isinstance(graph, InMemoryGraph):
-        model, folder, where = onnx.load_from_string(graph.model), graph.folder, graph.folder
-    else:  # its structure: the weights stay where they lie in the bundle's files
-        model, folder, where = read_structure(graph), graph.parent, graph
-    nodes = fp16_attention(model, where)
+    model, folder = editable_graph(graph)
+    nodes = fp16_attention(model, graph if isinstance(graph, Path) else folder)
     log.info("KV cache in float16: the graph's %d attention nodes run in float16", nodes)
     return InMemoryGraph(model.SerializeToString(), folder)
 

@@ -98,8 +98,8 @@ class LoraSlots:
     def __init__(self, layout: LoraLayout) -> None:
         self.layout = layout
         self._branches = {b.projection: b for b in layout.branches}
-        self.arrays: dict[str, np.ndarray] = {}
-        self.empty: dict[str, np.ndarray] = {}
+        self.arrays: dict[str, np.ndarray] = {}  # every slot's A and B, by input name
+        self.empty: dict[str, np.ndarray] = {}  # every LoRA input with no columns
         slots = layout.slots
         # by span length k: row i (1..k, the ids counted from the span's first slot) 1 on slot i's columns
         self._tables: dict[int, dict[str, np.ndarray]] = {k: {} for k in range(1, slots + 1)}
@@ -109,7 +109,6 @@ class LoraSlots:
                 for i in range(1, k + 1):
                     table[i, (i - 1) * width : i * width] = 1.0
                 tables[layout.onehot_input(width)] = table
-            self.arrays[layout.onehot_input(width)] = self._tables[slots][layout.onehot_input(width)]
             self.empty[layout.onehot_input(width)] = np.zeros((slots + 1, 0), np.float32)
         for b in layout.branches:
             columns = slots * layout.width(b)
@@ -131,8 +130,8 @@ class LoraSlots:
 
     @property
     def weight_bytes(self) -> int:
-        """The bytes of every slot's A and B (the one-hot tables aside)."""
-        return sum(self.arrays[n].nbytes for b in self.layout.branches for n in (b.a_input, b.b_input))
+        """The bytes of every slot's A and B."""
+        return sum(array.nbytes for array in self.arrays.values())
 
     def write(self, slot: int, adapter: Adapter | None) -> None:
         """Put `adapter` in `slot` (1-based), replacing what it held; None empties it."""

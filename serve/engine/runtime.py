@@ -15,6 +15,7 @@ from serve.engine.types import SessionConfig
 from serve.errors import BundleError
 
 if TYPE_CHECKING:
+    import onnx
     import onnxruntime as ort
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,16 @@ def structure_only(path: Path) -> InMemoryGraph:
     from where it lies in the bundle's files (serve/engine/graph_file.py). C-llama's fp32 serving graph
     (1.49 GB): its session holds 1,408 MiB, built in 2.2 s, where from the path it held 1,867 in 15.7 s."""
     return InMemoryGraph(read_structure(path).SerializeToString(), path.parent)
+
+
+def editable_graph(graph: Path | InMemoryGraph) -> tuple[onnx.ModelProto, Path]:
+    """A graph to rewrite at load (a path: its structure, the weights left in the bundle's files; or a graph
+    already rewritten) and the folder its weights are read from."""
+    import onnx
+
+    if isinstance(graph, InMemoryGraph):
+        return onnx.load_from_string(graph.model), graph.folder
+    return read_structure(graph), graph.parent
 
 
 def create_session(model: Path | str | InMemoryGraph, config: SessionConfig) -> ort.InferenceSession:

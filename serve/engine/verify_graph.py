@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from serve.bundle import ROW_PAD_PREFIX
-from serve.engine.graph_file import read_structure
-from serve.engine.runtime import InMemoryGraph
+from serve.engine.runtime import InMemoryGraph, editable_graph
 from serve.errors import BundleError
 
 if TYPE_CHECKING:
@@ -51,14 +50,9 @@ def chained_present_outputs(positions: int) -> list[str]:
 def verification_graph(graph: Path | InMemoryGraph, positions: int) -> InMemoryGraph:
     """`graph` (a path, or a graph already rewritten at load) rewritten to score `positions` tokens of one
     row as `positions` decode steps would; BundleError when the graph is not the shape this rewrite knows."""
-    import onnx
-
     if positions < 1:
         raise ValueError(f"positions must be >= 1, got {positions}")
-    if isinstance(graph, InMemoryGraph):
-        model, folder = onnx.load_from_string(graph.model), graph.folder
-    else:
-        model, folder = read_structure(graph), graph.parent
+    model, folder = editable_graph(graph)
     where = graph if isinstance(graph, Path) else folder
     if any(node.name.startswith(ROW_PAD_PREFIX) for node in model.graph.node):
         raise BundleError(

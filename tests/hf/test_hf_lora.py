@@ -52,7 +52,7 @@ def test_an_adapter_in_a_slot_gives_transformers_and_pefts_tokens(family: str, t
     )
     graph = build_inplace_graph(model, layout)
     slots = LoraSlots(layout)
-    plain = run_inplace(graph, model.cfg, PROMPTS, lora=(slots.arrays, 1))  # nothing in slot 1 yet
+    plain = run_inplace(graph, model.cfg, PROMPTS, lora=(slots.span(1, SLOTS), 1))  # nothing in slot 1 yet
 
     lora = LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False
@@ -60,7 +60,7 @@ def test_an_adapter_in_a_slot_gives_transformers_and_pefts_tokens(family: str, t
     peft = get_peft_model(base, lora).eval()
     peft.save_pretrained(tmp_path / "adapter")
     slots.write(SLOTS, read_adapter(tmp_path / "adapter", layout))
-    got = run_inplace(graph, model.cfg, PROMPTS, lora=(slots.arrays, SLOTS))
+    got = run_inplace(graph, model.cfg, PROMPTS, lora=(slots.span(1, SLOTS), SLOTS))
     want = hf_greedy_batch(peft, PROMPTS)
     assert_same(got, want)
     with peft.disable_adapter():
