@@ -7,9 +7,9 @@ branch over all N slots at once (serve/bundle.py's LoraBranch has the layout):
     y   += ((x @ lora_a) * mask) @ lora_b    lora_a [in, N*width], lora_b [N*width, out]: graph inputs
                                              (FusedMatMuls: export/onnx_inplace.py says why)
 
-with lora_a held as groups of at most 16 columns and lora_b, past 128 rows, as chunks of a slot (or of a
-part) each: products that sum a token's terms in the same blocks alone and in any batch, on any number of
-threads (serve/bundle.py's LoraLayout says why and how).
+with lora_a held as groups of at most 16 columns, and lora_b as one matrix per part ([N*max_rank, its
+features], past 128 rows in chunks of a slot each): products that sum a token's terms in the same blocks
+alone and in any batch, on any number of threads (serve/bundle.py's LoraLayout says why and how).
 
 Why this form rather than gathering each row's adapter matrices: a gather copies an adapter's weights once per
 row per step (16 rows, 4 adapters: 4x the bytes of reading each adapter once), and it makes the per-row
@@ -22,7 +22,8 @@ into a slot between two steps without touching the session.
 
 Which modules get a branch: every projection (q, k, v, o, gate, up, down; GPT-2's c_attn, c_proj, c_fc) or
 those `--lora-target-modules` names. A fused projection of ours (q/k/v, gate/up) gets one branch whose
-parts are the checkpoint's modules, each its own `max_rank` columns and its own output features.
+parts are the checkpoint's modules, each its own `max_rank` columns of lora_a and its own lora_b over its
+output features (a token multiplies no zeros of the other parts).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ class _GraphBuilder:
         self.lora = lora
         self._lora_branches = {} if lora is None else {b.projection: b for b in lora.branches}
         self._lora_masks: dict[int, str] = {}  # by branch width: one Gather of the ids each
+        self._consts: dict[str, list[int]] = {}
         # The weights go straight into the model they end in: helper.make_graph and helper.make_model would
         # each copy every initializer (three copies of the weights alive at once at the peak).
         self.model = onnx.ModelProto()
@@ -49,7 +50,13 @@ class _GraphBuilder:
         return name
 
     def const_i64(self, name: str, values: list[int]) -> str:
-        self.initializers.append(numpy_helper.from_array(np.asarray(values, dtype=np.int64), name))
+        """An int64 initializer; asked for again by name, the same one (the LoRA branches share theirs)."""
+        known = self._consts.get(name)
+        if known is None:
+            self._consts[name] = values
+            self.initializers.append(numpy_helper.from_array(np.asarray(values, dtype=np.int64), name))
+        elif known != values:
+            raise ValueError(f"constant {name!r} asked for as {values}, already {known}")
         return name
 
     def node(
@@ -81,7 +88,6 @@ class _GraphBuilder:
         products that sum a token's terms in the same blocks alone and in any batch (LoraLayout says why)."""
         assert self.lora is not None
         name = f"{branch.projection}/lora"
-        width = self.lora.width(branch)
         # FusedMatMul with alpha 1/2 then 2, not MatMul: ONNX Runtime's CPU MatMul by a weight it has not
         # packed at load computes a single row (a lone decode step) with another kernel than several, which
         # rounds differently; an alpha other than 1 keeps every row count on one kernel. Scaling by powers of
@@ -95,25 +101,48 @@ class _GraphBuilder:
         (xa,) = self.node("Transpose", [xa], f"{name}/a_rows", perm=[1, 0, 2])  # [R,groups,group]
         (xa,) = self.node("Reshape", [xa, self.const_i64(f"{name}.flat", [0, -1])], f"{name}/a_flat")
         (xm,) = self.node("Mul", [xa, self.lora_mask(branch)], f"{name}/mask")  # [R,slots*width]
-        chunk = self.lora.chunk(branch)
-        if chunk == self.lora.slots * width:
-            (d,) = self.node(
-                "FusedMatMul", [xm, branch.b_input], f"{name}/b", domain=MS_DOMAIN, alpha=2.0
-            )  # [R,out]
+        parts = len(branch.parts)
+        if parts == 1:
+            (d,) = self.lora_b(xm, branch, 0)
         else:
+            # Each part's own b over its own output features: no part multiplies the zeros of the others.
             (xm,) = self.node(
-                "Reshape", [xm, self.const_i64(f"{name}.chunks", [0, -1, chunk])], f"{name}/chunks"
+                "Reshape",
+                [xm, self.const_i64(f"lora.parts_{parts}", [0, -1, parts, self.lora.max_rank])],
+                f"{name}/parts",
+            )  # [R,slots,parts,rank]
+            xms = self.node(
+                "Split",
+                [xm, self.const_i64(f"lora.split_{parts}", [1] * parts)],
+                f"{name}/split",
+                outputs=[f"{name}/split_{j}" for j in range(parts)],
+                axis=2,
             )
-            (xm,) = self.node("Transpose", [xm], f"{name}/chunk_rows", perm=[1, 0, 2])  # [chunks,R,chunk]
-            (d,) = self.node(
-                "FusedMatMul", [xm, branch.b_input], f"{name}/b", domain=MS_DOMAIN, alpha=2.0
-            )  # [chunks,R,out]: one nonzero chunk per token and output
-            (d,) = self.node(
-                "ReduceSum", [d, self.const_i64(f"{name}.chunk_axis", [0])], f"{name}/sum", keepdims=0
-            )
+            ds = [self.lora_b(x_j, branch, j)[0] for j, x_j in enumerate(xms)]
+            (d,) = self.node("Concat", ds, f"{name}/concat", axis=1)  # [R,out]
         (shape,) = self.node("Shape", [y], f"{name}/shape")
         (d,) = self.node("Reshape", [d, shape], f"{name}/unflat")  # [B,S,out]
         return self.node("Add", [y, d], f"{name}/add")[0]
+
+    def lora_b(self, xm: str, branch: LoraBranch, part: int) -> list[str]:
+        """[R,features] of part `part`: its slots' masked a columns, xm ([R,slots*rank], or [R,slots,1,rank]
+        split from several parts'), by its b: in one product while slots * rank is one block, else chunk by
+        chunk, summed."""
+        assert self.lora is not None
+        name, b = f"{branch.projection}/lora/b{part}", branch.b_input(part)
+        rank = self.lora.max_rank
+        if self.lora.chunk == self.lora.slots * rank:
+            if len(branch.parts) > 1:
+                (xm,) = self.node("Reshape", [xm, self.const_i64("lora.flat_rows", [0, -1])], f"{name}/rows")
+            return self.node("FusedMatMul", [xm, b], f"{name}/matmul", domain=MS_DOMAIN, alpha=2.0)
+        (xm,) = self.node(
+            "Reshape", [xm, self.const_i64(f"lora.chunks_{rank}", [0, -1, rank])], f"{name}/chunks"
+        )
+        (xm,) = self.node("Transpose", [xm], f"{name}/chunk_rows", perm=[1, 0, 2])  # [chunks,R,chunk]
+        (d,) = self.node(
+            "FusedMatMul", [xm, b], f"{name}/matmul", domain=MS_DOMAIN, alpha=2.0
+        )  # [chunks,R,features]: one nonzero chunk per token and output
+        return self.node("ReduceSum", [d, self.const_i64("lora.chunk_axis", [0])], f"{name}/sum", keepdims=0)
 
     def lora_mask(self, branch: LoraBranch) -> str:
         """[R,slots*width]: 1 on the columns of each token's slot (lora_ids), 0 elsewhere and for id 0."""
@@ -306,8 +335,14 @@ def _lora_inputs(lora: LoraLayout) -> list[onnx.ValueInfoProto]:
         )
     for b in lora.branches:
         # The shapes over every slot, with the leading axis symbolic (0 when no row has an adapter).
-        full, columns = lora.slots * lora.width(b), lora.columns(lora.width(b))
-        for name, shape in ((b.a_input, lora.a_shape(b, full)), (b.b_input, lora.b_shape(b, full))):
+        a_full, b_full = lora.slots * lora.width(b), lora.slots * lora.max_rank
+        shapes: list[tuple[str, tuple[int, ...], int, int]] = [
+            (b.a_input, lora.a_shape(b, a_full), a_full, lora.width(b))
+        ]
+        for j in range(len(b.parts)):
+            shapes.append((b.b_input(j), lora.b_shape(b, j, b_full), b_full, lora.max_rank))
+        for name, shape, full, width in shapes:
+            columns = lora.columns(width)
             leading = columns if shape[0] == full else f"{columns}_by_{full // shape[0]}"
             inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [leading, *shape[1:]]))
     return inputs

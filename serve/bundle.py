@@ -226,23 +226,33 @@ class LoraPart(_Strict):
 class LoraBranch(_Strict):
     """One projection's LoRA branch: y += ((x @ a) * mask(lora_ids)) @ b over every slot at once.
 
-    In columns: a is [in_features, slots * width] and b [slots * width, out_features], width =
-    len(parts) * max_rank: slot s (1-based) owns columns [(s - 1) * width, s * width) of a (rows of b), part j
-    of them [j * max_rank, (j + 1) * max_rank) within, and part j's b writes its output features only. The
-    graph's inputs hold them as LoraLayout's a_shape and b_shape say."""
+    In columns: a is [in_features, slots * width], width = len(parts) * max_rank: slot s (1-based) owns
+    columns [(s - 1) * width, s * width) of a, part j of them [j * max_rank, (j + 1) * max_rank) within. Each
+    part has a b of its own, [slots * max_rank, features], slot s owning rows [(s - 1) * max_rank, s *
+    max_rank): it writes the projection's output features LoraLayout.features says, and the parts' outputs
+    side by side are the projection's. The graph's inputs hold them as LoraLayout's a_shape and b_shape
+    say."""
 
     projection: str = Field(min_length=1)  # the serving graph's projection (blocks.0.attn.qkv)
     in_features: PositiveInt
     out_features: PositiveInt
-    parts: list[LoraPart] = Field(min_length=1)
+    parts: list[LoraPart] = Field(min_length=1)  # in the order of their output features
+
+    @model_validator(mode="after")
+    def _parts_in_order(self) -> LoraBranch:
+        stops = [0] + [p.stop for p in self.parts]
+        if any(p.start < stop or p.stop <= p.start for p, stop in zip(self.parts, stops, strict=False)):
+            raise ValueError(f"{self.projection}: parts must cover ascending, disjoint output features")
+        if self.parts[-1].stop > self.out_features:
+            raise ValueError(f"{self.projection}: a part ends past out_features {self.out_features}")
+        return self
 
     @property
     def a_input(self) -> str:
         return f"lora_a.{self.projection}"
 
-    @property
-    def b_input(self) -> str:
-        return f"lora_b.{self.projection}"
+    def b_input(self, part: int) -> str:
+        return f"lora_b.{self.projection}" if len(self.parts) == 1 else f"lora_b.{self.projection}.{part}"
 
 
 class LoraLayout(_Strict):
@@ -280,26 +290,35 @@ class LoraLayout(_Strict):
         """Columns of a multiplied at once: every slot's width is a whole number of groups."""
         return math.gcd(self.max_rank, 16)
 
-    def chunk(self, branch: LoraBranch) -> int:
-        """Rows of b multiplied at once: all of them (slots * width) when that is one block, else one slot's,
-        else one part's (where one token adds at most one nonzero chunk to each output)."""
-        width = self.width(branch)
-        if self.slots * width <= LORA_GEMM_TERMS:
-            return self.slots * width
-        return width if width <= LORA_GEMM_TERMS else self.max_rank
+    @property
+    def chunk(self) -> int:
+        """Rows of a part's b multiplied at once: all of them (slots * max_rank) when that is one block, else
+        one slot's (where one token adds at most one nonzero chunk to each output)."""
+        every = self.slots * self.max_rank
+        return every if every <= LORA_GEMM_TERMS else self.max_rank
 
     def a_shape(self, branch: LoraBranch, columns: int) -> tuple[int, int, int]:
         """The a input over `columns` columns: [groups, in_features, group], group g holding columns
         [g * group, (g + 1) * group)."""
         return (columns // self.group, branch.in_features, self.group)
 
-    def b_shape(self, branch: LoraBranch, columns: int) -> tuple[int, ...]:
-        """The b input over `columns` rows: [columns, out] when one chunk covers every slot, else [chunks,
-        chunk, out]."""
-        chunk = self.chunk(branch)
-        if chunk == self.slots * self.width(branch):
-            return (columns, branch.out_features)
-        return (columns // chunk, chunk, branch.out_features)
+    def b_shape(self, branch: LoraBranch, part: int, rows: int) -> tuple[int, ...]:
+        """Part `part`'s b input over `rows` rows: [rows, features] when one chunk covers every slot, else
+        [chunks, chunk, features]."""
+        start, stop = self.features(branch, part)
+        if self.chunk == self.slots * self.max_rank:
+            return (rows, stop - start)
+        return (rows // self.chunk, self.chunk, stop - start)
+
+    @staticmethod
+    def features(branch: LoraBranch, part: int) -> tuple[int, int]:
+        """The output features part `part`'s b writes, [start, stop): its module's, and the features up to
+        the next part's that no part covers (zero there), so that the parts' outputs side by side are the
+        projection's."""
+        parts = branch.parts
+        start = 0 if part == 0 else parts[part].start
+        stop = parts[part + 1].start if part + 1 < len(parts) else branch.out_features
+        return start, stop
 
 
 # The names of the nodes and constants export's row pad adds (export/row_pad.py): tensors computed on padded

@@ -42,13 +42,13 @@ class AdapterError(ValueError):
 
 @dataclass(frozen=True)
 class Adapter:
-    """An adapter laid out for one slot: per branch, its a columns [in, width] and b rows [width, out]
-    (the scale folded into b), zero where the adapter has no module."""
+    """An adapter laid out for one slot: per branch, its a columns [in, width], and per part of it, its b
+    rows [max_rank, features] (the scale folded into b); zero where the adapter has no module."""
 
     path: Path
     rank: int  # the largest of its modules' ranks
     a: Mapping[str, np.ndarray]  # by projection
-    b: Mapping[str, np.ndarray]
+    b: Mapping[str, np.ndarray]  # by b input (LoraBranch.b_input)
 
 
 def read_adapter(path: Path | str, layout: LoraLayout) -> Adapter:
@@ -63,7 +63,11 @@ def read_adapter(path: Path | str, layout: LoraLayout) -> Adapter:
     modules = _modules(path / WEIGHTS_FILE, tensors)
     where = {part.module: (branch, j) for branch in layout.branches for j, part in enumerate(branch.parts)}
     a = {b.projection: np.zeros((b.in_features, layout.width(b)), np.float32) for b in layout.branches}
-    b_ = {b.projection: np.zeros((layout.width(b), b.out_features), np.float32) for b in layout.branches}
+    b_ = {}
+    for branch in layout.branches:
+        for j in range(len(branch.parts)):
+            start, stop = layout.features(branch, j)
+            b_[branch.b_input(j)] = np.zeros((layout.max_rank, stop - start), np.float32)
     rank = 0
     for module, (lora_a, lora_b) in modules.items():
         branch, j = _place(path, module, where, layout)
@@ -82,9 +86,9 @@ def read_adapter(path: Path | str, layout: LoraLayout) -> Adapter:
                     f"{list(expected[side])}: an adapter of another base model",
                 )
         scale = _scale(config, module, r)
-        columns = slice(j * layout.max_rank, j * layout.max_rank + r)
-        a[branch.projection][:, columns] = lora_a.T
-        b_[branch.projection][columns, part.start : part.stop] = scale * lora_b.T
+        a[branch.projection][:, j * layout.max_rank : j * layout.max_rank + r] = lora_a.T
+        offset = layout.features(branch, j)[0]
+        b_[branch.b_input(j)][:r, part.start - offset : part.stop - offset] = scale * lora_b.T
         rank = max(rank, r)
     return Adapter(path, rank, a, b_)
 
@@ -111,20 +115,23 @@ class LoraSlots:
                 tables[layout.onehot_input(width)] = table
             self.empty[layout.onehot_input(width)] = np.zeros((slots + 1, 0), np.float32)
         for b in layout.branches:
-            columns = slots * layout.width(b)
-            self.arrays[b.a_input] = np.zeros(layout.a_shape(b, columns), np.float32)
-            self.arrays[b.b_input] = np.zeros(layout.b_shape(b, columns), np.float32)
+            self.arrays[b.a_input] = np.zeros(layout.a_shape(b, slots * layout.width(b)), np.float32)
             self.empty[b.a_input] = np.zeros(layout.a_shape(b, 0), np.float32)
-            self.empty[b.b_input] = np.zeros(layout.b_shape(b, 0), np.float32)
+            for j in range(len(b.parts)):
+                every = layout.b_shape(b, j, slots * layout.max_rank)
+                self.arrays[b.b_input(j)] = np.zeros(every, np.float32)
+                self.empty[b.b_input(j)] = np.zeros(layout.b_shape(b, j, 0), np.float32)
 
     def span(self, first: int, last: int) -> dict[str, np.ndarray]:
         """The inputs over slots first..last (1-based) for ids counted from `first` (1: slot `first`):
         views of the slots' arrays, so an adapter written later is read."""
         inputs = dict(self._tables[last - first + 1])
-        for b in self.layout.branches:
-            width = self.layout.width(b)
-            for name, shape in ((b.a_input, self.layout.a_shape), (b.b_input, self.layout.b_shape)):
-                per_slot = shape(b, width)[0]  # a slot's share of the input's leading axis
+        layout = self.layout
+        for b in layout.branches:
+            # each input's leading axis, a slot's share of it
+            shares = [(b.a_input, layout.a_shape(b, layout.width(b))[0])]
+            shares += [(b.b_input(j), layout.b_shape(b, j, layout.max_rank)[0]) for j in range(len(b.parts))]
+            for name, per_slot in shares:
                 inputs[name] = self.arrays[name][(first - 1) * per_slot : last * per_slot]
         return inputs
 
@@ -137,18 +144,21 @@ class LoraSlots:
         """Put `adapter` in `slot` (1-based), replacing what it held; None empties it."""
         if not 1 <= slot <= self.layout.slots:
             raise ValueError(f"slot {slot} is not one of the bundle's 1..{self.layout.slots}")
-        group = self.layout.group
+        group, rank = self.layout.group, self.layout.max_rank
+        rows = slice((slot - 1) * rank, slot * rank)
         for projection, branch in self._branches.items():
             width = self.layout.width(branch)
-            columns = slice((slot - 1) * width, slot * width)
-            groups = slice(columns.start // group, columns.stop // group)
+            groups = slice((slot - 1) * width // group, slot * width // group)
             a = self.arrays[branch.a_input]  # [groups, in, group]
-            b = self.arrays[branch.b_input].reshape(-1, branch.out_features)  # a view: [columns, out]
-            if adapter is None:
-                a[groups], b[columns] = 0.0, 0.0
-                continue
-            a[groups] = adapter.a[projection].reshape(branch.in_features, -1, group).transpose(1, 0, 2)
-            b[columns] = adapter.b[projection]
+            a[groups] = (
+                0.0
+                if adapter is None
+                else adapter.a[projection].reshape(branch.in_features, -1, group).transpose(1, 0, 2)
+            )
+            for j in range(len(branch.parts)):
+                name = branch.b_input(j)
+                b = self.arrays[name].reshape(-1, self.arrays[name].shape[-1])  # a view: [rows, features]
+                b[rows] = 0.0 if adapter is None else adapter.b[name]
 
 
 def _config(path: Path) -> dict[str, Any]:

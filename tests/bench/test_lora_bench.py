@@ -27,7 +27,7 @@ def test_both_servers_serve_the_adapters_and_name_them_each_its_own_way(tmp_path
 
 
 def test_a_slot_weighs_its_share_of_every_branchs_arrays() -> None:
-    # q/k/v fused: a [8, 3 parts x rank 2], b [6, 12 outputs]; each slot 4 bytes x (8 x 6 + 6 x 12)
+    # q/k/v fused: a [8, 3 parts x rank 2], each part's b [rank 2, its 4 outputs]; 4 bytes x (8 x 6 + 2 x 12)
     qkv = LoraBranch(
         projection="blocks.0.attn.qkv",
         in_features=8,
@@ -35,4 +35,4 @@ def test_a_slot_weighs_its_share_of_every_branchs_arrays() -> None:
         parts=[LoraPart(module=m, start=4 * i, stop=4 * i + 4) for i, m in enumerate(("q", "k", "v"))],
     )
     slots = LoraSlots(LoraLayout(slots=3, max_rank=2, branches=[qkv]))
-    assert slot_bytes(slots) == 4 * (8 * 6 + 6 * 12)
+    assert slot_bytes(slots) == 4 * (8 * 6 + 2 * 12)

@@ -241,9 +241,11 @@ def test_an_int4_bundle_with_slots_cuts_its_padded_rows_around_each_branch_at_mo
         return onnx.load(str(inplace)).graph
 
     lora, plain = graph(bundles[0]), graph(bundles[1])
-    branches = [n for n in lora.node if n.name.endswith("/lora/b")]
+    branches = [n for n in lora.node if n.name.endswith("/lora/a")]
     assert len(branches) == 4 * CONFIG.n_layers
-    assert not any(ROW_PAD_PREFIX in name for n in branches for name in [*n.input, *n.output])
+    products = [n for n in lora.node if "/lora/" in n.name and n.op_type == "FusedMatMul"]
+    assert len(products) > len(branches)  # a and each part's b
+    assert not any(ROW_PAD_PREFIX in name for n in products for name in [*n.input, *n.output])
     for op in ("Pad", "Slice"):
         extra = sum(n.op_type == op for n in lora.node) - sum(n.op_type == op for n in plain.node)
         assert 0 <= extra <= len(branches), op
@@ -466,12 +468,21 @@ def test_a_span_of_slots_is_those_slots_columns_read_in_place(
     slots = LoraSlots(layout)
     span = slots.span(2, 3)
     slots.write(2, read_adapter(adapters["a1"][0], layout))
+    rank = layout.max_rank
     for branch in layout.branches:
         width = layout.width(branch)
-        a, b = span[branch.a_input], span[branch.b_input].reshape(-1, branch.out_features)
-        assert a.shape == layout.a_shape(branch, 2 * width) and b.shape == (2 * width, branch.out_features)
+        a = span[branch.a_input]
+        assert a.shape == layout.a_shape(branch, 2 * width)
         assert np.abs(a[: width // layout.group]).sum() > 0 and not a[width // layout.group :].any()
-        assert np.abs(b[:width]).sum() > 0 and not b[width:].any()
+        features = [layout.features(branch, j) for j in range(len(branch.parts))]
+        assert [f[0] for f in features] == [0] + [f[1] for f in features[:-1]]
+        assert features[-1][1] == branch.out_features  # the parts' outputs side by side are the projection's
+        for j, (start, stop) in enumerate(features):
+            b = span[branch.b_input(j)]
+            assert b.shape == layout.b_shape(branch, j, 2 * rank)
+            b = b.reshape(-1, stop - start)
+            assert b.shape == (2 * rank, stop - start)
+            assert np.abs(b[:rank]).sum() > 0 and not b[rank:].any()
         table = span[layout.onehot_input(width)]
         assert table.shape == (SLOTS + 1, 2 * width)
         assert table[1, :width].all() and table[2, width:].all()
