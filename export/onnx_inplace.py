@@ -24,7 +24,13 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from export.model import Decoder, rotary_tables, sinusoidal_table
-from serve.bundle import LORA_IDS_INPUT, LoraBranch, LoraLayout
+from serve.bundle import (
+    LORA_POSITIONS_INPUT,
+    LORA_ROWS_INPUT,
+    LORA_TOKENS_INPUT,
+    LoraBranch,
+    LoraLayout,
+)
 
 OPSET = 20
 MS_DOMAIN = "com.microsoft"
@@ -35,7 +41,6 @@ class _GraphBuilder:
         self.nodes: list[onnx.NodeProto] = []
         self.lora = lora
         self._lora_branches = {} if lora is None else {b.projection: b for b in lora.branches}
-        self._lora_masks: dict[int, str] = {}  # by branch width: one Gather of the ids each
         self._consts: dict[str, list[int]] = {}
         # The weights go straight into the model they end in: helper.make_graph and helper.make_model would
         # each copy every initializer (three copies of the weights alive at once at the peak).
@@ -84,77 +89,67 @@ class _GraphBuilder:
         return y if branch is None else self.lora_branch(x, y, branch)
 
     def lora_branch(self, x: str, y: str, branch: LoraBranch) -> str:
-        """y + ((x @ a) * mask) @ b: every slot at once, each token keeping its own (export/lora.py), in
-        products that sum a token's terms in the same blocks alone and in any batch (LoraLayout says why)."""
+        """y + (x @ a_s) @ b_s for each token with an adapter, s its slot: the tokens gathered slot by slot
+        (lora_rows), each slot's products on its own tokens, added back where they came from
+        (export/lora.py), in products that sum a token's terms in the same blocks alone and in any batch
+        (LoraLayout says why)."""
         assert self.lora is not None
-        name = f"{branch.projection}/lora"
+        name, rank, group = f"{branch.projection}/lora", self.lora.max_rank, self.lora.group
+        groups, parts = self.lora.width(branch) // group, len(branch.parts)
         # FusedMatMul with alpha 1/2 then 2, not MatMul: ONNX Runtime's CPU MatMul by a weight it has not
         # packed at load computes a single row (a lone decode step) with another kernel than several, which
         # rounds differently; an alpha other than 1 keeps every row count on one kernel. Scaling by powers of
         # two is exact, so the product is x @ a @ b still.
-        (rows,) = self.node(
-            "Reshape", [x, self.const_i64(f"{name}.rows", [-1, branch.in_features])], f"{name}/rows"
-        )  # [R,in]
+        (tokens,) = self.node(
+            "Reshape",
+            [x, self.const_i64(f"lora.tokens_{branch.in_features}", [-1, branch.in_features])],
+            f"{name}/tokens",
+        )  # [T,in]
+        (xs,) = self.node("Gather", [tokens, LORA_ROWS_INPUT], f"{name}/by_slot")  # [k,n,in]
+        (xs,) = self.node("Unsqueeze", [xs, self.const_i64("lora.axis_1", [1])], f"{name}/by_group")
+        (a,) = self.node(
+            "Reshape",
+            [branch.a_input, self.const_i64(f"{name}.a", [-1, groups, branch.in_features, group])],
+            f"{name}/a_slots",
+        )  # [k,groups,in,group]
         (xa,) = self.node(
-            "FusedMatMul", [rows, branch.a_input], f"{name}/a", domain=MS_DOMAIN, alpha=0.5
-        )  # [groups,R,group]
-        (xa,) = self.node("Transpose", [xa], f"{name}/a_rows", perm=[1, 0, 2])  # [R,groups,group]
-        (xa,) = self.node("Reshape", [xa, self.const_i64(f"{name}.flat", [0, -1])], f"{name}/a_flat")
-        (xm,) = self.node("Mul", [xa, self.lora_mask(branch)], f"{name}/mask")  # [R,slots*width]
-        parts = len(branch.parts)
+            "FusedMatMul", [xs, a], f"{name}/a", domain=MS_DOMAIN, alpha=0.5
+        )  # [k,groups,n,group]
+        (xa,) = self.node("Transpose", [xa], f"{name}/a_tokens", perm=[0, 2, 1, 3])  # [k,n,groups,group]
+        (xa,) = self.node(
+            "Reshape", [xa, self.const_i64(f"lora.parts_{parts}", [0, 0, parts, rank])], f"{name}/parts"
+        )  # [k,n,parts,rank]
         if parts == 1:
-            (d,) = self.lora_b(xm, branch, 0)
+            xas = self.node("Squeeze", [xa, self.const_i64("lora.axis_2", [2])], f"{name}/part")
         else:
-            # Each part's own b over its own output features: no part multiplies the zeros of the others.
-            (xm,) = self.node(
-                "Reshape",
-                [xm, self.const_i64(f"lora.parts_{parts}", [0, -1, parts, self.lora.max_rank])],
-                f"{name}/parts",
-            )  # [R,slots,parts,rank]
-            xms = self.node(
+            splits = self.node(
                 "Split",
-                [xm, self.const_i64(f"lora.split_{parts}", [1] * parts)],
+                [xa, self.const_i64(f"lora.split_{parts}", [1] * parts)],
                 f"{name}/split",
                 outputs=[f"{name}/split_{j}" for j in range(parts)],
                 axis=2,
             )
-            ds = [self.lora_b(x_j, branch, j)[0] for j, x_j in enumerate(xms)]
-            (d,) = self.node("Concat", ds, f"{name}/concat", axis=1)  # [R,out]
+            xas = [
+                self.node("Squeeze", [x_j, "lora.axis_2"], f"{name}/part_{j}")[0]
+                for j, x_j in enumerate(splits)
+            ]
+        # Each part's own b over its own output features: no part multiplies the zeros of the others.
+        ds = [
+            self.node("FusedMatMul", [xa_j, branch.b_input(j)], f"{name}/b{j}", domain=MS_DOMAIN, alpha=2.0)[
+                0
+            ]
+            for j, xa_j in enumerate(xas)
+        ]  # [k,n,features] each
+        (d,) = self.node("Concat", ds, f"{name}/concat", axis=2) if parts > 1 else ds
+        out = self.const_i64(f"lora.out_{branch.out_features}", [-1, branch.out_features])
+        (d,) = self.node("Reshape", [d, out], f"{name}/slot_tokens")  # [k*n,out]
+        (d,) = self.node("Gather", [d, LORA_POSITIONS_INPUT], f"{name}/own")  # [m,out]
+        (flat,) = self.node("Reshape", [y, out], f"{name}/y_tokens")  # [T,out]
+        (flat,) = self.node(
+            "ScatterND", [flat, LORA_TOKENS_INPUT, d], f"{name}/add", reduction="add"
+        )  # y + delta on the tokens with an adapter
         (shape,) = self.node("Shape", [y], f"{name}/shape")
-        (d,) = self.node("Reshape", [d, shape], f"{name}/unflat")  # [B,S,out]
-        return self.node("Add", [y, d], f"{name}/add")[0]
-
-    def lora_b(self, xm: str, branch: LoraBranch, part: int) -> list[str]:
-        """[R,features] of part `part`: its slots' masked a columns, xm ([R,slots*rank], or [R,slots,1,rank]
-        split from several parts'), by its b: in one product while slots * rank is one block, else chunk by
-        chunk, summed."""
-        assert self.lora is not None
-        name, b = f"{branch.projection}/lora/b{part}", branch.b_input(part)
-        rank = self.lora.max_rank
-        if self.lora.chunk == self.lora.slots * rank:
-            if len(branch.parts) > 1:
-                (xm,) = self.node("Reshape", [xm, self.const_i64("lora.flat_rows", [0, -1])], f"{name}/rows")
-            return self.node("FusedMatMul", [xm, b], f"{name}/matmul", domain=MS_DOMAIN, alpha=2.0)
-        (xm,) = self.node(
-            "Reshape", [xm, self.const_i64(f"lora.chunks_{rank}", [0, -1, rank])], f"{name}/chunks"
-        )
-        (xm,) = self.node("Transpose", [xm], f"{name}/chunk_rows", perm=[1, 0, 2])  # [chunks,R,chunk]
-        (d,) = self.node(
-            "FusedMatMul", [xm, b], f"{name}/matmul", domain=MS_DOMAIN, alpha=2.0
-        )  # [chunks,R,features]: one nonzero chunk per token and output
-        return self.node("ReduceSum", [d, self.const_i64("lora.chunk_axis", [0])], f"{name}/sum", keepdims=0)
-
-    def lora_mask(self, branch: LoraBranch) -> str:
-        """[R,slots*width]: 1 on the columns of each token's slot (lora_ids), 0 elsewhere and for id 0."""
-        assert self.lora is not None
-        width = self.lora.width(branch)
-        if width not in self._lora_masks:
-            if not self._lora_masks:
-                self.node("Reshape", [LORA_IDS_INPUT, self.const_i64("lora.flat", [-1])], "lora.ids_flat")
-            table = self.lora.onehot_input(width)  # an input: zero columns when no row has an adapter
-            (mask,) = self.node("Gather", [table, "lora.ids_flat"], f"lora.mask_{width}")
-            self._lora_masks[width] = mask
-        return self._lora_masks[width]
+        return self.node("Reshape", [flat, shape], f"{name}/y")[0]
 
     def norm(self, x: str, module: torch.nn.Module, name: str) -> str:
         """LayerNormalization, or RMSNorm as x / sqrt(mean(x^2) + eps) * weight over the last axis: the
@@ -325,24 +320,21 @@ def _make_model(g: _GraphBuilder, n_layers: int, heads: int, head_dim: int, voca
 
 
 def _lora_inputs(lora: LoraLayout) -> list[onnx.ValueInfoProto]:
-    inputs = [helper.make_tensor_value_info(LORA_IDS_INPUT, TensorProto.INT64, ["batch", "seq"])]
-    for width in lora.widths():
-        columns = lora.columns(width)
+    inputs = [
+        helper.make_tensor_value_info(LORA_ROWS_INPUT, TensorProto.INT64, ["lora_span", "lora_slot_tokens"]),
+        helper.make_tensor_value_info(LORA_POSITIONS_INPUT, TensorProto.INT64, ["lora_tokens"]),
+        helper.make_tensor_value_info(LORA_TOKENS_INPUT, TensorProto.INT64, ["lora_tokens", 1]),
+    ]
+    for b in lora.branches:
+        # The shapes over every slot, with the leading axis symbolic: a run is given a span of slots.
+        a_shape = lora.a_shape(b, lora.slots)
+        groups = a_shape[0] // lora.slots
         inputs.append(
             helper.make_tensor_value_info(
-                lora.onehot_input(width), TensorProto.FLOAT, [lora.slots + 1, columns]
+                b.a_input, TensorProto.FLOAT, [f"lora_span_x{groups}", *a_shape[1:]]
             )
         )
-    for b in lora.branches:
-        # The shapes over every slot, with the leading axis symbolic (0 when no row has an adapter).
-        a_full, b_full = lora.slots * lora.width(b), lora.slots * lora.max_rank
-        shapes: list[tuple[str, tuple[int, ...], int, int]] = [
-            (b.a_input, lora.a_shape(b, a_full), a_full, lora.width(b))
-        ]
         for j in range(len(b.parts)):
-            shapes.append((b.b_input(j), lora.b_shape(b, j, b_full), b_full, lora.max_rank))
-        for name, shape, full, width in shapes:
-            columns = lora.columns(width)
-            leading = columns if shape[0] == full else f"{columns}_by_{full // shape[0]}"
-            inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [leading, *shape[1:]]))
+            shape = ["lora_span", *lora.b_shape(b, j, lora.slots)[1:]]
+            inputs.append(helper.make_tensor_value_info(b.b_input(j), TensorProto.FLOAT, shape))
     return inputs

@@ -209,8 +209,11 @@ def _graph_files(graphs: Graphs) -> list[str]:
     return [f for g in specs for f in g.files()]
 
 
-# Graph inputs of a bundle exported with LoRA slots (export/lora.py): each token's adapter, 0 for none.
-LORA_IDS_INPUT = "lora_ids"  # [batch, seq] int64, as input_ids
+# Graph inputs of a bundle exported with LoRA slots (export/lora.py) that say which tokens of a run (its
+# [batch, seq] positions counted flat) take which slot of the span of slots it is given (LoraSlots.span):
+LORA_ROWS_INPUT = "lora_rows"  # [k, n] int64: row i the tokens of the span's slot i, padded with any token
+LORA_POSITIONS_INPUT = "lora_positions"  # [m] int64: each token with an adapter, its place in lora_rows
+LORA_TOKENS_INPUT = "lora_tokens"  # [m, 1] int64: that token
 LORA_GEMM_TERMS = 128  # ONNX Runtime's CPU SGEMM sums at least this many terms in one block (LoraLayout)
 
 
@@ -224,14 +227,12 @@ class LoraPart(_Strict):
 
 
 class LoraBranch(_Strict):
-    """One projection's LoRA branch: y += ((x @ a) * mask(lora_ids)) @ b over every slot at once.
+    """One projection's LoRA branch: y += (x @ a_s) @ b_s for each token with an adapter, s its slot.
 
-    In columns: a is [in_features, slots * width], width = len(parts) * max_rank: slot s (1-based) owns
-    columns [(s - 1) * width, s * width) of a, part j of them [j * max_rank, (j + 1) * max_rank) within. Each
-    part has a b of its own, [slots * max_rank, features], slot s owning rows [(s - 1) * max_rank, s *
-    max_rank): it writes the projection's output features LoraLayout.features says, and the parts' outputs
-    side by side are the projection's. The graph's inputs hold them as LoraLayout's a_shape and b_shape
-    say."""
+    a_s is [in_features, width], width = len(parts) * max_rank: part j's columns [j * max_rank, (j + 1) *
+    max_rank). Each part has a b of its own, [max_rank, features], which writes the projection's output
+    features LoraLayout.features says: the parts' outputs side by side are the projection's. The graph's
+    inputs hold every slot's as LoraLayout's a_shape and b_shape say."""
 
     projection: str = Field(min_length=1)  # the serving graph's projection (blocks.0.attn.qkv)
     in_features: PositiveInt
@@ -256,7 +257,7 @@ class LoraBranch(_Strict):
 
 
 class LoraLayout(_Strict):
-    """The LoRA branches of a bundle's serving graph, fed per token by LORA_IDS_INPUT."""
+    """The LoRA branches of a bundle's serving graph, fed per run by LORA_ROWS_INPUT and the rest."""
 
     slots: PositiveInt  # adapters resident at once (ids 1..slots)
     max_rank: PositiveInt = Field(le=LORA_GEMM_TERMS)  # the largest adapter rank a slot holds
@@ -265,50 +266,25 @@ class LoraLayout(_Strict):
     def width(self, branch: LoraBranch) -> int:
         return len(branch.parts) * self.max_rank
 
-    def widths(self) -> list[int]:
-        return sorted({self.width(b) for b in self.branches})
-
-    @staticmethod
-    def onehot_input(width: int) -> str:
-        """The graph input [slots + 1, k * width] that Gather turns into each token's column mask, for a run
-        over a span of k slots (ids counted from its first)."""
-        return f"lora_onehot.{width}"
-
-    @staticmethod
-    def columns(width: int) -> str:
-        """The symbolic column count of a width's inputs: k * width for a run over a span of k slots, 0 when
-        no row has an adapter."""
-        return f"lora_columns_{width}"
-
-    # Why a and b are not plain [in, columns] and [columns, out] matrices: ONNX Runtime's CPU GEMM sums a
-    # product of more than LORA_GEMM_TERMS terms in blocks whose length follows the columns each thread
-    # computes, and how it splits the columns among threads follows the row count. A row's sums would then
-    # round differently alone and in a batch. A product by `group` columns at a time cannot be split among
-    # threads, and one of at most LORA_GEMM_TERMS terms is one block whatever the split.
+    # Why a is not a plain [in, columns] matrix: ONNX Runtime's CPU GEMM sums a product of more than
+    # LORA_GEMM_TERMS terms in blocks whose length follows the columns each thread computes, and how it splits
+    # the columns among threads follows the row count. A token's sums would then round differently alone and
+    # in a batch. A product by `group` columns at a time cannot be split among threads. A part's b product
+    # sums max_rank <= LORA_GEMM_TERMS terms: one block whatever the split.
     @property
     def group(self) -> int:
         """Columns of a multiplied at once: every slot's width is a whole number of groups."""
         return math.gcd(self.max_rank, 16)
 
-    @property
-    def chunk(self) -> int:
-        """Rows of a part's b multiplied at once: all of them (slots * max_rank) when that is one block, else
-        one slot's (where one token adds at most one nonzero chunk to each output)."""
-        every = self.slots * self.max_rank
-        return every if every <= LORA_GEMM_TERMS else self.max_rank
+    def a_shape(self, branch: LoraBranch, slots: int) -> tuple[int, int, int]:
+        """The a input of `slots` slots: [slots * groups, in_features, group], slot s's columns [g * group,
+        (g + 1) * group) in its group g (counted from the slot's first)."""
+        return (slots * self.width(branch) // self.group, branch.in_features, self.group)
 
-    def a_shape(self, branch: LoraBranch, columns: int) -> tuple[int, int, int]:
-        """The a input over `columns` columns: [groups, in_features, group], group g holding columns
-        [g * group, (g + 1) * group)."""
-        return (columns // self.group, branch.in_features, self.group)
-
-    def b_shape(self, branch: LoraBranch, part: int, rows: int) -> tuple[int, ...]:
-        """Part `part`'s b input over `rows` rows: [rows, features] when one chunk covers every slot, else
-        [chunks, chunk, features]."""
+    def b_shape(self, branch: LoraBranch, part: int, slots: int) -> tuple[int, int, int]:
+        """Part `part`'s b input of `slots` slots: [slots, max_rank, features]."""
         start, stop = self.features(branch, part)
-        if self.chunk == self.slots * self.max_rank:
-            return (rows, stop - start)
-        return (rows // self.chunk, self.chunk, stop - start)
+        return (slots, self.max_rank, stop - start)
 
     @staticmethod
     def features(branch: LoraBranch, part: int) -> tuple[int, int]:

@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from tokenizers import Tokenizer
 
-from serve.bundle import LORA_IDS_INPUT, LoraLayout
+from serve.bundle import LoraLayout
 from serve.engine.constraints import ConstraintCompiler, ConstraintRows, MaskStats, MaskWorker, PendingMasks
 from serve.engine.kv_cache import KvCache
 from serve.engine.kv_dtype import fp16_cache_graph, needs_rewrite
-from serve.engine.lora import Adapter, LoraSlots, Residency, read_adapter
+from serve.engine.lora import Adapter, LoraSlots, Residency, read_adapter, token_slots
 from serve.engine.prefix_cache import PrefixCache, PrefixHit
 from serve.engine.prompt_scoring import PromptScorer, scoring_session
 from serve.engine.row_pad import unpadded_graph
@@ -1015,13 +1015,11 @@ class Engine:
         return (int(used.min()), int(used.max())) if used.size else (0, 0)
 
     def _lora_ids(self, rows: slice, tokens: int, span: tuple[int, int]) -> dict[str, np.ndarray]:
-        """The LoRA graph's per-token adapter input for a run over `rows` of `tokens` positions over the slots
-        of `span`: each row's slot counted from the span's first (LoraSlots.span), 0 for none."""
+        """The LoRA graph's inputs that route the tokens of a run over `rows` of `tokens` positions to the
+        slots of `span` (lora.token_slots)."""
         if self._lora is None:
             return {}
-        slots = self._row_adapter[rows]
-        ids = np.where(slots > 0, slots - span[0] + 1, 0)
-        return {LORA_IDS_INPUT: np.ascontiguousarray(np.broadcast_to(ids[:, None], (len(ids), tokens)))}
+        return token_slots(self._row_adapter[rows], tokens, span)
 
     def _bind_adapters(self, binding: Any, span: tuple[int, int]) -> None:
         """Bind the weights of the slots `span` (none: the inputs with no columns); rebound only when it

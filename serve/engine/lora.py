@@ -1,10 +1,11 @@
 """LoRA adapters in a bundle's slots: peft folders read, checked against the bundle, written into its inputs.
 
-A bundle exported with `--lora-slots N --max-lora-rank R` (export/lora.py) has, per targeted projection, two
-weight inputs that hold every slot's adapter side by side (serve/bundle.py's LoraBranch has the layout).
+A bundle exported with `--lora-slots N --max-lora-rank R` (export/lora.py) has, per targeted projection,
+weight inputs (its a, and a b per part) that hold every slot's adapter side by side (serve/bundle.py's
+LoraBranch has the layout).
 `LoraSlots` owns those arrays: the engine binds them once (ONNX Runtime reads them in place), and writing an
 adapter into a slot between two steps is a copy into its columns; no session is rebuilt and no other slot
-changes. A token's slot is its `lora_ids` input (0: no adapter).
+changes. Which tokens of a run take which slot, the engine says per run (`token_slots`).
 
 An adapter is what `peft` saves: adapter_config.json (r, lora_alpha, use_rslora, target_modules, ...) and
 adapter_model.safetensors with `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight`
@@ -24,7 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from serve.bundle import LoraBranch, LoraLayout
+from serve.bundle import (
+    LORA_POSITIONS_INPUT,
+    LORA_ROWS_INPUT,
+    LORA_TOKENS_INPUT,
+    LoraBranch,
+    LoraLayout,
+)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -96,43 +103,27 @@ def read_adapter(path: Path | str, layout: LoraLayout) -> Adapter:
 class LoraSlots:
     """Every slot's adapter weights, as the graph's LoRA inputs read them (one array per input), and the
     inputs over a span of slots: a run is given those of the slots its rows use, first to last, so it reads
-    and multiplies no other slot's weights (with no slot, no columns at all: each branch adds zeros, exactly
-    what every other slot's masked branch adds)."""
+    no other slot's weights (with no slot, none at all: each branch multiplies no token)."""
 
     def __init__(self, layout: LoraLayout) -> None:
         self.layout = layout
         self._branches = {b.projection: b for b in layout.branches}
         self.arrays: dict[str, np.ndarray] = {}  # every slot's A and B, by input name
-        self.empty: dict[str, np.ndarray] = {}  # every LoRA input with no columns
-        slots = layout.slots
-        # by span length k: row i (1..k, the ids counted from the span's first slot) 1 on slot i's columns
-        self._tables: dict[int, dict[str, np.ndarray]] = {k: {} for k in range(1, slots + 1)}
-        for width in layout.widths():
-            for k, tables in self._tables.items():
-                table = np.zeros((slots + 1, k * width), np.float32)
-                for i in range(1, k + 1):
-                    table[i, (i - 1) * width : i * width] = 1.0
-                tables[layout.onehot_input(width)] = table
-            self.empty[layout.onehot_input(width)] = np.zeros((slots + 1, 0), np.float32)
+        self.empty: dict[str, np.ndarray] = {}  # every LoRA input of no slot
         for b in layout.branches:
-            self.arrays[b.a_input] = np.zeros(layout.a_shape(b, slots * layout.width(b)), np.float32)
+            self.arrays[b.a_input] = np.zeros(layout.a_shape(b, layout.slots), np.float32)
             self.empty[b.a_input] = np.zeros(layout.a_shape(b, 0), np.float32)
             for j in range(len(b.parts)):
-                every = layout.b_shape(b, j, slots * layout.max_rank)
-                self.arrays[b.b_input(j)] = np.zeros(every, np.float32)
+                self.arrays[b.b_input(j)] = np.zeros(layout.b_shape(b, j, layout.slots), np.float32)
                 self.empty[b.b_input(j)] = np.zeros(layout.b_shape(b, j, 0), np.float32)
 
     def span(self, first: int, last: int) -> dict[str, np.ndarray]:
-        """The inputs over slots first..last (1-based) for ids counted from `first` (1: slot `first`):
-        views of the slots' arrays, so an adapter written later is read."""
-        inputs = dict(self._tables[last - first + 1])
-        layout = self.layout
-        for b in layout.branches:
-            # each input's leading axis, a slot's share of it
-            shares = [(b.a_input, layout.a_shape(b, layout.width(b))[0])]
-            shares += [(b.b_input(j), layout.b_shape(b, j, layout.max_rank)[0]) for j in range(len(b.parts))]
-            for name, per_slot in shares:
-                inputs[name] = self.arrays[name][(first - 1) * per_slot : last * per_slot]
+        """The inputs of slots first..last (1-based): views of the slots' arrays, so an adapter written later
+        is read."""
+        inputs = {}
+        for name, array in self.arrays.items():
+            per_slot = len(array) // self.layout.slots  # a slot's share of the input's leading axis
+            inputs[name] = array[(first - 1) * per_slot : last * per_slot]
         return inputs
 
     @property
@@ -144,21 +135,43 @@ class LoraSlots:
         """Put `adapter` in `slot` (1-based), replacing what it held; None empties it."""
         if not 1 <= slot <= self.layout.slots:
             raise ValueError(f"slot {slot} is not one of the bundle's 1..{self.layout.slots}")
-        group, rank = self.layout.group, self.layout.max_rank
-        rows = slice((slot - 1) * rank, slot * rank)
+        group = self.layout.group
         for projection, branch in self._branches.items():
-            width = self.layout.width(branch)
-            groups = slice((slot - 1) * width // group, slot * width // group)
-            a = self.arrays[branch.a_input]  # [groups, in, group]
-            a[groups] = (
+            a = self.arrays[branch.a_input]  # [slots * groups, in, group]
+            groups = len(a) // self.layout.slots
+            a[(slot - 1) * groups : slot * groups] = (
                 0.0
                 if adapter is None
                 else adapter.a[projection].reshape(branch.in_features, -1, group).transpose(1, 0, 2)
             )
             for j in range(len(branch.parts)):
                 name = branch.b_input(j)
-                b = self.arrays[name].reshape(-1, self.arrays[name].shape[-1])  # a view: [rows, features]
-                b[rows] = 0.0 if adapter is None else adapter.b[name]
+                self.arrays[name][slot - 1] = 0.0 if adapter is None else adapter.b[name]
+
+
+def token_slots(row_slots: np.ndarray, tokens: int, span: tuple[int, int]) -> dict[str, np.ndarray]:
+    """The graph's inputs that route a run's tokens to their slots (serve/bundle.py, LORA_ROWS_INPUT and the
+    rest), for rows whose slots are `row_slots` (0: none; the others within `span`, the slots the run is
+    given, first to last), `tokens` positions each: the tokens of each slot of the span in a row of their
+    own (in token order, padded with token 0 to the longest), and each token with an adapter, where it is
+    there."""
+    slot = np.repeat(row_slots.astype(np.int64), tokens)  # by token, flat
+    token = np.flatnonzero(slot)  # the tokens with an adapter, in order
+    span_slot = slot[token] - span[0]  # each one's slot counted in the span
+    k = span[1] - span[0] + 1 if token.size else 0
+    counts = np.bincount(span_slot, minlength=k)
+    n = int(counts.max()) if token.size else 0
+    order = np.argsort(span_slot, kind="stable")  # the tokens grouped by slot, in order within each
+    place = np.arange(token.size) - (np.cumsum(counts) - counts)[span_slot[order]]
+    rows = np.zeros((k, n), np.int64)
+    rows[span_slot[order], place] = token[order]
+    positions = np.empty(token.size, np.int64)
+    positions[order] = span_slot[order] * n + place
+    return {
+        LORA_ROWS_INPUT: rows,
+        LORA_POSITIONS_INPUT: positions,
+        LORA_TOKENS_INPUT: token.astype(np.int64).reshape(-1, 1),
+    }
 
 
 def _config(path: Path) -> dict[str, Any]:

@@ -20,9 +20,15 @@ from quantized_bundles import quantized_graphs
 from export.lora import LoraOptions
 from export.model import Decoder, DecoderConfig
 from export.pipeline import ExportOptions, Precision, export_bundle, write_verified_bundle
-from serve.bundle import ROW_PAD_PREFIX, load_bundle
+from serve.bundle import (
+    LORA_POSITIONS_INPUT,
+    LORA_ROWS_INPUT,
+    LORA_TOKENS_INPUT,
+    ROW_PAD_PREFIX,
+    load_bundle,
+)
 from serve.engine.engine import Engine
-from serve.engine.lora import AdapterError, read_adapter
+from serve.engine.lora import AdapterError, read_adapter, token_slots
 from serve.engine.runtime import SessionConfig
 from serve.engine.sampling import SamplingParams
 from serve.engine.types import Constraint, EngineSettings, NewSequence, SpeculationSettings, TokenOut
@@ -456,11 +462,11 @@ def test_a_preempted_request_resumes_with_its_adapter_even_after_it_left_its_slo
     assert [(o.token_id, o.logprob) for o in outs] == want
 
 
-def test_a_span_of_slots_is_those_slots_columns_read_in_place(
+def test_a_span_of_slots_is_those_slots_weights_read_in_place(
     fp32_bundles: tuple[Path, Path], adapters: dict[str, tuple[Path, torch.nn.Module]]
 ) -> None:
     """A run is given the inputs of the slots its rows use, first to last: views of the slots' arrays (an
-    adapter written later is read) and a one-hot table for ids counted from the first of them."""
+    adapter written later is read), each part's b over its own output features."""
     from serve.engine.lora import LoraSlots
 
     layout = load_bundle(fp32_bundles[0]).manifest.lora
@@ -468,25 +474,38 @@ def test_a_span_of_slots_is_those_slots_columns_read_in_place(
     slots = LoraSlots(layout)
     span = slots.span(2, 3)
     slots.write(2, read_adapter(adapters["a1"][0], layout))
-    rank = layout.max_rank
     for branch in layout.branches:
-        width = layout.width(branch)
         a = span[branch.a_input]
-        assert a.shape == layout.a_shape(branch, 2 * width)
-        assert np.abs(a[: width // layout.group]).sum() > 0 and not a[width // layout.group :].any()
+        assert a.shape == layout.a_shape(branch, 2)
+        one = len(a) // 2
+        assert np.abs(a[:one]).sum() > 0 and not a[one:].any()
         features = [layout.features(branch, j) for j in range(len(branch.parts))]
         assert [f[0] for f in features] == [0] + [f[1] for f in features[:-1]]
         assert features[-1][1] == branch.out_features  # the parts' outputs side by side are the projection's
         for j, (start, stop) in enumerate(features):
             b = span[branch.b_input(j)]
-            assert b.shape == layout.b_shape(branch, j, 2 * rank)
-            b = b.reshape(-1, stop - start)
-            assert b.shape == (2 * rank, stop - start)
-            assert np.abs(b[:rank]).sum() > 0 and not b[rank:].any()
-        table = span[layout.onehot_input(width)]
-        assert table.shape == (SLOTS + 1, 2 * width)
-        assert table[1, :width].all() and table[2, width:].all()
-        assert table[0].sum() == table[1, width:].sum() == table[2, :width].sum() == table[3:].sum() == 0
+            assert b.shape == layout.b_shape(branch, j, 2) == (2, layout.max_rank, stop - start)
+            assert np.abs(b[0]).sum() > 0 and not b[1].any()
+
+
+def test_a_runs_tokens_are_routed_to_their_slots_in_order() -> None:
+    """Rows of slots 3, 0, 5, 3 over the span 3..5, two positions each: slot 3's four tokens in one row, slot
+    4's none, slot 5's two (padded), and each token with an adapter finds itself there."""
+    routes = token_slots(np.array([3, 0, 5, 3]), 2, (3, 5))
+    rows, positions, tokens = (
+        routes[LORA_ROWS_INPUT],
+        routes[LORA_POSITIONS_INPUT],
+        routes[LORA_TOKENS_INPUT],
+    )
+    assert rows.shape == (3, 4) and rows[0].tolist() == [0, 1, 6, 7] and rows[2, :2].tolist() == [4, 5]
+    assert tokens[:, 0].tolist() == [0, 1, 4, 5, 6, 7]
+    assert (rows.reshape(-1)[positions] == tokens[:, 0]).all()
+    none = token_slots(np.array([0, 0]), 3, (0, 0))
+    assert [none[name].shape for name in (LORA_ROWS_INPUT, LORA_POSITIONS_INPUT, LORA_TOKENS_INPUT)] == [
+        (0, 0),
+        (0,),
+        (0, 1),
+    ]
 
 
 def test_adapters_mix_alike_with_an_fp16_kv_cache(

@@ -38,10 +38,10 @@ CASES: dict[str, tuple[PretrainedConfig, tuple[int, int, list[str], bool]]] = {
     "qwen2": (qwen2_config(), (6, 12, ["k_proj", "o_proj", "up_proj"], True)),
     "qwen3": (qwen3_config(), (2, 8, ["q_proj", "gate_proj"], False)),
     "gpt2": (gpt2_config(), (4, 8, ["c_attn", "c_proj", "c_fc"], False)),
-    "llama, slots past one GEMM block": (llama_config(), (40, 32, LLAMA_ALL, False)),
+    "llama, 3 slots of rank 48": (llama_config(), (40, 32, LLAMA_ALL, False)),
 }
 SLOTS, RANK = 2, 8
-# slots * max rank past 128 (LORA_GEMM_TERMS): each part's b multiplied slot by slot (LoraLayout.chunk)
+# a wider rank over more slots
 WIDE = LoraOptions(3, 48)
 
 
@@ -52,10 +52,10 @@ def test_an_adapter_in_a_slot_gives_transformers_and_pefts_tokens(family: str, t
     model = import_checkpoint(tmp_path / "model").model
     options = LoraOptions(SLOTS, RANK) if rank <= RANK else WIDE
     layout = lora_layout(model.cfg, checkpoint_modules(model.cfg, type(base).__name__), options)
-    assert (layout.chunk < layout.slots * layout.max_rank) == (options is WIDE)
     graph = build_inplace_graph(model, layout)
     slots, last = LoraSlots(layout), options.slots
-    plain = run_inplace(graph, model.cfg, PROMPTS, lora=(slots.span(1, last), 1))  # nothing in slot 1 yet
+    # nothing in slot 1 yet
+    plain = run_inplace(graph, model.cfg, PROMPTS, lora=(slots.span(1, last), (1, last), 1))
 
     lora = LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False
@@ -63,7 +63,7 @@ def test_an_adapter_in_a_slot_gives_transformers_and_pefts_tokens(family: str, t
     peft = get_peft_model(base, lora).eval()
     peft.save_pretrained(tmp_path / "adapter")
     slots.write(last, read_adapter(tmp_path / "adapter", layout))
-    got = run_inplace(graph, model.cfg, PROMPTS, lora=(slots.span(1, last), last))
+    got = run_inplace(graph, model.cfg, PROMPTS, lora=(slots.span(1, last), (1, last), last))
     want = hf_greedy_batch(peft, PROMPTS)
     assert_same(got, want)
     with peft.disable_adapter():

@@ -39,6 +39,7 @@ from transformers import (
 )
 
 from export.model import Decoder, DecoderConfig
+from serve.engine.lora import token_slots
 
 VOCAB = 320
 CONTEXT = 128
@@ -380,10 +381,11 @@ def run_inplace(
     cfg: DecoderConfig,
     prompts: Sequence[Sequence[int]],
     steps: int = STEPS,
-    lora: tuple[Mapping[str, np.ndarray], int] | None = None,
+    lora: tuple[Mapping[str, np.ndarray], tuple[int, int], int] | None = None,
 ) -> Run:
     """The serving graph with bound in-place KV buffers, as serve/engine.py runs it: its own greedy tokens.
-    `lora`: a LoRA graph's weight inputs, and the slot every token runs with."""
+    `lora`: a LoRA graph's weight inputs of a span of slots (LoraSlots.span), the span, and the slot every
+    token runs with."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
     session = ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -424,7 +426,9 @@ def run_inplace(
             }
             lens = lens + 1
         if lora is not None:
-            feed = {**lora[0], **feed, "lora_ids": np.full(feed["input_ids"].shape, lora[1], np.int64)}
+            batch, seq = feed["input_ids"].shape
+            inputs, span, slot = lora
+            feed = {**inputs, **feed, **token_slots(np.full(batch, slot), seq, span)}
         feed = {name: np.ascontiguousarray(array) for name, array in feed.items()}  # alive until run
         for name, array in feed.items():
             binding.bind_cpu_input(name, array)
