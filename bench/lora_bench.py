@@ -157,7 +157,7 @@ def server_starts(bundle: Path, adapters: list[Path], starts: int, log: Path) ->
 
 def bytes_a_step(plain: Path, lora: Path) -> dict[str, int]:
     """What a decode step reads: the base weights (of the bundle without slots) and, with slots, every slot's
-    LoRA arrays (each token runs through all of them)."""
+    LoRA arrays (a step whose rows use every slot reads them all)."""
     from bench.peers_bench import weight_bytes
 
     slots = LoraSlots(bundle_layout(lora))

@@ -1,24 +1,23 @@
-"""LoRA slots in the serving graph: any mix of adapters in one batch, chosen per token by an adapter id.
+"""LoRA slots in the serving graph: any mix of adapters in one batch, each token on its own adapter.
 
 `textgen-export ... --lora-slots N --max-lora-rank R` gives every targeted projection y = x @ W (+ bias) a
-branch over all N slots at once (serve/bundle.py's LoraBranch has the layout):
+branch over the slots a run is given (a span of k of the N, serve/bundle.py's LoraBranch has the layout):
 
-    mask = Gather(onehot, lora_ids)          [B*S,N*width]  1 on the columns of the token's slot, else 0
-    y   += ((x @ lora_a) * mask) @ lora_b    lora_a [in, N*width], lora_b [N*width, out]: graph inputs
-                                             (FusedMatMuls: export/onnx_inplace.py says why)
+    xs  = Gather(x, lora_rows)                 [k,n,in]   each slot's tokens in a row of their own
+    d   = (xs @ lora_a) @ lora_b               [k,n,out]  each slot's tokens by that slot's a and b only
+    y   = ScatterND(y, lora_tokens, Gather(d, lora_positions), add)   each token's d added where it was
 
-with lora_a held as groups of at most 16 columns, and lora_b as one matrix per part ([N*max_rank, its
-features], past 128 rows in chunks of a slot each): products that sum a token's terms in the same blocks
-alone and in any batch, on any number of threads (serve/bundle.py's LoraLayout says why and how).
+with lora_a [k*groups, in, group] (groups of at most 16 columns) and lora_b one [k, max_rank, features] per
+part: products that sum a token's terms in the same blocks alone and in any batch, on any number of threads
+(serve/bundle.py's LoraLayout says why). The engine computes the three routing inputs per run
+(serve/engine/lora.py, token_slots).
 
-Why this form rather than gathering each row's adapter matrices: a gather copies an adapter's weights once per
-row per step (16 rows, 4 adapters: 4x the bytes of reading each adapter once), and it makes the per-row
-batched MatMul a row-mixing op that the 4-bit row pad (export/row_pad.py) would have to cut around. Here
-every op computes each token on its own (two plain MatMuls, an elementwise Mul), so a request's result does
-not depend on its batch company, and a token of another slot (or of none, id 0) contributes exact zeros:
-a base request on a LoRA bundle computes exactly what it computes without slots, plus 0. The weights are
-inputs, not initializers, so the quantizers leave the branches in float32 and the server writes an adapter
-into a slot between two steps without touching the session.
+Why this form: each token multiplies its own adapter's weights only (16 rows over 4 adapters do the
+arithmetic of 16 rows of one), each slot's weights are read once per step whatever its tokens, and a token
+with no adapter is not in any product: its projection is exactly the bundle without slots' (a run with no
+adapter token routes none, k = 0). A row's tokens take the same products whatever rows share the run:
+batch invariance holds. The weights are inputs, not initializers, so the quantizers leave the branches in
+float32 and the server writes an adapter into a slot between two steps without touching the session.
 
 Which modules get a branch: every projection (q, k, v, o, gate, up, down; GPT-2's c_attn, c_proj, c_fc) or
 those `--lora-target-modules` names. A fused projection of ours (q/k/v, gate/up) gets one branch whose
