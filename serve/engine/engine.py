@@ -37,7 +37,14 @@ from serve.bundle import LoraLayout
 from serve.engine.constraints import ConstraintCompiler, ConstraintRows, MaskStats, MaskWorker, PendingMasks
 from serve.engine.kv_cache import KvCache
 from serve.engine.kv_dtype import fp16_cache_graph, needs_rewrite
-from serve.engine.lora import Adapter, LoraSlots, Residency, read_adapter, token_slots
+from serve.engine.lora import (
+    Adapter,
+    LoraSlots,
+    Residency,
+    check_graph_inputs,
+    read_adapter,
+    token_slots,
+)
 from serve.engine.prefix_cache import PrefixCache, PrefixHit
 from serve.engine.prompt_scoring import PromptScorer, scoring_session
 from serve.engine.row_pad import unpadded_graph
@@ -172,6 +179,9 @@ class Engine:
         self.capacity = capacity
         self.session = create_session(graph, settings.session)
         self.providers: list[str] = self.session.get_providers()
+        if lora is not None:  # before the KV cache is allocated: a mismatch would surface at the first run
+            where = graph if isinstance(graph, str) else str(graph.folder)
+            check_graph_inputs(lora, {i.name: i.shape for i in self.session.get_inputs()}, where)
         self.kv_device: Device = kv_device(self.providers, session_device_id(self.session))
         rows = settings.max_batch_size + settings.prefix_cache_rows
         # The graph decides the precision (an fp16 bundle has fp16 caches and logits).

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from serve.bundle import (
     LoraBranch,
     LoraLayout,
 )
+from serve.errors import BundleError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -98,6 +99,40 @@ def read_adapter(path: Path | str, layout: LoraLayout) -> Adapter:
         b_[branch.b_input(j)][:r, part.start - offset : part.stop - offset] = scale * lora_b.T
         rank = max(rank, r)
     return Adapter(path, rank, a, b_)
+
+
+def bound_shapes(layout: LoraLayout) -> dict[str, list[int | str]]:
+    """Each LoRA input the engine binds, with its shape ("N": a size that changes from run to run)."""
+    shapes: dict[str, list[int | str]] = {
+        LORA_ROWS_INPUT: ["N", "N"],
+        LORA_POSITIONS_INPUT: ["N"],
+        LORA_TOKENS_INPUT: ["N", 1],
+    }
+    for b in layout.branches:  # the leading axis follows the span of slots a run is given
+        shapes[b.a_input] = ["N", *layout.a_shape(b, layout.slots)[1:]]
+        for j in range(len(b.parts)):
+            shapes[b.b_input(j)] = ["N", *layout.b_shape(b, j, layout.slots)[1:]]
+    return shapes
+
+
+def check_graph_inputs(
+    layout: LoraLayout, inputs: Mapping[str, Sequence[int | str | None]], graph: str
+) -> None:
+    """BundleError naming the first LoRA input of `graph` whose rank or fixed sizes are not what the engine
+    binds for `layout`: a bundle exported with an earlier LoRA layout, which ONNX Runtime would otherwise
+    refuse only at the first run, with a bare shape error."""
+    for name, expected in bound_shapes(layout).items():
+        found = inputs.get(name)
+        fits = found is not None and len(found) == len(expected)
+        if fits and all(e == "N" or f == e for e, f in zip(expected, found or [], strict=True)):
+            continue
+        what = "missing from" if found is None else f"{list(found)} in"
+        raise BundleError(
+            f"{graph}: LoRA input {name} is {what} the serving graph, where this textgen binds "
+            f"{expected} (N changes from run to run): the bundle was exported with an earlier LoRA layout; "
+            "re-export it with this textgen's `textgen-export ... "
+            f"--lora-slots {layout.slots} --max-lora-rank {layout.max_rank}`"
+        )
 
 
 class LoraSlots:

@@ -11,8 +11,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
+from onnx import TensorProto, helper
 from peft import LoraConfig, get_peft_model
 from proposers import Oracle
 from quantized_bundles import quantized_graphs
@@ -24,11 +26,19 @@ from serve.bundle import (
     LORA_POSITIONS_INPUT,
     LORA_ROWS_INPUT,
     LORA_TOKENS_INPUT,
+    MANIFEST_FILE,
     ROW_PAD_PREFIX,
     load_bundle,
+    sha256_file,
 )
 from serve.engine.engine import Engine
-from serve.engine.lora import AdapterError, read_adapter, token_slots
+from serve.engine.lora import (
+    AdapterError,
+    bound_shapes,
+    check_graph_inputs,
+    read_adapter,
+    token_slots,
+)
 from serve.engine.runtime import SessionConfig
 from serve.engine.sampling import SamplingParams
 from serve.engine.types import Constraint, EngineSettings, NewSequence, SpeculationSettings, TokenOut
@@ -360,6 +370,69 @@ def test_engines_refuse_adapters_they_cannot_serve(
         engine.prefill([NewSequence("s", [5, 6, 7], SamplingParams(), adapter="a1", prompt_logprobs=True)])
     assert engine.batch_size == 0
     assert engine.info.adapters == ("a1", "a2", "a3", "a4") and engine.info.lora_slots == SLOTS
+
+
+def old_layout_bundle(bundle: Path, out: Path) -> str:
+    """A copy of `bundle` whose serving graph takes its first LoRA a input as a bundle exported before the
+    grouped layout did, [in, columns], and regroups it inside: a consistent graph that ONNX Runtime loads.
+    Returns the input's name."""
+    root = Path(shutil.copytree(bundle, out))
+    manifest = load_bundle(root).manifest
+    assert manifest.lora is not None and manifest.graphs.inplace is not None
+    layout, file = manifest.lora, manifest.graphs.inplace.file
+    branch = layout.branches[0]
+    name, grouped = branch.a_input, f"{branch.a_input}.grouped"
+    model = onnx.load(str(root / file))
+    for node in model.graph.node:
+        for k, i in enumerate(node.input):
+            if i == name:
+                node.input[k] = grouped
+    shape = helper.make_tensor(
+        f"{name}.shape", TensorProto.INT64, [3], [branch.in_features, -1, layout.group]
+    )
+    model.graph.initializer.append(shape)
+    regroup = [
+        helper.make_node("Reshape", [name, shape.name], [f"{name}.split"]),
+        helper.make_node("Transpose", [f"{name}.split"], [grouped], perm=[1, 0, 2]),
+    ]
+    nodes = [*regroup, *model.graph.node]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    graph_input = next(i for i in model.graph.input if i.name == name)
+    graph_input.CopyFrom(
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, [branch.in_features, "lora_columns"])
+    )
+    onnx.save(model, str(root / file))
+    raw = json.loads((root / MANIFEST_FILE).read_text())
+    raw["checksums"][file] = sha256_file(root / file)
+    (root / MANIFEST_FILE).write_text(json.dumps(raw))
+    return name
+
+
+def test_a_bundle_of_an_older_lora_layout_is_refused_at_start_saying_to_re_export(
+    fp32_bundles: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Before the grouped layout a was [in, columns]: such a bundle's session loads, and only its first run
+    would fail, with ONNX Runtime's bare shape error. The engine refuses it at start, naming the input."""
+    name = old_layout_bundle(fp32_bundles[0], tmp_path / "old")
+    with pytest.raises(BundleError) as refused:
+        engine_for(tmp_path / "old", {})
+    message = str(refused.value)
+    assert f"LoRA input {name} is [{CONFIG.d_model}, 'lora_columns'] in" in message
+    assert f"binds ['N', {CONFIG.d_model}, " in message
+    assert f"`textgen-export ... --lora-slots {SLOTS} --max-lora-rank {RANK}`" in message
+
+
+def test_a_graph_routing_tokens_by_id_as_before_is_refused(fp32_bundles: tuple[Path, Path]) -> None:
+    """A graph of the masked layout took each token's slot as lora_ids [batch, seq], not lora_rows."""
+    layout = load_bundle(fp32_bundles[0]).manifest.lora
+    assert layout is not None
+    inputs = {name: [3 if s == "N" else s for s in shape] for name, shape in bound_shapes(layout).items()}
+    check_graph_inputs(layout, inputs, "g")  # what the engine binds passes
+    del inputs[LORA_ROWS_INPUT]
+    missing = f"g: LoRA input {LORA_ROWS_INPUT} is missing from the serving graph"
+    with pytest.raises(BundleError, match=missing):
+        check_graph_inputs(layout, {**inputs, "lora_ids": ["batch", "seq"]}, "g")
 
 
 def test_more_adapters_than_slots_take_turns_in_them(
