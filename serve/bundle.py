@@ -14,8 +14,11 @@ by its own model, `ManifestV1`, exactly as before, and converted to a `Manifest`
 stays 1.
 
 `load_bundle` refuses anything it cannot serve with a `BundleError` naming the file and the problem, so a
-bad bundle fails at start-up with one line instead of at the first request. Runtime side only: no torch, no
-onnx package.
+bad bundle fails at start-up with one line instead of at the first request. A graph's files are checked
+against the manifest's sha256 when the graph is first asked for (`Bundle.inplace_graph`, `standard_graph`),
+in the process that opens it: the server opens its serving graph at start, and hashing gigabytes of graphs
+it does not open (the standard graph serves prompt logprobs only) would only delay it. Runtime side only: no
+torch, no onnx package.
 
 Just over 400 lines: the manifest's fields and their checks are one format, the one the exporter writes.
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
@@ -412,21 +415,33 @@ class ManifestV1(_Strict):
 
 @dataclass(frozen=True)
 class Bundle:
+    """A loaded bundle: its manifest and tokenizer, checked. Each graph's files are checked the first time the
+    graph is asked for (BundleError: changed or truncated since export), once per `Bundle`."""
+
     root: Path
     manifest: Manifest
     tokenizer: Tokenizer
+    _checked: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def path(self, name: str) -> Path:
         return self.root / name
 
     @property
     def standard_graph(self) -> Path:
-        return self.path(self.manifest.graphs.standard.file)
+        return self.checked_graph(self.manifest.graphs.standard)
 
     @property
     def inplace_graph(self) -> Path | None:
         spec = self.manifest.graphs.inplace
-        return self.path(spec.file) if spec else None
+        return self.checked_graph(spec) if spec else None
+
+    def checked_graph(self, spec: GraphSpec) -> Path:
+        """The graph's file, once its files (the .onnx file and any external data) match the manifest."""
+        for name in spec.files():
+            if name not in self._checked:
+                check_file(self.root, name, self.manifest.checksums[name])
+                self._checked.add(name)
+        return self.path(spec.file)
 
     def tensorrt_options(self, cache_root: Path | None = None) -> dict[str, str]:
         """TensorRT provider options; the engine cache goes under `cache_root` (default: the bundle dir)."""
@@ -443,6 +458,8 @@ def sha256_file(path: Path) -> str:
 
 def read_manifest(root: Path) -> Manifest:
     """Parse and validate `root/manifest.json` (no file checks)."""
+    if not root.is_dir():
+        raise BundleError(f"{root}: bundle directory does not exist (export one with `textgen-export`)")
     path = root / MANIFEST_FILE
     if not path.is_file():
         raise BundleError(f"{path}: manifest missing; is {root} a bundle written by `textgen-export`?")
@@ -465,33 +482,39 @@ def read_manifest(root: Path) -> Manifest:
         raise BundleError(f"{path}: invalid manifest: {exc}") from exc
 
 
-def verify_checksums(root: Path, manifest: Manifest) -> None:
-    for name, expected in manifest.checksums.items():
-        path = root / name
-        if not path.is_file():
-            raise BundleError(f"{path}: file listed in the manifest is missing; re-export the bundle")
-        actual = sha256_file(path)
-        if actual != expected:
-            raise BundleError(
-                f"{path}: checksum mismatch (manifest sha256 {expected[:12]}…, file {actual[:12]}…): "
-                "the file was changed or truncated after export; re-export the bundle"
-            )
+def _listed_file(root: Path, name: str) -> Path:
+    path = root / name
+    if not path.is_file():
+        raise BundleError(f"{path}: file listed in the manifest is missing; re-export the bundle")
+    return path
+
+
+def check_file(root: Path, name: str, expected: str) -> None:
+    """BundleError unless `root/name` has the sha256 the manifest lists for it."""
+    path = _listed_file(root, name)
+    actual = sha256_file(path)
+    if actual != expected:
+        raise BundleError(
+            f"{path}: checksum mismatch (manifest sha256 {expected[:12]}…, file {actual[:12]}…): "
+            "the file was changed or truncated after export; re-export the bundle"
+        )
 
 
 def serving_weight_bytes(root: Path, manifest: Manifest) -> int:
     """Bytes of a bundle's serving graph files (its weights, as stored): what loading it takes, at least.
-    Reads sizes only: no checksum, which loading the bundle does anyway."""
+    Reads sizes only: no checksum, which opening the graph does anyway."""
     spec = manifest.graphs.inplace or manifest.graphs.standard
     return sum((root / name).stat().st_size for name in spec.files())
 
 
 def load_bundle(path: Path | str) -> Bundle:
-    """Load and fully validate a bundle directory: manifest, every file's checksum, the tokenizer."""
+    """Load and validate a bundle directory: the manifest, every file present, the tokenizer (checked against
+    its checksum); each graph is checked when first asked for (`Bundle.checked_graph`)."""
     root = Path(path)
-    if not root.is_dir():
-        raise BundleError(f"{root}: bundle directory does not exist (export one with `textgen-export`)")
     manifest = read_manifest(root)
-    verify_checksums(root, manifest)
+    for name in manifest.checksums:
+        _listed_file(root, name)
+    check_file(root, manifest.tokenizer, manifest.checksums[manifest.tokenizer])
     tok_path = root / manifest.tokenizer
     try:
         tokenizer = Tokenizer.from_file(str(tok_path))

@@ -156,7 +156,8 @@ class Engine:
         tokenizer: Tokenizer,
         spec: ModelSpec,
         settings: EngineSettings,
-        scoring_graph: str | None = None,  # the bundle's standard graph: prompt logprobs (prompt_scoring.py)
+        # the bundle's standard graph, asked for when a prompt is first scored (prompt_scoring.py)
+        scoring_graph: Callable[[], Path] | None = None,
         proposer: Proposer | None = None,  # with speculation: what guesses; prompt lookup by default
         # with speculation: the graph that scores a proposal (serve/engine/verify_graph.py), for as many
         # positions as speculation.num_tokens + 1
@@ -245,12 +246,28 @@ class Engine:
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, settings: EngineSettings) -> Engine:
-        m = bundle.manifest
-        if bundle.inplace_graph is None:
+        """The engine of a bundle's serving graph. The graph's checksum is computed while ONNX Runtime
+        reads and packs it (both take seconds for gigabytes of weights): nothing runs on it before the
+        checksum is known to match, and a changed file is refused as such, whatever reading it raised."""
+        graph = bundle.manifest.graphs.inplace
+        if graph is None:
             raise BundleError(
                 f"{bundle.root}: the bundle has no in-place serving graph (graphs.inplace); "
                 "re-export it with this version's `textgen-export`"
             )
+        with ThreadPoolExecutor(1, thread_name_prefix="textgen-checksum") as pool:
+            checked = pool.submit(bundle.checked_graph, graph)
+            try:
+                engine = cls._from_graph(bundle, bundle.path(graph.file), settings)
+            except BaseException:
+                checked.result()
+                raise
+            checked.result()
+        return engine
+
+    @classmethod
+    def _from_graph(cls, bundle: Bundle, graph_file: Path, settings: EngineSettings) -> Engine:
+        m = bundle.manifest
         arch = m.architecture
         spec = ModelSpec(
             n_layers=arch.n_layers,
@@ -270,9 +287,9 @@ class Engine:
         if settings.speculation.enabled:  # sessions take turns: one's threads spinning on would slow the next
             session = replace(session, spin_between_runs=False)
         settings = replace(settings, session=session)
-        graph: str | InMemoryGraph = str(bundle.inplace_graph)
+        graph: str | InMemoryGraph = str(graph_file)
         if m.odd_rows_padded:  # only such a graph has pads to take out: no other is probed
-            unpadded = unpadded_graph(bundle.inplace_graph, session)
+            unpadded = unpadded_graph(graph_file, session)
             graph = graph if unpadded is None else unpadded[0]
         if needs_rewrite(settings.kv_cache_dtype, m.dtype, bundle.root):
             graph = fp16_cache_graph(Path(graph) if isinstance(graph, str) else graph)
@@ -284,7 +301,7 @@ class Engine:
             if settings.speculation.draft_bundle is not None:
                 proposer = DraftModel(_draft_engine(bundle, settings))
         engine = cls(
-            graph, bundle.tokenizer, spec, settings, str(bundle.standard_graph), proposer, verifier, m.lora
+            graph, bundle.tokenizer, spec, settings, lambda: bundle.standard_graph, proposer, verifier, m.lora
         )
         for name, path in settings.adapters:
             if m.lora is None:

@@ -5,14 +5,17 @@ The serving graph returns one position's logits per row (its head runs on the la
 export/onnx_inplace.py), so a prompt is scored by the bundle's standard graph, which returns every
 position's logits, run on the prompt alone with an empty past. Its session is created on first use, with the
 serving session's providers and threads: it holds a second copy of the weights, which a server that is never
-asked for prompt logprobs does not pay for. On an INT8 bundle the two graphs are quantized separately, so
-the scores can differ from the serving graph's logprobs in the last digits.
+asked for prompt logprobs does not pay for, nor for hashing the graph's file (the bundle checks it when it is
+first asked for: a changed file fails that first request with a BundleError naming it). On an INT8 bundle
+the two graphs are quantized separately, so the scores can differ from the serving graph's logprobs in the
+last digits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,8 +34,8 @@ def scoring_session(serving: SessionConfig, providers: Sequence[str]) -> Session
 
 
 class PromptScorer:
-    def __init__(self, graph_path: str, session: SessionConfig) -> None:
-        self._graph_path = graph_path
+    def __init__(self, graph: Callable[[], Path], session: SessionConfig) -> None:
+        self._graph = graph
         self._config = session
         self._session: Any = None
         self._empty_past: dict[str, np.ndarray] = {}
@@ -55,7 +58,7 @@ class PromptScorer:
         return PromptScores(chosen.tolist(), alternatives)
 
     def _open(self) -> Any:
-        session = create_session(self._graph_path, self._config)
+        session = create_session(self._graph(), self._config)
         for spec in session.get_inputs():
             if spec.name.startswith("past_"):  # [batch, heads, past, head_dim]: one row, nothing past
                 _, heads, _, head_dim = spec.shape

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from serve.engine.prompt_scoring import scoring_session
 from serve.engine.runtime import Device, SessionConfig, allocate, copy_graph, create_copy_session, kv_device
 from serve.engine.sampling import SamplingParams
 from serve.engine.types import EngineSettings, ModelSpec, NewSequence, TokenOut
+from serve.errors import BundleError
 from serve.scheduling.offline import generate
 
 GREEDY = SamplingParams()
@@ -241,6 +243,34 @@ def test_stop_strings_wait_for_min_new_tokens(demo: tuple[Decoder, Engine]) -> N
     later = plain.text.find(stop, head)
     assert later > first and held.finish_reason == "stop" and held.text == plain.text[:later]
     assert len(held.token_ids) >= 6 and held.token_ids == plain.token_ids[: len(held.token_ids)]
+
+
+def test_a_changed_standard_graph_is_refused_when_a_prompt_is_first_scored(
+    tiny_bundle: Path, tmp_path: Path
+) -> None:
+    """The engine opens the standard graph only to score a prompt: its checksum is checked then, not at
+    start, and a changed file fails that call with the file and the mismatch."""
+    root = Path(shutil.copytree(tiny_bundle, tmp_path / "bundle"))
+    with (root / "model.onnx").open("ab") as f:
+        f.write(b"\0")
+    engine = Engine.from_bundle(load_bundle(root), EngineSettings(max_batch_size=1))
+    assert generate(engine, [[5, 6, 7]], max_new_tokens=2)[0].token_ids
+    with pytest.raises(BundleError) as info:
+        engine.score_prompt([5, 6, 7])
+    assert str(root / "model.onnx") in str(info.value) and "checksum mismatch" in str(info.value)
+
+
+def test_a_truncated_serving_graph_is_refused_as_changed_not_as_unreadable(
+    tiny_bundle: Path, tmp_path: Path
+) -> None:
+    """The serving graph is hashed while ONNX Runtime reads it: what reading a damaged file raised gives
+    way to the checksum's verdict, which names the file."""
+    root = Path(shutil.copytree(tiny_bundle, tmp_path / "bundle"))
+    graph = root / "model_inplace.onnx"
+    graph.write_bytes(graph.read_bytes()[: graph.stat().st_size // 2])
+    with pytest.raises(BundleError) as info:
+        Engine.from_bundle(load_bundle(root), EngineSettings(max_batch_size=1))
+    assert str(graph) in str(info.value) and "checksum mismatch" in str(info.value)
 
 
 def test_prompt_logprobs_equal_pytorch_and_come_with_the_first_token(

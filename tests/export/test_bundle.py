@@ -160,11 +160,45 @@ def test_invalid_manifest(bundle_copy: Path, change: Callable[[dict[str, Any]], 
     assert "invalid manifest" in message and expected in message
 
 
-def test_checksum_mismatch(bundle_copy: Path) -> None:
-    with (bundle_copy / "model.onnx").open("ab") as f:
-        f.write(b"\0")
+def test_checksum_mismatch_of_the_tokenizer_refuses_the_bundle(bundle_copy: Path) -> None:
+    with (bundle_copy / "tokenizer.json").open("ab") as f:
+        f.write(b" ")
     message = refused(bundle_copy)
-    assert "model.onnx" in message and "checksum mismatch" in message
+    assert "tokenizer.json" in message and "checksum mismatch" in message
+
+
+@pytest.mark.parametrize("graph", ["standard", "inplace"])
+def test_a_changed_graph_is_refused_when_first_asked_for(bundle_copy: Path, graph: str) -> None:
+    name = {"standard": "model.onnx", "inplace": "model_inplace.onnx"}[graph]
+    with (bundle_copy / name).open("ab") as f:
+        f.write(b"\0")
+    bundle = load_bundle(bundle_copy)  # no graph is hashed before it is opened
+    for _ in range(2):  # refused every time it is asked for, never handed out unchecked
+        with pytest.raises(BundleError) as info:
+            getattr(bundle, f"{graph}_graph")
+        message = str(info.value)
+        assert str(bundle_copy / name) in message and "checksum mismatch" in message
+    other = "inplace" if graph == "standard" else "standard"
+    assert getattr(bundle, f"{other}_graph").is_file()
+
+
+def test_each_file_is_hashed_once_when_first_opened(
+    tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hashed: list[str] = []
+
+    def recorded(path: Path) -> str:
+        hashed.append(path.name)
+        return sha256_file(path)
+
+    monkeypatch.setattr("serve.bundle.sha256_file", recorded)
+    bundle = load_bundle(tiny_bundle)
+    assert hashed == ["tokenizer.json"]
+    for _ in range(2):
+        assert bundle.inplace_graph == tiny_bundle / "model_inplace.onnx"
+    assert hashed == ["tokenizer.json", "model_inplace.onnx"]
+    assert bundle.standard_graph == tiny_bundle / "model.onnx"
+    assert hashed == ["tokenizer.json", "model_inplace.onnx", "model.onnx"]
 
 
 def test_missing_file(bundle_copy: Path) -> None:

@@ -315,7 +315,7 @@ def broken_claim(kind: str, bundle: Path, root: Path) -> Path:
     shutil.copytree(bundle, target)
     give_to_pod(target)
     if kind == "corrupt":
-        graph = target / "model.onnx"
+        graph = target / "model_inplace.onnx"  # the graph the server opens at start
         data = bytearray(graph.read_bytes())
         data[len(data) // 2] ^= 0xFF
         graph.write_bytes(bytes(data))
