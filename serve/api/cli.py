@@ -11,10 +11,9 @@ import logging
 import sys
 
 from serve.api.config import ConfigError, load_settings
-from serve.api.lifecycle import serve
-from serve.api.loading import pod_memory_report
 from serve.errors import TextgenError
 from serve.process import configure_logging
+from serve.scheduling.engine_client import EngineProcess
 
 log = logging.getLogger("textgen.serve")
 
@@ -30,11 +29,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"textgen-serve: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    # Started before the front end's modules are imported, so that the engine process imports its own
+    # meanwhile (docs/architecture.md, "Start-up"); a spawned child imports this module again: it stays light.
+    engine = EngineProcess() if settings.engine_process and not settings.print_pod_memory else None
     try:
+        from serve.api.lifecycle import serve
+        from serve.api.loading import pod_memory_report
+
         if settings.print_pod_memory:
             print(pod_memory_report(settings))
             return 0
-        return asyncio.run(serve(settings))
+        return asyncio.run(serve(settings, engine))
     except EXPECTED_STARTUP_ERRORS as exc:
         log.error("start-up failed: %s", exc)
         return 1
+    finally:
+        if engine is not None:
+            engine.close()

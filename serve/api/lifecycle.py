@@ -31,7 +31,7 @@ from serve.api.openai.http_server import HttpServer, http_api
 from serve.api.state import ServingState
 from serve.api.tracing import RequestTracer
 from serve.process import freeze_startup_objects
-from serve.scheduling.engine_client import ProcessScheduler
+from serve.scheduling.engine_client import EngineProcess, ProcessScheduler
 from serve.scheduling.messages import EngineWrap
 
 log = logging.getLogger("textgen.server")
@@ -56,13 +56,17 @@ class TextgenServer:
         engine_wrap: EngineWrap | None = None,
         freeze_heap: bool = False,
         tracer: RequestTracer | None = None,
+        engine_process: EngineProcess | None = None,
     ) -> None:
         """`engine_wrap` wraps the engine before the scheduler gets it (tests: a slow or failing step).
         `freeze_heap`: once loaded, freeze this process's start-up objects (`freeze_startup_objects`); for a
         process that runs one server for its life, not for a test process that starts many. `tracer`: where
-        request spans go (default: `otlp_traces_endpoint`'s exporter, or none)."""
+        request spans go (default: `otlp_traces_endpoint`'s exporter, or none). `engine_process`: the engine
+        process started ahead (`textgen-serve` starts it before importing this module); None: one is started
+        when the model loads."""
         self.settings = settings
         self._engine_wrap = engine_wrap
+        self._engine_process = engine_process
         self._freeze_heap = freeze_heap
         # Made in start(); completes with the reason if the engine process dies: the server then stops.
         self.failed: asyncio.Future[str] | None = None
@@ -136,7 +140,7 @@ class TextgenServer:
             log.info(
                 "OpenAI-compatible API on %s://%s", scheme, _address(self.settings.http_host, self.http_port)
             )
-        model = await load_model(self.settings, self.metrics, self._engine_wrap)
+        model = await load_model(self.settings, self.metrics, self._engine_wrap, self._engine_process)
         if isinstance(model.scheduler, ProcessScheduler):
             assert model.scheduler.exited is not None
             model.scheduler.exited.add_done_callback(self._engine_exited)
@@ -213,14 +217,15 @@ class TextgenServer:
             server.server_close()
 
 
-async def serve(settings: ServerSettings) -> int:
+async def serve(settings: ServerSettings, engine_process: EngineProcess | None = None) -> int:
     """Run until SIGTERM or SIGINT, then drain (exit status 0); a failed start-up stops the server and
-    re-raises; if the engine process dies, the server stops at once (exit status 1)."""
+    re-raises; if the engine process dies, the server stops at once (exit status 1). `engine_process`: the
+    engine process, started ahead."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = TextgenServer(settings, freeze_heap=True)
+    server = TextgenServer(settings, freeze_heap=True, engine_process=engine_process)
     starting = asyncio.create_task(server.start())
     signalled = asyncio.create_task(stop.wait())
     done, _pending = await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)

@@ -6,6 +6,7 @@ started scheduler (`load_model`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from serve.process import (
     format_cpu_list,
     pin_process,
 )
-from serve.scheduling.engine_client import ProcessScheduler
+from serve.scheduling.engine_client import EngineProcess, ProcessScheduler
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.messages import EngineSpec, EngineWrap
 from serve.scheduling.scheduler import open_in_thread
@@ -132,9 +133,9 @@ def pod_memory_report(settings: ServerSettings) -> str:
     return "\n".join([model, f"{sizing.describe()}; {per_token}", pod.describe()])
 
 
-def kv_sizing(settings: ServerSettings, bundle: Bundle) -> KvSizing:
-    """The KV rows to allocate for this bundle (ConfigError: none fits the budget), logged."""
-    sizing = kv_rows(settings, bundle.manifest)
+def kv_sizing(settings: ServerSettings, manifest: Manifest) -> KvSizing:
+    """The KV rows to allocate for a bundle of this manifest (ConfigError: none fits the budget), logged."""
+    sizing = kv_rows(settings, manifest)
     log.info("%s", sizing.describe())
     if sizing.max_batch_size < settings.max_batch_size:
         log.warning(
@@ -179,23 +180,42 @@ def place_server(engine_cpus: frozenset[int]) -> None:
 
 
 async def load_model(
-    settings: ServerSettings, metrics: Metrics | None, wrap: EngineWrap | None = None
+    settings: ServerSettings,
+    metrics: Metrics | None,
+    wrap: EngineWrap | None = None,
+    process: EngineProcess | None = None,
 ) -> LoadedModel:
     """Bundle, warmed-up engine (in its own process, or here), started scheduler; raises BundleError for a
-    bundle that cannot be served. `wrap` wraps the engine before the scheduler gets it (tests)."""
-    bundle = await asyncio.to_thread(load_bundle, settings.bundle)
-    check_adapter_names(settings, bundle)
-    sizing = kv_sizing(settings, bundle)
+    bundle that cannot be served. `wrap` wraps the engine before the scheduler gets it (tests); `process`:
+    the engine process, started ahead (None: started here)."""
+    root = Path(settings.bundle)
+    sizing = kv_sizing(settings, read_manifest(root))  # the engine loads the bundle itself
     cpus = checked_engine_cpus(settings) if settings.engine_process else None
     limits = scheduler_limits(settings, sizing)
-    spec = EngineSpec(bundle, engine_settings(settings, sizing), limits, settings.log_level, wrap, cpus)
+    spec = EngineSpec(root, engine_settings(settings, sizing), limits, settings.log_level, wrap, cpus)
     if not settings.engine_process:
+        bundle = await _front_end_bundle(settings)
         scheduler = await open_in_thread(spec, metrics)
         checks = request_limits(settings, scheduler.info, scheduler.max_total_tokens)
         return LoadedModel(bundle, scheduler, checks)
-    process = ProcessScheduler(spec, metrics)
-    await process.start()
+    engine = ProcessScheduler(spec, metrics, process)
+    starting = asyncio.create_task(engine.start())
+    try:
+        bundle = await _front_end_bundle(settings)  # while the engine process builds the engine
+        await starting
+    finally:
+        if not starting.done():  # this side failed first: the engine process goes too
+            starting.cancel()
+        with contextlib.suppress(Exception, asyncio.CancelledError):  # the first failure is the one raised
+            await starting
     if cpus is not None:
         place_server(cpus)
-    checks = request_limits(settings, process.info, process.max_total_tokens)
-    return LoadedModel(bundle, process, checks)
+    checks = request_limits(settings, engine.info, engine.max_total_tokens)
+    return LoadedModel(bundle, engine, checks)
+
+
+async def _front_end_bundle(settings: ServerSettings) -> Bundle:
+    """The bundle as the front end needs it (the tokenizer, the manifest; no graph is opened here)."""
+    bundle = await asyncio.to_thread(load_bundle, settings.bundle)
+    check_adapter_names(settings, bundle)
+    return bundle

@@ -3,6 +3,10 @@ child process (serve/scheduling/engine_core.py), spoken to over one pipe (serve/
 
 If the child dies (killed, out of memory), every request in flight fails with a clear error and `exited`
 tells the server, which stops: a half-working server would only hide it from its supervisor.
+
+The child can be started before the server knows what to build (`EngineProcess`): `textgen-serve` starts it
+first thing, so that its imports (the engine's modules) overlap the server's own and its spec (the KV rows
+sized from the bundle's manifest) arrives as soon as the server has it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from typing import Any, NamedTuple
 from serve.engine.types import EngineInfo
 from serve.errors import EngineFailure
 from serve.scheduling.adapters import AdapterUpdate
-from serve.scheduling.engine_core import engine_main
 from serve.scheduling.engine_protocol import EngineMetrics, SchedulerMetrics
 from serve.scheduling.handles import HandleTable, RequestHandle
 from serve.scheduling.limits import SchedulerLimits
@@ -55,6 +58,37 @@ def replay(metrics: EngineMetrics, calls: list[MetricCall]) -> None:
         getattr(metrics, name)(*args)
 
 
+def _engine_process_main(conn: Connection) -> None:
+    # Imported in the child only: the server's process starts it before it imports the engine's modules.
+    from serve.scheduling.engine_core import engine_main
+
+    engine_main(conn)
+
+
+class EngineProcess:
+    """A started engine process waiting for its `EngineSpec` (the first message over its pipe), which
+    `ProcessScheduler.start` sends; `close` ends one that never got it."""
+
+    def __init__(self) -> None:
+        # spawn, not fork: the server's process runs gRPC threads, which a forked child must not inherit.
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(
+            target=_engine_process_main, args=(child,), name="textgen-engine", daemon=True
+        )
+        self.process.start()
+        child.close()
+
+    def close(self) -> None:
+        """Close the pipe and wait for the process to end: one still waiting for its spec exits at once (a
+        started scheduler stops it first, `ProcessScheduler.drain`)."""
+        self.conn.close()
+        self.process.join(STOP_TIMEOUT_SECONDS)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
 class _Latest(NamedTuple):
     """The engine process's latest snapshot and the submit commands it had read by then: replaced together,
     so the metrics' thread never reads one without the other."""
@@ -79,8 +113,12 @@ class ProcessScheduler:
     loop. `exited` completes if the engine process ends without being told to.
     """
 
-    def __init__(self, spec: EngineSpec, metrics: SchedulerMetrics | None = None) -> None:
+    def __init__(
+        self, spec: EngineSpec, metrics: SchedulerMetrics | None = None, process: EngineProcess | None = None
+    ) -> None:
+        """`process`: the engine process, started ahead; None: `start` starts one."""
         self._spec = spec
+        self._spawned = process
         self._metrics = metrics
         self._handles = HandleTable()
         self._steps: deque[StepRecord] = deque(maxlen=spec.limits.step_history)
@@ -100,23 +138,18 @@ class ProcessScheduler:
 
     # -- start -------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Spawn the engine process and wait until its engine is warmed up; raises what building it raised
-        (BundleError, ValueError for providers, ...)."""
+        """Send the engine process (started now unless it was given) its spec and wait until its engine is
+        warmed up; raises what building it raised (BundleError, ValueError for providers, ...)."""
         if self._process is not None:
             raise RuntimeError("the scheduler is already started")
         self._loop = asyncio.get_running_loop()
         self.exited = self._loop.create_future()
-        # spawn, not fork: the server's process runs gRPC threads, which a forked child must not inherit.
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self._process = context.Process(
-            target=engine_main, args=(child, self._spec), name="textgen-engine", daemon=True
-        )
-        self._process.start()
-        child.close()
+        engine = self._spawned or EngineProcess()
+        self._process, self._conn = engine.process, engine.conn
         try:
+            self._conn.send(self._spec)
             hello = await asyncio.to_thread(self._conn.recv)
-        except EOFError:
+        except (EOFError, BrokenPipeError):
             await asyncio.to_thread(self._process.join)
             raise EngineFailure(
                 f"the engine process exited while starting (exit code {self._process.exitcode})"

@@ -19,6 +19,7 @@ import time
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
+from serve.bundle import load_bundle
 from serve.engine.engine import open_engine
 from serve.errors import TextgenError
 from serve.process import configure_logging, freeze_startup_objects, pin_process
@@ -115,16 +116,21 @@ class MetricRecorder:
         return calls
 
 
-def engine_main(conn: Connection, spec: EngineSpec) -> None:
-    """The child's entry point: build the engine, say so, then serve commands until told to stop."""
+def engine_main(conn: Connection) -> None:
+    """The child's entry point: wait for the spec, build the engine, say so, then serve commands until told
+    to stop. Its modules are imported by then: the server's process starts it before its own imports."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        spec: EngineSpec = conn.recv()
+    except EOFError:  # the server's start-up failed before it needed an engine
+        return
     configure_logging(spec.log_level)
     if spec.cpus is not None:
         pin_process(spec.cpus)  # before ONNX Runtime starts its threads, which inherit it
     recorder = MetricRecorder()
     try:
-        engine = open_engine(spec.bundle, spec.engine)
+        engine = open_engine(load_bundle(spec.bundle), spec.engine)
         scheduled = spec.wrap(engine) if spec.wrap else engine
         runner = BatchRunner(scheduled, spec.limits.resolve(engine), recorder)
     except Exception as exc:

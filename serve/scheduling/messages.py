@@ -1,7 +1,9 @@
 """The messages between the server's process and its engine process, pickled over one `multiprocessing` pipe.
 
-server -> engine: `Submit`, `Cancel`, `UpdateAdapters` (load or unload a LoRA adapter between two steps),
-`RejectWaiting` (the start of a drain: fail the queue), `Stop` (fail what still runs, send it, exit).
+server -> engine: first the `EngineSpec` (the process is started before the server knows it, so that it
+imports the engine's modules meanwhile), then `Submit`, `Cancel`, `UpdateAdapters` (load or unload a LoRA
+adapter between two steps), `RejectWaiting` (the start of a drain: fail the queue), `Stop` (fail what still
+runs, send it, exit).
 engine -> server: once `Ready` or `Failed`, then a `StepOutput` after every pass of the engine loop that has
 outcomes to deliver (step records and metric calls alone wait up to `engine_core.FLUSH_SECONDS` for
 company), and an `AdaptersUpdated` for each `UpdateAdapters` once it is made or refused.
@@ -11,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from serve.bundle import Bundle
 from serve.engine.types import EngineInfo, EngineSettings
 from serve.errors import TextgenError
 from serve.scheduling.adapters import AdapterUpdate
@@ -33,7 +35,7 @@ EngineWrap = Callable[["Engine"], BatchEngine]
 class EngineSpec:
     """Everything the engine process needs to build the engine the server would have built in-process."""
 
-    bundle: Bundle
+    bundle: Path  # its directory: the engine process loads it, each graph checked as it is opened
     engine: EngineSettings
     limits: SchedulerLimits
     log_level: str = "INFO"

@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 from typing import Protocol
 
+from serve.bundle import load_bundle
 from serve.engine.engine import open_engine
 from serve.engine.types import EngineInfo
 from serve.scheduling.adapters import AdapterUpdate
@@ -170,7 +171,7 @@ class Scheduler:
 async def open_in_thread(spec: EngineSpec, metrics: SchedulerMetrics | None = None) -> Scheduler:
     """The engine built and warmed up in this process, and a started `Scheduler` over it (the in-process
     twin of `ProcessScheduler`, built from the same spec; `spec.cpus` is not used here)."""
-    engine = await asyncio.to_thread(open_engine, spec.bundle, spec.engine)
+    engine = await asyncio.to_thread(lambda: open_engine(load_bundle(spec.bundle), spec.engine))
     scheduler = Scheduler(spec.wrap(engine) if spec.wrap else engine, spec.limits, metrics, engine.info)
     await scheduler.start()
     return scheduler

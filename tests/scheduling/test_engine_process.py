@@ -38,7 +38,7 @@ from serve.engine.sampling import SamplingParams
 from serve.engine.types import EngineSettings, SessionConfig
 from serve.errors import Draining, EngineFailure, QueueFull
 from serve.process import allowed_cpus, format_cpu_list
-from serve.scheduling.engine_client import ProcessScheduler, replay
+from serve.scheduling.engine_client import EngineProcess, ProcessScheduler, replay
 from serve.scheduling.engine_core import MetricRecorder
 from serve.scheduling.handles import RequestHandle
 from serve.scheduling.limits import SchedulerLimits
@@ -58,7 +58,7 @@ def bundle(tiny_bundle: Path) -> Bundle:
 def spec(bundle: Bundle, faults: InjectedFaults | None = None, **limits: Any) -> EngineSpec:
     limits.setdefault("max_batch_size", 4)
     engine = EngineSettings(max_batch_size=limits["max_batch_size"], session=SESSION)
-    return EngineSpec(bundle, engine, SchedulerLimits(**limits), "WARNING", faults)
+    return EngineSpec(bundle.root, engine, SchedulerLimits(**limits), "WARNING", faults)
 
 
 def request(rid: str, prompt: list[int], max_new: int = 8) -> GenerationRequest:
@@ -100,6 +100,27 @@ def test_greedy_tokens_are_batch_invariant_across_the_process_boundary(bundle: B
         return [c.token_ids for c in done]
 
     assert run(main) == expected
+
+
+def test_an_engine_process_started_ahead_builds_once_given_its_spec_or_ends_when_closed(
+    bundle: Bundle,
+) -> None:
+    unused = EngineProcess()  # the server's start-up failed before it sent a spec
+    unused.close()
+    assert unused.process.exitcode == 0
+
+    async def main() -> list[int]:
+        ahead = EngineProcess()  # as textgen-serve starts it, before its own imports
+        scheduler = ProcessScheduler(spec(bundle), process=ahead)
+        await scheduler.start()
+        try:
+            assert scheduler.pid == ahead.process.pid
+            return (await collect(scheduler.submit(request("r", [3, 4, 5])))).token_ids
+        finally:
+            await scheduler.drain(0.0)
+            ahead.close()
+
+    assert len(run(main)) == 8
 
 
 def test_the_queue_bound_holds_here_and_a_cancel_reaches_the_engine_process(bundle: Bundle) -> None:
