@@ -246,28 +246,15 @@ class Engine:
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, settings: EngineSettings) -> Engine:
-        """The engine of a bundle's serving graph. The graph's checksum is computed while ONNX Runtime
-        reads and packs it (both take seconds for gigabytes of weights): nothing runs on it before the
-        checksum is known to match, and a changed file is refused as such, whatever reading it raised."""
-        graph = bundle.manifest.graphs.inplace
-        if graph is None:
+        m = bundle.manifest
+        if m.graphs.inplace is None:
             raise BundleError(
                 f"{bundle.root}: the bundle has no in-place serving graph (graphs.inplace); "
                 "re-export it with this version's `textgen-export`"
             )
-        with ThreadPoolExecutor(1, thread_name_prefix="textgen-checksum") as pool:
-            checked = pool.submit(bundle.checked_graph, graph)
-            try:
-                engine = cls._from_graph(bundle, bundle.path(graph.file), settings)
-            except BaseException:
-                checked.result()
-                raise
-            checked.result()
-        return engine
-
-    @classmethod
-    def _from_graph(cls, bundle: Bundle, graph_file: Path, settings: EngineSettings) -> Engine:
-        m = bundle.manifest
+        # Hashed before ONNX Runtime reads it, not beside: creating a session holds the GIL most of the time,
+        # so a hashing thread gained nothing (docs/benchmarks.md, "Ready").
+        graph_file = bundle.checked_graph(m.graphs.inplace)
         arch = m.architecture
         spec = ModelSpec(
             n_layers=arch.n_layers,
