@@ -1,10 +1,11 @@
 """The server process's life: the metrics endpoint, the gRPC server (service, health, reflection, auth, TLS)
 and the HTTP API, loading the model, and the drain.
 
-Start-up order: metrics endpoint, gRPC port (health answers NOT_SERVING while the model loads), bundle,
-engine and its warm-up, scheduler, then SERVING. SIGTERM/SIGINT: NOT_SERVING, new requests UNAVAILABLE,
-running requests get `grace_seconds` to finish, then the process exits 0 (docs/deploy.md says what a gRPC
-client sees at each moment). Both front ends read one `ServingState`, which only this module changes.
+Start-up order: metrics endpoint, gRPC port (health answers NOT_SERVING while the model loads), the engine
+process given its spec (started ahead by `textgen-serve`) while the tokenizer is loaded here, the engine's
+warm-up, scheduler, then SERVING. SIGTERM/SIGINT: NOT_SERVING, new requests UNAVAILABLE, running requests
+get `grace_seconds` to finish, then the process exits 0 (docs/deploy.md says what a gRPC client sees at each
+moment). Both front ends read one `ServingState`, which only this module changes.
 """
 
 from __future__ import annotations

@@ -46,6 +46,16 @@ def test_the_server_process_loads_neither_onnxruntime_nor_onnx() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_console_script_module_leaves_the_front_end_unimported() -> None:
+    # textgen-serve's spawned engine process imports the script's module again (multiprocessing runs the
+    # parent's main script): it must not bring the front end's servers along.
+    front = ("grpc", "fastapi", "uvicorn", "prometheus_client", "serve.api.lifecycle")
+    check = f"import sys, serve.api.cli; loaded = [m for m in {front} if m in sys.modules]; print(loaded)"
+    check += "; assert not loaded"
+    result = run_python(check)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_missing_onnxruntime_is_one_clear_line(tiny_bundle: Path, tmp_path: Path) -> None:
     # A package named onnxruntime that cannot be imported, ahead of the real one in every process the server
     # starts (its engine process too), stands for an install without either extra.
