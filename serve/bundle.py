@@ -439,7 +439,7 @@ class Bundle:
         """The graph's file, once its files (the .onnx file and any external data) match the manifest."""
         for name in spec.files():
             if name not in self._checked:
-                check_file(self.root, name, self.manifest.checksums[name])
+                _verify_file(self.root, name, self.manifest.checksums[name])
                 self._checked.add(name)
         return self.path(spec.file)
 
@@ -489,7 +489,7 @@ def _listed_file(root: Path, name: str) -> Path:
     return path
 
 
-def check_file(root: Path, name: str, expected: str) -> None:
+def _verify_file(root: Path, name: str, expected: str) -> None:
     """BundleError unless `root/name` has the sha256 the manifest lists for it."""
     path = _listed_file(root, name)
     actual = sha256_file(path)
@@ -514,7 +514,7 @@ def load_bundle(path: Path | str) -> Bundle:
     manifest = read_manifest(root)
     for name in manifest.checksums:
         _listed_file(root, name)
-    check_file(root, manifest.tokenizer, manifest.checksums[manifest.tokenizer])
+    _verify_file(root, manifest.tokenizer, manifest.checksums[manifest.tokenizer])
     tok_path = root / manifest.tokenizer
     try:
         tokenizer = Tokenizer.from_file(str(tok_path))

@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(settings.log_level)
     # Started before the front end's modules are imported, so that the engine process imports its own
-    # meanwhile (docs/architecture.md, "Start-up"); a spawned child imports this module again: it stays light.
+    # meanwhile (docs/architecture.md, "Start-up order"); a spawned child imports this module again: it
+    # stays light.
     engine = EngineProcess() if settings.engine_process and not settings.print_pod_memory else None
     try:
         from serve.api.lifecycle import serve

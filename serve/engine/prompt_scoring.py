@@ -6,9 +6,9 @@ export/onnx_inplace.py), so a prompt is scored by the bundle's standard graph, w
 position's logits, run on the prompt alone with an empty past. Its session is created on first use, with the
 serving session's providers and threads: it holds a second copy of the weights, which a server that is never
 asked for prompt logprobs does not pay for, nor for hashing the graph's file (the bundle checks it when it is
-first asked for: a changed file fails that first request with a BundleError naming it). On an INT8 bundle
-the two graphs are quantized separately, so the scores can differ from the serving graph's logprobs in the
-last digits.
+first asked for: a changed file fails each request for prompt logprobs with a BundleError naming it). On an
+INT8 bundle the two graphs are quantized separately, so the scores can differ from the serving graph's
+logprobs in the last digits.
 """
 
 from __future__ import annotations
