@@ -94,45 +94,31 @@ class _GraphBuilder:
         (export/lora.py), in products that sum a token's terms in the same blocks alone and in any batch
         (LoraLayout says why)."""
         assert self.lora is not None
-        name, rank, group = f"{branch.projection}/lora", self.lora.max_rank, self.lora.group
-        groups, parts = self.lora.width(branch) // group, len(branch.parts)
+        name, rank, parts = f"{branch.projection}/lora", self.lora.max_rank, len(branch.parts)
         # FusedMatMul with alpha 1/2 then 2, not MatMul: ONNX Runtime's CPU MatMul by a weight it has not
         # packed at load computes a single row (a lone decode step) with another kernel than several, which
         # rounds differently; an alpha other than 1 keeps every row count on one kernel. Scaling by powers of
         # two is exact, so the product is x @ a @ b still.
-        (tokens,) = self.node(
-            "Reshape",
-            [x, self.const_i64(f"lora.tokens_{branch.in_features}", [-1, branch.in_features])],
-            f"{name}/tokens",
-        )  # [T,in]
-        (xs,) = self.node("Gather", [tokens, LORA_ROWS_INPUT], f"{name}/by_slot")  # [k,n,in]
-        (xs,) = self.node("Unsqueeze", [xs, self.const_i64("lora.axis_1", [1])], f"{name}/by_group")
-        (a,) = self.node(
-            "Reshape",
-            [branch.a_input, self.const_i64(f"{name}.a", [-1, groups, branch.in_features, group])],
-            f"{name}/a_slots",
-        )  # [k,groups,in,group]
+        (xs,) = self.node("GatherND", [x, LORA_ROWS_INPUT], f"{name}/by_slot")  # [k,1,n,in]
         (xa,) = self.node(
-            "FusedMatMul", [xs, a], f"{name}/a", domain=MS_DOMAIN, alpha=0.5
+            "FusedMatMul", [xs, branch.a_input], f"{name}/a", domain=MS_DOMAIN, alpha=0.5
         )  # [k,groups,n,group]
         (xa,) = self.node("Transpose", [xa], f"{name}/a_tokens", perm=[0, 2, 1, 3])  # [k,n,groups,group]
+        width = self.lora.width(branch)
         (xa,) = self.node(
-            "Reshape", [xa, self.const_i64(f"lora.parts_{parts}", [0, 0, parts, rank])], f"{name}/parts"
-        )  # [k,n,parts,rank]
-        if parts == 1:
-            xas = self.node("Squeeze", [xa, self.const_i64("lora.axis_2", [2])], f"{name}/part")
-        else:
-            splits = self.node(
+            "Reshape", [xa, self.const_i64(f"lora.width_{width}", [0, 0, width])], f"{name}/a_flat"
+        )  # [k,n,parts*rank]
+        xas = (
+            self.node(
                 "Split",
-                [xa, self.const_i64(f"lora.split_{parts}", [1] * parts)],
+                [xa, self.const_i64(f"lora.split_{parts}", [rank] * parts)],
                 f"{name}/split",
-                outputs=[f"{name}/split_{j}" for j in range(parts)],
-                axis=2,
+                outputs=[f"{name}/part_{j}" for j in range(parts)],
+                axis=-1,
             )
-            xas = [
-                self.node("Squeeze", [x_j, "lora.axis_2"], f"{name}/part_{j}")[0]
-                for j, x_j in enumerate(splits)
-            ]
+            if parts > 1
+            else [xa]
+        )  # [k,n,rank] each
         # Each part's own b over its own output features: no part multiplies the zeros of the others.
         ds = [
             self.node("FusedMatMul", [xa_j, branch.b_input(j)], f"{name}/b{j}", domain=MS_DOMAIN, alpha=2.0)[
@@ -141,15 +127,8 @@ class _GraphBuilder:
             for j, xa_j in enumerate(xas)
         ]  # [k,n,features] each
         (d,) = self.node("Concat", ds, f"{name}/concat", axis=2) if parts > 1 else ds
-        out = self.const_i64(f"lora.out_{branch.out_features}", [-1, branch.out_features])
-        (d,) = self.node("Reshape", [d, out], f"{name}/slot_tokens")  # [k*n,out]
-        (d,) = self.node("Gather", [d, LORA_POSITIONS_INPUT], f"{name}/own")  # [m,out]
-        (flat,) = self.node("Reshape", [y, out], f"{name}/y_tokens")  # [T,out]
-        (flat,) = self.node(
-            "ScatterND", [flat, LORA_TOKENS_INPUT, d], f"{name}/add", reduction="add"
-        )  # y + delta on the tokens with an adapter
-        (shape,) = self.node("Shape", [y], f"{name}/shape")
-        return self.node("Reshape", [flat, shape], f"{name}/y")[0]
+        (d,) = self.node("GatherND", [d, LORA_POSITIONS_INPUT], f"{name}/own")  # [m,out]
+        return self.node("ScatterND", [y, LORA_TOKENS_INPUT, d], f"{name}/add", reduction="add")[0]
 
     def norm(self, x: str, module: torch.nn.Module, name: str) -> str:
         """LayerNormalization, or RMSNorm as x / sqrt(mean(x^2) + eps) * weight over the last axis: the
@@ -320,21 +299,16 @@ def _make_model(g: _GraphBuilder, n_layers: int, heads: int, head_dim: int, voca
 
 
 def _lora_inputs(lora: LoraLayout) -> list[onnx.ValueInfoProto]:
+    int64 = TensorProto.INT64
     inputs = [
-        helper.make_tensor_value_info(LORA_ROWS_INPUT, TensorProto.INT64, ["lora_span", "lora_slot_tokens"]),
-        helper.make_tensor_value_info(LORA_POSITIONS_INPUT, TensorProto.INT64, ["lora_tokens"]),
-        helper.make_tensor_value_info(LORA_TOKENS_INPUT, TensorProto.INT64, ["lora_tokens", 1]),
+        helper.make_tensor_value_info(LORA_ROWS_INPUT, int64, ["lora_span", 1, "lora_slot_tokens", 2]),
+        helper.make_tensor_value_info(LORA_POSITIONS_INPUT, int64, ["lora_tokens", 2]),
+        helper.make_tensor_value_info(LORA_TOKENS_INPUT, int64, ["lora_tokens", 2]),
     ]
     for b in lora.branches:
-        # The shapes over every slot, with the leading axis symbolic: a run is given a span of slots.
-        a_shape = lora.a_shape(b, lora.slots)
-        groups = a_shape[0] // lora.slots
-        inputs.append(
-            helper.make_tensor_value_info(
-                b.a_input, TensorProto.FLOAT, [f"lora_span_x{groups}", *a_shape[1:]]
-            )
-        )
-        for j in range(len(b.parts)):
-            shape = ["lora_span", *lora.b_shape(b, j, lora.slots)[1:]]
-            inputs.append(helper.make_tensor_value_info(b.b_input(j), TensorProto.FLOAT, shape))
+        # The shapes of every slot, the leading axis symbolic: a run is given a span of slots.
+        shapes: list[tuple[str, tuple[int, ...]]] = [(b.a_input, lora.a_shape(b, lora.slots))]
+        shapes += [(b.b_input(j), lora.b_shape(b, j, lora.slots)) for j in range(len(b.parts))]
+        for name, shape in shapes:
+            inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["lora_span", *shape[1:]]))
     return inputs

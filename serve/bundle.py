@@ -212,11 +212,11 @@ def _graph_files(graphs: Graphs) -> list[str]:
     return [f for g in specs for f in g.files()]
 
 
-# Graph inputs of a bundle exported with LoRA slots (export/lora.py) that say which tokens of a run (its
-# [batch, seq] positions counted flat) take which slot of the span of slots it is given (LoraSlots.span):
-LORA_ROWS_INPUT = "lora_rows"  # [k, n] int64: row i the tokens of the span's slot i, padded with any token
-LORA_POSITIONS_INPUT = "lora_positions"  # [m] int64: each token with an adapter, its place in lora_rows
-LORA_TOKENS_INPUT = "lora_tokens"  # [m, 1] int64: that token
+# Graph inputs of a bundle exported with LoRA slots (export/lora.py) that say which tokens of a run (each a
+# [batch, seq] position) take which slot of the span of slots it is given (LoraSlots.span):
+LORA_ROWS_INPUT = "lora_rows"  # [k, 1, n, 2] int64: row i the tokens of the span's slot i, padded with any
+LORA_POSITIONS_INPUT = "lora_positions"  # [m, 2] int64: each token with an adapter, its place in lora_rows
+LORA_TOKENS_INPUT = "lora_tokens"  # [m, 2] int64: that token
 LORA_GEMM_TERMS = 128  # ONNX Runtime's CPU SGEMM sums at least this many terms in one block (LoraLayout)
 
 
@@ -279,10 +279,10 @@ class LoraLayout(_Strict):
         """Columns of a multiplied at once: every slot's width is a whole number of groups."""
         return math.gcd(self.max_rank, 16)
 
-    def a_shape(self, branch: LoraBranch, slots: int) -> tuple[int, int, int]:
-        """The a input of `slots` slots: [slots * groups, in_features, group], slot s's columns [g * group,
-        (g + 1) * group) in its group g (counted from the slot's first)."""
-        return (slots * self.width(branch) // self.group, branch.in_features, self.group)
+    def a_shape(self, branch: LoraBranch, slots: int) -> tuple[int, int, int, int]:
+        """The a input of `slots` slots: [slots, groups, in_features, group], a slot's columns [g * group,
+        (g + 1) * group) in its group g."""
+        return (slots, self.width(branch) // self.group, branch.in_features, self.group)
 
     def b_shape(self, branch: LoraBranch, part: int, slots: int) -> tuple[int, int, int]:
         """Part `part`'s b input of `slots` slots: [slots, max_rank, features]."""

@@ -104,9 +104,9 @@ def read_adapter(path: Path | str, layout: LoraLayout) -> Adapter:
 def bound_shapes(layout: LoraLayout) -> dict[str, list[int | str]]:
     """Each LoRA input the engine binds, with its shape ("N": a size that changes from run to run)."""
     shapes: dict[str, list[int | str]] = {
-        LORA_ROWS_INPUT: ["N", "N"],
-        LORA_POSITIONS_INPUT: ["N"],
-        LORA_TOKENS_INPUT: ["N", 1],
+        LORA_ROWS_INPUT: ["N", 1, "N", 2],
+        LORA_POSITIONS_INPUT: ["N", 2],
+        LORA_TOKENS_INPUT: ["N", 2],
     }
     for b in layout.branches:  # the leading axis follows the span of slots a run is given
         shapes[b.a_input] = ["N", *layout.a_shape(b, layout.slots)[1:]]
@@ -155,11 +155,7 @@ class LoraSlots:
     def span(self, first: int, last: int) -> dict[str, np.ndarray]:
         """The inputs of slots first..last (1-based): views of the slots' arrays, so an adapter written later
         is read."""
-        inputs = {}
-        for name, array in self.arrays.items():
-            per_slot = len(array) // self.layout.slots  # a slot's share of the input's leading axis
-            inputs[name] = array[(first - 1) * per_slot : last * per_slot]
-        return inputs
+        return {name: array[first - 1 : last] for name, array in self.arrays.items()}
 
     @property
     def weight_bytes(self) -> int:
@@ -172,13 +168,11 @@ class LoraSlots:
             raise ValueError(f"slot {slot} is not one of the bundle's 1..{self.layout.slots}")
         group = self.layout.group
         for projection, branch in self._branches.items():
-            a = self.arrays[branch.a_input]  # [slots * groups, in, group]
-            groups = len(a) // self.layout.slots
-            a[(slot - 1) * groups : slot * groups] = (
+            self.arrays[branch.a_input][slot - 1] = (
                 0.0
                 if adapter is None
                 else adapter.a[projection].reshape(branch.in_features, -1, group).transpose(1, 0, 2)
-            )
+            )  # [groups, in, group]
             for j in range(len(branch.parts)):
                 name = branch.b_input(j)
                 self.arrays[name][slot - 1] = 0.0 if adapter is None else adapter.b[name]
@@ -188,8 +182,8 @@ def token_slots(row_slots: np.ndarray, tokens: int, span: tuple[int, int]) -> di
     """The graph's inputs that route a run's tokens to their slots (serve/bundle.py, LORA_ROWS_INPUT and the
     rest), for rows whose slots are `row_slots` (0: none; the others within `span`, the slots the run is
     given, first to last), `tokens` positions each: the tokens of each slot of the span in a row of their
-    own (in token order, padded with token 0 to the longest), and each token with an adapter, where it is
-    there."""
+    own (in token order, padded with token (0, 0) to the longest), and each token with an adapter, where it
+    is there. A token is its (row, position)."""
     slot = np.repeat(row_slots.astype(np.int64), tokens)  # by token, flat
     token = np.flatnonzero(slot)  # the tokens with an adapter, in order
     span_slot = slot[token] - span[0]  # each one's slot counted in the span
@@ -197,15 +191,15 @@ def token_slots(row_slots: np.ndarray, tokens: int, span: tuple[int, int]) -> di
     counts = np.bincount(span_slot, minlength=k)
     n = int(counts.max()) if token.size else 0
     order = np.argsort(span_slot, kind="stable")  # the tokens grouped by slot, in order within each
-    place = np.arange(token.size) - (np.cumsum(counts) - counts)[span_slot[order]]
-    rows = np.zeros((k, n), np.int64)
-    rows[span_slot[order], place] = token[order]
-    positions = np.empty(token.size, np.int64)
-    positions[order] = span_slot[order] * n + place
+    place = np.empty(token.size, np.int64)
+    place[order] = np.arange(token.size) - (np.cumsum(counts) - counts)[span_slot[order]]
+    at = np.stack(np.divmod(token, tokens), axis=-1)  # [m, 2]: (row, position)
+    rows = np.zeros((k, 1, n, 2), np.int64)
+    rows[span_slot, 0, place] = at
     return {
         LORA_ROWS_INPUT: rows,
-        LORA_POSITIONS_INPUT: positions,
-        LORA_TOKENS_INPUT: token.astype(np.int64).reshape(-1, 1),
+        LORA_POSITIONS_INPUT: np.stack([span_slot, place], axis=-1),
+        LORA_TOKENS_INPUT: at,
     }
 
 
