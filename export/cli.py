@@ -171,6 +171,7 @@ def _hf_reference(spec: str, bundle: Bundle) -> tuple[Decoder | None, Reference]
 
 def cmd_verify(args: argparse.Namespace) -> int:
     bundle = load_bundle(args.bundle)
+    bundle.check_files()  # every file, the graphs included, before any check runs
     model, against = None, None
     if args.checkpoint:
         model = _checkpoint_model(args.checkpoint, bundle)

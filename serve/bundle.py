@@ -437,11 +437,16 @@ class Bundle:
 
     def checked_graph(self, spec: GraphSpec) -> Path:
         """The graph's file, once its files (the .onnx file and any external data) match the manifest."""
-        for name in spec.files():
+        self.check_files(spec.files())
+        return self.path(spec.file)
+
+    def check_files(self, names: list[str] | None = None) -> None:
+        """BundleError unless the files `names` (default: every file the manifest lists) have the sha256 the
+        manifest lists; each file is hashed once per `Bundle`."""
+        for name in self.manifest.checksums if names is None else names:
             if name not in self._checked:
                 _verify_file(self.root, name, self.manifest.checksums[name])
                 self._checked.add(name)
-        return self.path(spec.file)
 
     def tensorrt_options(self, cache_root: Path | None = None) -> dict[str, str]:
         """TensorRT provider options; the engine cache goes under `cache_root` (default: the bundle dir)."""
