@@ -120,12 +120,10 @@ class _GraphBuilder:
             else [xa]
         )  # [k,n,rank] each
         # Each part's own b over its own output features: no part multiplies the zeros of the others.
-        ds = [
-            self.node("FusedMatMul", [xa_j, branch.b_input(j)], f"{name}/b{j}", domain=MS_DOMAIN, alpha=2.0)[
-                0
-            ]
-            for j, xa_j in enumerate(xas)
-        ]  # [k,n,features] each
+        ds = []  # [k,n,features] each
+        for j, xa_j in enumerate(xas):
+            b = branch.b_input(j)
+            ds += self.node("FusedMatMul", [xa_j, b], f"{name}/b{j}", domain=MS_DOMAIN, alpha=2.0)
         (d,) = self.node("Concat", ds, f"{name}/concat", axis=2) if parts > 1 else ds
         (d,) = self.node("GatherND", [d, LORA_POSITIONS_INPUT], f"{name}/own")  # [m,out]
         return self.node("ScatterND", [y, LORA_TOKENS_INPUT, d], f"{name}/add", reduction="add")[0]
