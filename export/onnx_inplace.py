@@ -26,6 +26,7 @@ from onnx import TensorProto, helper, numpy_helper
 from export.model import Decoder, rotary_tables, sinusoidal_table
 from serve.bundle import (
     LORA_POSITIONS_INPUT,
+    LORA_ROUTING_INPUTS,
     LORA_ROWS_INPUT,
     LORA_TOKENS_INPUT,
     LoraBranch,
@@ -297,16 +298,9 @@ def _make_model(g: _GraphBuilder, n_layers: int, heads: int, head_dim: int, voca
 
 
 def _lora_inputs(lora: LoraLayout) -> list[onnx.ValueInfoProto]:
-    int64 = TensorProto.INT64
-    inputs = [
-        helper.make_tensor_value_info(LORA_ROWS_INPUT, int64, ["lora_span", 1, "lora_slot_tokens", 2]),
-        helper.make_tensor_value_info(LORA_POSITIONS_INPUT, int64, ["lora_tokens", 2]),
-        helper.make_tensor_value_info(LORA_TOKENS_INPUT, int64, ["lora_tokens", 2]),
+    return [
+        helper.make_tensor_value_info(
+            name, TensorProto.INT64 if name in LORA_ROUTING_INPUTS else TensorProto.FLOAT, shape
+        )
+        for name, shape in lora.input_shapes().items()
     ]
-    for b in lora.branches:
-        # The shapes of every slot, the leading axis symbolic: a run is given a span of slots.
-        shapes: list[tuple[str, tuple[int, ...]]] = [(b.a_input, lora.a_shape(b, lora.slots))]
-        shapes += [(b.b_input(j), lora.b_shape(b, j, lora.slots)) for j in range(len(b.parts))]
-        for name, shape in shapes:
-            inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["lora_span", *shape[1:]]))
-    return inputs

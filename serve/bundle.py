@@ -217,6 +217,7 @@ def _graph_files(graphs: Graphs) -> list[str]:
 LORA_ROWS_INPUT = "lora_rows"  # [k, 1, n, 2] int64: row i the tokens of the span's slot i, padded with any
 LORA_POSITIONS_INPUT = "lora_positions"  # [m, 2] int64: each token with an adapter, its place in lora_rows
 LORA_TOKENS_INPUT = "lora_tokens"  # [m, 2] int64: that token
+LORA_ROUTING_INPUTS = (LORA_ROWS_INPUT, LORA_POSITIONS_INPUT, LORA_TOKENS_INPUT)  # int64; the weights float32
 LORA_GEMM_TERMS = 128  # ONNX Runtime's CPU SGEMM sums at least this many terms in one block (LoraLayout)
 
 
@@ -288,6 +289,20 @@ class LoraLayout(_Strict):
         """Part `part`'s b input of `slots` slots: [slots, max_rank, features]."""
         start, stop = self.features(branch, part)
         return (slots, self.max_rank, stop - start)
+
+    def input_shapes(self) -> dict[str, list[int | str]]:
+        """Every LoRA input of the serving graph and its shape, a name for an axis whose size changes from run
+        to run: the routing inputs, and each branch's a and b's over the span of slots a run is given."""
+        shapes: dict[str, list[int | str]] = {
+            LORA_ROWS_INPUT: ["lora_span", 1, "lora_slot_tokens", 2],
+            LORA_POSITIONS_INPUT: ["lora_tokens", 2],
+            LORA_TOKENS_INPUT: ["lora_tokens", 2],
+        }
+        for b in self.branches:
+            shapes[b.a_input] = ["lora_span", *self.a_shape(b, self.slots)[1:]]
+            for j in range(len(b.parts)):
+                shapes[b.b_input(j)] = ["lora_span", *self.b_shape(b, j, self.slots)[1:]]
+        return shapes
 
     @staticmethod
     def features(branch: LoraBranch, part: int) -> tuple[int, int]:

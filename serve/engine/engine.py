@@ -600,7 +600,7 @@ class Engine:
             "seqlens_k": steps[-1:].astype(np.int32),
             "total_sequence_length": np.array(steps[-1] + 1, np.int32),
             PICK_INDEX: np.arange(len(ids), dtype=np.int64),
-            **self._lora_ids(slice(0, 1), len(ids), span),
+            **self._lora_routes(slice(0, 1), len(ids), span),
         }
         for name, array in inputs.items():
             binding.bind_cpu_input(name, array)
@@ -953,7 +953,7 @@ class Engine:
             "seqlens_k": run.seqlens_k.astype(np.int32),
             "total_sequence_length": np.array(run.total, np.int32),
             "last_index": np.ascontiguousarray(run.last_index, np.int64),
-            **self._lora_ids(rows, run.input_ids.shape[1], span),
+            **self._lora_routes(rows, run.input_ids.shape[1], span),
         }
         binding = self._binding(rows, side)
         for name, array in inputs.items():
@@ -1028,7 +1028,7 @@ class Engine:
         used = slots[slots > 0]
         return (int(used.min()), int(used.max())) if used.size else (0, 0)
 
-    def _lora_ids(self, rows: slice, tokens: int, span: tuple[int, int]) -> dict[str, np.ndarray]:
+    def _lora_routes(self, rows: slice, tokens: int, span: tuple[int, int]) -> dict[str, np.ndarray]:
         """The LoRA graph's inputs that route the tokens of a run over `rows` of `tokens` positions to the
         slots of `span` (lora.token_slots)."""
         if self._lora is None:
@@ -1036,14 +1036,15 @@ class Engine:
         return token_slots(self._row_adapter[rows], tokens, span)
 
     def _bind_adapters(self, binding: Any, span: tuple[int, int]) -> None:
-        """Bind the weights of the slots `span` (none: the inputs with no columns); rebound only when it
-        changes. ONNX Runtime reads the arrays in place: a slot written later is read."""
+        """Bind the weights of the slots `span` ((0, 0): inputs of no length); rebound only when it changes.
+        ONNX Runtime reads the arrays in place: a slot written later is read."""
         if self._lora is None or self._lora_bound.get(id(binding)) == span:
             return
         values = self._lora_values.get(span)
         if values is None:
-            arrays = self._lora.empty if span == (0, 0) else self._lora.span(*span)
-            values = self._lora_values[span] = {name: ortvalue(a) for name, a in arrays.items()}
+            values = self._lora_values[span] = {
+                name: ortvalue(a) for name, a in self._lora.span(*span).items()
+            }
         for name, value in values.items():
             binding.bind_ortvalue_input(name, value)
         self._lora_bound[id(binding)] = span

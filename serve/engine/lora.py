@@ -101,35 +101,22 @@ def read_adapter(path: Path | str, layout: LoraLayout) -> Adapter:
     return Adapter(path, rank, a, b_)
 
 
-def bound_shapes(layout: LoraLayout) -> dict[str, list[int | str]]:
-    """Each LoRA input the engine binds, with its shape ("N": a size that changes from run to run)."""
-    shapes: dict[str, list[int | str]] = {
-        LORA_ROWS_INPUT: ["N", 1, "N", 2],
-        LORA_POSITIONS_INPUT: ["N", 2],
-        LORA_TOKENS_INPUT: ["N", 2],
-    }
-    for b in layout.branches:  # the leading axis follows the span of slots a run is given
-        shapes[b.a_input] = ["N", *layout.a_shape(b, layout.slots)[1:]]
-        for j in range(len(b.parts)):
-            shapes[b.b_input(j)] = ["N", *layout.b_shape(b, j, layout.slots)[1:]]
-    return shapes
-
-
 def check_graph_inputs(
     layout: LoraLayout, inputs: Mapping[str, Sequence[int | str | None]], graph: str
 ) -> None:
     """BundleError naming the first LoRA input of `graph` whose rank or fixed sizes are not what the engine
-    binds for `layout`: a bundle exported with an earlier LoRA layout, which ONNX Runtime would otherwise
-    refuse only at the first run, with a bare shape error."""
-    for name, expected in bound_shapes(layout).items():
+    binds for `layout` (LoraLayout.input_shapes): a bundle exported with an earlier LoRA layout, which ONNX
+    Runtime would otherwise refuse only at the first run, with a bare shape error."""
+    for name, expected in layout.input_shapes().items():
         found = inputs.get(name)
         fits = found is not None and len(found) == len(expected)
-        if fits and all(e == "N" or f == e for e, f in zip(expected, found or [], strict=True)):
+        if fits and all(isinstance(e, str) or f == e for e, f in zip(expected, found or [], strict=True)):
             continue
         what = "missing from" if found is None else f"{list(found)} in"
         raise BundleError(
             f"{graph}: LoRA input {name} is {what} the serving graph, where this textgen binds "
-            f"{expected} (N changes from run to run): the bundle was exported with an earlier LoRA layout; "
+            f"{expected} (named axes change from run to run): the bundle was exported with an earlier LoRA "
+            "layout; "
             "re-export it with this textgen's `textgen-export ... "
             f"--lora-slots {layout.slots} --max-lora-rank {layout.max_rank}`"
         )
@@ -144,18 +131,15 @@ class LoraSlots:
         self.layout = layout
         self._branches = {b.projection: b for b in layout.branches}
         self.arrays: dict[str, np.ndarray] = {}  # every slot's A and B, by input name
-        self.empty: dict[str, np.ndarray] = {}  # every LoRA input of no slot
         for b in layout.branches:
             self.arrays[b.a_input] = np.zeros(layout.a_shape(b, layout.slots), np.float32)
-            self.empty[b.a_input] = np.zeros(layout.a_shape(b, 0), np.float32)
             for j in range(len(b.parts)):
                 self.arrays[b.b_input(j)] = np.zeros(layout.b_shape(b, j, layout.slots), np.float32)
-                self.empty[b.b_input(j)] = np.zeros(layout.b_shape(b, j, 0), np.float32)
 
     def span(self, first: int, last: int) -> dict[str, np.ndarray]:
-        """The inputs of slots first..last (1-based): views of the slots' arrays, so an adapter written later
-        is read."""
-        return {name: array[first - 1 : last] for name, array in self.arrays.items()}
+        """The inputs of slots first..last (1-based; (0, 0): no slot, inputs of no length): views of the
+        slots' arrays, so an adapter written later is read."""
+        return {name: array[max(first - 1, 0) : last] for name, array in self.arrays.items()}
 
     @property
     def weight_bytes(self) -> int:

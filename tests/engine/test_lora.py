@@ -34,7 +34,6 @@ from serve.bundle import (
 from serve.engine.engine import Engine
 from serve.engine.lora import (
     AdapterError,
-    bound_shapes,
     check_graph_inputs,
     read_adapter,
     token_slots,
@@ -429,7 +428,7 @@ def test_a_bundle_of_an_older_lora_layout_is_refused_at_start_saying_to_re_expor
     assert f"LoRA input {name} is [{CONFIG.d_model}, 'lora_columns'] in" in message
     layout = load_bundle(fp32_bundles[0]).manifest.lora
     assert layout is not None
-    assert f"binds {bound_shapes(layout)[name]} (N changes from run to run)" in message
+    assert f"binds {layout.input_shapes()[name]} (named axes change from run to run)" in message
     assert f"`textgen-export ... --lora-slots {SLOTS} --max-lora-rank {RANK}`" in message
 
 
@@ -437,7 +436,8 @@ def test_a_graph_routing_tokens_by_id_as_before_is_refused(fp32_bundles: tuple[P
     """A graph of the masked layout took each token's slot as lora_ids [batch, seq], not lora_rows."""
     layout = load_bundle(fp32_bundles[0]).manifest.lora
     assert layout is not None
-    inputs = {name: [3 if s == "N" else s for s in shape] for name, shape in bound_shapes(layout).items()}
+    shapes = layout.input_shapes()
+    inputs = {name: [3 if isinstance(s, str) else s for s in shape] for name, shape in shapes.items()}
     check_graph_inputs(layout, inputs, "g")  # what the engine binds passes
     del inputs[LORA_ROWS_INPUT]
     missing = f"g: LoRA input {LORA_ROWS_INPUT} is missing from the serving graph"
