@@ -263,8 +263,8 @@ def test_a_changed_standard_graph_is_refused_when_a_prompt_is_first_scored(
 def test_a_truncated_serving_graph_is_refused_as_changed_not_as_unreadable(
     tiny_bundle: Path, tmp_path: Path
 ) -> None:
-    """The serving graph is hashed while ONNX Runtime reads it: what reading a damaged file raised gives
-    way to the checksum's verdict, which names the file."""
+    """The serving graph is hashed before ONNX Runtime reads it: a damaged file is refused by the checksum's
+    verdict, which names the file, not by what reading it would raise."""
     root = Path(shutil.copytree(tiny_bundle, tmp_path / "bundle"))
     graph = root / "model_inplace.onnx"
     graph.write_bytes(graph.read_bytes()[: graph.stat().st_size // 2])
