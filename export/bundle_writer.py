@@ -19,6 +19,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
@@ -97,7 +98,10 @@ class BundleStage:
         self.out = Path(out)
         check_replaceable(self.out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.dir = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        # Not tempfile.mkdtemp: its folder is mode 0700, so a bundle exported by one user (root on a host)
+        # could not be read by the serving image's user. mkdir gives the mode the user's umask allows.
+        self.dir = self.out.parent / f".{self.out.name}.tmp-{uuid.uuid4().hex}"
+        self.dir.mkdir()
         self._committed = False
         self._shared: SharedWeights | None = None
         self._checksums: dict[str, tuple[int, int, str]] = {}  # file -> (size, mtime_ns, sha256)

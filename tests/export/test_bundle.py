@@ -4,7 +4,11 @@ a clear BundleError."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
+import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -284,3 +288,37 @@ def test_a_matmulnbits_manifest_without_padded_rows_is_not_claimed_batch_invaria
     edit_manifest(bundle_copy, older)
     m = load_bundle(bundle_copy).manifest
     assert m.quantization_block_size == 64 and not m.odd_rows_padded and not m.batch_invariant
+
+
+NOBODY = 65534  # not the exporting user: the serving image runs as another one (user 10001 in deploy/)
+
+
+def test_a_bundle_exported_by_one_user_is_read_by_another() -> None:
+    """A bundle exported on a host (by root, umask 022) and mounted read-only into the serving image is read
+    by another user: its folder and files get the modes the umask allows, not a temp folder's 0700."""
+    from export.pipeline import random_bundle
+
+    # Not tmp_path: pytest's base folder is 0700, which would keep the other user out whatever the bundle's
+    # modes; this folder stands for the host folder mounted into the pod.
+    mount = Path(tempfile.mkdtemp(prefix="textgen-mount-"))
+    old_umask = os.umask(0o022)
+    try:
+        mount.chmod(0o755)
+        root = random_bundle("tiny", mount / "bundle", seed=0, progress=False).root
+        os.umask(old_umask)
+        assert stat.S_IMODE(root.stat().st_mode) == 0o755
+        files = sorted(p for p in root.iterdir())
+        assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in files)
+        if os.geteuid() != 0:
+            return  # reading as another user needs root to become one; the modes above are what it reads by
+        checksums = Manifest.model_validate_json((root / MANIFEST_FILE).read_text()).checksums
+        names = sorted(checksums)
+        done = subprocess.run(
+            ["sha256sum", *names], cwd=root, user=NOBODY, capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 0, done.stderr
+        read = {line.split()[1]: line.split()[0] for line in done.stdout.splitlines()}
+        assert read == checksums
+    finally:
+        os.umask(old_umask)
+        shutil.rmtree(mount, ignore_errors=True)
