@@ -25,6 +25,7 @@ from server_tools import LoopThread, free_port
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.scheduling.request import RequestTracker
 
 PROMPT = "the quick brown fox"
 MESSAGES = [
@@ -34,8 +35,28 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def server(loop: LoopThread, tiny_bundle: Path) -> Iterator[RunningServer]:
-    """Requests with ids "slow-..." decode slowly, "doomed..." fail a decode step."""
+def gates(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A request "held-X" decodes no further than its first token until the file gates/held-X exists."""
+    return tmp_path_factory.mktemp("gates")
+
+
+@pytest.fixture
+def cancel_opens_gate(gates: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A held request goes on once its cancel reaches the engine's side (the engine runs in this process):
+    it is then still running when the client leaves, and cannot end before the cancel is seen."""
+    request_cancel = RequestTracker.request_cancel
+
+    def cancel_and_open(tracker: RequestTracker) -> None:
+        request_cancel(tracker)
+        (gates / tracker.request_id).touch()
+
+    monkeypatch.setattr(RequestTracker, "request_cancel", cancel_and_open)
+
+
+@pytest.fixture(scope="module")
+def server(loop: LoopThread, tiny_bundle: Path, gates: Path) -> Iterator[RunningServer]:
+    """Requests with ids "slow-..." decode slowly, "held-..." wait for their gate, "doomed..." fail a decode
+    step."""
     settings = loopback_settings(
         tiny_bundle,
         http_port=free_port(),
@@ -46,7 +67,7 @@ def server(loop: LoopThread, tiny_bundle: Path) -> Iterator[RunningServer]:
         engine_process=False,
         max_message_bytes=64 * 1024,
     )
-    running = RunningServer(loop, settings, InjectedFaults())
+    running = RunningServer(loop, settings, InjectedFaults(gate_dir=str(gates)))
     yield running
     running.stop()
 
@@ -693,13 +714,14 @@ def test_a_preempted_chat_stream_only_pauses(loop: LoopThread, tiny_bundle: Path
 # --- clients that go away ---------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("cancel_opens_gate")
 def test_a_client_that_disconnects_cancels_its_request(base: str, server: RunningServer) -> None:
     cancelled = server.snapshot().outcomes.get("cancelled", 0)
     body = {"prompt": PROMPT, "max_tokens": 30, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, headers={"X-Request-Id": "slow-sse"}) as r:
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, headers={"X-Request-Id": "held-sse"}) as r:
         assert r.status_code == 200
-        next(r.iter_lines())  # the first token arrived: the request holds a row
-        assert server.snapshot().running == 1
+        next(r.iter_lines())  # the first token arrived: the request holds a row until its cancel
+        server.wait_for(lambda s: s.running == 1)
     snapshot = server.wait_idle(5.0)  # closing the connection freed it
     assert snapshot.running == 0 and snapshot.kv_slots_used == 0
     assert snapshot.outcomes.get("cancelled", 0) == cancelled + 1
@@ -708,7 +730,7 @@ def test_a_client_that_disconnects_cancels_its_request(base: str, server: Runnin
         httpx.post(
             f"{base}/v1/completions",
             json={**body, "stream": False},
-            headers={"X-Request-Id": "slow-unary"},
+            headers={"X-Request-Id": "held-unary"},
             timeout=httpx.Timeout(5.0, read=0.3),
         )
     deadline = time.monotonic() + 5
@@ -720,15 +742,16 @@ def test_a_client_that_disconnects_cancels_its_request(base: str, server: Runnin
     assert 'textgen_requests_total{code="CANCELLED",rpc="/v1/completions"} 2.0' in scrape
 
 
+@pytest.mark.usefixtures("cancel_opens_gate")
 def test_a_client_that_leaves_a_streamed_response_cancels_it(base: str, server: RunningServer) -> None:
     cancelled = server.snapshot().outcomes.get("cancelled", 0)
     body = {"input": PROMPT, "max_output_tokens": 30, "stream": True, "ignore_eos": True}
-    headers = {"X-Request-Id": "slow-responses"}
+    headers = {"X-Request-Id": "held-responses"}
     with httpx.stream("POST", f"{base}/v1/responses", json=body, headers=headers) as r:
         assert r.status_code == 200
-        # response.created goes out at submission: the first token says the request is running.
-        next(line for line in r.iter_lines() if line == "event: response.output_text.delta")
-        assert server.snapshot().running == 1
+        # response.created goes out at submission; the request then holds a row until its cancel.
+        next(line for line in r.iter_lines() if line == "event: response.created")
+        server.wait_for(lambda s: s.running == 1)
     snapshot = server.wait_idle(5.0)  # closing the connection freed its row
     assert snapshot.running == 0 and snapshot.kv_slots_used == 0
     assert snapshot.outcomes.get("cancelled", 0) == cancelled + 1

@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -68,6 +68,26 @@ def test_distribution_is_in_milliseconds_with_interpolated_percentiles() -> None
     assert stats["median"] == pytest.approx(50.5)
     assert stats["p99"] == pytest.approx(99.01)  # linear interpolation between 99 and 100
     assert math.isnan(distribution([], (99.0,))["p99"])
+
+
+def read_stream(messages: list[list[int]]) -> RequestRecord:
+    """A record of a stream whose messages carry these token ids."""
+
+    async def replies() -> AsyncIterator[pb.GenerateStreamResponse]:
+        for ids in messages:
+            yield pb.GenerateStreamResponse(token_ids=ids)
+
+    record = RequestRecord(request_id="r", start=0.0)
+    asyncio.run(loadgen._read_stream(replies(), 0.0, record))
+    return record
+
+
+def test_a_stream_gives_one_inter_token_gap_per_message_after_the_first() -> None:
+    spread = read_stream([[1], [2], [3, 4]])
+    assert spread.ttft is not None and len(spread.itl) == 2 and spread.output_tokens == 4
+    # A busy client may read a whole answer as one message: a TTFT, and no gap to measure.
+    together = read_stream([[1, 2, 3, 4, 5]])
+    assert together.ttft is not None and together.itl == [] and together.output_tokens == 5
 
 
 def test_summary_pools_itl_but_averages_tpot_per_request() -> None:

@@ -28,9 +28,10 @@ def test_the_ab_benchmark_alternates_server_configurations(tiny_bundle: Path, tm
     # the server's own (no engine process to count), and the two runs together cost something.
     assert all(r["cpu_us_per_token"]["engine"] == 0 for r in in_thread)
     assert sum(c for r in [*in_thread, *in_process] for c in r["cpu_us_per_token"].values()) > 0
-    # The unary clients get no per-token messages: ITL is a streamed figure.
-    assert not any(math.isnan(r["itl_p50_ms"]) for r in in_thread)
+    # The unary clients get no per-token messages: ITL is a streamed figure. (A streamed round may read NaN
+    # too, when a busy client reads each answer as one message: test_loadgen checks the streamed gaps.)
     assert all(math.isnan(r["itl_p50_ms"]) for r in in_process)
+    assert all(math.isnan(r["itl_p50_ms"]) or r["itl_p50_ms"] > 0 for r in in_thread)
 
 
 @pytest.mark.parametrize("rpc", ["stream", "unary", "http"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,6 +27,8 @@ class InjectedFaults:
     fail_prefix: str = "doomed"  # a decode step fails while `fail_rows` sequences whose ids start so run
     fail_rows: int = 1
     fail_prefill_prefix: str = "fails-to-join"  # a prefill fails when one of its sequences' ids starts so
+    hold_prefix: str = "held-"  # a decode step waits while a sequence whose id starts so runs ...
+    gate_dir: str = ""  # ... until the file gate_dir/<its id> exists ("": nothing is held)
 
     def __call__(self, engine: Engine) -> Engine:
         decode, prefill = engine.decode, engine.prefill
@@ -36,6 +39,9 @@ class InjectedFaults:
                 raise EngineFailure("injected ONNX Runtime failure")
             if any(seq_id.startswith(self.slow_prefix) for seq_id in running):
                 time.sleep(self.slow_seconds)
+            for seq_id in running:
+                if self.gate_dir and seq_id.startswith(self.hold_prefix):
+                    _wait_for(Path(self.gate_dir) / seq_id)
             return decode()
 
         def prefill_with_faults(new: Sequence[NewSequence], chunk: int = 0) -> Any:
@@ -61,6 +67,18 @@ class InjectedFaults:
 
     def _fails(self, new: Sequence[NewSequence]) -> bool:
         return any(seq.seq_id.startswith(self.fail_prefill_prefix) for seq in new)
+
+
+HOLD_LIMIT_SECONDS = 120.0  # a gate the test never opens fails the step rather than hanging the server
+
+
+def _wait_for(gate: Path) -> None:
+    """Block until `gate` exists: a test opens it on an event (such as the request's cancel)."""
+    deadline = time.monotonic() + HOLD_LIMIT_SECONDS
+    while not gate.exists():
+        if time.monotonic() > deadline:
+            raise EngineFailure(f"injected hold: {gate} was never opened")
+        time.sleep(0.005)
 
 
 def _fail(binding: object) -> None:
