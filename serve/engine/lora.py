@@ -348,14 +348,14 @@ def _read_module(path: Path, file: Any, config: Mapping[str, Any], planned: _Pla
     b = _read_tensor(path, file, planned.b_name)
     scale = _scale(config, planned.module, planned.rank)
     with np.errstate(over="ignore"):
-        scaled = (b * np.float32(scale)).astype(np.float32)
+        scaled = b * np.float32(scale)
     if not np.isfinite(scaled).all():
         raise AdapterError(
             path,
             f"{planned.b_name} times its scale {scale:g} (lora_alpha {config['lora_alpha']!r}) is past "
             "float32's range: give a lora_alpha that keeps the scaled weights finite",
         )
-    return AdapterModule(planned.branch.projection, planned.part, np.ascontiguousarray(a), scaled)
+    return AdapterModule(planned.branch.projection, planned.part, a, scaled)
 
 
 def _read_tensor(path: Path, file: Any, name: str) -> np.ndarray:
@@ -364,7 +364,7 @@ def _read_tensor(path: Path, file: Any, name: str) -> np.ndarray:
     import ml_dtypes  # noqa: F401
 
     with np.errstate(over="ignore"):
-        tensor = np.asarray(file.get_tensor(name)).astype(np.float32)
+        tensor = np.asarray(file.get_tensor(name)).astype(np.float32, copy=False)
     if not np.isfinite(tensor).all():
         bad = int(np.size(tensor) - np.isfinite(tensor).sum())
         raise AdapterError(path, f"{name} holds {bad} NaN or infinite values: the adapter is broken")
