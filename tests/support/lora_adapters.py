@@ -28,12 +28,17 @@ SLOTS, MAX_RANK = 2, 4
 
 
 def save_adapter(
-    folder: Path, seed: int, rank: int = MAX_RANK, dtype: torch.dtype | None = None, widened: bool = False
+    folder: Path,
+    seed: int,
+    rank: int = MAX_RANK,
+    dtype: torch.dtype | None = None,
+    widened: bool = False,
+    targets: tuple[str, ...] = ("qkv", "up"),
 ) -> Path:
-    """A random peft adapter of the tiny preset's model on its qkv and up projections, saved in `folder`;
-    with `dtype`, its weights are rounded to it and saved so (widened: saved as float32 again)."""
+    """A random peft adapter of the tiny preset's model on `targets` (its qkv and up projections), saved in
+    `folder`; with `dtype`, its weights are rounded to it and saved so (widened: saved as float32 again)."""
     torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=32, target_modules=["qkv", "up"], init_lora_weights=False)
+    config = LoraConfig(r=rank, lora_alpha=32, target_modules=list(targets), init_lora_weights=False)
     model = get_peft_model(Decoder(PRESETS["tiny"]), config)
     if dtype is not None:
         model = model.to(dtype)
