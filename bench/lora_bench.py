@@ -11,8 +11,8 @@ textgen against llama-server on the same adapters.
 o, gate, up, down), random A and B from a seed per adapter (peft's `init_lora_weights=False`), B scaled down
 so that the model's outputs move without blowing up, saved with `save_pretrained` as training would.
 
-`load` times what makes an adapter servable: reading the peft folder (`read_adapter`: safetensors, checks,
-scale folded in, laid out for the bundle's slots) and writing it into a slot (`LoraSlots.write`); prints the
+`load` times what makes an adapter servable: reading the peft folder (`read_adapter`: checks, safetensors,
+scale folded in) and writing it into a slot (`LoraSlots.write`, laid out in the slot's columns); prints the
 bytes one slot's arrays take; and times `textgen-serve` from its start to its first answer, with the
 adapters (`--lora`) and without, alternated.
 

@@ -270,6 +270,17 @@ class LoraLayout(_Strict):
     def width(self, branch: LoraBranch) -> int:
         return len(branch.parts) * self.max_rank
 
+    @property
+    def max_adapter_bytes(self) -> int:
+        """The most memory one registered adapter holds (serve/engine/lora.py's Adapter, float32 at its own
+        ranks): one of --max-lora-rank on every module the branches cover, A [r, in] and B [features, r]."""
+        elements = sum(
+            self.max_rank * (branch.in_features + part.stop - part.start)
+            for branch in self.branches
+            for part in branch.parts
+        )
+        return elements * 4
+
     # Why a is not a plain [in, columns] matrix: ONNX Runtime's CPU GEMM sums a product of more than
     # LORA_GEMM_TERMS terms in blocks whose length follows the columns each thread computes, and how it splits
     # the columns among threads follows the row count. A token's sums would then round differently alone and

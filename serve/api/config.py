@@ -14,8 +14,9 @@ from typing import Annotated, Literal
 from pydantic import Field, FilePath, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliApp, NoDecode, SettingsConfigDict, SettingsError
 
-from serve.engine.types import KvCacheDtype
+from serve.engine.types import DEFAULT_MAX_CPU_LORAS, KvCacheDtype
 from serve.process import read_engine_cpus
+from serve.scheduling.adapters import name_problem
 from serve.scheduling.limits import BatchingKnobs
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -169,7 +170,26 @@ class ServerSettings(BaseSettings, BatchingKnobs):
     lora_runtime_updates: bool = Field(
         False,
         description="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), which load and "
-        "unload LoRA adapters while the server runs; off: those routes are 404",
+        "unload LoRA adapters while the server runs, from folders under --lora-root only; needs --auth-token "
+        "(or --allow-unauthenticated-lora-updates); off: those routes are 404",
+    )
+    lora_root: Path | None = Field(
+        None,
+        description="with --lora-runtime-updates: the folder runtime loads read adapters from; a lora_path "
+        "is taken relative to it, and one that resolves (symlinks too) outside it is refused",
+    )
+    allow_unauthenticated_lora_updates: bool = Field(
+        False,
+        description="allow --lora-runtime-updates without --auth-token: any client may then load adapters "
+        "from under --lora-root and unload them",
+    )
+    max_cpu_loras: int = Field(
+        DEFAULT_MAX_CPU_LORAS,
+        ge=1,
+        le=4096,
+        description="the most LoRA adapters loaded at once (--lora and runtime loads; vLLM's name): each "
+        "holds its weights in memory, the bundle's LoraLayout.max_adapter_bytes at most; a load past it is "
+        "refused (400)",
     )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="longest prompt in tokens; default and upper bound: the context length - 1"
@@ -223,6 +243,8 @@ class ServerSettings(BaseSettings, BatchingKnobs):
             name, sep, folder = item.partition("=")
             if not sep or not name.strip() or not folder.strip():
                 raise ValueError(f"{item!r} is not NAME=DIR: give each adapter a name and its peft folder")
+            if (problem := name_problem(name.strip())) is not None:
+                raise ValueError(problem)
             adapters.append((name.strip(), Path(folder.strip())))
         names = [name for name, _ in adapters]
         if len(set(names)) != len(names):
@@ -268,8 +290,27 @@ class ServerSettings(BaseSettings, BatchingKnobs):
             raise ValueError("providers must name at least one execution provider when given")
         if self.auth_token is not None and not self.auth_token.get_secret_value().strip():
             raise ValueError("auth_token must not be blank")
+        if len(self.lora) > self.max_cpu_loras:
+            raise ValueError(
+                f"lora gives {len(self.lora)} adapters, more than max_cpu_loras ({self.max_cpu_loras})"
+            )
+        self._check_lora_door()
         self._check_tls_files()
         return self
+
+    def _check_lora_door(self) -> None:
+        """Runtime loads read server folders a client names: behind the token, and under --lora-root."""
+        if not self.lora_runtime_updates:
+            return
+        if self.auth_token is None and not self.allow_unauthenticated_lora_updates:
+            raise ValueError(
+                "lora_runtime_updates lets a client load adapters from the server's disk: give auth_token "
+                "(or allow_unauthenticated_lora_updates, to let any client do it)"
+            )
+        if self.lora_root is None:
+            raise ValueError("lora_runtime_updates needs lora_root: the folder adapters are loaded from")
+        if not self.lora_root.is_dir():
+            raise ValueError(f"lora_root {self.lora_root} is not a directory")
 
     def _check_tls_files(self) -> None:
         # gRPC only says "failed to bind" for unusable PEM files; the ssl module says what is wrong.

@@ -73,6 +73,7 @@ def engine_settings(settings: ServerSettings, sizing: KvSizing | None = None) ->
         prefix_cache_min_tokens=settings.prefix_cache_min_tokens,
         speculation=speculation_settings(settings),
         adapters=tuple((name, str(folder)) for name, folder in settings.lora),
+        max_cpu_loras=settings.max_cpu_loras,
         kv_cache_dtype=settings.kv_cache_dtype,
     )
 

@@ -42,6 +42,7 @@ from serve.engine.lora import (
     LoraSlots,
     Residency,
     check_graph_inputs,
+    model_names,
     read_adapter,
     token_slots,
 )
@@ -204,7 +205,8 @@ class Engine:
         # use; what each binding has bound, by its id
         self._lora_values: dict[tuple[int, int], dict[str, Any]] = {}
         self._lora_bound: dict[int, tuple[int, int]] = {}
-        self._adapters = Residency(0 if lora is None else lora.slots)  # which adapter is in which slot
+        slots = 0 if lora is None else lora.slots
+        self._adapters = Residency(slots, settings.max_cpu_loras)  # which adapter is in which slot
         self._row_adapter = np.zeros(rows, np.int64)  # the slot of the sequence in each KV row; 0: none
         self._prefix = PrefixCache(range(settings.max_batch_size, rows), settings.prefix_cache_min_tokens)
         self._untrusted: set[str] = set()  # running when a step failed: their rows are not kept
@@ -297,7 +299,7 @@ class Engine:
                     "export it with --lora-slots N --max-lora-rank R"
                 )
             try:
-                engine.register_adapter(name, read_adapter(path, m.lora))
+                engine.register_adapter(name, read_adapter(path, m.lora, model_names(m)))
             except ValueError as exc:  # AdapterError included: the folder and what differs
                 raise BundleError(f"adapter {name!r}: {exc}") from exc
         return engine
@@ -968,8 +970,13 @@ class Engine:
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
-        """The LoRA adapters a request may name, in the order they were registered."""
-        return tuple(self._adapters.registered)
+        """The LoRA adapters a request may name, in the order they were registered (not those retiring)."""
+        return self._adapters.served
+
+    @property
+    def retiring_adapters(self) -> tuple[str, ...]:
+        """The adapters unloaded once no request uses them (retire_adapter)."""
+        return tuple(self._adapters.retiring)
 
     @property
     def adapter_counts(self) -> tuple[int, int]:
@@ -992,6 +999,13 @@ class Engine:
         if slot is not None and self._lora is not None:
             self._lora.write(slot, None)
             self._prefix.forget(slot)
+
+    def retire_adapter(self, name: str) -> None:
+        """Serve `name` to the requests that have it already, and to no new one: no request may name it
+        from now on, and unregister_adapter forgets it once those end. ValueError for an unknown one."""
+        if name not in self.adapter_names:
+            raise ValueError(f"no adapter named {name!r} is loaded")
+        self._adapters.retiring.add(name)
 
     def slot(self, adapter: str) -> int:
         """The slot of a resident adapter ("": the base model, 0)."""

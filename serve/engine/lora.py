@@ -11,11 +11,14 @@ An adapter is what `peft` saves: adapter_config.json (r, lora_alpha, use_rslora,
 adapter_model.safetensors with `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight`
 [out, r]. Each module's update is scale * B @ A with scale = lora_alpha / r (lora_alpha / sqrt(r) with
 rsLoRA; alpha_pattern and rank_pattern per module as peft reads them); the scale is folded into B here.
+A registered adapter (`Adapter`) holds its modules at their own ranks, in float32 (fp16 and bf16 widened
+exactly), so it costs its own size; it takes the slots' dense layout only when written into one.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Collection, Mapping, Sequence
@@ -31,14 +34,17 @@ from serve.bundle import (
     LORA_TOKENS_INPUT,
     LoraBranch,
     LoraLayout,
+    Manifest,
 )
+from serve.engine.types import DEFAULT_MAX_CPU_LORAS
 from serve.errors import BundleError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+log = logging.getLogger("textgen.lora")
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<side>[AB])(?:\.[^.]+)?\.weight$")
-_FLOAT_KINDS = ("f",)
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # as a safetensors header names them
 
 
 class AdapterError(ValueError):
@@ -46,59 +52,104 @@ class AdapterError(ValueError):
 
     def __init__(self, path: Path, problem: str) -> None:
         super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class AdapterModule:
+    """One checkpoint module's update at the adapter's own rank r for it: scale * b @ a."""
+
+    projection: str  # the branch's (LoraBranch.projection)
+    part: int  # the branch's part that is this module
+    a: np.ndarray  # lora_A [r, in_features], float32
+    b: np.ndarray  # scale * lora_B [module features, r], float32
 
 
 @dataclass(frozen=True)
 class Adapter:
-    """An adapter laid out for one slot: per branch, its a columns [in, width], and per part of it, its b
-    rows [max_rank, features] (the scale folded into b); zero where the adapter has no module."""
+    """A registered adapter: its modules at their own ranks, as small as the adapter itself; laid out in the
+    bundle's dense slot layout only when written into a slot (LoraSlots.write)."""
 
     path: Path
-    rank: int  # the largest of its modules' ranks
-    a: Mapping[str, np.ndarray]  # by projection
-    b: Mapping[str, np.ndarray]  # by b input (LoraBranch.b_input)
+    modules: tuple[AdapterModule, ...]
+
+    @property
+    def rank(self) -> int:
+        """The largest of its modules' ranks."""
+        return max(m.a.shape[0] for m in self.modules)
+
+    @property
+    def nbytes(self) -> int:
+        """The memory it holds while registered."""
+        return sum(m.a.nbytes + m.b.nbytes for m in self.modules)
 
 
-def read_adapter(path: Path | str, layout: LoraLayout) -> Adapter:
-    """The peft adapter at `path` laid out for `layout`'s slots; AdapterError when it does not fit."""
+@dataclass(frozen=True)
+class _Planned:
+    """A module of the adapter as its file's header describes it, checked against the bundle, not read yet."""
+
+    module: str
+    branch: LoraBranch
+    part: int
+    a_name: str  # its lora_A tensor
+    b_name: str  # its lora_B tensor
+    rank: int
+
+
+def read_adapter(path: Path | str, layout: LoraLayout, base_names: Collection[str] = ()) -> Adapter:
+    """The peft adapter at `path`, checked against `layout` and read; AdapterError when it does not fit.
+
+    Everything but the values is checked from adapter_config.json and the safetensors header before any
+    tensor is read (a rank above --max-lora-rank, a module the bundle has no branch for, a shape of another
+    model); then the tensors are read one at a time, widened to float32 exactly (bf16 and fp16 included),
+    and refused if any value, or any after the scale, is not finite. `base_names`: the names the bundle's
+    model goes by (model_names); an adapter whose config names another base is served with a warning."""
     path = Path(path)
     if not path.is_dir():
         raise AdapterError(
             path, f"not a directory; give the folder peft saved ({CONFIG_FILE} and {WEIGHTS_FILE})"
         )
     config = _config(path / CONFIG_FILE)
-    tensors = _tensors(path / WEIGHTS_FILE)
-    modules = _modules(path / WEIGHTS_FILE, tensors)
-    where = {part.module: (branch, j) for branch in layout.branches for j, part in enumerate(branch.parts)}
-    a = {b.projection: np.zeros((b.in_features, layout.width(b)), np.float32) for b in layout.branches}
-    b_ = {}
-    for branch in layout.branches:
-        for j in range(len(branch.parts)):
-            start, stop = layout.features(branch, j)
-            b_[branch.b_input(j)] = np.zeros((layout.max_rank, stop - start), np.float32)
-    rank = 0
-    for module, (lora_a, lora_b) in modules.items():
-        branch, j = _place(path, module, where, layout)
-        part = branch.parts[j]
-        r = lora_a.shape[0]
-        if r > layout.max_rank:
-            raise AdapterError(
-                path, f"{module} has rank {r}, above the bundle's --max-lora-rank {layout.max_rank}"
-            )
-        expected = {"lora_A": (r, branch.in_features), "lora_B": (part.stop - part.start, r)}
-        for side, tensor in (("lora_A", lora_a), ("lora_B", lora_b)):
-            if tensor.shape != expected[side]:
-                raise AdapterError(
-                    path,
-                    f"{module}.{side} has shape {list(tensor.shape)} where the bundle's model needs "
-                    f"{list(expected[side])}: an adapter of another base model",
-                )
-        scale = _scale(config, module, r)
-        a[branch.projection][:, j * layout.max_rank : j * layout.max_rank + r] = lora_a.T
-        offset = layout.features(branch, j)[0]
-        b_[branch.b_input(j)][:r, part.start - offset : part.stop - offset] = scale * lora_b.T
-        rank = max(rank, r)
-    return Adapter(path, rank, a, b_)
+    _check_base(path / CONFIG_FILE, config, base_names)
+    weights = path / WEIGHTS_FILE
+    with _open(weights) as file:
+        planned = _plan(weights, _header(weights, file), layout)
+        modules = tuple(_read_module(weights, file, config, entry) for entry in planned)
+    return Adapter(path, modules)
+
+
+def model_names(manifest: Manifest) -> frozenset[str]:
+    """The names a bundle's model goes by, as an adapter's base_model_name_or_path may give them: its name
+    and the folder (a Hugging Face cache folder as its hub id) it was exported from, without their paths."""
+    source = manifest.verification.get("export", {}).get("source") or {}
+    names = [manifest.model_name, str(source.get("hf_model") or "")]
+    return frozenset(_base_key(name) for name in names if name)
+
+
+def _base_key(name: str) -> str:
+    """`org/model`, a local folder of it, or a hub cache folder (models--org--model/snapshots/<hash>) ->
+    `model`, lower case: what two ways of naming one model share."""
+    parts = [p for p in name.strip().rstrip("/").split("/") if p]
+    cached = next((p for p in parts if p.startswith("models--")), None)
+    leaf = cached.rsplit("--", 1)[-1] if cached else (parts[-1] if parts else "")
+    return leaf.lower()
+
+
+def _check_base(path: Path, config: Mapping[str, Any], base_names: Collection[str]) -> None:
+    """Warn of an adapter whose config names another base model than the bundle's: its shapes may match
+    (fine-tunes of one architecture share them) and its tokens would still be those of another model."""
+    base = config.get("base_model_name_or_path")
+    if not isinstance(base, str) or not base.strip() or not base_names:
+        return
+    if _base_key(base) not in base_names:
+        log.warning(
+            "%s: base_model_name_or_path %r is not the bundle's model (%s): an adapter trained on another "
+            "model is served, and gives that model's tokens only if the weights are the same",
+            path,
+            base,
+            ", ".join(sorted(base_names)),
+        )
 
 
 def check_graph_inputs(
@@ -147,19 +198,21 @@ class LoraSlots:
         return sum(array.nbytes for array in self.arrays.values())
 
     def write(self, slot: int, adapter: Adapter | None) -> None:
-        """Put `adapter` in `slot` (1-based), replacing what it held; None empties it."""
+        """Put `adapter` in `slot` (1-based), replacing what it held; None empties it. Each module's a fills
+        its part's first r columns of the slot's a, its b the first r rows of the part's b; the rest is 0."""
         if not 1 <= slot <= self.layout.slots:
             raise ValueError(f"slot {slot} is not one of the bundle's 1..{self.layout.slots}")
-        group = self.layout.group
-        for projection, branch in self._branches.items():
-            self.arrays[branch.a_input][slot - 1] = (
-                0.0
-                if adapter is None
-                else adapter.a[projection].reshape(branch.in_features, -1, group).transpose(1, 0, 2)
-            )  # [groups, in, group]
-            for j in range(len(branch.parts)):
-                name = branch.b_input(j)
-                self.arrays[name][slot - 1] = 0.0 if adapter is None else adapter.b[name]
+        for array in self.arrays.values():
+            array[slot - 1] = 0.0
+        for module in adapter.modules if adapter is not None else ():
+            branch = self._branches[module.projection]
+            rank, group = module.a.shape[0], self.layout.group
+            # Column c of the slot's [in, width] a is [c // group, :, c % group] of its grouped form.
+            columns = module.part * self.layout.max_rank + np.arange(rank)
+            self.arrays[branch.a_input][slot - 1][columns // group, :, columns % group] = module.a
+            part, offset = branch.parts[module.part], self.layout.features(branch, module.part)[0]
+            b = self.arrays[branch.b_input(module.part)][slot - 1]
+            b[:rank, part.start - offset : part.stop - offset] = module.b.T
 
 
 def token_slots(row_slots: np.ndarray, tokens: int, span: tuple[int, int]) -> dict[str, np.ndarray]:
@@ -217,49 +270,105 @@ def _config(path: Path) -> dict[str, Any]:
     return config
 
 
-def _tensors(path: Path) -> dict[str, np.ndarray]:
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+def _open(path: Path) -> Any:
+    """The safetensors file at `path`, open for its header and for reading its tensors one at a time."""
+    from safetensors import SafetensorError, safe_open
 
     if not path.is_file():
         raise AdapterError(
             path, "not found: an adapter folder holds the adapter_model.safetensors peft saves"
         )
     try:
-        tensors = load_file(str(path))
+        return safe_open(str(path), framework="numpy")
     except (SafetensorError, OSError, ValueError) as exc:
         raise AdapterError(path, f"not a readable safetensors file ({exc})") from exc
-    for name, tensor in tensors.items():
-        if tensor.dtype.kind not in _FLOAT_KINDS:
-            raise AdapterError(path, f"{name} is {tensor.dtype}: adapter weights must be float")
-    return {name: tensor.astype(np.float32) for name, tensor in tensors.items()}
 
 
-def _modules(path: Path, tensors: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """module -> (lora_A [r, in], lora_B [out, r]); AdapterError for other tensors or a missing half."""
-    halves: dict[str, dict[str, np.ndarray]] = {}
-    for name, tensor in tensors.items():
+def _header(path: Path, file: Any) -> dict[str, tuple[list[int], str]]:
+    """tensor name -> (shape, dtype) as the file's header gives them, no tensor read; AdapterError for a
+    tensor that is not a float matrix."""
+    shapes = {}
+    for name in file.keys():  # noqa: SIM118 (a safe_open handle is no dict)
+        entry = file.get_slice(name)
+        shape, dtype = list(entry.get_shape()), entry.get_dtype()
+        if dtype not in _FLOAT_DTYPES:
+            raise AdapterError(
+                path, f"{name} is {dtype}: adapter weights must be float ({', '.join(_FLOAT_DTYPES)})"
+            )
+        if len(shape) != 2:
+            raise AdapterError(path, f"tensor {name!r} has shape {shape}, not a matrix")
+        shapes[name] = (shape, dtype)
+    return shapes
+
+
+def _plan(path: Path, header: Mapping[str, tuple[list[int], str]], layout: LoraLayout) -> list[_Planned]:
+    """The adapter's modules as the header describes them, each checked against `layout`: a LoRA A or B
+    name, both halves, one rank within --max-lora-rank, a module with a branch, the model's shapes."""
+    halves: dict[str, dict[str, str]] = {}
+    for name in header:
         match = _KEY.match(name.removeprefix(PEFT_PREFIX))
         if match is None:
             raise AdapterError(
                 path,
                 f"tensor {name!r} is not a LoRA A or B weight (embedding or other adapters are not served)",
             )
-        if tensor.ndim != 2:
-            raise AdapterError(path, f"tensor {name!r} has shape {list(tensor.shape)}, not a matrix")
-        halves.setdefault(match["module"], {})[match["side"]] = tensor
+        halves.setdefault(match["module"], {})[match["side"]] = name
     if not halves:
         raise AdapterError(path, "holds no LoRA weights")
-    modules = {}
+    where = {part.module: (branch, j) for branch in layout.branches for j, part in enumerate(branch.parts)}
+    planned = []
     for module, sides in halves.items():
         if set(sides) != {"A", "B"}:
             raise AdapterError(path, f"{module} has lora_{''.join(sides)} without its other half")
-        if sides["A"].shape[0] != sides["B"].shape[1]:
+        (rank, in_features), (out_features, b_rank) = header[sides["A"]][0], header[sides["B"]][0]
+        if rank != b_rank:
+            raise AdapterError(path, f"{module}: lora_A has rank {rank}, lora_B {b_rank}")
+        if rank > layout.max_rank:
             raise AdapterError(
-                path, f"{module}: lora_A has rank {sides['A'].shape[0]}, lora_B {sides['B'].shape[1]}"
+                path, f"{module} has rank {rank}, above the bundle's --max-lora-rank {layout.max_rank}"
             )
-        modules[module] = (sides["A"], sides["B"])
-    return modules
+        branch, j = _place(path, module, where, layout)
+        part = branch.parts[j]
+        expected = {"A": [rank, branch.in_features], "B": [part.stop - part.start, rank]}
+        for side, found in (("A", [rank, in_features]), ("B", [out_features, b_rank])):
+            if found != expected[side]:
+                raise AdapterError(
+                    path,
+                    f"{module}.lora_{side} has shape {found} where the bundle's model needs "
+                    f"{expected[side]}: an adapter of another base model",
+                )
+        planned.append(_Planned(module, branch, j, sides["A"], sides["B"], rank))
+    return planned
+
+
+def _read_module(path: Path, file: Any, config: Mapping[str, Any], planned: _Planned) -> AdapterModule:
+    """One planned module's tensors, read and widened to float32, the scale folded into b; AdapterError
+    naming the tensor for a value that is not finite, read or once scaled."""
+    a = _read_tensor(path, file, planned.a_name)
+    b = _read_tensor(path, file, planned.b_name)
+    scale = _scale(config, planned.module, planned.rank)
+    with np.errstate(over="ignore"):
+        scaled = b * np.float32(scale)
+    if not np.isfinite(scaled).all():
+        raise AdapterError(
+            path,
+            f"{planned.b_name} times its scale {scale:g} (lora_alpha {config['lora_alpha']!r}) is past "
+            "float32's range: give a lora_alpha that keeps the scaled weights finite",
+        )
+    return AdapterModule(planned.branch.projection, planned.part, a, scaled)
+
+
+def _read_tensor(path: Path, file: Any, name: str) -> np.ndarray:
+    """Tensor `name` as float32: fp16 and bf16 widened exactly (ml_dtypes, imported here, gives numpy the
+    bfloat16 that safetensors reads bf16 as); AdapterError if a value is NaN or infinite."""
+    import ml_dtypes  # noqa: F401
+
+    with np.errstate(over="ignore"):
+        tensor = np.asarray(file.get_tensor(name)).astype(np.float32, copy=False)
+    if not np.isfinite(tensor).all():
+        bad = int(np.size(tensor) - np.isfinite(tensor).sum())
+        raise AdapterError(path, f"{name} holds {bad} NaN or infinite values: the adapter is broken")
+    return tensor
 
 
 def _place(
@@ -286,23 +395,41 @@ def _scale(config: Mapping[str, Any], module: str, rank: int) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
+def adapters_full(loaded: int) -> str:
+    """Why a load is refused when `loaded` adapters are registered, as many as --max-cpu-loras allows."""
+    return f"{loaded} adapters are loaded, as many as --max-cpu-loras allows: unload one first"
+
+
 class Residency:
     """Which of the registered adapters sit in which slots. An adapter not resident is written into a free
     slot when a sequence needs it, else into the slot of the least recently used adapter no sequence holds
     (the scheduler admits no more distinct adapters than there are slots)."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, limit: int = DEFAULT_MAX_CPU_LORAS) -> None:
         self.slots = slots
+        self.limit = limit  # the most adapters registered at once (--max-cpu-loras)
         self.registered: dict[str, Adapter] = {}
+        self.retiring: set[str] = set()  # registered, unloaded once no request uses them; none may name them
         self.resident: dict[str, int] = {}  # name -> slot
         self._used: dict[str, int] = {}  # name -> the clock when a sequence last took it
         self._clock = 0
         self.loads = 0  # adapters written into a slot, ever
         self.evictions = 0  # of them, those that replaced another adapter
 
+    @property
+    def served(self) -> tuple[str, ...]:
+        """The adapters a new request may name, in the order they were registered."""
+        return tuple(name for name in self.registered if name not in self.retiring)
+
     def register(self, name: str, adapter: Adapter) -> None:
+        if name in self.retiring:
+            raise ValueError(
+                f"adapter {name!r} is being unloaded once its running requests finish: load it again then"
+            )
         if name in self.registered:
             raise ValueError(f"an adapter named {name!r} is already loaded")
+        if len(self.registered) >= self.limit:
+            raise ValueError(adapters_full(len(self.registered)))
         self.registered[name] = adapter
 
     def unregister(self, name: str, busy: Collection[str]) -> int | None:
@@ -313,6 +440,7 @@ class Residency:
         if name in busy:
             raise ValueError(f"adapter {name!r} is in use by running requests; unload it once they finish")
         del self.registered[name]
+        self.retiring.discard(name)
         self._used.pop(name, None)
         return self.resident.pop(name, None)
 

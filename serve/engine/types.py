@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from serve.engine.sampling import Alternatives, PromptScores, SamplingParams
 
+# The most LoRA adapters registered at once (--max-cpu-loras; vLLM's name): each holds its weights in memory.
+DEFAULT_MAX_CPU_LORAS = 16
+
 if TYPE_CHECKING:
     from serve.engine.constraints import CompiledConstraint
 
@@ -96,6 +99,7 @@ class EngineSettings:
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)  # off by default
     # LoRA adapters loaded at start, (name, peft folder), into a LoRA bundle's slots (serve/engine/lora.py).
     adapters: tuple[tuple[str, str], ...] = ()
+    max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS  # the most adapters registered at once (Residency)
     # The KV cache's element type (serve/engine/kv_dtype.py); auto: the bundle's own.
     kv_cache_dtype: KvCacheDtype = "auto"
 

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 from serve.engine.types import EngineInfo
 from serve.errors import EngineFailure
-from serve.scheduling.adapters import AdapterUpdate
+from serve.scheduling.adapters import AdapterUpdate, UpdateResult
 from serve.scheduling.engine_protocol import EngineMetrics, SchedulerMetrics
 from serve.scheduling.handles import HandleTable, RequestHandle
 from serve.scheduling.limits import SchedulerLimits
@@ -132,7 +132,7 @@ class ProcessScheduler:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
         self._closed = asyncio.Event()
-        self._updates: dict[int, asyncio.Future[None]] = {}  # sent, not yet answered
+        self._updates: dict[int, asyncio.Future[UpdateResult]] = {}  # sent, not yet answered
         self._update_ids = itertools.count()
         self.exited: asyncio.Future[str] | None = None
 
@@ -179,7 +179,7 @@ class ProcessScheduler:
         """The engine's description; its adapters are those served now (`update_adapters` changes them)."""
         return self._ready.info
 
-    async def update_adapters(self, update: AdapterUpdate) -> None:
+    async def update_adapters(self, update: AdapterUpdate) -> UpdateResult:
         """Load or unload a LoRA adapter in the engine process, between two of its steps; raises the error
         that left the adapters as they were (InvalidRequest, NotFound, EngineFailure). On the event loop."""
         if self._loop is None:
@@ -187,10 +187,10 @@ class ProcessScheduler:
         if self._draining or self._closed.is_set():
             raise draining("adapter update")
         update_id = next(self._update_ids)
-        reply: asyncio.Future[None] = self._loop.create_future()
+        reply: asyncio.Future[UpdateResult] = self._loop.create_future()
         self._updates[update_id] = reply
         self._post(UpdateAdapters(update_id, update))
-        await reply
+        return await reply
 
     @property
     def limits(self) -> SchedulerLimits:
@@ -314,14 +314,14 @@ class ProcessScheduler:
         """An update made or refused: the front end's adapters follow the engine's (also when the caller
         went away meanwhile: the update was made all the same)."""
         future = self._updates.pop(reply.update_id)
-        if reply.error is None:
-            self._ready.info = replace(self._ready.info, adapters=reply.adapters)
+        if reply.result is not None:
+            self._ready.info = replace(self._ready.info, adapters=reply.result.adapters)
         if future.done():
             return
-        if reply.error is not None:
-            future.set_exception(reply.error)
+        if reply.result is None:
+            future.set_exception(reply.error or EngineFailure("the engine process refused the update"))
         else:
-            future.set_result(None)
+            future.set_result(reply.result)
 
     def _on_closed(self) -> None:
         self._closed.set()

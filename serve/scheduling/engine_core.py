@@ -23,6 +23,7 @@ from serve.bundle import load_bundle
 from serve.engine.engine import open_engine
 from serve.errors import TextgenError
 from serve.process import configure_logging, freeze_startup_objects, pin_process
+from serve.scheduling.adapters import UpdateResult
 from serve.scheduling.engine_protocol import PriorityCounts
 from serve.scheduling.handles import Outcome
 from serve.scheduling.messages import (
@@ -161,7 +162,7 @@ class _EngineLoop:
         self._last_step: StepRecord | None = None
         self._steps: list[StepRecord] = []  # run since the last output
         self._sent_at = 0.0
-        self._updates: list[tuple[int, Future[tuple[str, ...]]]] = []  # made at the next step
+        self._updates: list[tuple[int, Future[UpdateResult]]] = []  # made at the next step
 
     def run(self) -> None:
         self._send_now([])  # what the metrics were told while the runner was built (the LoRA slots)
@@ -209,7 +210,7 @@ class _EngineLoop:
                 pending.append((update_id, future))
             elif (error := future.exception()) is not None:
                 assert isinstance(error, TextgenError), error
-                self._conn.send(AdaptersUpdated(update_id, (), error))
+                self._conn.send(AdaptersUpdated(update_id, None, error))
             else:
                 self._conn.send(AdaptersUpdated(update_id, future.result()))
         self._updates = pending

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from serve.engine.types import EngineInfo, EngineSettings
 from serve.errors import TextgenError
-from serve.scheduling.adapters import AdapterUpdate
+from serve.scheduling.adapters import AdapterUpdate, UpdateResult
 from serve.scheduling.engine_protocol import BatchEngine
 from serve.scheduling.handles import Outcome
 from serve.scheduling.limits import SchedulerLimits
@@ -106,8 +106,9 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class AdaptersUpdated:
-    """The reply to `UpdateAdapters`: the adapters served after it, or the error that left them unchanged."""
+    """The reply to `UpdateAdapters`: what it made (the adapters served after it), or the error that left
+    them unchanged."""
 
     update_id: int
-    adapters: tuple[str, ...]
+    result: UpdateResult | None
     error: TextgenError | None = None

@@ -39,7 +39,14 @@ from serve.errors import (
     QueueFull,
     TextgenError,
 )
-from serve.scheduling.adapters import AdapterUpdate, apply_update, lora_engine, unknown_adapter
+from serve.scheduling.adapters import (
+    AdapterUpdate,
+    UpdateResult,
+    apply_update,
+    lora_engine,
+    retire_unused,
+    unknown_adapter,
+)
 from serve.scheduling.engine_protocol import BatchEngine, EngineMetrics, PriorityCounts, priority_counts
 from serve.scheduling.handles import Outcome
 from serve.scheduling.limits import SchedulerLimits
@@ -124,7 +131,7 @@ class BatchRunner:
         self._priorities: tuple[PriorityCounts, PriorityCounts] = ({}, {})  # as the metrics were last told
         self._swapped_bytes = 0  # the preempted requests' host memory, as the metrics were last told
         self._lora = lora_engine(engine)  # None: the engine serves no adapters
-        self._updates: list[tuple[AdapterUpdate, Future[tuple[str, ...]]]] = []  # made at the next step
+        self._updates: list[tuple[AdapterUpdate, Future[UpdateResult]]] = []  # made at the next step
         self._slot_counts = (0, 0)  # the engine's adapter loads and evictions the metrics were told of
         self._lora_requests: tuple[str, str] | None = None  # running and waiting adapters, as last told
         if metrics is not None:  # the gateway sees the slots, and the adapters loaded at start, at once
@@ -169,10 +176,10 @@ class BatchRunner:
         if request.adapter and self._lora is not None and request.adapter not in self._lora.adapter_names:
             raise unknown_adapter(request.request_id, request.adapter, self._lora.adapter_names)
 
-    def request_update(self, update: AdapterUpdate) -> Future[tuple[str, ...]]:
+    def request_update(self, update: AdapterUpdate) -> Future[UpdateResult]:
         """Queue a change to the served adapters, made between two engine steps; the future gets the
         adapters served after it, or the error that left them as they were."""
-        future: Future[tuple[str, ...]] = Future()
+        future: Future[UpdateResult] = Future()
         with self._cv:
             self._updates.append((update, future))
             self._cv.notify_all()
@@ -288,6 +295,7 @@ class BatchRunner:
         self._preempt(plan.preempted, deliveries)
         self._resume(plan.resumed, deliveries)
         self._execute(plan, deliveries)
+        self._retire_adapters()
         self._publish_load()
         self._partial = []
         return deliveries
@@ -299,7 +307,7 @@ class BatchRunner:
             return
         with self._cv:  # held: enqueue's adapter check sees the adapters before or after, never between
             updates, self._updates = self._updates, []
-            users = [t.request.adapter for t in (*self._running.values(), *self._waiting, *self._compiling)]
+            users = self._adapter_users()
             for update, future in updates:
                 try:
                     future.set_result(apply_update(self._lora, update, users))
@@ -309,6 +317,18 @@ class BatchRunner:
                     log.exception("adapter update %r failed", update.name)
                     reason = f"adapter {update.name!r}: the update failed: {type(exc).__name__}: {exc}"
                     future.set_exception(EngineFailure(reason))
+
+    def _retire_adapters(self) -> None:
+        """After a step: unregister the adapters of deferred unloads whose requests have all ended (not
+        while a group prefills beside the decode steps, as for an update)."""
+        if self._lora is None or not self._lora.retiring_adapters or self.engine.background_ids:
+            return
+        with self._cv:
+            retire_unused(self._lora, self._adapter_users())
+
+    def _adapter_users(self) -> list[str]:
+        """Under the lock: the adapter of each running, queued (preempted included) or compiling request."""
+        return [t.request.adapter for t in (*self._running.values(), *self._waiting, *self._compiling)]
 
     def drop_updates(self, error: TextgenError) -> None:
         """Refuse the updates not made yet (the engine thread stops): their callers must not wait forever."""

@@ -18,7 +18,7 @@ from typing import Protocol
 from serve.bundle import load_bundle
 from serve.engine.engine import open_engine
 from serve.engine.types import EngineInfo
-from serve.scheduling.adapters import AdapterUpdate
+from serve.scheduling.adapters import AdapterUpdate, UpdateResult
 from serve.scheduling.engine_protocol import BatchEngine, SchedulerMetrics
 from serve.scheduling.handles import HandleTable, RequestHandle
 from serve.scheduling.limits import SchedulerLimits
@@ -46,7 +46,7 @@ class RequestScheduler(Protocol):
     @property
     def info(self) -> EngineInfo: ...  # its adapters: those served now
     async def start(self) -> None: ...
-    async def update_adapters(self, update: AdapterUpdate) -> None: ...
+    async def update_adapters(self, update: AdapterUpdate) -> UpdateResult: ...
     def submit(self, request: GenerationRequest) -> RequestHandle: ...
     def snapshot(self) -> SchedulerSnapshot: ...
     def steps(self) -> list[StepRecord]: ...
@@ -87,19 +87,19 @@ class Scheduler:
             raise RuntimeError("this scheduler was given no EngineInfo")
         return self._info
 
-    async def update_adapters(self, update: AdapterUpdate) -> None:
+    async def update_adapters(self, update: AdapterUpdate) -> UpdateResult:
         """Load or unload a LoRA adapter on the engine thread, between two steps; raises the error that
         left the adapters as they were (InvalidRequest, NotFound). Call on the event loop."""
         if self._draining:
             raise draining("adapter update")
         reply = asyncio.wrap_future(self._runner.request_update(update))
         reply.add_done_callback(self._updated)
-        await asyncio.shield(reply)  # a caller that goes away leaves the update to be made all the same
+        return await asyncio.shield(reply)  # a caller that goes away leaves it to be made all the same
 
-    def _updated(self, reply: asyncio.Future[tuple[str, ...]]) -> None:
+    def _updated(self, reply: asyncio.Future[UpdateResult]) -> None:
         """An update made or refused: the adapters named here follow the engine's."""
         if not reply.cancelled() and reply.exception() is None:
-            self._info = replace(self.info, adapters=reply.result())
+            self._info = replace(self.info, adapters=reply.result().adapters)
 
     async def start(self) -> None:
         if self._thread is not None:

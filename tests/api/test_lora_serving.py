@@ -90,11 +90,19 @@ def test_grpc_names_the_adapter_and_lists_them(
 
 @pytest.mark.parametrize(
     ("flag", "message"),
-    [("sql", "is not NAME=DIR"), ("a=/x,a=/y", "adapter names must differ"), ("=/x", "is not NAME=DIR")],
+    [
+        ("sql", "is not NAME=DIR"),
+        ("a=/x,a=/y", "adapter names must differ"),
+        ("=/x", "is not NAME=DIR"),
+        ("two words=/x", "adapter name 'two words' is not allowed: at most 128 letters, digits and ._:/-"),
+        ("a;b=/x", "adapter name 'a;b' is not allowed"),
+        ("_a=/x", "adapter name '_a' is not allowed"),
+        ("a=/x,b=/y,c=/z", r"lora gives 3 adapters, more than max_cpu_loras \(2\)"),
+    ],
 )
 def test_bad_lora_flags_fail_at_start(flag: str, message: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=message):
-        load_settings(["--bundle", str(tmp_path), "--lora", flag])
+        load_settings(["--bundle", str(tmp_path), "--max-cpu-loras", "2", "--lora", flag])
 
 
 def test_adapters_that_cannot_be_served_fail_at_start(

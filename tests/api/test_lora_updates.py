@@ -1,6 +1,8 @@
 """LoRA adapters loaded and unloaded while the server runs (--lora-runtime-updates): vLLM's routes behind the
-bearer token, the adapter served as an adapter given at start is, refusals that change nothing, and the
-metrics the inference gateway routes by; with the engine in its own process and in the server's."""
+bearer token and --lora-root, the adapter served as an adapter given at start is, refusals that change
+nothing and name no path outside the root, the --max-cpu-loras limit, an unload deferred while requests use
+the adapter, and the metrics the inference gateway routes by; with the engine in its own process and in the
+server's."""
 
 from __future__ import annotations
 
@@ -12,32 +14,48 @@ from typing import Any
 
 import grpc
 import httpx
+import numpy as np
 import openai
 import pytest
 from engine_faults import InjectedFaults
-from lora_adapters import MAX_RANK, SLOTS, completion, expected, save_adapter
+from lora_adapters import MAX_RANK, SLOTS, completion, copied, expected, save_adapter
 from running_server import RunningServer, loopback_settings
+from safetensors.numpy import load_file
 from server_tools import LoopThread, free_port
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from serve.api.config import ConfigError, load_settings
+from serve.engine.lora import WEIGHTS_FILE
 
 TOKEN = "adapters-secret"
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 INFO = "vllm:lora_requests_info"
+MAX_LOADED = SLOTS + 1
+
+
+@pytest.fixture
+def in_root(lora_bundle: tuple[Path, dict[str, Path]], tmp_path: Path) -> Path:
+    """A folder of this test's own under the server's --lora-root."""
+    folder = lora_bundle[1]["sql"].parent / f"test-{tmp_path.name}"
+    folder.mkdir()
+    return folder
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["engine-process", "in-process"])
 def running(
     request: pytest.FixtureRequest, loop: LoopThread, lora_bundle: tuple[Path, dict[str, Path]]
 ) -> Iterator[RunningServer]:
-    """A server with "sql" loaded at start and runtime updates on; requests "slow-..." decode slowly."""
+    """A server with "sql" loaded at start, runtime updates on from the adapters' folder, at most
+    MAX_LOADED adapters; requests "slow-..." decode slowly."""
     bundle, adapters = lora_bundle
     settings = loopback_settings(
         bundle,
         http_port=free_port(),
         lora=[("sql", adapters["sql"])],
         lora_runtime_updates=True,
+        lora_root=adapters["sql"].parent,
+        max_cpu_loras=MAX_LOADED,
         auth_token=TOKEN,
         engine_process=request.param,
     )
@@ -69,6 +87,21 @@ def served(running: RunningServer) -> set[str]:
         )
     assert set(info.adapters) == listed
     return listed
+
+
+def test_runtime_updates_need_the_token_and_a_root_at_start(tmp_path: Path) -> None:
+    """Loads read the server's disk: refused at start without --auth-token (unless allowed explicitly) or
+    without a --lora-root folder to read from."""
+    on = ["--bundle", str(tmp_path), "--lora-runtime-updates"]
+    root = ["--lora-root", str(tmp_path)]
+    with pytest.raises(ConfigError, match="from the server's disk: give auth_token"):
+        load_settings([*on, *root])
+    with pytest.raises(ConfigError, match="lora_runtime_updates needs lora_root"):
+        load_settings([*on, "--auth-token", TOKEN])
+    with pytest.raises(ConfigError, match="is not a directory"):
+        load_settings([*on, "--auth-token", TOKEN, "--lora-root", str(tmp_path / "missing")])
+    assert load_settings([*on, *root, "--auth-token", TOKEN]).lora_root == tmp_path
+    assert load_settings([*on, *root, "--allow-unauthenticated-lora-updates"]).auth_token is None
 
 
 def test_the_gateway_sees_the_slots_and_the_start_loads_before_any_request(running: RunningServer) -> None:
@@ -106,7 +139,12 @@ def test_more_adapters_than_slots_can_be_loaded(
     bundle, adapters = lora_bundle
     for name in ("poet", "chef"):
         assert post(running, LOAD, lora_name=name, lora_path=str(adapters[name])).status_code == 200
-    assert len(served(running)) == SLOTS + 1
+    assert len(served(running)) == SLOTS + 1 == MAX_LOADED
+    refused(
+        post(running, LOAD, lora_name="more", lora_path=str(adapters["poet"])),
+        400,
+        f"{MAX_LOADED} adapters are loaded, as many as --max-cpu-loras allows: unload one first",
+    )
     for name in ("chef", "poet", "sql", "chef"):
         assert completion(client(running), name) == expected(bundle, adapters, name)
     for name in ("poet", "chef"):
@@ -114,22 +152,53 @@ def test_more_adapters_than_slots_can_be_loaded(
 
 
 def test_what_cannot_be_loaded_is_refused_and_nothing_changes(
-    running: RunningServer, lora_bundle: tuple[Path, dict[str, Path]], tmp_path: Path
+    running: RunningServer, lora_bundle: tuple[Path, dict[str, Path]], in_root: Path
 ) -> None:
     bundle, adapters = lora_bundle
-    too_wide = save_adapter(tmp_path / "wide", seed=9, rank=MAX_RANK * 2)
+    too_wide = save_adapter(in_root / "wide", seed=9, rank=MAX_RANK * 2)
+    tensors = load_file(str(adapters["poet"] / WEIGHTS_FILE))
+    broken = sorted(tensors)[0]
+    tensors[broken][0, 0] = np.nan
+    nan = copied(adapters["poet"], in_root / "nan", tensors)
+    loud = copied(adapters["poet"], in_root / "loud", lora_alpha=1e40)
     cases = [
         ("sql", adapters["poet"], "an adapter named 'sql' is already loaded"),
         (running.model.name, adapters["poet"], "has the model's own name"),
-        ("", adapters["poet"], "lora_name must not be empty"),
-        ("gone", tmp_path / "missing", "not a directory"),
+        ("", adapters["poet"], "an adapter's name must not be empty"),
+        ("gone", in_root / "missing", f"adapter 'gone': {in_root.name}/missing: not a directory"),
         ("wide", too_wide, f"has rank {MAX_RANK * 2}, above the bundle's --max-lora-rank {MAX_RANK}"),
+        ("nan", nan, f"{broken} holds 1 NaN or infinite values"),
+        ("loud", loud, "times its scale 2.5e+39 (lora_alpha 1e+40) is past float32's range"),
     ]
+    cases += [(bad, adapters["poet"], "is not allowed") for bad in ("a,b", "two words", 'q"uote', "x" * 129)]
     for name, folder, message in cases:
-        refused(post(running, LOAD, lora_name=name, lora_path=str(folder)), 400, message)
+        answer = post(running, LOAD, lora_name=name, lora_path=str(folder))
+        refused(answer, 400, message)
+        assert str(adapters["sql"].parent) not in answer.text  # a path under the root is named relative to it
     refused(post(running, UNLOAD, lora_name="nope"), 404, "no adapter named 'nope' is loaded")
     assert served(running) == {"sql"}
     assert completion(client(running), "sql") == expected(bundle, adapters, "sql")
+
+
+def test_folders_outside_the_root_are_refused_alike_whether_they_exist_or_not(
+    running: RunningServer, lora_bundle: tuple[Path, dict[str, Path]], in_root: Path, tmp_path: Path
+) -> None:
+    """Through a symlink too, to the folder or to a file in it; the answer says nothing of what is there."""
+    _, adapters = lora_bundle
+    outside = copied(adapters["poet"], tmp_path / "outside")
+    (in_root / "link").symlink_to(outside)
+    files = copied(adapters["poet"], in_root / "files")
+    (files / WEIGHTS_FILE).unlink()
+    (files / WEIGHTS_FILE).symlink_to(outside / WEIGHTS_FILE)
+    answers = [
+        post(running, LOAD, lora_name="x", lora_path=str(path))
+        for path in (outside, tmp_path / "missing", "/etc", "../../..", in_root / "link", files)
+    ]
+    for answer in answers:
+        refused(answer, 400, "is not a folder under the server's --lora-root")
+    texts = {a.json()["error"]["message"].split("'", 2)[2] for a in answers}  # but for the path given
+    assert len(texts) == 1, texts
+    assert served(running) == {"sql"}
 
 
 def test_the_routes_need_the_token(running: RunningServer, lora_bundle: tuple[Path, dict[str, Path]]) -> None:
@@ -141,7 +210,12 @@ def test_the_routes_need_the_token(running: RunningServer, lora_bundle: tuple[Pa
     assert served(running) == {"sql"}
 
 
-def test_an_adapter_in_use_is_not_unloaded_and_the_gateway_sees_it_running(running: RunningServer) -> None:
+def test_an_adapter_in_use_is_unloaded_once_its_requests_end(
+    running: RunningServer, lora_bundle: tuple[Path, dict[str, Path]]
+) -> None:
+    """The unload answers at once: new requests for the adapter are refused (404) and /v1/models no longer
+    lists it, its running request finishes with it, and the gateway sees it running until then."""
+    bundle, adapters = lora_bundle
     slow = client(running).with_options(timeout=60)
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(
@@ -153,7 +227,15 @@ def test_an_adapter_in_use_is_not_unloaded_and_the_gateway_sees_it_running(runni
             extra_headers={"X-Request-Id": "slow-in-use"},
         )
         running.wait_for(lambda s: s.running == 1)
-        refused(post(running, UNLOAD, lora_name="sql"), 400, "in use by 1 running or queued requests")
+        unloaded = post(running, UNLOAD, lora_name="sql")
+        assert (unloaded.status_code, unloaded.text) == (
+            200,
+            "Success: LoRA adapter 'sql' will be removed once the 1 running or queued requests using it "
+            "finish; new requests for it are refused.",
+        )
+        assert served(running) == set()
+        with pytest.raises(openai.NotFoundError):
+            completion(client(running), "sql")
         busy = {"max_lora": str(SLOTS), "running_lora_adapters": "sql", "waiting_lora_adapters": ""}
         wait_for_metric(running, INFO, **busy)
         assert answer.result().choices[0].finish_reason == "length"
@@ -161,7 +243,10 @@ def test_an_adapter_in_use_is_not_unloaded_and_the_gateway_sees_it_running(runni
     idle = {"max_lora": str(SLOTS), "running_lora_adapters": "", "waiting_lora_adapters": ""}
     assert wait_for_metric(running, INFO, **idle) <= time.time()
     assert running.metric(INFO, **busy) == 0  # one series: the gateway reads the latest
+    loaded = post(running, LOAD, lora_name="sql", lora_path="sql")  # gone: its name is free again
+    assert loaded.status_code == 200, loaded.text
     assert served(running) == {"sql"}
+    assert completion(client(running), "sql") == expected(bundle, adapters, "sql")
 
 
 def test_adapters_are_counted(running: RunningServer, lora_bundle: tuple[Path, dict[str, Path]]) -> None:

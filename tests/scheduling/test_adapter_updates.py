@@ -1,6 +1,6 @@
 """Adapter updates on the runner: made by the engine thread at the start of a step, never beside one; an
-unload refused while a queued request uses the adapter; a request for an adapter gone meanwhile cannot
-queue; and the adapters' metric hooks."""
+unload of an adapter that running or queued requests use deferred until they end, under steady traffic too;
+a request for an adapter gone (or going) meanwhile cannot queue; and the adapters' metric hooks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from serve.engine.engine import Engine
 from serve.engine.sampling import SamplingParams
 from serve.engine.types import EngineSettings
 from serve.errors import Draining, InvalidRequest, NotFound
-from serve.scheduling.adapters import LoadAdapter, UnloadAdapter, read_load
+from serve.scheduling.adapters import LoadAdapter, UnloadAdapter, UpdateResult, read_load
 from serve.scheduling.engine_core import MetricRecorder
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.request import GenerationRequest
@@ -44,25 +44,59 @@ def test_updates_wait_for_a_step_and_an_unload_spares_queued_requests(
     loaded = runner.request_update(load(bundle, adapters["poet"], "poet"))
     assert not loaded.done() and runner.ready  # the engine thread makes it, at its next step
     runner.step()
-    assert loaded.result() == ("poet",)
+    assert loaded.result() == UpdateResult(("poet",))
     with pytest.raises(NotFound, match="adapter 'chef' is not loaded"):
         runner.enqueue(runner.track(request("early", "chef")))
     runner.enqueue(runner.track(request("queued", "poet")))
     unload = runner.request_update(UnloadAdapter("poet"))
-    runner.step()  # the update comes first: the request is still queued
-    with pytest.raises(InvalidRequest, match="in use by 1 running or queued requests"):
-        unload.result()
+    runner.step()  # the update comes first: the request is still queued, and runs with it all the same
+    assert unload.result() == UpdateResult((), deferred=1)
+    with pytest.raises(NotFound, match="adapter 'poet' is not loaded"):
+        runner.enqueue(runner.track(request("late", "poet")))
+    assert runner.engine.retiring_adapters == ("poet",)
     while not runner.idle:
         runner.step()
+    assert runner.engine.retiring_adapters == () and runner.engine.adapter_names == ()
     calls = dict(recorder.take())
     assert calls["on_adapter_request"] == ("poet",)
     assert calls["on_adapter_slots"] == (1, 0)
     assert calls["set_lora_requests"] == (2, "", "")  # the latest: nothing running or waiting
+    again = runner.request_update(load(bundle, adapters["poet"], "poet"))
+    runner.step()
+    assert again.result() == UpdateResult(("poet",))
     unload = runner.request_update(UnloadAdapter("poet"))
     runner.step()
-    assert unload.result() == ()
-    with pytest.raises(NotFound, match="adapter 'poet' is not loaded"):
-        runner.enqueue(runner.track(request("late", "poet")))
+    assert unload.result() == UpdateResult(())
+
+
+def test_an_unload_under_steady_traffic_ends_once_the_adapters_requests_do(
+    lora_bundle: tuple[Path, dict[str, Path]],
+) -> None:
+    """Requests for the adapter keep arriving, running and queued: the unload is not refused; it refuses
+    the new ones, and the adapter goes once its last accepted request ends, while base requests go on."""
+    root, adapters = lora_bundle
+    bundle = load_bundle(root)
+    runner = runner_of(bundle)
+    runner.request_update(load(bundle, adapters["poet"], "poet"))
+    runner.step()
+    for i in range(4):  # more than the 2 rows: some run, some wait
+        runner.enqueue(runner.track(request(f"poet-{i}", "poet")))
+    runner.step()  # two run, two wait
+    unload = runner.request_update(UnloadAdapter("poet"))
+    runner.step()
+    assert unload.result() == UpdateResult((), deferred=4)
+    refused, base = 0, 0
+    while runner.engine.retiring_adapters:
+        try:
+            runner.enqueue(runner.track(request(f"poet-more-{refused}", "poet")))
+        except NotFound:
+            refused += 1
+        runner.enqueue(runner.track(request(f"base-{base}", "")))
+        base += 1
+        runner.step()
+        assert base < 200, "the unload never ended"
+    assert refused == base > 0 and not runner.idle  # every later request for it refused; base traffic goes on
+    assert "poet" not in runner.engine.adapter_names and runner.engine.retiring_adapters == ()
 
 
 def test_a_bundle_without_slots_takes_no_update(

@@ -3,17 +3,22 @@ alone: what the servers under test must answer."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
+import numpy as np
 import openai
 import torch
 from peft import LoraConfig, get_peft_model
+from safetensors.numpy import save_file
 
 from export.lora import LoraOptions
 from export.model import Decoder
 from export.pipeline import PRESETS, random_bundle
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
+from serve.engine.lora import CONFIG_FILE, WEIGHTS_FILE
 from serve.engine.sampling import SamplingParams
 from serve.engine.types import EngineSettings, NewSequence
 
@@ -22,11 +27,36 @@ PROMPT = "def main():"
 SLOTS, MAX_RANK = 2, 4
 
 
-def save_adapter(folder: Path, seed: int, rank: int = MAX_RANK) -> Path:
-    """A random peft adapter of the tiny preset's model on its qkv and up projections, saved in `folder`."""
+def save_adapter(
+    folder: Path,
+    seed: int,
+    rank: int = MAX_RANK,
+    dtype: torch.dtype | None = None,
+    widened: bool = False,
+    targets: tuple[str, ...] = ("qkv", "up"),
+) -> Path:
+    """A random peft adapter of the tiny preset's model on `targets` (its qkv and up projections), saved in
+    `folder`; with `dtype`, its weights are rounded to it and saved so (widened: saved as float32 again)."""
     torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=32, target_modules=["qkv", "up"], init_lora_weights=False)
-    get_peft_model(Decoder(PRESETS["tiny"]), config).save_pretrained(folder)
+    config = LoraConfig(r=rank, lora_alpha=32, target_modules=list(targets), init_lora_weights=False)
+    model = get_peft_model(Decoder(PRESETS["tiny"]), config)
+    if dtype is not None:
+        model = model.to(dtype)
+        if widened:
+            model = model.to(torch.float32)
+    model.save_pretrained(folder)
+    return folder
+
+
+def copied(
+    source: Path, folder: Path, tensors: dict[str, np.ndarray] | None = None, **config: object
+) -> Path:
+    """A copy of the adapter at `source` in `folder`, with these tensors and config entries for its own."""
+    shutil.copytree(source, folder)
+    if tensors is not None:
+        save_file(tensors, str(folder / WEIGHTS_FILE))
+    raw = json.loads((folder / CONFIG_FILE).read_text())
+    (folder / CONFIG_FILE).write_text(json.dumps(raw | config))
     return folder
 
 

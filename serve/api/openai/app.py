@@ -249,33 +249,44 @@ class OpenAIApi:
         async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> Response:
             name = body.lora_name
 
-            def update(model: LoadedModel) -> Awaitable[None]:
-                return load_adapter(model, name, body.lora_path)
+            async def update(model: LoadedModel) -> str:
+                await load_adapter(model, name, body.lora_path, self._settings)
+                return f"Success: LoRA adapter {name!r} added successfully."
 
-            return await self._updated(LOAD_LORA, request, update, f"LoRA adapter {name!r} added")
+            return await self._updated(LOAD_LORA, request, update)
 
-        @app.post(UNLOAD_LORA, summary="unload a LoRA adapter no request uses", responses=ERRORS)
+        @app.post(
+            UNLOAD_LORA,
+            summary="unload a LoRA adapter: at once, or once the requests using it end",
+            responses=ERRORS,
+        )
         async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> Response:
             name = body.lora_name
 
-            def update(model: LoadedModel) -> Awaitable[None]:
-                return unload_adapter(model, name)
+            async def update(model: LoadedModel) -> str:
+                deferred = (await unload_adapter(model, name)).deferred
+                if not deferred:
+                    return f"Success: LoRA adapter {name!r} removed successfully."
+                return (
+                    f"Success: LoRA adapter {name!r} will be removed once the {deferred} running or queued "
+                    "requests using it finish; new requests for it are refused."
+                )
 
-            return await self._updated(UNLOAD_LORA, request, update, f"LoRA adapter {name!r} removed")
+            return await self._updated(UNLOAD_LORA, request, update)
 
     async def _updated(
-        self, route: str, request: Request, update: Callable[[LoadedModel], Awaitable[None]], done: str
+        self, route: str, request: Request, update: Callable[[LoadedModel], Awaitable[str]]
     ) -> Response:
         """An adapter update's answer: vLLM's success text, or the error that left the adapters unchanged."""
         record = self._record(route, request)
         try:
-            await update(self._state.ready_model())
+            done = await update(self._state.ready_model())
         except Exception as exc:
             return self._accounting.failed(record, exc)
         record.status = 200
         self._accounting.account(record)
         headers = {"X-Request-Id": record.request_id}
-        return PlainTextResponse(f"Success: {done} successfully.", headers=headers)
+        return PlainTextResponse(done, headers=headers)
 
     def _ready(self) -> LoadedModel | None:
         try:

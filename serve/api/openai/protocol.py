@@ -142,8 +142,14 @@ class DetokenizeRequest(_Body):
 class LoadLoraAdapterRequest(_Body):
     """vLLM's /v1/load_lora_adapter (served with --lora-runtime-updates)."""
 
-    lora_name: str = Field(description="the name requests give as their model to run with it")
-    lora_path: str = Field(description="the adapter's folder as peft saves it, on the server's machine")
+    lora_name: str = Field(
+        description="the name requests give as their model to run with it: 1 to 128 letters, digits and "
+        "._:/- starting with a letter or digit"
+    )
+    lora_path: str = Field(
+        description="the adapter's folder as peft saves it, under the server's --lora-root (relative to it, "
+        "or absolute within it)"
+    )
 
 
 class UnloadLoraAdapterRequest(_Body):
