@@ -38,9 +38,11 @@ Admission policy, evaluated between every two engine steps:
   among equals), one for each such waiting request that the plan then admits or resumes in the freed rows:
   a row is never freed for another request (one of equal priority, while the urgent one waits for a LoRA
   slot or the KV budget). The runner swaps their rows out to host memory (`Engine.swap_out`) and they rejoin
-  the queue with their arrival, so they come first among their priority. A preempted request at the head of
-  the queue resumes (`Engine.swap_in`, no compute) into a free row and decodes in the same step, once its
-  adapter has a slot as admission counts them (else it waits, and those behind it go on as above).
+  the queue with their arrival, so they come first among their priority. Their host copies stay within
+  `swap_space` bytes (`Engine.swap_bytes`: a row's valid keys and values and its token ids): a preemption
+  that would pass it is not made, and its urgent request waits for a row to free. A preempted request at the
+  head of the queue resumes (`Engine.swap_in`, no compute) into a free row and decodes in the same step, once
+  its adapter has a slot as admission counts them (else it waits, and those behind it go on as above).
   Equal priorities never preempt each other, and the fcfs policy never preempts. No preemption while a
   prefill is in progress (chunked or beside the decode steps): it holds the rows a resumed request would
   take.
@@ -171,8 +173,8 @@ class Planner:
 
     def _preemptions(self, state: RunnerState) -> list[tuple[RequestTracker, RequestTracker]]:
         """(waiting request, decoding one to preempt for it) pairs: the waiting ones in admission order, each
-        paired with the lowest-ranked decoding one left if it ranks strictly above it; none unless every row
-        is busy."""
+        paired with the lowest-ranked decoding one left if it ranks strictly above it, as long as their host
+        copies fit `swap_space`; none unless every row is busy."""
         if (
             self.limits.scheduling_policy != "priority"
             or len(state.running) < self.limits.batch_size
@@ -182,9 +184,13 @@ class Planner:
             return []
         decoding = (t for t in state.running if t.state is RequestState.DECODING)
         lowest_first = sorted(decoding, key=_priority_then_arrival, reverse=True)
+        room = self.limits.swap_space - self.engine.swapped_bytes
         pairs: list[tuple[RequestTracker, RequestTracker]] = []
         for urgent, victim in zip(self._admission_order(state.waiting), lowest_first, strict=False):
             if urgent.request.priority >= victim.request.priority:
+                break
+            room -= self.engine.swap_bytes(victim.request_id)
+            if room < 0:  # past the cap: the urgent ones wait for rows to free instead
                 break
             pairs.append((urgent, victim))
         return pairs

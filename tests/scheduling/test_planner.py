@@ -25,8 +25,9 @@ from serve.scheduling.request import GenerationRequest, RequestState, RequestTra
 
 @dataclass
 class View:
-    """What the planner reads of an engine, set by hand: prefix-cache hits by prompt, and the prefills in
-    progress (a chunked one, `staged_*`; one beside the decode steps, `background_*`)."""
+    """What the planner reads of an engine, set by hand: prefix-cache hits by prompt, the prefills in
+    progress (a chunked one, `staged_*`; one beside the decode steps, `background_*`), and the host memory of
+    the preempted requests and of each running one's row (`swap_sizes`, 1 byte if not set)."""
 
     hits: dict[tuple[int, ...], int] = field(default_factory=dict)
     staged_id: str | None = None
@@ -35,10 +36,15 @@ class View:
     background_done: bool = False
     looked_up: list[tuple[int, ...]] = field(default_factory=list)
     lora_slots: int = 0
+    swapped_bytes: int = 0
+    swap_sizes: dict[str, int] = field(default_factory=dict)
 
     def cached_tokens(self, prompt_ids: Sequence[int], adapter: str = "") -> int:
         self.looked_up.append(tuple(prompt_ids))
         return self.hits.get(tuple(prompt_ids), 0)
+
+    def swap_bytes(self, seq_id: str) -> int:
+        return self.swap_sizes.get(seq_id, 1)
 
 
 @functools.cache
@@ -260,6 +266,24 @@ def test_a_preempted_request_outranking_a_running_one_takes_its_row_back() -> No
     running = [decoding("low", 4, arrival=1.0, priority=4)]
     got = plan(View(), running, [back], max_batch_size=1, scheduling_policy="priority")
     assert ids(got.preempted) == ["low"] and ids(got.resumed) == ["back"] and ids(got.decoded) == ["back"]
+
+
+def test_preemption_keeps_the_preempted_within_swap_space() -> None:
+    urgent = [queued("urgent", 4, arrival=3.0, priority=0), queued("urgent2", 4, arrival=4.0, priority=2)]
+    view = View(swap_sizes={"late": 100, "early": 50})
+
+    def preempting(swap_space: int, swapped: int = 0) -> StepPlan:
+        view.swapped_bytes = swapped
+        return plan(
+            view, full_rows(), urgent, max_batch_size=3, scheduling_policy="priority", swap_space=swap_space
+        )
+
+    assert ids(preempting(150).preempted) == ["late", "early"]  # exactly at the cap
+    one = preempting(149)  # "early" would pass it: "urgent2" waits for a row
+    assert ids(one.preempted) == ["late"] and ids(one.admitted) == ["urgent"]
+    assert ids(preempting(240, swapped=100).preempted) == ["late"]  # the ones swapped out already count
+    for refused in (preempting(99), preempting(0)):  # 0: never preempt
+        assert refused.kind is StepKind.DECODE and refused.preempted == () and refused.admitted == ()
 
 
 def test_a_preempted_request_resumes_only_once_its_adapter_has_a_slot() -> None:

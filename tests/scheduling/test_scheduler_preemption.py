@@ -1,7 +1,7 @@
 """Preemption under the priority policy, step by step: an urgent request takes a busy row at once, and the
 requests it preempted finish with the very tokens they give when nobody preempts them (greedy and seeded),
-on the fake engine and on the tiny bundle's real one, and beside LoRA slots on a tiny LoRA bundle's
-engine."""
+on the fake engine and on the tiny bundle's real one; within --swap-space, and beside LoRA slots on a tiny
+LoRA bundle's engine."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from serve.engine.sampling import SamplingParams
 from serve.engine.types import EngineSettings
 from serve.errors import Draining, TextgenError
 from serve.scheduling.engine_protocol import BatchEngine
-from serve.scheduling.limits import SchedulerLimits
+from serve.scheduling.limits import DEFAULT_SWAP_SPACE, SchedulerLimits
 from serve.scheduling.request import Completion, FinishEvent, GenerationRequest
 from serve.scheduling.runner import BatchRunner, draining_error
 
@@ -40,12 +40,14 @@ class Served:
         engine: BatchEngine,
         policy: str,
         stream_interval_ms: float = 0.0,
+        swap_space: int = DEFAULT_SWAP_SPACE,
     ) -> None:
         self.metrics = Metrics(new_registry())
         limits = SchedulerLimits(
             scheduling_policy=policy,
             max_wait_seconds=0.0,
             stream_interval_ms=stream_interval_ms,
+            swap_space=swap_space,
         ).resolve(engine)
         self.runner = BatchRunner(engine, limits, self.metrics)
         self.completions: dict[str, Completion] = {}
@@ -98,9 +100,9 @@ class Served:
             self.step()
 
 
-def serve(engine: Instrumented, policy: str) -> Served:
+def serve(engine: Instrumented, policy: str, swap_space: int = DEFAULT_SWAP_SPACE) -> Served:
     """The two low-priority requests fill both rows; after a few steps an urgent one arrives."""
-    served = Served(engine, policy)
+    served = Served(engine, policy, swap_space=swap_space)
     for rid, params in LOW.items():
         served.submit(rid, params, LOW_TOKENS, priority=5)
     for _ in range(4):  # their prefill and three decode steps
@@ -126,6 +128,19 @@ def test_an_urgent_request_preempts_and_the_preempted_finish_as_if_never_paused(
         assert len(completion.token_ids) == LOW_TOKENS and completion.finish_reason == "length"
     assert paused.completions["urgent"].token_ids == unpaused.completions["urgent"].token_ids
     assert engine.swapped_bytes == 0 and paused.sample("textgen_preempted_kv_bytes") == 0
+
+
+def test_past_swap_space_the_urgent_request_waits_for_a_row(make_engine: EngineFactory) -> None:
+    unpaused = serve(make_engine(max_batch_size=2), "fcfs")
+    engine = make_engine(max_batch_size=2)
+    capped = serve(engine, "priority", swap_space=1)  # no row's host copy is that small
+    assert capped.preemptions == 0 and not [phase for phase, _ in engine.calls if phase.startswith("swap")]
+    assert capped.finished == unpaused.finished and capped.finished[-1] == "urgent"  # as under fcfs
+    for rid, completion in capped.completions.items():  # nothing failed, nothing was lost
+        assert (
+            completion.token_ids == unpaused.completions[rid].token_ids
+            and completion.finish_reason == "length"
+        )
 
 
 def test_a_preempted_request_cancelled_in_the_queue_leaves_nothing_behind(make_engine: EngineFactory) -> None:
