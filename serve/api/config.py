@@ -6,7 +6,6 @@ Precedence: CLI flag > environment variable > default. Every field `x_y` is the 
 
 from __future__ import annotations
 
-import re
 import ssl
 from pathlib import Path
 from typing import Annotated, Literal
@@ -15,6 +14,7 @@ from pydantic import Field, FilePath, SecretStr, ValidationError, field_validato
 from pydantic_settings import BaseSettings, CliApp, NoDecode, SettingsConfigDict, SettingsError
 
 from serve.engine.types import DEFAULT_MAX_CPU_LORAS, KvCacheDtype
+from serve.memory import parse_memory
 from serve.process import read_engine_cpus
 from serve.scheduling.adapters import name_problem
 from serve.scheduling.limits import BatchingKnobs
@@ -25,27 +25,6 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 
 class ConfigError(ValueError):
     """Invalid configuration; the message lists every bad setting."""
-
-
-_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def parse_memory(value: object) -> object:
-    """`512MiB`, `2GiB`, `1.5G`, `768M`, `65536B` (binary units either way) or a bare number of MiB ->
-    bytes."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return int(value * _UNITS["m"])
-    if not isinstance(value, str):
-        return value
-    match = _MEMORY.match(value)
-    if match is None:
-        raise ValueError(
-            f"{value!r} is not an amount of memory: give e.g. 512MiB or 2GiB (a bare number: MiB)"
-        )
-    number, unit, suffix = match.groups()
-    scale = _UNITS[unit.lower()] if unit or suffix else _UNITS["m"]
-    return int(float(number) * scale)
 
 
 class ServerSettings(BaseSettings, BatchingKnobs):

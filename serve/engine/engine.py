@@ -753,6 +753,12 @@ class Engine:
         """Host memory holding the preempted sequences' keys and values."""
         return sum(kept.nbytes for kept in self._swapped.values())
 
+    def swap_bytes(self, seq_id: str) -> int:
+        """What `swapped_bytes` grows by if the running sequence `seq_id` is swapped out now: its row's valid
+        keys and values and its token ids (the scheduler keeps the preempted ones within --swap-space)."""
+        length = int(self._lengths[self._row_of(seq_id)])
+        return length * (self._kv.position_bytes + self._tokens.itemsize)
+
     def _row_of(self, seq_id: str) -> int:
         try:
             return self._ids.index(seq_id)

@@ -76,6 +76,12 @@ class KvCache:
         return self.rows * sum(b.row_bytes for b in self.buffers)
 
     @property
+    def position_bytes(self) -> int:
+        """Memory of one position of a row in every buffer: what a host copy of a row (`read_row`) takes a
+        token."""
+        return sum(b.row_bytes for b in self.buffers) // self.row_shape[1]
+
+    @property
     def dtype_name(self) -> str:
         """The buffers' element type ("float32", "float16"): the graph gives K and V of every layer one."""
         return np.dtype(self.buffers[0].dtype).name

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 @runtime_checkable  # so tests can check that fakes and stand-ins honour it
 class EngineView(Protocol):
     """What the planner (serve/scheduling/planner.py) reads of the engine to decide a step: its prefix cache,
-    and the prefills it has in progress. Reads only: planning never changes the engine."""
+    the prefills it has in progress, and the host memory preemption takes. Reads only: planning never
+    changes the engine."""
 
     def cached_tokens(self, prompt_ids: Sequence[int], adapter: str = "") -> int: ...
     @property
@@ -32,6 +33,9 @@ class EngineView(Protocol):
     def background_ids(self) -> list[str]: ...  # the group prefilling beside the decode steps
     @property
     def background_done(self) -> bool: ...  # its run is over: joining it will not wait
+    @property
+    def swapped_bytes(self) -> int: ...  # host memory the preempted sequences hold
+    def swap_bytes(self, seq_id: str) -> int: ...  # what swapped_bytes grows by if it is swapped out now
 
 
 @runtime_checkable
@@ -63,8 +67,6 @@ class BatchEngine(EngineView, Protocol):
     def release(self, seq_ids: Iterable[str]) -> None: ...  # running or preempted
     def swap_out(self, seq_ids: Iterable[str]) -> None: ...  # preempt: rows to host memory, freed
     def swap_in(self, seq_ids: Sequence[str]) -> None: ...  # resume preempted ones after the running rows
-    @property
-    def swapped_bytes(self) -> int: ...  # host memory the preempted sequences hold
     @property
     def batch_size(self) -> int: ...
     def kv_shape(self) -> tuple[int, ...]: ...

@@ -8,9 +8,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from serve.memory import parse_memory
 from serve.scheduling.engine_protocol import BatchEngine
+
+# The preempted requests' host copies share the host's memory with the weights and, on CPU, the KV cache
+# itself (the demo's whole pod takes ~300 MiB). 1 GiB holds the demo's running batch many times over and a
+# few full rows of a 373M-parameter model at 2,048 tokens (~400 MiB a row at fp32); vLLM's 4 GiB is host
+# memory beside a GPU's, and would be most of a small CPU pod.
+DEFAULT_SWAP_SPACE = 2**30
 
 
 class BatchingKnobs(BaseModel):
@@ -23,6 +30,13 @@ class BatchingKnobs(BaseModel):
         "fcfs",
         description="the order waiting requests are admitted in: fcfs (arrival) or priority (a request's "
         "priority, lower first, then arrival)",
+    )
+    swap_space: int = Field(
+        DEFAULT_SWAP_SPACE,
+        ge=0,
+        description="host memory for the keys and values of requests preempted under the priority policy, "
+        "e.g. 512MiB or 4GiB (a bare number: MiB); where preempting would take more, the urgent request "
+        "waits for a row instead (0: never preempt)",
     )
     max_batch_tokens: int | None = Field(
         None,
@@ -72,6 +86,13 @@ class BatchingKnobs(BaseModel):
         description="a stream's tokens go out at most once per this many ms (0: every engine step); "
         "fewer, fuller messages for fast models",
     )
+
+    @field_validator("swap_space", mode="before")
+    @classmethod
+    def _parse_swap_space(cls, value: object) -> object:
+        # Flags and variables arrive as text; a number is bytes already (SchedulerLimits.of validates the
+        # server's settings again).
+        return parse_memory(value) if isinstance(value, str) else value
 
 
 class SchedulerLimits(BatchingKnobs):

@@ -34,13 +34,18 @@ Admission policy, evaluated between every two engine steps:
 - Running streams are never stalled by two prefills in a row, and a partial group waits up to
   `max_wait_seconds` for company while others are decoding (no wait when the engine is idle).
 - Preemption (priority policy only): when every row is busy and waiting requests rank strictly above the
-  lowest-ranked decoding ones, as many of those as the waiting ones admitted need are preempted (the
-  highest priority value first, the latest arrival among equals): the runner swaps their rows out to host
-  memory (`Engine.swap_out`) and they rejoin the queue with their arrival, so they come first among their
-  priority. A preempted request at the head of the queue resumes (`Engine.swap_in`, no compute) into a free
-  row and decodes in the same step. Equal priorities never preempt each other, and the fcfs policy never
-  preempts. No preemption while a prefill is in progress (chunked or beside the decode steps): it holds the
-  rows a resumed request would take.
+  lowest-ranked decoding ones, those are preempted (the highest priority value first, the latest arrival
+  among equals), one for each such waiting request that the plan then admits or resumes in the freed rows:
+  a row is never freed for another request (one of equal priority, while the urgent one waits for a LoRA
+  slot or the KV budget). The runner swaps their rows out to host memory (`Engine.swap_out`) and they rejoin
+  the queue with their arrival, so they come first among their priority. Their host copies stay within
+  `swap_space` bytes (`Engine.swap_bytes`: a row's valid keys and values and its token ids): a preemption
+  that would pass it is not made, and its urgent request waits for a row to free. A preempted request at the
+  head of the queue resumes (`Engine.swap_in`, no compute) into a free row and decodes in the same step, once
+  its adapter has a slot as admission counts them (else it waits, and those behind it go on as above).
+  Equal priorities never preempt each other, and the fcfs policy never preempts. No preemption while a
+  prefill is in progress (chunked or beside the decode steps): it holds the rows a resumed request would
+  take.
 """
 
 from __future__ import annotations
@@ -150,36 +155,45 @@ class Planner:
     # -- preemption -----------------------------------------------------------------------------------------
     def _admission(self, state: RunnerState) -> StepPlan | None:
         """The plan that admits or resumes the head of the queue, preempting for it where the policy says."""
-        victims = self._victims(state)
-        if victims:
+        pairs = self._preemptions(state)
+        asking = {urgent.request_id for urgent, _ in pairs}
+        victims = tuple(victim for _, victim in pairs)
+        while victims:
             planned = self._admit_or_resume(_without(state, victims))
-            if planned is not None:  # preempt no more rows than the plan takes
-                taken = len(planned.admitted) + len(planned.resumed)
-                if taken < len(victims):
-                    victims = victims[:taken]
-                    planned = self._admit_or_resume(_without(state, victims))
-            if planned is not None:
+            taken = {t.request_id for t in planned.admitted + planned.resumed} if planned else set()
+            # Rows are freed only for the requests that asked for them: the plan may give one to another
+            # (the next in line, maybe of the victims' own priority, while one that asked waits for a LoRA
+            # slot or the KV budget) or take fewer. Then as many victims as rows went to those that asked,
+            # the lowest-ranked: the pairs are in order, so each one that asked outranks every one of them.
+            asked = len(taken & asking)
+            if planned is not None and asked == len(victims):
                 return replace(planned, preempted=victims)
+            victims = victims[:asked]
         return self._admit_or_resume(state)
 
-    def _victims(self, state: RunnerState) -> tuple[RequestTracker, ...]:
-        """The decoding requests to preempt for waiting ones that rank strictly above them, the lowest-ranked
-        first, one per such waiting request; none unless every row is busy."""
+    def _preemptions(self, state: RunnerState) -> list[tuple[RequestTracker, RequestTracker]]:
+        """(waiting request, decoding one to preempt for it) pairs: the waiting ones in admission order, each
+        paired with the lowest-ranked decoding one left if it ranks strictly above it, as long as their host
+        copies fit `swap_space`; none unless every row is busy."""
         if (
             self.limits.scheduling_policy != "priority"
             or len(state.running) < self.limits.batch_size
             or not state.waiting
             or state.last_phase is StepKind.PREFILL  # no admission this step: nothing to preempt for
         ):
-            return ()
+            return []
         decoding = (t for t in state.running if t.state is RequestState.DECODING)
         lowest_first = sorted(decoding, key=_priority_then_arrival, reverse=True)
-        victims: list[RequestTracker] = []
+        room = self.limits.swap_space - self.engine.swapped_bytes
+        pairs: list[tuple[RequestTracker, RequestTracker]] = []
         for urgent, victim in zip(self._admission_order(state.waiting), lowest_first, strict=False):
             if urgent.request.priority >= victim.request.priority:
                 break
-            victims.append(victim)
-        return tuple(victims)
+            room -= self.engine.swap_bytes(victim.request_id)
+            if room < 0:  # past the cap: the urgent ones wait for rows to free instead
+                break
+            pairs.append((urgent, victim))
+        return pairs
 
     def _admit_or_resume(self, state: RunnerState) -> StepPlan | None:
         """Resume the preempted requests at the head of the queue, else admit the next prefill group; None:
@@ -196,11 +210,12 @@ class Planner:
         return self._prefill(state, group)
 
     def _resumable(self, state: RunnerState) -> tuple[RequestTracker, ...]:
-        """The preempted requests at the head of the queue that the free rows and the KV budget take."""
+        """The preempted requests at the head of the queue that the free rows, the LoRA slots and the KV
+        budget take."""
         free_rows = self.limits.batch_size - len(state.running)
         running = _Group.of(state.running)
         resumed = _Group()
-        for tracker in self._admission_order(state.waiting):
+        for tracker in self._admitted_adapters(state.running, self._admission_order(state.waiting)):
             if not tracker.preempted or len(resumed.members) == free_rows:
                 break
             more = resumed.plus(tracker, 0)

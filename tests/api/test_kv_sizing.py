@@ -16,7 +16,7 @@ from server_tools import LoopThread
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.api import cli
-from serve.api.config import ConfigError, load_settings, parse_memory
+from serve.api.config import ConfigError, load_settings
 from serve.api.lifecycle import TextgenServer
 from serve.api.loading import draft_cost
 from serve.api.sizing import (
@@ -28,6 +28,7 @@ from serve.api.sizing import (
     size_kv_cache,
 )
 from serve.bundle import load_bundle, serving_weight_bytes
+from serve.memory import parse_memory
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 

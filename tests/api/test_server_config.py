@@ -15,7 +15,7 @@ from serve.api.loading import engine_settings, scheduler_limits
 from serve.bundle import load_bundle
 from serve.engine.runtime import create_session
 from serve.process import freeze_startup_objects
-from serve.scheduling.limits import BatchingKnobs, SchedulerLimits
+from serve.scheduling.limits import DEFAULT_SWAP_SPACE, BatchingKnobs, SchedulerLimits
 
 
 @pytest.fixture(autouse=True)
@@ -78,6 +78,19 @@ def test_flags_and_environment_map_to_the_same_fields(
     )
     assert (from_flags.port, from_flags.providers, from_flags.log_prompts) == (7000, ["cpu"], True)
     assert from_flags.max_batch_size == 2
+
+
+def test_swap_space_is_an_amount_of_memory_from_the_flag_or_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bundle = ["--bundle", str(tmp_path)]
+    assert load_settings(bundle).swap_space == DEFAULT_SWAP_SPACE == 2**30
+    assert scheduler_limits(load_settings([*bundle, "--swap-space", "2GiB"])).swap_space == 2 * 2**30
+    assert load_settings([*bundle, "--swap-space", "0"]).swap_space == 0  # never preempt
+    monkeypatch.setenv("TEXTGEN_SWAP_SPACE", "768")  # a bare number: MiB, as --kv-cache-memory
+    assert scheduler_limits(load_settings(bundle)).swap_space == 768 * 2**20
+    with pytest.raises(ConfigError, match=r"swap_space.*not an amount of memory"):
+        load_settings([*bundle, "--swap-space", "lots"])
 
 
 def test_auth_token_is_secret(tmp_path: Path) -> None:

@@ -127,10 +127,11 @@ def test_kept_and_preempted_rows_resume_with_the_same_tokens(engines: tuple[Engi
     assert greedy(engine, prompt)[0] == want  # the prompt's keys and values come from the kept row
     tokens = [engine.prefill([NewSequence("paused", [*prompt, 7], GREEDY)])[0].token_id]
     tokens.append(engine.decode()[0].token_id)
+    foreseen = engine.swap_bytes("paused")
     engine.swap_out(["paused"])
     spec = engine.spec
     per_token = 2 * spec.n_layers * spec.kv_heads * spec.head_dim * 2 + 8  # fp16 K and V, the token id
-    assert engine.swapped_bytes == per_token * (len(prompt) + 2)
+    assert engine.swapped_bytes == per_token * (len(prompt) + 2) == foreseen
     greedy(engine, prompts(engine)[0])  # another sequence takes its row
     engine.swap_in(["paused"])
     while len(tokens) < NEW_TOKENS:

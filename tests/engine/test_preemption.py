@@ -75,11 +75,12 @@ def test_a_swapped_out_sequence_resumes_with_the_tokens_it_would_have_given(
     tokens = {out.seq_id: [out.token_id] for out in engine.prefill(sequences(engine))}
     decode(engine, PAUSE_AT, tokens)
     lengths = engine.lengths()
+    foreseen = sum(engine.swap_bytes(seq_id) for seq_id in SAMPLING)  # what the scheduler caps
     engine.swap_out(list(SAMPLING))
     assert engine.batch_size == 0
     spec = engine.spec
     per_token = 2 * spec.n_layers * spec.kv_heads * spec.head_dim * 4 + 8  # fp32 K and V, and the token id
-    assert engine.swapped_bytes == per_token * sum(lengths.values())
+    assert engine.swapped_bytes == per_token * sum(lengths.values()) == foreseen
     # Others take their rows meanwhile and write over them.
     others: dict[str, list[int]] = {}
     engine.prefill(sequences(engine, "other-"))
@@ -102,3 +103,5 @@ def test_a_preempted_sequence_released_before_it_resumes_frees_its_host_copy(eng
         engine.swap_in(["seeded"])
     with pytest.raises(ValueError, match="not running"):
         engine.swap_out(["greedy"])
+    with pytest.raises(ValueError, match="not running"):
+        engine.swap_bytes("greedy")

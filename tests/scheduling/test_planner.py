@@ -25,8 +25,9 @@ from serve.scheduling.request import GenerationRequest, RequestState, RequestTra
 
 @dataclass
 class View:
-    """What the planner reads of an engine, set by hand: prefix-cache hits by prompt, and the prefills in
-    progress (a chunked one, `staged_*`; one beside the decode steps, `background_*`)."""
+    """What the planner reads of an engine, set by hand: prefix-cache hits by prompt, the prefills in
+    progress (a chunked one, `staged_*`; one beside the decode steps, `background_*`), and the host memory of
+    the preempted requests and of each running one's row (`swap_sizes`, 1 byte if not set)."""
 
     hits: dict[tuple[int, ...], int] = field(default_factory=dict)
     staged_id: str | None = None
@@ -35,10 +36,15 @@ class View:
     background_done: bool = False
     looked_up: list[tuple[int, ...]] = field(default_factory=list)
     lora_slots: int = 0
+    swapped_bytes: int = 0
+    swap_sizes: dict[str, int] = field(default_factory=dict)
 
     def cached_tokens(self, prompt_ids: Sequence[int], adapter: str = "") -> int:
         self.looked_up.append(tuple(prompt_ids))
         return self.hits.get(tuple(prompt_ids), 0)
+
+    def swap_bytes(self, seq_id: str) -> int:
+        return self.swap_sizes.get(seq_id, 1)
 
 
 @functools.cache
@@ -169,9 +175,9 @@ def test_a_priority_head_that_does_not_fit_the_kv_budget_blocks_lower_ones() -> 
     assert ids(got.group) == ["urgent"]
 
 
-def preempted(rid: str, arrival: float, priority: int, length: int = 4) -> RequestTracker:
+def preempted(rid: str, arrival: float, priority: int, length: int = 4, adapter: str = "") -> RequestTracker:
     """A request swapped out after a token, back in the queue."""
-    tracker = decoding(rid, length, arrival=arrival, priority=priority)
+    tracker = decoding(rid, length, arrival=arrival, priority=priority, adapter=adapter)
     tracker.preempt()
     return tracker
 
@@ -260,6 +266,67 @@ def test_a_preempted_request_outranking_a_running_one_takes_its_row_back() -> No
     running = [decoding("low", 4, arrival=1.0, priority=4)]
     got = plan(View(), running, [back], max_batch_size=1, scheduling_policy="priority")
     assert ids(got.preempted) == ["low"] and ids(got.resumed) == ["back"] and ids(got.decoded) == ["back"]
+
+
+def test_preemption_keeps_the_preempted_within_swap_space() -> None:
+    urgent = [queued("urgent", 4, arrival=3.0, priority=0), queued("urgent2", 4, arrival=4.0, priority=2)]
+    view = View(swap_sizes={"late": 100, "early": 50})
+
+    def preempting(swap_space: int, swapped: int = 0) -> StepPlan:
+        view.swapped_bytes = swapped
+        return plan(
+            view, full_rows(), urgent, max_batch_size=3, scheduling_policy="priority", swap_space=swap_space
+        )
+
+    assert ids(preempting(150).preempted) == ["late", "early"]  # exactly at the cap
+    one = preempting(149)  # "early" would pass it: "urgent2" waits for a row
+    assert ids(one.preempted) == ["late"] and ids(one.admitted) == ["urgent"]
+    assert ids(preempting(240, swapped=100).preempted) == ["late"]  # the ones swapped out already count
+    for refused in (preempting(99), preempting(0)):  # 0: never preempt
+        assert refused.kind is StepKind.DECODE and refused.preempted == () and refused.admitted == ()
+
+
+def test_a_preempted_request_resumes_only_once_its_adapter_has_a_slot() -> None:
+    back = preempted("back", arrival=0.0, priority=1, adapter="a")
+    other = [decoding("b1", 4, priority=0, adapter="b")]  # holds the one slot
+    got = plan(View(lora_slots=1), other, [back], max_batch_size=2, scheduling_policy="priority")
+    assert got.kind is StepKind.DECODE and got.resumed == () and ids(got.decoded) == ["b1"]
+    # Waiting for a slot, it holds back nobody who needs none.
+    base = queued("base", 4, arrival=5.0, priority=1)
+    got = plan(View(lora_slots=1), other, [back, base], max_batch_size=2, scheduling_policy="priority")
+    assert got.resumed == () and ids(got.admitted) == ["base"]
+    got = plan(View(lora_slots=1), [decoding("r", 4)], [back], max_batch_size=2, scheduling_policy="priority")
+    assert ids(got.resumed) == ["back"] and ids(got.decoded) == ["r", "back"]  # b's request has left
+
+
+def test_a_row_is_preempted_only_for_the_request_that_outranks_it() -> None:
+    rows = [
+        decoding("low", 4, arrival=0.0, priority=5, adapter="a"),
+        decoding("mid", 4, arrival=1.0, priority=1),
+    ]
+    urgent = queued("urgent", 4, arrival=2.0, priority=0, adapter="b")
+    equal = queued("equal", 4, arrival=3.0, priority=5)
+    got = plan(View(lora_slots=1), rows, [urgent, equal], max_batch_size=2, scheduling_policy="priority")
+    # Preempting "low" frees a's slot for "urgent": it takes the row.
+    assert ids(got.preempted) == ["low"] and ids(got.admitted) == ["urgent"]
+    # With "mid" on a, no slot frees for "urgent": the row would go to "equal", of "low"'s own priority.
+    rows[1] = decoding("mid", 4, arrival=1.0, priority=1, adapter="a")
+    got = plan(View(lora_slots=1), rows, [urgent, equal], max_batch_size=2, scheduling_policy="priority")
+    assert got.kind is StepKind.DECODE and got.preempted == () and got.admitted == ()
+
+
+def test_rows_freed_for_those_that_asked_may_go_to_any_of_them() -> None:
+    rows = [
+        decoding("v1", 4, arrival=0.0, priority=5, adapter="a"),
+        decoding("v2", 4, arrival=1.0, priority=4),
+        decoding("r", 4, arrival=2.0, priority=0, adapter="a"),  # holds a's slot
+    ]
+    u1 = queued("u1", 4, arrival=3.0, priority=0, adapter="b")  # asks for v1's row, but finds no slot
+    u2 = queued("u2", 4, arrival=4.0, priority=1)  # asks for v2's
+    equal = queued("equal", 4, arrival=5.0, priority=5)
+    got = plan(View(lora_slots=1), rows, [u1, u2, equal], max_batch_size=3, scheduling_policy="priority")
+    # Both rows freed, "equal" would take one: one is freed, the lowest-ranked's, for "u2".
+    assert ids(got.preempted) == ["v1"] and ids(got.admitted) == ["u2"]
 
 
 def test_padding_ratio_bounds_the_group() -> None:

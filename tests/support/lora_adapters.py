@@ -60,9 +60,10 @@ def copied(
     return folder
 
 
-def lora_bundle(out: Path) -> tuple[Path, dict[str, Path]]:
-    """The tiny preset with 2 LoRA slots, and three peft adapters of its model (one more than slots)."""
-    bundle = random_bundle("tiny", out / "bundle", seed=0, progress=False, lora=LoraOptions(SLOTS, MAX_RANK))
+def lora_bundle(out: Path, slots: int = SLOTS) -> tuple[Path, dict[str, Path]]:
+    """The tiny preset with 2 LoRA slots (or `slots`), and three peft adapters of its model (one more than
+    the 2 slots)."""
+    bundle = random_bundle("tiny", out / "bundle", seed=0, progress=False, lora=LoraOptions(slots, MAX_RANK))
     names = ("sql", "poet", "chef")
     return bundle.root, {name: save_adapter(out / name, seed) for seed, name in enumerate(names, start=1)}
 

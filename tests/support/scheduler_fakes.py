@@ -198,7 +198,15 @@ class FakeEngine:
 
     @property
     def swapped_bytes(self) -> int:
-        return sum(SWAPPED_BYTES_PER_TOKEN * len(self._context[seq_id]) for seq_id in self._swapped)
+        return sum(map(self._swap_bytes, self._swapped))
+
+    def swap_bytes(self, seq_id: str) -> int:
+        if seq_id not in self._ids:
+            raise ValueError(f"sequence {seq_id} is not running")
+        return self._swap_bytes(seq_id)
+
+    def _swap_bytes(self, seq_id: str) -> int:
+        return SWAPPED_BYTES_PER_TOKEN * len(self._context[seq_id])
 
     def expected(self, prompt: Sequence[int], n: int) -> list[int]:
         """The tokens a sequence gets alone (EOS included, as the engine emits them)."""
@@ -341,6 +349,9 @@ class Instrumented:
     @property
     def swapped_bytes(self) -> int:
         return self.inner.swapped_bytes
+
+    def swap_bytes(self, seq_id: str) -> int:
+        return self.inner.swap_bytes(seq_id)
 
     def _leave(self, outs: list[TokenOut]) -> list[TokenOut]:
         self.shapes.append(self.inner.kv_shape())
