@@ -74,6 +74,10 @@ PRESETS = {
     "bench-a": DecoderConfig(
         vocab_size=8192, context_length=1024, d_model=512, n_layers=8, n_heads=8, d_ff=2048
     ),
+    # For tests that measure memory: 16 MiB of fp32 weights, so a second copy stands out of the noise.
+    "small": DecoderConfig(
+        vocab_size=2048, context_length=256, d_model=256, n_layers=4, n_heads=4, d_ff=1024
+    ),
     # For fast tests of the exporter and of everything that serves a bundle.
     "tiny": DecoderConfig(vocab_size=320, context_length=128, d_model=32, n_layers=2, n_heads=2, d_ff=64),
 }

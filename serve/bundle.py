@@ -281,6 +281,19 @@ class LoraLayout(_Strict):
         )
         return elements * 4
 
+    @property
+    def slots_bytes(self) -> int:
+        """The memory of every slot's A and B as the engine holds them (serve/engine/lora.py's LoraSlots)."""
+        shapes = [
+            shape
+            for b in self.branches
+            for shape in (
+                self.a_shape(b, self.slots),
+                *(self.b_shape(b, j, self.slots) for j in range(len(b.parts))),
+            )
+        ]
+        return sum(math.prod(shape) for shape in shapes) * 4
+
     # Why a is not a plain [in, columns] matrix: ONNX Runtime's CPU GEMM sums a product of more than
     # LORA_GEMM_TERMS terms in blocks whose length follows the columns each thread computes, and how it splits
     # the columns among threads follows the row count. A token's sums would then round differently alone and

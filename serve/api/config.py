@@ -152,6 +152,12 @@ class ServerSettings(BaseSettings, BatchingKnobs):
         "unload LoRA adapters while the server runs, from folders under --lora-root only; needs --auth-token "
         "(or --allow-unauthenticated-lora-updates); off: those routes are 404",
     )
+    prompt_logprobs: bool = Field(
+        True,
+        description="score prompts for requests that ask (prompt_logprobs, echo with logprobs): a second "
+        "session of the bundle's standard graph, created when first asked for, and the logits of a whole "
+        "prompt; --no-prompt-logprobs refuses such requests (400) and --print-pod-memory counts neither",
+    )
     lora_root: Path | None = Field(
         None,
         description="with --lora-runtime-updates: the folder runtime loads read adapters from; a lora_path "

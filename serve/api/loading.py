@@ -13,7 +13,7 @@ from pathlib import Path
 from serve.api.common import LoadedModel
 from serve.api.config import ConfigError, ServerSettings
 from serve.api.metrics import Metrics
-from serve.api.sizing import DraftCost, KvSizing, kv_itemsize, pod_memory, size_kv_cache
+from serve.api.sizing import DraftCost, KvSizing, ServedFeatures, kv_itemsize, pod_memory, size_kv_cache
 from serve.api.validation import RequestLimits
 from serve.bundle import Bundle, Manifest, load_bundle, read_manifest, serving_weight_bytes
 from serve.engine.types import EngineInfo, EngineSettings, SessionConfig, SpeculationSettings
@@ -45,6 +45,7 @@ def request_limits(settings: ServerSettings, info: EngineInfo, max_total_tokens:
         max_new_tokens=settings.max_new_tokens,
         max_stop_strings=settings.max_stop_strings,
         max_stop_length=settings.max_stop_length,
+        prompt_logprobs=settings.prompt_logprobs,
     )
 
 
@@ -119,12 +120,23 @@ def kv_rows(settings: ServerSettings, manifest: Manifest) -> KvSizing:
     )
 
 
+def served_features(settings: ServerSettings) -> ServedFeatures:
+    """What the flags make a server hold beside its weights and KV rows, for the pod memory formula."""
+    return ServedFeatures(
+        speculative=settings.speculative != "off",
+        prompt_logprobs=settings.prompt_logprobs,
+        # Without runtime loads only the adapters given at start are ever held.
+        registered_adapters=settings.max_cpu_loras if settings.lora_runtime_updates else len(settings.lora),
+        swap_bytes=settings.swap_space if settings.scheduling_policy == "priority" else 0,
+    )
+
+
 def pod_memory_report(settings: ServerSettings) -> str:
     """The memory a pod serving these settings needs, with the arithmetic (--print-pod-memory)."""
     root = Path(settings.bundle)
     manifest = read_manifest(root)
     sizing = kv_rows(settings, manifest)
-    pod = pod_memory(root, manifest, sizing)
+    pod = pod_memory(root, manifest, sizing, served_features(settings))
     arch, itemsize = manifest.architecture, kv_itemsize(manifest, settings.kv_cache_dtype)
     per_token = (
         f"a token: 2 (K, V) x {arch.n_layers} layers x {arch.n_kv_heads} KV heads x {arch.head_dim} "

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serve.api.config import ConfigError
-from serve.bundle import Manifest, serving_weight_bytes
+from serve.bundle import Architecture, Manifest, serving_weight_bytes
 from serve.engine.types import KV_CACHE_DTYPES, KvCacheDtype
 
 # A model's full context (32k for Qwen2.5, 128k for Llama 3.1) times 20 rows is tens of GiB: serve a
@@ -141,14 +141,54 @@ def size_kv_cache(
     return KvSizing(length, running, prefix, row, context, kv_cache_memory, drafting)
 
 
+# Prompt logprobs run the standard graph on a whole prompt. What a position takes, in float32 elements: its
+# logits three times (ONNX Runtime's output buffer, which its arena keeps for the next run; the array handed
+# to numpy; the log-softmax's scratch), the keys and values of every layer the graph returns (twice: its
+# buffer and numpy's), and one layer's activations, which the arena reuses from layer to layer (the MLP's
+# hidden features, the residual stream's copies, a head's attention scores over the prompt). Fitted with
+# room to what tests/api/test_pod_memory.py measures on the "small" preset: a 248-token scored prompt adds
+# 32.7 MiB at fp32 (counted with the session: 48), 22-23 MiB at int8 (37).
+SCORING_LOGITS_COPIES = 3
+# A second session beside its packed weights: its graph, its arena's first chunk, its threads. The int8
+# "small" preset's verification session took 7.0 MiB where its weights x 1.55 are 7.1.
+SESSION_BYTES = 8 * MIB
+
+
+def scoring_bytes_per_position(arch: Architecture, max_model_len: int) -> int:
+    """The memory a scored prompt takes a position (above the scoring session's weights)."""
+    kv_elements = arch.kv_bytes_per_token(1)
+    layer = 4 * arch.d_ff + 8 * arch.d_model + 2 * arch.n_heads * max_model_len
+    return 4 * (SCORING_LOGITS_COPIES * arch.vocab_size + 4 * kv_elements + layer)
+
+
+@dataclass(frozen=True)
+class ServedFeatures:
+    """What a server holds beside the serving graph and the KV rows, by the flags that turn it on."""
+
+    speculative: bool = False  # --speculative: a session of the verification graph, its own packed weights
+    prompt_logprobs: bool = False  # a session of the standard graph, created when a prompt is first scored
+    registered_adapters: int = 0  # --max-cpu-loras, for a bundle with LoRA slots: adapters held in memory
+    swap_bytes: int = 0  # --swap-space under the priority policy: preempted rows' keys and values
+
+
+@dataclass(frozen=True)
+class MemoryPart:
+    """Memory a pod needs beside the serving graph's weights, the KV cache and the fixed part."""
+
+    what: str
+    bytes: int
+
+
 @dataclass(frozen=True)
 class PodMemory:
     """The memory a pod serving one bundle needs: its request (the steady resident set) and its limit (the
-    start-up peak), in whole MiB (Kubernetes' `Mi`), rounded up."""
+    start-up peak), in whole MiB (Kubernetes' `Mi`), rounded up. A part the flags add is counted in both:
+    the steady set holds it once it has been used."""
 
     weight_bytes: int
     kv_bytes: int
     factor: WeightFactor
+    parts: tuple[MemoryPart, ...] = ()
 
     @property
     def request_mib(self) -> int:
@@ -159,19 +199,49 @@ class PodMemory:
         return self._mib(self.factor.peak)
 
     def _mib(self, factor: float) -> int:
-        return -(-(int(self.weight_bytes * factor) + self.kv_bytes + FIXED_BYTES) // MIB)
+        extra = sum(part.bytes for part in self.parts)
+        return -(-(int(self.weight_bytes * factor) + self.kv_bytes + extra + FIXED_BYTES) // MIB)
 
     def describe(self) -> str:
         weights = f"{self.weight_bytes / MIB:.1f} MiB weights"
-        rest = f"{self.kv_bytes / MIB:.1f} MiB KV cache + {FIXED_BYTES // MIB} MiB fixed"
+        parts = "".join(f" + {part.bytes / MIB:.1f} MiB {part.what}" for part in self.parts)
+        rest = f"{self.kv_bytes / MIB:.1f} MiB KV cache{parts} + {FIXED_BYTES // MIB} MiB fixed"
         return (
             f"requests.memory: {self.request_mib}Mi = {weights} x {self.factor.steady} + {rest}\n"
             f"limits.memory: {self.limit_mib}Mi = {weights} x {self.factor.peak} + {rest}"
         )
 
 
-def pod_memory(root: Path, manifest: Manifest, kv: KvSizing) -> PodMemory:
-    """What a pod serving the bundle at `root` with the KV rows `kv` needs (a draft model's weights and row
-    counted with the KV cache)."""
+def pod_memory(
+    root: Path, manifest: Manifest, kv: KvSizing, features: ServedFeatures = ServedFeatures()
+) -> PodMemory:
+    """What a pod serving the bundle at `root` with the KV rows `kv` and `features` needs (a draft model's
+    weights and row counted with the KV cache)."""
     factor = WEIGHT_FACTORS[manifest.quantization]
-    return PodMemory(serving_weight_bytes(root, manifest), kv.total_bytes + kv.draft_bytes, factor)
+    weights = serving_weight_bytes(root, manifest)
+    parts = feature_parts(root, manifest, kv, features, factor)
+    return PodMemory(weights, kv.total_bytes + kv.draft_bytes, factor, parts)
+
+
+def feature_parts(
+    root: Path, manifest: Manifest, kv: KvSizing, features: ServedFeatures, factor: WeightFactor
+) -> tuple[MemoryPart, ...]:
+    """The memory each feature the flags turn on adds. A second session of a graph packs its own copy of the
+    weights, so it costs what the serving graph's weights cost (the same factor), and a session's own."""
+    parts = []
+    if features.speculative:
+        verifying = int(serving_weight_bytes(root, manifest) * factor.steady) + SESSION_BYTES
+        parts.append(MemoryPart("verification session (--speculative)", verifying))
+    if features.prompt_logprobs:
+        standard = sum((root / name).stat().st_size for name in manifest.graphs.standard.files())
+        prompt = kv.max_model_len * scoring_bytes_per_position(manifest.architecture, kv.max_model_len)
+        session = int(standard * factor.steady) + SESSION_BYTES
+        parts.append(MemoryPart("prompt-logprobs session and prompt", session + prompt))
+    if manifest.lora is not None:
+        parts.append(MemoryPart(f"{manifest.lora.slots} LoRA slots", manifest.lora.slots_bytes))
+        if features.registered_adapters:
+            held = features.registered_adapters * manifest.lora.max_adapter_bytes
+            parts.append(MemoryPart(f"{features.registered_adapters} registered adapters", held))
+    if features.swap_bytes:
+        parts.append(MemoryPart("swapped rows (--swap-space)", features.swap_bytes))
+    return tuple(parts)

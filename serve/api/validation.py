@@ -43,6 +43,7 @@ class RequestLimits:
     max_new_tokens: int
     max_stop_strings: int
     max_stop_length: int
+    prompt_logprobs: bool = True  # the server scores prompts (--prompt-logprobs)
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,8 @@ def build_request(
     ranges) is checked once for every caller by `serve.scheduling.request.validate_request`, which
     `Scheduler.submit` runs."""
     prompt = truncated(prompt, options.truncate_prompt_tokens, limits, fields.truncate_prompt_tokens)
+    if options.prompt_logprobs and not limits.prompt_logprobs:
+        raise InvalidRequest("this server does not score prompts (served with --no-prompt-logprobs)")
     if options.score_only:
         if not options.prompt_logprobs:
             raise InvalidRequest(f"{fields.max_new_tokens} = 0 scores the prompt only: ask for its logprobs")

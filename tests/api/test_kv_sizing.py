@@ -24,6 +24,7 @@ from serve.api.sizing import (
     FIXED_BYTES,
     WEIGHT_FACTORS,
     DraftCost,
+    ServedFeatures,
     pod_memory,
     size_kv_cache,
 )
@@ -204,7 +205,8 @@ def test_print_pod_memory_prints_the_figures_and_starts_nothing(
     flags = ["--bundle", str(tiny_bundle), "--max-model-len", "128", "--max-batch-size", "4"]
     assert cli.main([*flags, "--prefix-cache-rows", "0", "--print-pod-memory"]) == 0
     manifest = load_bundle(tiny_bundle).manifest
-    pod = pod_memory(tiny_bundle, manifest, size_kv_cache(manifest, 128, None, 4, 0))
+    scoring = ServedFeatures(prompt_logprobs=True)  # on by default
+    pod = pod_memory(tiny_bundle, manifest, size_kv_cache(manifest, 128, None, 4, 0), scoring)
     printed = capsys.readouterr().out
     assert f"requests.memory: {pod.request_mib}Mi" in printed
     assert f"limits.memory: {pod.limit_mib}Mi" in printed

@@ -258,3 +258,13 @@ def test_each_kind_of_constraint_maps_to_its_protocol_neutral_value() -> None:
 def test_malformed_constraints_are_refused_naming_the_field(message: pb.Constraint, error: str) -> None:
     with pytest.raises(InvalidRequest, match=error):
         _constraint_of(message)
+
+
+def test_prompt_logprobs_are_refused_where_the_server_does_not_score_prompts() -> None:
+    """--no-prompt-logprobs: the pod is sized without the scoring session, so no request may make one."""
+    request = pb.GenerateRequest(text="hello world", include_prompt_logprobs=True)
+    prompt = prompt_ids(request, _encode, LIMITS.vocab_size)
+    off = dataclasses.replace(LIMITS, prompt_logprobs=False)
+    with pytest.raises(InvalidRequest, match="--no-prompt-logprobs"):
+        generation_request(request, request_id="r1", prompt=prompt, limits=off, deadline=None)
+    assert _build(request).prompt_logprobs  # served where the server scores prompts

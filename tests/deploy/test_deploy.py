@@ -4,7 +4,6 @@ Kubernetes schemas offline."""
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import shutil
@@ -27,11 +26,10 @@ import yaml
 from metric_refs import REPO, missing_metrics, promtool_input
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-from server_process import ServerProcess
+from server_process import served_memory_mib
 
-from bench.proc import tree_status_mib
 from serve.api.config import ServerSettings
-from serve.api.loading import kv_rows
+from serve.api.loading import kv_rows, served_features
 from serve.api.sizing import PodMemory, pod_memory
 from serve.bundle import read_manifest
 
@@ -743,7 +741,7 @@ def demo_pod_memory(overlay: str, bundle: Path) -> tuple[ServerSettings, PodMemo
         **{k.removeprefix("TEXTGEN_").lower(): v for k, v in config.items()} | {"bundle": bundle}
     )
     manifest = read_manifest(bundle)
-    return settings, pod_memory(bundle, manifest, kv_rows(settings, manifest))
+    return settings, pod_memory(bundle, manifest, kv_rows(settings, manifest), served_features(settings))
 
 
 @pytest.mark.parametrize("overlay", ["overlays/cpu", "overlays/inference-gateway"])
@@ -768,31 +766,13 @@ def test_the_formula_covers_what_a_served_demo_holds(demo_bundle: Path) -> None:
     requests: the resident memory of all its processes is within the formula's request, and not far below
     it; their peaks within its limit."""
     settings, pod = demo_pod_memory("overlays/cpu", demo_bundle)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        http_port = s.getsockname()[1]
-    server = ServerProcess(
-        *("--bundle", str(demo_bundle), "--http-port", str(http_port)),
+    args = (
+        *("--bundle", str(demo_bundle)),
         *("--max-batch-size", str(settings.max_batch_size), "--threads", str(settings.threads)),
         *("--prefix-cache-rows", str(settings.prefix_cache_rows)),
         "--engine-process" if settings.engine_process else "--no-engine-process",
-        slow=False,
     )
-    try:
-        server.wait_serving()
-        for _ in range(4):
-            body = json.dumps({"model": "textgen-demo", "prompt": "Once upon a time", "max_tokens": 16})
-            request = urllib.request.Request(
-                f"http://127.0.0.1:{http_port}/v1/completions",
-                body.encode(),
-                {"Content-Type": "application/json"},
-            )
-            with urllib.request.urlopen(request, timeout=30) as reply:
-                assert reply.status == 200
-        steady = sum(tree_status_mib(server.proc.pid, "VmRSS").values())
-        peak = sum(tree_status_mib(server.proc.pid, "VmHWM").values())
-    finally:
-        server.proc.terminate()
-        server.proc.wait(timeout=60)
+    body = {"model": "textgen-demo", "prompt": "Once upon a time", "max_tokens": 16}
+    steady, peak = served_memory_mib(args, [body] * 4)
     assert steady <= pod.request_mib <= MEMORY_SLACK * steady, (steady, pod.describe())
     assert peak <= pod.limit_mib, (peak, pod.describe())

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.proc import tree_status_mib
 
 REPO = Path(__file__).resolve().parents[2]
 SLOW_SERVER = REPO / "tests" / "support" / "slow_server"
@@ -73,3 +80,28 @@ def run_serve(*args: str) -> subprocess.CompletedProcess[str]:
     loopback = ["--host", "127.0.0.1", "--metrics-port", "0", "--http-port", "0"]
     command = [sys.executable, "-m", "serve", *loopback, *args]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def served_memory_mib(args: Sequence[str], bodies: Sequence[dict[str, Any]]) -> tuple[float, float]:
+    """The resident memory (steady, peak; MiB) of all the processes of `python -m serve` with `args`, after
+    it answered each completion body in turn over HTTP."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ServerProcess(*args, "--http-port", str(port), slow=False)
+    try:
+        server.wait_serving()
+        for body in bodies:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=120) as reply:
+                assert reply.status == 200
+        steady = sum(tree_status_mib(server.proc.pid, "VmRSS").values())
+        peak = sum(tree_status_mib(server.proc.pid, "VmHWM").values())
+    finally:
+        server.proc.terminate()
+        server.proc.wait(timeout=60)
+    return steady, peak
