@@ -213,8 +213,7 @@ class Engine:
         self._pending = np.zeros(settings.max_batch_size, np.int64)  # sampled, not yet in the cache
         self._tokens = np.zeros((settings.max_batch_size, capacity), np.int64)  # each row's cached token ids
         # Each row's first positions computed by prefill runs (its prompt), the only ones the prefix cache
-        # reuses: a decode step's one-token query sums attention in another order than a prefill's, so the
-        # keys and values of generated positions are not those a prompt holding them would be prefilled with.
+        # reuses: a decode step computes a position otherwise (MIN_PIECE says how).
         self._prefilled = np.zeros(settings.max_batch_size, np.int64)
         self._row_index = np.arange(settings.max_batch_size)
         self._lora = None if lora is None else LoraSlots(lora)
