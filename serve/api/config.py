@@ -113,8 +113,8 @@ class ServerSettings(BaseSettings, BatchingKnobs):
         4,
         ge=0,
         le=1024,
-        description="KV rows beyond max_batch_size that keep finished sequences, so a prompt that starts "
-        "the same way (a shared system prompt, a chat's next turn) prefills only the rest (0: off)",
+        description="KV rows beyond max_batch_size that keep finished sequences' prompts, so a prompt that "
+        "starts the same way (a shared system prompt, a chat's next turn) prefills only the rest (0: off)",
     )
     prefix_cache_min_tokens: int = Field(
         16, ge=1, description="the shortest shared prefix the prefix cache keeps or reuses"

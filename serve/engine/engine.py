@@ -59,7 +59,16 @@ from serve.engine.runtime import (
 )
 from serve.engine.sampling import Alternatives, PromptScores, RowState, SamplingBatch, SamplingParams
 from serve.engine.speculation import DraftModel, Pace, PromptLookup, Proposer
-from serve.engine.types import ConstraintState, EngineInfo, EngineSettings, ModelSpec, NewSequence, TokenOut
+from serve.engine.types import (
+    MIN_PIECE,
+    ConstraintState,
+    EngineInfo,
+    EngineSettings,
+    ModelSpec,
+    NewSequence,
+    TokenOut,
+    next_piece,
+)
 from serve.engine.verify_graph import PICK_INDEX, chained_present_outputs, verification_graph
 from serve.errors import BundleError
 from serve.process import trim_heap
@@ -135,6 +144,7 @@ class _Swapped:
     matcher: LLMatcher | None
     pace: Pace
     adapter: str  # its LoRA adapter ("": none): resident again, maybe in another slot, when it resumes
+    prefilled: int  # its first positions computed by prefill runs (Engine._prefilled)
 
     @property
     def nbytes(self) -> int:
@@ -148,6 +158,10 @@ class _Staged:
     seq: NewSequence
     chunk: int  # prompt tokens per step
     done: int = 0  # prompt tokens already in its cache
+
+    def piece_end(self) -> int:
+        """Where its next piece ends (`next_piece`: never a lone token)."""
+        return self.done + next_piece(self.done, self.chunk, len(self.seq.prompt_ids))
 
 
 class Engine:
@@ -199,6 +213,9 @@ class Engine:
         self._lengths = np.zeros(settings.max_batch_size, np.int64)  # tokens in each row's cache
         self._pending = np.zeros(settings.max_batch_size, np.int64)  # sampled, not yet in the cache
         self._tokens = np.zeros((settings.max_batch_size, capacity), np.int64)  # each row's cached token ids
+        # Each row's first positions computed by prefill runs (its prompt), the only ones the prefix cache
+        # reuses: a decode step computes a position otherwise (MIN_PIECE says how).
+        self._prefilled = np.zeros(settings.max_batch_size, np.int64)
         self._row_index = np.arange(settings.max_batch_size)
         self._lora = None if lora is None else LoraSlots(lora)
         # the span of slots a run uses (first, last; (0, 0): none) -> the LoRA inputs' values, made on first
@@ -503,7 +520,7 @@ class Engine:
         staged = self._staged
         if staged is None:
             raise RuntimeError("continue_prefill() with no chunked prefill in progress")
-        last = staged.done + staged.chunk >= len(staged.seq.prompt_ids)
+        last = staged.piece_end() >= len(staged.seq.prompt_ids)
         joining = self._joining([staged.seq]) if last else None
         try:
             logits = self._prefill_piece()
@@ -720,9 +737,9 @@ class Engine:
             length = int(self._lengths[row])
             kv = self._kv.read_row(row, length)
             tokens, pending = self._tokens[row, :length].copy(), int(self._pending[row])
-            adapter = self._adapter_in(int(self._row_adapter[row]))
+            adapter, prefilled = self._adapter_in(int(self._row_adapter[row])), int(self._prefilled[row])
             sampling, matcher, pace = self._remove_row(row)
-            self._swapped[seq_id] = _Swapped(kv, tokens, pending, sampling, matcher, pace, adapter)
+            self._swapped[seq_id] = _Swapped(kv, tokens, pending, sampling, matcher, pace, adapter, prefilled)
 
     def swap_in(self, seq_ids: Sequence[str]) -> None:
         """Resume preempted sequences (`swap_out`) in the rows after the running ones; the next decode step
@@ -743,6 +760,7 @@ class Engine:
             self._kv.write_row(row, kept.kv)
             self._tokens[row, :length] = kept.tokens
             self._lengths[row], self._pending[row] = length, kept.pending
+            self._prefilled[row] = kept.prefilled
             self._sampling.put(kept.sampling)
             self._constraints.append(kept.matcher)
             self._speculating.append(kept.pace)
@@ -836,13 +854,13 @@ class Engine:
         vectorized test first: a row can give `min_tokens` only if its first `min_tokens` tokens are the
         prompt's (one numpy test over all rows instead of a Python loop over them)."""
         head = self._prefix.min_tokens
-        if not self._prefix.rows or len(prompt_ids) <= head:  # the prompt's last token is never reused
+        if not self._prefix.rows or len(prompt_ids) < head + MIN_PIECE:  # its last tokens are never reused
             return None
         n = self.batch_size
         same = (self._tokens[:n, :head] == np.asarray(prompt_ids[:head])).all(axis=1)
         mine = self._row_adapter[:n] == adapter  # another adapter's keys and values are not this prompt's
-        rows = np.flatnonzero(same & mine & (self._lengths[:n] >= head)).tolist()
-        running = [(r, self._tokens[r, : self._lengths[r]]) for r in rows]
+        rows = np.flatnonzero(same & mine & (self._prefilled[:n] >= head)).tolist()
+        running = [(r, self._tokens[r, : self._prefilled[r]]) for r in rows]
         return self._prefix.match(prompt_ids, running, adapter)
 
     def _reuse(self, hit: PrefixHit | None, row: int, seq: NewSequence) -> int:
@@ -857,10 +875,11 @@ class Engine:
         return reused
 
     def _prefill_piece(self) -> np.ndarray:
-        """Append the staged sequence's next `chunk` prompt tokens to its row's cache; returns its logits."""
+        """Append the staged sequence's next piece (about `chunk` prompt tokens) to its row's cache; returns
+        its logits."""
         assert self._staged is not None
         staged = self._staged
-        end = min(staged.done + staged.chunk, len(staged.seq.prompt_ids))
+        end = staged.piece_end()
         logits = self._prefill_rows(self.batch_size, staged.seq.prompt_ids, staged.done, end)
         staged.done = end
         return logits
@@ -903,6 +922,7 @@ class Engine:
         self._speculating.extend(Pace(self._speculative_limit(seq)) for seq in new)
         self._ids.extend(s.seq_id for s in new)
         self._lengths[n : n + len(new)] = lens
+        self._prefilled[n : n + len(new)] = lens
         outs = self._emit(n, tokens, logprobs, group.alternatives, notes)
         scored: dict[tuple[tuple[int, ...], int], PromptScores] = {}  # n choices of a prompt: scored once
         for i, seq in enumerate(new):
@@ -1075,7 +1095,7 @@ class Engine:
         if seq_id in self._untrusted:
             self._untrusted.discard(seq_id)
             return
-        length = int(self._lengths[row])
+        length = int(self._prefilled[row])  # its prompt: the generated positions are not reused
         target = self._prefix.store(self._tokens[row, :length], int(self._row_adapter[row]))
         if target is not None:
             try:
@@ -1088,6 +1108,7 @@ class Engine:
     def _move_row(self, src: int, dst: int, length: int) -> None:
         self._kv.copy_row(src, dst, length)
         self._lengths[dst] = self._lengths[src]
+        self._prefilled[dst] = self._prefilled[src]
         self._row_adapter[dst] = self._row_adapter[src]
         self._tokens[dst, :length] = self._tokens[src, :length]
 

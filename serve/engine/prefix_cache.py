@@ -1,12 +1,17 @@
 """Which finished sequences' keys and values the engine keeps, and which one a new prompt can start from.
 
 The engine's KV buffers have a few rows beyond the running batch's. When a sequence leaves, the engine may
-copy its row there (`store` says where); a later prompt that begins with the same tokens (a shared system
-prompt, the next turn of a chat: prompt + answer + new message) copies that row into its own and prefills
-only the rest (`match`). A sequence still running is as good a source: a burst of prompts sharing a system
-prompt reuses the first one's row as soon as it runs. This module holds only the bookkeeping: which token
-ids each kept row holds, and which row to give up (least recently stored or matched). It never touches the
-buffers.
+copy its prompt's keys and values there (`store` says where); a later prompt that begins with the same
+tokens (a shared system prompt, the next turn of a chat: prompt + answer + new message) copies that row into
+its own and prefills only the rest (`match`). A sequence still running is as good a source: a burst of
+prompts sharing a system prompt reuses the first one's row as soon as it runs. This module holds only the
+bookkeeping: which token ids each kept row holds, and which row to give up (least recently stored or
+matched). It never touches the buffers.
+
+A reused prefix must hold the keys and values a prefill of the whole prompt would compute, bit for bit, so
+that a request's tokens and logprobs do not depend on what ran before it. A decode step computes a position
+otherwise (`MIN_PIECE` in serve/engine/types.py says how), so the engine offers only prompt positions (never
+generated ones), and a prompt always prefills at least its last `MIN_PIECE` tokens itself.
 
 A row is worth keeping or reusing only from `min_tokens` tokens up: copying a row costs about as much as
 prefilling a few tokens, and a reused prefix is prefilled alone rather than with the rest of its group.
@@ -19,6 +24,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+
+from serve.engine.types import MIN_PIECE
 
 
 @dataclass
@@ -53,11 +60,11 @@ class PrefixCache:
         self, prompt_ids: Sequence[int], running: Sequence[tuple[int, np.ndarray]] = (), adapter: int = 0
     ) -> PrefixHit | None:
         """The row sharing the longest prefix with `prompt_ids`, and how many of its tokens the prompt can
-        reuse (its last token is always left to prefill: its logits choose the first new token), or None
-        when no row offers `min_tokens` (or the cache has no rows: prefix caching is off). The rows are the
-        kept ones and `running`: (row, token ids in its filled positions) of sequences still running, whose
-        filled positions are as good a source. Only rows computed with the prompt's `adapter` (a LoRA slot)
-        match: another adapter's keys and values differ. Pure: `use` marks a kept row as used."""
+        reuse (its last `MIN_PIECE` tokens are always left to prefill), or None when no row offers
+        `min_tokens` (or the cache has no rows: prefix caching is off). The rows are the kept ones and
+        `running`: (row, token ids of its prompt's positions) of sequences still running, whose prompt
+        positions are as good a source. Only rows computed with the prompt's `adapter` (a LoRA slot) match:
+        another adapter's keys and values differ. Pure: `use` marks a kept row as used."""
         if not self.rows or not (self._kept or running):
             return None
         prompt = np.asarray(prompt_ids, dtype=np.int64)
@@ -65,7 +72,7 @@ class PrefixCache:
         kept = ((k.row, k.tokens) for k in self._kept if k.head == head and k.adapter == adapter)
         best: PrefixHit | None = None
         for row, tokens in [*kept, *running]:
-            reusable = min(_common_prefix(tokens, prompt), len(prompt) - 1)
+            reusable = min(_common_prefix(tokens, prompt), len(prompt) - MIN_PIECE)
             if reusable >= self.min_tokens and (best is None or reusable > best.tokens):
                 best = PrefixHit(row, reusable)
         return best

@@ -1,6 +1,7 @@
 """The types that cross into and out of the engine: what a model is, how an engine is set up, a sequence that
 joins it, what its output must match, how its ONNX Runtime sessions are set up, what a step returns, and
-what the server reports of it."""
+what the server reports of it; and how a prompt continued over a cached prefix is cut into pieces, which the
+scheduler's records follow."""
 
 from __future__ import annotations
 
@@ -22,6 +23,26 @@ if TYPE_CHECKING:
 # --kv-cache-dtype (serve/engine/kv_dtype.py): auto keeps the bundle's own; the others as manifests name them
 KvCacheDtype = Literal["auto", "fp32", "fp16"]
 KV_CACHE_DTYPES = {"fp32": "float32", "fp16": "float16"}
+
+# The fewest prompt tokens one prefill run computes for a row: a prefix-cache hit leaves at least this many
+# to prefill, and no piece of a chunked prefill is shorter. ONNX Runtime's GroupQueryAttention sums a
+# one-token query (a decode step's) in another order than a multi-token one (a prefill's, whole or continued
+# over a cached prefix: those agree), and the next layers' keys and values at that position then differ in
+# the last bits from those the whole prompt's prefill computes; so a prompt's positions are computed alike
+# whether it was prefilled whole, in pieces, or after a copied prefix.
+MIN_PIECE = 2
+
+
+def next_piece(done: int, chunk: int, total: int) -> int:
+    """How many prompt tokens the next piece of a chunked prefill computes, `done` of `total` being in the
+    cache: `chunk`, or all that is left, never fewer than MIN_PIECE nor leaving fewer behind (such a piece
+    stops short, or takes the rest)."""
+    left = total - done
+    piece = min(max(chunk, MIN_PIECE), left)
+    if 0 < left - piece < MIN_PIECE:
+        shorter = left - MIN_PIECE
+        piece = shorter if shorter >= MIN_PIECE else left
+    return piece
 
 
 @dataclass(frozen=True)

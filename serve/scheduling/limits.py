@@ -56,7 +56,8 @@ class BatchingKnobs(BaseModel):
         le=1_000_000,
         description="while other requests decode, the most prompt tokens a prefill step computes: "
         "arrivals are split over several steps and a longer prompt is prefilled in pieces of this many, "
-        "with decode steps of the running streams in between (0: no bound but max_prefill_tokens)",
+        "with decode steps of the running streams in between (0: no bound but max_prefill_tokens; a piece "
+        "is never one token, so 1 and 2 give pieces of 2 or 3)",
     )
     # A prefill between two decode steps stalls every stream for its whole length; beside them it shares the
     # cores and the streams slow down instead. Off by default: on 2 cores it took ITL p99 / p50 from ~3 to ~2

@@ -57,6 +57,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from serve.engine.types import next_piece
 from serve.scheduling.engine_protocol import EngineView
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.request import RequestState, RequestTracker
@@ -348,7 +349,7 @@ class Planner:
         # In pieces only while others decode: nobody is stalled when nothing else runs.
         chunk = self.limits.prefill_chunk_tokens if state.running else 0
         if chunk and len(group.members) == 1:  # the engine chunks a lone prompt only; the record: one piece
-            piece = min(chunk, group.members[0].prompt_len - group.cached[0])
+            piece = next_piece(group.cached[0], chunk, group.members[0].prompt_len)
             sizes = StepShape(1, piece, piece)
         else:
             sizes = group.computed
@@ -367,7 +368,7 @@ class Planner:
         )
 
     def _continue(self, staged: RequestTracker) -> StepPlan:
-        piece = min(self.limits.prefill_chunk_tokens, staged.prompt_len - self.engine.staged_done)
+        piece = next_piece(self.engine.staged_done, self.limits.prefill_chunk_tokens, staged.prompt_len)
         return StepPlan(StepKind.CONTINUE_PREFILL, (staged,), prefill_sizes=StepShape(1, piece, piece))
 
     def _decode(self, state: RunnerState) -> StepPlan:

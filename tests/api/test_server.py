@@ -29,7 +29,7 @@ from serve.api.common import CallRecord
 from serve.api.grpc_service import batch_invariant
 from serve.api.loading import scheduler_limits
 from serve.engine.engine import Engine
-from serve.engine.types import EngineSettings
+from serve.engine.types import MIN_PIECE, EngineSettings
 
 PROMPT = "the quick brown fox"
 # A stub, and the stream holding the small server's only row.
@@ -623,11 +623,11 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(loop: LoopThread, tin
         running.stop()
     prompt_tokens = first.usage.prompt_tokens
     assert first.usage.cached_prompt_tokens == 0
-    assert again.usage.cached_prompt_tokens == prompt_tokens - 1  # all but the token that picks the next
-    assert streamed[-1].usage.cached_prompt_tokens == prompt_tokens - 1
+    reused = prompt_tokens - MIN_PIECE  # the last ones run again: the last one's logits pick the next token
+    assert again.usage.cached_prompt_tokens == streamed[-1].usage.cached_prompt_tokens == reused
     assert list(again.token_ids) == list(first.token_ids)
     assert [t for m in streamed for t in m.token_ids] == list(first.token_ids)
-    assert f"textgen_prompt_tokens_cached_total {2.0 * (prompt_tokens - 1)}" in scrape
+    assert f"textgen_prompt_tokens_cached_total {2.0 * reused}" in scrape
 
 
 def test_scheduling_settings_reach_the_scheduler(tiny_bundle: Path) -> None:

@@ -20,7 +20,7 @@ from serve.engine.engine import Engine
 from serve.engine.prompt_scoring import scoring_session
 from serve.engine.runtime import Device, SessionConfig, allocate, copy_graph, create_copy_session, kv_device
 from serve.engine.sampling import SamplingParams
-from serve.engine.types import EngineSettings, ModelSpec, NewSequence, TokenOut
+from serve.engine.types import MIN_PIECE, EngineSettings, ModelSpec, NewSequence, TokenOut, next_piece
 from serve.errors import BundleError
 from serve.scheduling.offline import generate
 
@@ -551,22 +551,24 @@ def test_prefix_cache_reuses_a_finished_turn_with_the_same_tokens(
     _, reference = demo
     copy_with(cached, copies, monkeypatch)
     first = encode(cached, PROMPTS[2])
-    answer = run_alone(cached, first, 20)  # leaves: its prompt and answer (but the last token) are kept
+    answer = run_alone(cached, first, 20)  # leaves: its prompt is kept (the answer was not prefilled)
     assert answer == run_alone(reference, first, 20)
     follow_up = [*first, *answer, *encode(cached, "\n    def")]  # the next turn of a chat
-    kept = len(first) + len(answer) - 1
+    kept = len(first)
     assert cached.cached_tokens(follow_up) == kept
     runs = prefill_sizes(cached, monkeypatch)
     assert run_alone(cached, follow_up, 24) == run_alone(reference, follow_up, 24)
     assert runs[0] == (1, len(follow_up) - kept)  # only the part not kept was prefilled
-    # The same prompt again: everything but its last token is reused (the last one's logits choose).
-    assert cached.cached_tokens(first) == len(first) - 1
+    # The same prompt again: everything but its last two tokens is reused (a lone one would be computed as a
+    # decode step is, not as in a prefill; the last one's logits choose).
+    assert cached.cached_tokens(first) == len(first) - MIN_PIECE
     runs.clear()
     assert run_alone(cached, first, 20) == answer
-    assert runs[0] == (1, 1)
+    assert runs[0] == (1, MIN_PIECE)
     # A prompt that shares only a beginning reuses that much; one that shares less than the minimum, nothing.
     branch = [*first[:6], *encode(cached, " = []")]
-    assert cached.cached_tokens(branch) == 6 + shared_prefix(first[6:], branch[6:])
+    shared = 6 + shared_prefix(follow_up[6:], branch[6:])  # the kept row now holds the follow-up's prompt
+    assert cached.cached_tokens(branch) == min(shared, len(branch) - MIN_PIECE)
     assert run_alone(cached, branch, 16) == run_alone(reference, branch, 16)
     other = next(t for t in range(2, cached.spec.vocab_size) if t != first[3])
     assert cached.cached_tokens([*first[:3], *[other] * 5]) == 0
@@ -591,7 +593,7 @@ def test_prefix_cache_hits_join_a_group_and_a_chunked_prefill(
     expected = run_alone(reference, long, 10)
     cached.prefill([NewSequence("r", tails[0], GREEDY)])
     assert cached.prefill([NewSequence("c", long, GREEDY)], chunk=4) == []
-    assert cached.staged_done == len(system) + min(4, len(long) - len(system))
+    assert cached.staged_done == len(system) + next_piece(len(system), 4, len(long))
     got: list[int] = []
     while cached.staged_id is not None:
         cached.decode()
@@ -643,7 +645,7 @@ def test_prefix_cache_keeps_the_most_recent_and_nothing_a_failed_step_touched(
     cached.release(["x"])
     assert cached.cached_tokens(prompts[0]) == 0  # its row may be half written: not kept
     run_alone(cached, prompts[0], 4)
-    assert cached.cached_tokens(prompts[0]) == len(prompts[0]) - 1  # the next one is kept again
+    assert cached.cached_tokens(prompts[0]) == len(prompts[0]) - MIN_PIECE  # the next one is kept again
 
 
 def test_the_scoring_benchmark_times_prefill_and_scoring_for_each_length(tiny_bundle: Path) -> None:

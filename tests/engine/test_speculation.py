@@ -13,13 +13,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-import torch
 from onnx import helper
 from proposers import Oracle
-from quantized_bundles import quantized_graphs
+from quantized_bundles import rotary_gqa_bundle
 
-from export.model import Decoder, DecoderConfig
-from export.pipeline import ExportOptions, Precision, export_bundle, write_verified_bundle
+from export.pipeline import Precision
 from serve.bundle import ROW_PAD_PREFIX, load_bundle
 from serve.engine.engine import Engine
 from serve.engine.runtime import SessionConfig
@@ -148,27 +146,6 @@ def test_an_engine_without_the_verification_graph_cannot_speculate(tiny_bundle: 
 
 
 # --- the same tokens ----------------------------------------------------------------------------------------
-
-
-def rotary_gqa_bundle(tiny_bundle: Path, out: Path, precision: Precision) -> Path:
-    """A random Llama-shaped bundle (rotary positions, 2 KV heads for 4 query heads, RMSNorm, SwiGLU), the
-    shape of the models users import, at `precision`."""
-    torch.manual_seed(0)
-    config = DecoderConfig(
-        vocab_size=320, context_length=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
-        positions="rotary", activation="swiglu", norm="rms", qkv_bias=False, out_bias=False, mlp_bias=False,
-    )  # fmt: skip
-    model = Decoder(config).eval()
-    tokenizer = load_bundle(tiny_bundle).tokenizer
-    options = ExportOptions(model_name="gqa-fp32", precision=Precision(), progress=False)
-    fp32 = out / "fp32"
-    if not (fp32 / "manifest.json").exists():  # exported once for every precision made from it
-        export_bundle(model, tokenizer, fp32, options)
-    if precision.kind == "fp32":
-        return fp32
-    graphs = quantized_graphs(fp32, precision)
-    options = replace(options, model_name=f"gqa-{precision.kind}", precision=precision)
-    return write_verified_bundle(model, tokenizer, graphs, out / precision.kind, options).root
 
 
 # int4 at block 16: its rows are computed alike alone and in a batch on every CPU, with no row pads.

@@ -41,7 +41,7 @@ def test_a_prompt_continuing_a_finished_one_is_prefilled_from_the_prefix_cache(
         return a, b, follow_up, scheduler.steps()
 
     a, b, follow_up, steps = run(main)
-    kept = len(first) + 6 - 1  # a's prompt and answer, but for the last token (never fed back)
+    kept = len(first)  # a's prompt: its answer, computed by decode steps, is prefilled again
     assert a.finish is not None and a.finish.cached_prompt_tokens == 0
     assert b.finish is not None and b.finish.cached_prompt_tokens == kept
     assert b.token_ids == engine.expected(follow_up, 6)
@@ -57,19 +57,19 @@ def test_admission_counts_only_what_the_prefix_cache_lacks(make_engine: EngineFa
     async def main() -> tuple[list[Completion], list[StepRecord]]:
         scheduler = await started(engine, limits)
         a = await collect(scheduler.submit(request("a", first, max_new=4)))
-        kept = [*first, *a.token_ids[:-1]]  # 13 tokens
-        # Two follow-ups of 16 tokens, 3 of them new, around an unrelated 8-token prompt.
-        prompts = [[*kept, 60, 61, 62], prompt_of(8, 20), [*kept, 63, 64, 65]]
+        assert a.finish is not None and a.finish.cached_prompt_tokens == 0
+        # Two follow-ups of 13 tokens, 3 of them new, around an unrelated 8-token prompt.
+        prompts = [[*first, 60, 61, 62], prompt_of(8, 20), [*first, 63, 64, 65]]
         handles = [scheduler.submit(request(f"r{i}", p, max_new=3)) for i, p in enumerate(prompts)]
         done = await asyncio.gather(*(collect(h) for h in handles))
         await scheduler.drain(1.0)
         return done, scheduler.steps()
 
     done, steps = run(main)
-    assert [c.finish.cached_prompt_tokens for c in done if c.finish] == [13, 0, 13]
+    assert [c.finish.cached_prompt_tokens for c in done if c.finish] == [10, 0, 10]
     prefills = [(s.rows, s.padded_tokens, s.real_tokens) for s in steps if s.phase == "prefill"]
     # The first follow-up (3 tokens to compute) and the 8-token prompt fit 12 together; whole prompts would
-    # not (2 x 16). The second follow-up waits a step: hits run alone, one a step.
+    # not (2 x 13). The second follow-up waits a step: hits run alone, one a step.
     assert prefills == [(1, 10, 10), (2, 11, 11), (1, 3, 3)]
 
 

@@ -1,15 +1,24 @@
 """Quantized variants of the tiny bundle for tests: its fp32 graphs converted as the exporter converts them
-(seconds, no tracing), to be verified and written with `write_verified_bundle`."""
+(seconds, no tracing), to be verified and written with `write_verified_bundle`; and a rotary GQA bundle at
+any precision made so."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import onnx
 import torch
 
-from export.model import Decoder
-from export.pipeline import PRESETS, ExportedGraphs, Precision
+from export.model import Decoder, DecoderConfig
+from export.pipeline import (
+    PRESETS,
+    ExportedGraphs,
+    ExportOptions,
+    Precision,
+    export_bundle,
+    write_verified_bundle,
+)
 from export.quantize import quantize_int8, quantize_nbits
 from serve.bundle import load_bundle
 
@@ -34,3 +43,24 @@ def quantized_graphs(fp32: Path, precision: Precision) -> ExportedGraphs:
             graphs.append(quantize_nbits(model, precision.bits, precision.block))
     (standard, s_counts), (inplace, i_counts) = graphs
     return ExportedGraphs(standard, inplace, {"standard": s_counts, "inplace": i_counts})
+
+
+def rotary_gqa_bundle(tiny_bundle: Path, out: Path, precision: Precision) -> Path:
+    """A random Llama-shaped bundle (rotary positions, 2 KV heads for 4 query heads, RMSNorm, SwiGLU), the
+    shape of the models users import, at `precision`."""
+    torch.manual_seed(0)
+    config = DecoderConfig(
+        vocab_size=320, context_length=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+        positions="rotary", activation="swiglu", norm="rms", qkv_bias=False, out_bias=False, mlp_bias=False,
+    )  # fmt: skip
+    model = Decoder(config).eval()
+    tokenizer = load_bundle(tiny_bundle).tokenizer
+    options = ExportOptions(model_name="gqa-fp32", precision=Precision(), progress=False)
+    fp32 = out / "fp32"
+    if not (fp32 / "manifest.json").exists():  # exported once for every precision made from it
+        export_bundle(model, tokenizer, fp32, options)
+    if precision.kind == "fp32":
+        return fp32
+    graphs = quantized_graphs(fp32, precision)
+    options = replace(options, model_name=f"gqa-{precision.kind}", precision=precision)
+    return write_verified_bundle(model, tokenizer, graphs, out / precision.kind, options).root

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from export.tokenizer import EOS_ID, train_tokenizer
 from serve.engine.constraints import ConstraintCompiler, MaskStats
 from serve.engine.engine import Engine
-from serve.engine.types import Constraint, NewSequence, TokenOut
+from serve.engine.types import MIN_PIECE, Constraint, NewSequence, TokenOut, next_piece
 
 LETTERS = string.ascii_lowercase[:12]
 SWAPPED_BYTES_PER_TOKEN = 64  # what a preempted sequence's fake host copy counts per token of its context
@@ -93,9 +93,9 @@ class FakeEngine:
         return self._alphabet[(sum(context) * 31 + len(context)) % len(self._alphabet)]
 
     def cached_tokens(self, prompt_ids: Sequence[int], adapter: str = "") -> int:
-        """The longest prefix a finished sequence's context shares with the prompt, all but its last token."""
+        """The longest prefix a finished sequence's prompt shares with the prompt, all but its last tokens."""
         shared = [shared_prefix(kept, prompt_ids) for kept in self._kept or []]
-        return min(max(shared, default=0), len(prompt_ids) - 1)
+        return max(0, min(max(shared, default=0), len(prompt_ids) - MIN_PIECE))
 
     def prefill(self, new: Sequence[NewSequence], chunk: int = 0) -> list[TokenOut]:
         if self._staged is not None or self._background:
@@ -106,7 +106,8 @@ class FakeEngine:
             if not 1 <= len(seq.prompt_ids) < self.capacity or seq.seq_id in self._context:
                 raise ValueError(f"bad sequence {seq.seq_id}")
         if chunk and len(new) == 1 and len(new[0].prompt_ids) > chunk:
-            self._staged = (new[0], chunk, chunk)  # the first piece ran
+            first = next_piece(0, chunk, len(new[0].prompt_ids))
+            self._staged = (new[0], chunk, first)  # the first piece ran
             return []
         for seq in new:
             self._ids.append(seq.seq_id)
@@ -149,8 +150,9 @@ class FakeEngine:
         if self._staged is None:
             raise RuntimeError("no chunked prefill in progress")
         seq, chunk, done = self._staged
-        if done + chunk < len(seq.prompt_ids):
-            self._staged = (seq, chunk, done + chunk)
+        done += next_piece(done, chunk, len(seq.prompt_ids))
+        if done < len(seq.prompt_ids):
+            self._staged = (seq, chunk, done)
             return []
         self._staged = None
         return self.prefill([seq])
@@ -175,7 +177,8 @@ class FakeEngine:
                 del self._context[seq_id], self._generated[seq_id]
             elif seq_id in self._context:
                 if self._kept is not None:
-                    self._kept.append(self._context[seq_id][:-1])  # the last token never ran
+                    context = self._context[seq_id]  # its prompt: the engine keeps no generated position
+                    self._kept.append(context[: len(context) - self._generated[seq_id]])
                 row = self._ids.index(seq_id)
                 self._ids[row] = self._ids[-1]
                 self._ids.pop()
