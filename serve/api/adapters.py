@@ -12,14 +12,18 @@ leaves the served adapters as they were. An unload of an adapter that requests u
 from __future__ import annotations
 
 import asyncio
-import os
-from pathlib import Path
 
 from serve.api.common import LoadedModel
 from serve.api.config import ServerSettings
-from serve.engine.lora import CONFIG_FILE, WEIGHTS_FILE, adapters_full, model_names
 from serve.errors import InvalidRequest
-from serve.scheduling.adapters import UnloadAdapter, UpdateResult, name_problem, name_taken, read_load
+from serve.scheduling.adapters import (
+    UnloadAdapter,
+    UpdateResult,
+    check_room,
+    name_problem,
+    name_taken,
+    runtime_load,
+)
 
 
 async def load_adapter(model: LoadedModel, name: str, folder: str, settings: ServerSettings) -> None:
@@ -32,14 +36,10 @@ async def load_adapter(model: LoadedModel, name: str, folder: str, settings: Ser
             f"model {model.name} has no LoRA slots: export its bundle with --lora-slots N --max-lora-rank R"
         )
     _check_name(model, name)
-    if len(model.info.adapters) >= settings.max_cpu_loras:  # before reading; the engine counts retiring too
-        raise InvalidRequest(adapters_full(len(model.info.adapters)))
+    check_room(len(model.info.adapters), settings.max_cpu_loras)  # before reading; the engine counts again
     if settings.lora_root is None:  # the settings refuse runtime updates without it
         raise InvalidRequest("this server has no --lora-root to load adapters from")
-    root = Path(os.path.realpath(settings.lora_root))
-    path = under_root(folder, root)
-    bases = model_names(model.bundle.manifest)
-    load = await asyncio.to_thread(read_load, name, path, layout, bases, root)
+    load = await asyncio.to_thread(runtime_load, name, folder, model.bundle.manifest, settings.lora_root)
     await model.scheduler.update_adapters(load)
 
 
@@ -47,19 +47,6 @@ async def unload_adapter(model: LoadedModel, name: str) -> UpdateResult:
     """Stop serving the adapter `name`, at once or (requests use it) once they end: UpdateResult.deferred
     says which. NotFound for one not loaded."""
     return await model.scheduler.update_adapters(UnloadAdapter(name))
-
-
-def under_root(folder: str, root: Path) -> Path:
-    """`folder` (relative to `root`, or absolute) resolved, with the adapter files in it; InvalidRequest
-    if any of them resolves outside `root`, saying nothing of what is there."""
-    path = Path(os.path.realpath(root / folder))  # an absolute folder is taken as it is
-    for resolved in (path, *(Path(os.path.realpath(path / file)) for file in (CONFIG_FILE, WEIGHTS_FILE))):
-        if not resolved.is_relative_to(root):
-            raise InvalidRequest(
-                f"lora_path {folder!r} is not a folder under the server's --lora-root: adapters are loaded "
-                "from there only (give a path relative to it)"
-            )
-    return path
 
 
 def _check_name(model: LoadedModel, name: str) -> None:

@@ -12,14 +12,23 @@ queued, preempted) finish with it, and the step after the last of them ends unre
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from serve.bundle import LoraLayout
-from serve.engine.lora import Adapter, AdapterError, read_adapter
+from serve.bundle import LoraLayout, Manifest
+from serve.engine.lora import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    Adapter,
+    AdapterError,
+    adapters_full,
+    model_names,
+    read_adapter,
+)
 from serve.errors import InvalidRequest, NotFound, TextgenError
 
 # An adapter's name: what a request gives as its `model`, and a value in Prometheus labels, where the
@@ -81,6 +90,35 @@ def read_load(
     except AdapterError as exc:
         where = exc.path.relative_to(root) if root and exc.path.is_relative_to(root) else exc.path
         raise InvalidRequest(f"adapter {name!r}: {where}: {exc.problem}") from None
+
+
+def runtime_load(name: str, folder: str, manifest: Manifest, root: Path) -> LoadAdapter:
+    """The load of the peft adapter in `folder` (relative to `root`, or absolute) as `name`, for a bundle of
+    `manifest` (LoRA slots): only a folder under `root` is read, and errors name files relative to it."""
+    if manifest.lora is None:
+        raise InvalidRequest(f"model {manifest.model_name} has no LoRA slots")
+    real_root = Path(os.path.realpath(root))
+    path = under_root(folder, real_root)
+    return read_load(name, path, manifest.lora, model_names(manifest), real_root)
+
+
+def under_root(folder: str, root: Path) -> Path:
+    """`folder` (relative to `root`, or absolute) resolved, with the adapter files in it; InvalidRequest
+    if any of them resolves outside `root`, saying nothing of what is there."""
+    path = Path(os.path.realpath(root / folder))  # an absolute folder is taken as it is
+    for resolved in (path, *(Path(os.path.realpath(path / file)) for file in (CONFIG_FILE, WEIGHTS_FILE))):
+        if not resolved.is_relative_to(root):
+            raise InvalidRequest(
+                f"lora_path {folder!r} is not a folder under the server's --lora-root: adapters are loaded "
+                "from there only (give a path relative to it)"
+            )
+    return path
+
+
+def check_room(loaded: int, limit: int) -> None:
+    """InvalidRequest when `loaded` adapters are as many as --max-cpu-loras (`limit`) allows."""
+    if loaded >= limit:
+        raise InvalidRequest(adapters_full(loaded))
 
 
 @runtime_checkable
