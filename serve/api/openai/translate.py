@@ -60,7 +60,6 @@ from serve.api.tool_calls import (
     ToolCallIn,
     ToolChoice,
     ToolPlan,
-    parsed_arguments,
     template_message,
     tool_plan,
 )
@@ -506,8 +505,8 @@ def _input_message(index: int, item: dict[str, Any]) -> dict[str, Any]:
     kind = item.get("type", "message")
     if kind == "function_call":
         call = _validated(FunctionCallItem, item, f"input.{index}")
-        arguments = parsed_arguments(call.arguments, f"input[{index}].arguments")
-        called = ToolCallIn(id=call.call_id, function=CalledFunction(name=call.name, arguments=arguments))
+        function = CalledFunction(name=call.name, arguments=call.arguments)  # JSON or not: as chat takes it
+        called = ToolCallIn(id=call.call_id, function=function)
         return template_message(index, "assistant", None, [called])
     if kind == "function_call_output":
         result = _validated(FunctionCallOutputItem, item, f"input.{index}")
