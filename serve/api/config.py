@@ -179,8 +179,18 @@ class ServerSettings(BaseSettings, BatchingKnobs):
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="longest prompt in tokens; default and upper bound: the context length - 1"
     )
-    default_max_new_tokens: int = Field(128, ge=1, description="max_new_tokens when a request gives 0")
-    max_new_tokens: int = Field(1024, ge=1, description="the largest max_new_tokens a request may ask for")
+    default_max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="max_new_tokens of a request that gives none (gRPC 0, HTTP max_tokens left out), "
+        "shortened to what its context leaves (default: what its context leaves, as vLLM)",
+    )
+    max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="the most tokens one request generates: a larger max_new_tokens is lowered to it, as "
+        "vLLM lowers it to a generation config's max_new_tokens (default: no cap but the context)",
+    )
     max_stop_strings: int = Field(8, ge=0, le=1024, description="stop strings per request")
     max_stop_length: int = Field(64, ge=1, le=65536, description="characters per stop string")
     max_message_bytes: int = Field(
@@ -257,7 +267,8 @@ class ServerSettings(BaseSettings, BatchingKnobs):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
-        if self.default_max_new_tokens > self.max_new_tokens:
+        default, cap = self.default_max_new_tokens, self.max_new_tokens
+        if default is not None and cap is not None and default > cap:
             raise ValueError(
                 f"default_max_new_tokens ({self.default_max_new_tokens}) must be <= "
                 f"max_new_tokens ({self.max_new_tokens})"

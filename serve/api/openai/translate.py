@@ -65,6 +65,7 @@ from serve.api.tool_calls import (
 )
 from serve.api.tool_formats import tool_format
 from serve.api.validation import (
+    MESSAGES_FIELDS,
     OPENAI_FIELDS,
     RESPONSES_FIELDS,
     Fields,
@@ -221,7 +222,7 @@ async def messages_plan(body: MessagesRequest, model: LoadedModel, record: CallR
     options = _options(body, body.max_tokens, constraint, logprobs=False, top_logprobs=0)
     options = replace(options, stop=[*options.stop, *(body.stop_sequences or ())])
     stream = bool(body.stream)
-    requests = _requests([prompt], options, 1, model, record.request_id, stream)
+    requests = _requests([prompt], options, 1, model, record.request_id, stream, MESSAGES_FIELDS)
     label = _chat_label(constraint, tools)
     return ChatPlan([prompt], requests, 1, stream, False, label, tools, False)
 
