@@ -319,7 +319,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             checked(request)
             manifest = model.bundle.manifest
             return pb.ModelInfo(
-                model_name=manifest.model_name,
+                model_name=model.name,
                 vocab_size=model.info.vocab_size,
                 context_length=model.info.context_length,
                 max_new_tokens_limit=model.limits.largest_new_tokens,

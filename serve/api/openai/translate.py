@@ -82,19 +82,21 @@ from serve.scheduling.request import GenerationRequest
 
 
 def named_model(state: ServingState, name: str | None) -> LoadedModel:
-    """The served model, if `name` (a request's `model`) names it, one of its LoRA adapters, or is None."""
+    """The served model, if `name` (a request's `model`) is one of its served names, one of its LoRA
+    adapters, or None."""
     model = state.ready_model()
-    if name is not None and name != model.name and name not in model.info.adapters:
+    if name is not None and name not in model.names and name not in model.info.adapters:
+        served = ", ".join(repr(n) for n in model.names)
         adapters = f" and its adapters {', '.join(model.info.adapters)}" if model.info.adapters else ""
-        raise NotFound(f"the model {name!r} does not exist: this server serves {model.name!r}{adapters}")
+        raise NotFound(f"the model {name!r} does not exist: this server serves {served}{adapters}")
     return model
 
 
 def with_adapter(plan: Plan, model: LoadedModel, name: str | None) -> str:
-    """Run the plan's requests with the adapter `name` names ("" or the model's name: none); returns the
-    name its answers give as their `model`."""
-    if name is None or name == model.name:
-        return model.name
+    """Run the plan's requests with the adapter `name` names (None or a served name: none); returns the
+    name its answers give as their `model`: the one asked for, else the first served name (vLLM's way)."""
+    if name is None or name in model.names:
+        return name or model.name
     plan.requests[:] = [replace(request, adapter=name) for request in plan.requests]
     return name
 
