@@ -54,7 +54,9 @@ def _check_name(model: LoadedModel, name: str) -> None:
     taken name again, as another load may take it meanwhile)."""
     if (problem := name_problem(name)) is not None:
         raise InvalidRequest(problem)
-    if name == model.name:
-        raise InvalidRequest(f"adapter {name!r} has the model's own name: a request could not pick it")
+    if name in model.names:
+        raise InvalidRequest(
+            f"adapter {name!r} has a name the model is served by: a request could not pick it"
+        )
     if name in model.info.adapters:
         raise name_taken(name)

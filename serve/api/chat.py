@@ -167,10 +167,10 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
             )
         except jinja2.exceptions.TemplateError as exc:  # raise_exception, a sandbox refusal, an undefined
-            raise InvalidRequest(f"the chat template refused the messages: {exc}") from None
+            raise InvalidRequest(f"the chat template refused the messages: {exc}{_why(chat)}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             raise InvalidRequest(
-                f"the chat template failed on the messages: {type(exc).__name__}: {exc}"
+                f"the chat template failed on the messages: {type(exc).__name__}: {exc}{_why(chat)}"
             ) from None
 
     def prompt_ids(
@@ -185,6 +185,20 @@ class ChatTemplate:
         if not ids:
             raise InvalidRequest("the chat template rendered the messages as no tokens")
         return list(ids)
+
+
+def _why(messages: Sequence[Mapping[str, Any]]) -> str:
+    """What likely made a template fail: a history call's arguments that are not JSON reach it as the raw
+    string, and templates that iterate a mapping there cannot render them ("": none such)."""
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            arguments = call.get("function", {}).get("arguments") if isinstance(call, Mapping) else None
+            if isinstance(arguments, str):
+                return (
+                    f" (a tool call's arguments in the history are the text {arguments[:40]!r}, not a JSON "
+                    "object; the template got that string and cannot render it: send them as JSON)"
+                )
+    return ""
 
 
 def check_messages(messages: Sequence[tuple[str, str]]) -> Iterator[dict[str, str]]:

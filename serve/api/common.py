@@ -42,6 +42,7 @@ class LoadedModel:
     scheduler: RequestScheduler
     limits: RequestLimits
     chat: ChatTemplate | None = None  # the bundle's chat template (made from it when not given)
+    served_names: tuple[str, ...] = ()  # --served-model-name's; none: the bundle's model name
 
     def __post_init__(self) -> None:
         if self.chat is None:
@@ -58,8 +59,14 @@ class LoadedModel:
         return self.bundle.tokenizer
 
     @property
+    def names(self) -> tuple[str, ...]:
+        """The names a request's `model` may give for the base model (vLLM's --served-model-name)."""
+        return self.served_names or (self.bundle.manifest.model_name,)
+
+    @property
     def name(self) -> str:
-        return self.bundle.manifest.model_name
+        """The name the server reports the model by: the first of `names`."""
+        return self.names[0]
 
     def chat_prompt(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None

@@ -176,11 +176,27 @@ class ServerSettings(BaseSettings, BatchingKnobs):
         "holds its weights in memory, the bundle's LoraLayout.max_adapter_bytes at most; a load past it is "
         "refused (400)",
     )
+    served_model_name: Annotated[list[str] | None, NoDecode] = Field(
+        None,
+        description="the names requests may give as their model, space- or comma-separated (vLLM's): the "
+        "first is the one /v1/models, responses, GetModelInfo and metrics report (default: the bundle's "
+        "model name)",
+    )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="longest prompt in tokens; default and upper bound: the context length - 1"
     )
-    default_max_new_tokens: int = Field(128, ge=1, description="max_new_tokens when a request gives 0")
-    max_new_tokens: int = Field(1024, ge=1, description="the largest max_new_tokens a request may ask for")
+    default_max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="max_new_tokens of a request that gives none (gRPC 0, HTTP max_tokens left out), "
+        "shortened to what its context leaves (default: what its context leaves, as vLLM)",
+    )
+    max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="the most tokens one request generates: a larger max_new_tokens is lowered to it, as "
+        "vLLM lowers it to a generation config's max_new_tokens (default: no cap but the context)",
+    )
     max_stop_strings: int = Field(8, ge=0, le=1024, description="stop strings per request")
     max_stop_length: int = Field(64, ge=1, le=65536, description="characters per stop string")
     max_message_bytes: int = Field(
@@ -217,6 +233,16 @@ class ServerSettings(BaseSettings, BatchingKnobs):
         if isinstance(value, str):
             return [p.strip() for p in value.split(",") if p.strip()]
         return value
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _split_names(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        names = value.replace(",", " ").split()
+        if len(set(names)) != len(names):
+            raise ValueError(f"served model names must differ: {', '.join(names)}")
+        return names
 
     @field_validator("lora", mode="before")
     @classmethod
@@ -257,7 +283,8 @@ class ServerSettings(BaseSettings, BatchingKnobs):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
-        if self.default_max_new_tokens > self.max_new_tokens:
+        default, cap = self.default_max_new_tokens, self.max_new_tokens
+        if default is not None and cap is not None and default > cap:
             raise ValueError(
                 f"default_max_new_tokens ({self.default_max_new_tokens}) must be <= "
                 f"max_new_tokens ({self.max_new_tokens})"
@@ -271,6 +298,8 @@ class ServerSettings(BaseSettings, BatchingKnobs):
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                 f"({self.prompt_lookup_max})"
             )
+        if self.served_model_name == []:
+            raise ValueError("served_model_name must give at least one name when given")
         if self.providers == []:
             raise ValueError("providers must name at least one execution provider when given")
         if self.auth_token is not None and not self.auth_token.get_secret_value().strip():
@@ -330,13 +359,35 @@ def _describe(error: ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
+# vLLM's flag takes its names as separate words; pydantic-settings reads one value per flag.
+SEVERAL_WORDS = ("--served-model-name",)
+
+
+def joined_words(argv: list[str]) -> list[str]:
+    """`argv` with the words after each flag of SEVERAL_WORDS (up to the next flag) as one comma-separated
+    value."""
+    out: list[str] = []
+    position = 0
+    while position < len(argv):
+        out.append(argv[position])
+        position += 1
+        if out[-1] in SEVERAL_WORDS:
+            end = position
+            while end < len(argv) and not argv[end].startswith("-"):
+                end += 1
+            if end > position:
+                out.append(",".join(argv[position:end]))
+            position = end
+    return out
+
+
 def load_settings(argv: list[str]) -> ServerSettings:
     """Settings from `argv` (CLI flags) over `TEXTGEN_*` variables over defaults.
 
     Raises ConfigError with one line per bad setting; an unknown flag exits with argparse's usage (code 2).
     """
     try:
-        return CliApp.run(ServerSettings, cli_args=argv)
+        return CliApp.run(ServerSettings, cli_args=joined_words(argv))
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
     except SettingsError as exc:

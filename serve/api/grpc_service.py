@@ -319,10 +319,10 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             checked(request)
             manifest = model.bundle.manifest
             return pb.ModelInfo(
-                model_name=manifest.model_name,
+                model_name=model.name,
                 vocab_size=model.info.vocab_size,
                 context_length=model.info.context_length,
-                max_new_tokens_limit=min(self._settings.max_new_tokens, model.limits.context_length - 1),
+                max_new_tokens_limit=model.limits.largest_new_tokens,
                 max_batch_size=model.info.max_batch_size,
                 dtype=manifest.dtype,
                 quantization=manifest.quantization,

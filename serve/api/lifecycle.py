@@ -153,7 +153,7 @@ class TextgenServer:
             log.info("froze %d start-up objects", freeze_startup_objects())
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.metrics.set_ready(True)
-        log.info("serving %s", model.bundle.manifest.model_name)
+        log.info("serving %s as %s", model.bundle.manifest.model_name, ", ".join(model.names))
 
     def _engine_exited(self, exited: asyncio.Future[str]) -> None:
         """The engine process died: nothing can be served any more; say so and let `serve` stop."""
@@ -179,7 +179,7 @@ class TextgenServer:
     def _publish_model_info(self, model: LoadedModel) -> None:
         manifest = model.bundle.manifest
         provider = model.info.providers[0] if model.info.providers else "unknown"
-        self.metrics.set_model_info(manifest.model_name, manifest.dtype, manifest.quantization, provider)
+        self.metrics.set_model_info(model.name, manifest.dtype, manifest.quantization, provider)
 
     async def drain(self) -> None:
         """NOT_SERVING (gRPC health, HTTP /health 503), refuse new work (UNAVAILABLE, HTTP 503), let running

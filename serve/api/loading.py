@@ -98,12 +98,19 @@ def draft_cost(settings: ServerSettings) -> DraftCost | None:
     return DraftCost(serving_weight_bytes(root, manifest), per_token)
 
 
+def served_names(settings: ServerSettings, bundle: Bundle) -> tuple[str, ...]:
+    """The names a request's `model` gives the base model by: --served-model-name, or the bundle's."""
+    return tuple(settings.served_model_name or (bundle.manifest.model_name,))
+
+
 def check_adapter_names(settings: ServerSettings, bundle: Bundle) -> None:
     """BundleError for an adapter named as the model: a request's `model` could not tell them apart."""
+    names = served_names(settings, bundle)
     for name, _ in settings.lora:
-        if name == bundle.manifest.model_name:
+        if name in names:
             raise BundleError(
-                f"adapter {name!r} has the model's own name ({bundle.root}): name it otherwise in --lora"
+                f"adapter {name!r} has a name the model is served by ({', '.join(names)}): name it "
+                "otherwise in --lora"
             )
 
 
@@ -210,7 +217,7 @@ async def load_model(
         bundle = await _front_end_bundle(settings)
         scheduler = await open_in_thread(spec, metrics)
         checks = request_limits(settings, scheduler.info, scheduler.max_total_tokens)
-        return LoadedModel(bundle, scheduler, checks)
+        return LoadedModel(bundle, scheduler, checks, served_names=served_names(settings, bundle))
     engine = ProcessScheduler(spec, metrics, process)
     starting = asyncio.create_task(engine.start())
     try:
@@ -224,7 +231,7 @@ async def load_model(
     if cpus is not None:
         place_server(cpus)
     checks = request_limits(settings, engine.info, engine.max_total_tokens)
-    return LoadedModel(bundle, engine, checks)
+    return LoadedModel(bundle, engine, checks, served_names=served_names(settings, bundle))
 
 
 async def _front_end_bundle(settings: ServerSettings) -> Bundle:

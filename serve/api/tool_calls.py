@@ -184,8 +184,8 @@ def template_message(
     tool_call_id: str | None = None,
     name: str | None = None,
 ) -> dict[str, Any]:
-    """A history message as templates expect it: an assistant's calls with their arguments parsed into dicts
-    (transformers' templates iterate them; vLLM parses them the same way), a tool's result with its id."""
+    """A history message as templates expect it: an assistant's calls with their arguments as
+    `template_arguments` gives them, a tool's result with its id."""
     message: dict[str, Any] = {"role": role, "content": content}
     if name is not None:
         message["name"] = name
@@ -196,27 +196,30 @@ def template_message(
     if tool_calls:
         if role != "assistant":
             raise InvalidRequest(f"messages[{index}].tool_calls: only an assistant message makes calls")
-        message["tool_calls"] = [_call_for_template(index, j, call) for j, call in enumerate(tool_calls)]
+        message["tool_calls"] = [_call_for_template(call) for call in tool_calls]
         if content is None:
             message["content"] = ""  # simple templates add content to strings
     return message
 
 
-def parsed_arguments(arguments: str, where: str) -> Any:
-    """A history call's arguments (JSON text; blank: none) as the value templates take; InvalidRequest
-    naming the field `where` when they are not JSON."""
+def template_arguments(arguments: str | dict[str, Any] | None) -> Any:
+    """A history call's arguments as the template gets them: JSON text parsed (transformers' templates
+    iterate or `tojson` a mapping; vLLM parses them the same way), blank or none as {}, and text that is not
+    JSON (a call cut short at max_tokens, which a client echoes back with the tool's error) as the raw
+    string, as OpenAI takes it. A template that needs a mapping there refuses it (ChatTemplate.render)."""
+    if not isinstance(arguments, str):
+        return {} if arguments is None else arguments
+    if not arguments.strip():
+        return {}
     try:
-        return json.loads(arguments) if arguments.strip() else {}
-    except ValueError as exc:
-        raise InvalidRequest(f"{where} is not JSON: {exc}") from None
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
-def _call_for_template(index: int, j: int, call: ToolCallIn) -> dict[str, Any]:
-    arguments = call.function.arguments
-    if isinstance(arguments, str):
-        arguments = parsed_arguments(arguments, f"messages[{index}].tool_calls[{j}].function.arguments")
+def _call_for_template(call: ToolCallIn) -> dict[str, Any]:
     out = call.model_dump(exclude_none=True)
-    out["function"] = {**out["function"], "arguments": {} if arguments is None else arguments}
+    out["function"] = {**out["function"], "arguments": template_arguments(call.function.arguments)}
     return out
 
 

@@ -39,18 +39,29 @@ class RequestLimits:
     vocab_size: int
     context_length: int
     max_prompt_tokens: int  # at most context_length - 1: a prompt leaves room for one new token
-    default_max_new_tokens: int
-    max_new_tokens: int
+    default_max_new_tokens: int | None  # a request that gives none; None: what its context leaves
+    max_new_tokens: int | None  # the operator's cap: a larger request is lowered to it; None: the context's
     max_stop_strings: int
     max_stop_length: int
     prompt_logprobs: bool = True  # the server scores prompts (--prompt-logprobs)
 
+    @property
+    def largest_new_tokens(self) -> int:
+        """The most tokens one request can generate: the cap, or what the shortest prompt leaves."""
+        room = self.context_length - 1
+        return min(self.max_new_tokens or room, room)
+
 
 @dataclass(frozen=True)
 class Fields:
-    """What a protocol calls the fields whose messages name them."""
+    """What a protocol calls the fields whose messages name them, and how its requests ask for the server's
+    default output length (`unset`; "": they cannot)."""
 
     max_new_tokens: str = "max_new_tokens"
+    unset: str = "0: the server's default"
+    # A max_new_tokens beyond what the context leaves: refused (vLLM's way), or run until the context is
+    # full (Anthropic's Messages API, whose clients must send one and send large ones).
+    fills_context: bool = False
     truncate_prompt_tokens: str = "truncate_prompt_tokens"
     stop: str = "stop"
     stop_token_ids: str = "stop_token_ids"
@@ -58,8 +69,12 @@ class Fields:
 
 
 GRPC_FIELDS = Fields()
-OPENAI_FIELDS = Fields(max_new_tokens="max_tokens", min_new_tokens="min_tokens")
-RESPONSES_FIELDS = Fields(max_new_tokens="max_output_tokens", min_new_tokens="min_tokens")
+LEAVE_OUT = "or leave it out for the server's default"
+OPENAI_FIELDS = Fields(max_new_tokens="max_tokens", min_new_tokens="min_tokens", unset=LEAVE_OUT)
+RESPONSES_FIELDS = Fields(max_new_tokens="max_output_tokens", min_new_tokens="min_tokens", unset=LEAVE_OUT)
+MESSAGES_FIELDS = Fields(
+    max_new_tokens="max_tokens", min_new_tokens="min_tokens", unset="", fills_context=True
+)
 
 
 @dataclass(frozen=True)
@@ -206,25 +221,24 @@ def check_prompt_length(prompt_tokens: int, limits: RequestLimits) -> None:
 
 
 def max_new_tokens(
-    requested: int, prompt_tokens: int, limits: RequestLimits, field: str = "max_new_tokens"
+    requested: int, prompt_tokens: int, limits: RequestLimits, fields: Fields = GRPC_FIELDS
 ) -> int:
-    """0 asks for the server's default, shortened to what the context leaves; an explicit value must fit."""
+    """How many tokens a request may generate, as vLLM decides it: what it asks for (0: the server's
+    default, by default what the context leaves), lowered to the operator's cap if there is one. Only a
+    request whose prompt + max_new_tokens cannot fit the context is refused (where `fields.fills_context`,
+    not even that: it runs until the context is full)."""
     check_prompt_length(prompt_tokens, limits)
     room = limits.context_length - prompt_tokens
-    if requested == 0:
-        return min(limits.default_max_new_tokens, room)
-    if requested > limits.max_new_tokens:
-        raise InvalidRequest(
-            f"{field} = {requested} is above the server's cap: allowed 1..{limits.max_new_tokens} "
-            f"(0 = default {limits.default_max_new_tokens})"
-        )
-    if requested > room:
+    if requested > room and not fields.fills_context:
+        field = fields.max_new_tokens
+        hint = f" ({fields.unset})" if fields.unset else ""
         raise InvalidRequest(
             f"prompt ({prompt_tokens} tokens) + {field} ({requested}) = {prompt_tokens + requested} "
             f"exceeds the context length {limits.context_length}: "
-            f"allowed {field} 1..{room} for this prompt"
+            f"allowed {field} 1..{room} for this prompt{hint}"
         )
-    return requested
+    wanted = requested or limits.default_max_new_tokens or room
+    return min(wanted, room, limits.max_new_tokens or room)
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -260,7 +274,7 @@ def build_request(
         check_prompt_length(len(prompt), limits)
         most = 0
     else:
-        most = max_new_tokens(options.max_new_tokens, len(prompt), limits, fields.max_new_tokens)
+        most = max_new_tokens(options.max_new_tokens, len(prompt), limits, fields)
     if not 0 <= options.min_new_tokens <= most:
         minimum, maximum = fields.min_new_tokens, fields.max_new_tokens
         raise InvalidRequest(f"{minimum} is {options.min_new_tokens}; allowed 0..{most} ({maximum})")

@@ -148,3 +148,20 @@ def test_tools_and_tool_messages_render_as_transformers(template: str, call: str
     assert ours.render(chat, tools=tools) == expected
     assert "Today's weather" in expected and call in expected
     assert "Today's weather" not in ours.render(chat)  # without tools the template leaves them out
+
+
+# A template that iterates the arguments as a mapping (as some HF templates write each argument).
+CALLS = "{% for m in messages %}{% for c in m.tool_calls or [] %}{% for k, v in c.function.arguments"
+ITEMS = CALLS + "|items %}{{ k }}={{ v }};{% endfor %}{% endfor %}{% endfor %}"
+METHOD = CALLS + ".items() %}{{ k }}={{ v }};{% endfor %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("template", [ITEMS, METHOD], ids=["items-filter", "items-method"])
+def test_a_template_that_needs_mapping_arguments_refuses_raw_ones_naming_them(template: str) -> None:
+    def chat(arguments: Any) -> list[dict[str, Any]]:
+        call = {"type": "function", "function": {"name": "weather", "arguments": arguments}}
+        return [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+
+    assert ChatTemplate(template, {}).render(chat({"city": "Oslo"})) == "city=Oslo;"
+    with pytest.raises(InvalidRequest, match=r"""arguments in the history are the text '\{"city": "Os'"""):
+        ChatTemplate(template, {}).render(chat('{"city": "Os'))

@@ -407,9 +407,9 @@ ERRORS: list[tuple[str, Any, int, str]] = [
     (C, {"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens = 0 generates nothing"),
     (
         C,
-        {"prompt": PROMPT, "max_tokens": 33},
+        {"prompt": PROMPT, "max_tokens": 500},
         400,
-        "max_tokens = 33 is above the server's cap: allowed 1..32",
+        "exceeds the context length 128: allowed max_tokens 1..",  # the cap (32) lowers what fits
     ),
     (C, {"prompt": PROMPT, "logprobs": 21}, 400, "logprobs"),
     (C, {"prompt": PROMPT, "best_of": 2}, 400, "best_of is not supported"),

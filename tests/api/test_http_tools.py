@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -61,13 +62,9 @@ def serve_with_template(
     shutil.copytree(tiny_bundle, bundle)
     manifest = json.loads((bundle / "manifest.json").read_text())
     (bundle / "manifest.json").write_text(json.dumps({**manifest, "chat_template": template}))
+    lengths = {"max_new_tokens": 64, "default_max_new_tokens": 48}  # short outputs, unless overridden
     settings = loopback_settings(
-        bundle,
-        http_port=free_port(),
-        max_new_tokens=64,
-        default_max_new_tokens=48,
-        engine_process=engine_process,
-        **overrides,
+        bundle, http_port=free_port(), engine_process=engine_process, **{**lengths, **overrides}
     )
     return RunningServer(loop, settings, engine_wrap)
 
@@ -255,6 +252,61 @@ def test_a_history_of_calls_and_tool_results_reaches_the_template(
     assert reply.usage.prompt_tokens == rendered_tokens(server, as_template_sees_it, TOOLS)
 
 
+def test_history_arguments_that_are_not_json_reach_the_template_as_they_are(
+    client: openai.OpenAI, server: RunningServer
+) -> None:
+    # A call cut short at max_tokens, echoed back with the tool's error (as openai-agents does).
+    cut = '{"city": "Os'
+    call = {"id": "call_7", "type": "function", "function": {"name": "weather", "arguments": cut}}
+    history: list[dict[str, Any]] = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_7", "content": "error: arguments are not JSON"},
+    ]
+    reply = chat(client, messages=history, tools=TOOLS, max_tokens=2)
+    as_template_sees_it = [*history[:1], {**history[1], "content": ""}, *history[2:]]
+    text = ChatTemplate(COMPACT_TOOLS, {}).render(as_template_sees_it, tools=TOOLS)
+    assert f"<tool_call>{json.dumps(cut)}</tool_call>" in text  # tojson of the string itself
+    assert reply.usage.prompt_tokens == rendered_tokens(server, as_template_sees_it, TOOLS)
+
+
+def test_by_default_a_request_may_fill_its_context_and_only_one_that_cannot_fit_is_refused(
+    loop: LoopThread, tiny_bundle: Path, tmp_path: Path
+) -> None:
+    # The server's defaults (no --default-max-new-tokens, no --max-new-tokens), as vLLM's.
+    running = serve_with_template(
+        loop,
+        tiny_bundle,
+        tmp_path,
+        COMPACT_TOOLS,
+        engine_process=False,
+        max_new_tokens=None,
+        default_max_new_tokens=None,
+    )
+    try:
+        client, context = running.openai_client(), running.model.limits.context_length
+        endless: Any = {"extra_body": {"ignore_eos": True}}
+        full = chat(client, **endless)  # no max_tokens: until the context is full
+        assert full.choices[0].finish_reason == "length" and full.usage.total_tokens == context
+        room = context - full.usage.prompt_tokens
+        assert chat(client, max_tokens=room, **endless).usage.total_tokens == context
+        with pytest.raises(openai.BadRequestError) as refused:  # vLLM's one refusal
+            chat(client, max_tokens=room + 1, **endless)
+        assert (
+            f"+ max_tokens ({room + 1}) = {context + 1} exceeds the context length {context}: allowed "
+            f"max_tokens 1..{room} for this prompt (or leave it out for the server's default)"
+        ) in str(refused.value)
+        # Anthropic's clients must send max_tokens and send large ones: it runs until the context is full.
+        messages = anthropic.Anthropic(base_url=running.http_base, api_key="unused", max_retries=0)
+        model = running.model.name
+        message = messages.messages.create(
+            model=model, max_tokens=4096, messages=USER, extra_body={"ignore_eos": True}
+        )
+        assert message.usage.input_tokens + message.usage.output_tokens == context
+    finally:
+        running.stop()
+
+
 CHAT = "/v1/chat/completions"
 ERRORS: list[tuple[dict[str, Any], str]] = [
     ({"tool_choice": "auto"}, "tool_choice needs tools"),
@@ -293,14 +345,6 @@ ERRORS: list[tuple[dict[str, Any], str]] = [
         "response_format.json_schema.schema is not valid",  # a refusal names the field it came from
     ),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id is required"),
-    (
-        {
-            "messages": [
-                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}
-            ]
-        },
-        "messages[0].tool_calls[0].function.arguments is not JSON",
-    ),
     (
         {"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
         "only an assistant message makes calls",

@@ -27,7 +27,11 @@ from serve.errors import BundleError
 @pytest.fixture(scope="module")
 def running(loop: LoopThread, lora_bundle: tuple[Path, dict[str, Path]]) -> Iterator[RunningServer]:
     bundle, adapters = lora_bundle
-    settings = loopback_settings(bundle, http_port=free_port(), lora=list(adapters.items()))
+    # Served by a published name and an alias (--served-model-name): the adapters work beside them.
+    names = ["textgen-lora", "alias"]
+    settings = loopback_settings(
+        bundle, http_port=free_port(), lora=list(adapters.items()), served_model_name=names
+    )
     server = RunningServer(loop, settings)
     yield server
     loop.run(server.server.stop())
@@ -36,8 +40,9 @@ def running(loop: LoopThread, lora_bundle: tuple[Path, dict[str, Path]]) -> Iter
 def test_models_lists_the_adapters_with_their_parent(running: RunningServer) -> None:
     cards = {m.id: m.model_dump() for m in running.openai_client().models.list().data}
     base = running.model.name
-    assert set(cards) == {base, "sql", "poet", "chef"}
-    assert cards[base]["parent"] is None
+    assert list(cards)[:2] == [base, "alias"] == ["textgen-lora", "alias"]  # each served name, first first
+    assert set(cards) == {base, "alias", "sql", "poet", "chef"}
+    assert cards[base]["parent"] is cards["alias"]["parent"] is None
     assert cards["sql"]["parent"] == cards["poet"]["parent"] == base
 
 
@@ -48,11 +53,13 @@ def test_the_model_field_picks_the_adapter(
     alone; the adapters take turns in the slots, and none waits forever."""
     bundle, adapters = lora_bundle
     client = running.openai_client()
-    names = [*adapters, running.model.name] * 3
+    names = [*adapters, running.model.name, "alias"] * 3
     with ThreadPoolExecutor(len(names)) as pool:
         got = list(pool.map(lambda name: (name, completion(client, name)), names))
+    base = expected(bundle, adapters, "")
     want = {name: expected(bundle, adapters, name) for name in adapters} | {
-        running.model.name: expected(bundle, adapters, "")
+        running.model.name: base,
+        "alias": base,
     }
     assert all(text == want[name] for name, text in got)
     assert len(set(want.values())) == 4  # each adapter changes the model
@@ -111,12 +118,22 @@ def test_adapters_that_cannot_be_served_fail_at_start(
     bundle, adapters = lora_bundle
     cases = [
         (tiny_bundle, [("sql", adapters["sql"])], "has no LoRA slots"),
-        (bundle, [(load_bundle(bundle).manifest.model_name, adapters["sql"])], "has the model's own name"),
+        (
+            bundle,
+            [(load_bundle(bundle).manifest.model_name, adapters["sql"])],
+            "a name the model is served by",
+        ),
         (bundle, [("gone", tmp_path / "missing")], "not a directory"),
     ]
     for path, lora, message in cases:
         with pytest.raises(BundleError, match=message):  # what start-up raises before serving anything
             asyncio.run(load_model(loopback_settings(path, lora=lora, engine_process=False), None))
+    # With --served-model-name, no adapter may take any of those names (the bundle's is free then).
+    names = {"served_model_name": ["pub", "alias"], "engine_process": False}
+    with pytest.raises(
+        BundleError, match=r"adapter 'alias' has a name the model is served by \(pub, alias\)"
+    ):
+        asyncio.run(load_model(loopback_settings(bundle, lora=[("alias", adapters["sql"])], **names), None))
 
 
 def test_runtime_updates_are_404_without_their_flag(running: RunningServer) -> None:

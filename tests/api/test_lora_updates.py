@@ -163,7 +163,7 @@ def test_what_cannot_be_loaded_is_refused_and_nothing_changes(
     loud = copied(adapters["poet"], in_root / "loud", lora_alpha=1e40)
     cases = [
         ("sql", adapters["poet"], "an adapter named 'sql' is already loaded"),
-        (running.model.name, adapters["poet"], "has the model's own name"),
+        (running.model.name, adapters["poet"], "has a name the model is served by"),
         ("", adapters["poet"], "an adapter's name must not be empty"),
         ("gone", in_root / "missing", f"adapter 'gone': {in_root.name}/missing: not a directory"),
         ("wide", too_wide, f"has rank {MAX_RANK * 2}, above the bundle's --max-lora-rank {MAX_RANK}"),

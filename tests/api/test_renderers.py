@@ -245,7 +245,7 @@ def test_an_output_of_nothing_is_an_empty_message() -> None:
 @pytest.mark.parametrize(
     ("max_output_tokens", "context", "reason"),
     [
-        (None, len(PROMPT.ids) + 3, "context_length"),  # the context shortened the server's default
+        (None, len(PROMPT.ids) + 3, "context_length"),  # no limit given: the output filled the context
         (3, len(PROMPT.ids) + 3, "max_output_tokens"),  # both at once: the limit the client set
         (3, 128, "max_output_tokens"),
     ],

@@ -225,9 +225,13 @@ def test_include_stop_str_in_output(stub: pb_grpc.TextGenerationStub) -> None:
     assert stopped(True).finish_reason == pb.FINISH_REASON_STOP
 
 
-def test_default_max_new_tokens(stub: pb_grpc.TextGenerationStub) -> None:
-    response = stub.Generate(pb.GenerateRequest(text=PROMPT, stopping=pb.StoppingCriteria(ignore_eos=True)))
-    assert response.usage.completion_tokens == 8  # the server's default_max_new_tokens
+def test_default_max_new_tokens_and_the_cap(stub: pb_grpc.TextGenerationStub) -> None:
+    def generated(max_new_tokens: int) -> int:
+        stopping = pb.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True)
+        return stub.Generate(pb.GenerateRequest(text=PROMPT, stopping=stopping)).usage.completion_tokens
+
+    assert generated(0) == 8  # the server's default_max_new_tokens
+    assert generated(33) == 32  # above the server's max_new_tokens: lowered to it, as vLLM does
 
 
 def test_model_info(stub: pb_grpc.TextGenerationStub, server: RunningServer) -> None:
@@ -338,7 +342,7 @@ INVALID = [
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**6])),
         "token_ids[1] = 1000000 is outside the vocabulary",
     ),
-    (_stopping(max_new_tokens=33), "max_new_tokens = 33 is above the server's cap: allowed 1..32"),
+    (_stopping(max_new_tokens=500), "max_new_tokens (500) = "),  # more than the context holds
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 5000)), "prompt has 5000 tokens; allowed 1.."),
     (_sampling(temperature=-1), "temperature must be a finite number >= 0 (0 = greedy), got -1"),
     (_sampling(temperature=math.nan), "temperature must be a finite number >= 0 (0 = greedy), got nan"),

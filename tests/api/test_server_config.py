@@ -31,6 +31,8 @@ def test_defaults(tmp_path: Path) -> None:
     assert (settings.port, settings.metrics_port) == (50051, 8000)
     assert settings.log_prompts is False
     assert settings.auth_token is None and not settings.tls_enabled
+    # As vLLM: a request without max_new_tokens may fill its context, and nothing caps one that asks.
+    assert (settings.default_max_new_tokens, settings.max_new_tokens) == (None, None)
 
 
 def test_the_batching_knobs_are_defined_once_for_the_flags_and_the_scheduler(tmp_path: Path) -> None:
@@ -108,7 +110,10 @@ def test_auth_token_is_secret(tmp_path: Path) -> None:
         (["--grace-seconds", "-1"], "grace_seconds"),
         (["--log-level", "chatty"], "log_level"),
         (["--scheduling-policy", "sjf"], "scheduling_policy: Input should be 'fcfs' or 'priority'"),
-        (["--max-new-tokens", "10"], "default_max_new_tokens (128) must be <= max_new_tokens (10)"),
+        (
+            ["--max-new-tokens", "10", "--default-max-new-tokens", "11"],
+            "default_max_new_tokens (11) must be <= max_new_tokens (10)",
+        ),
         (["--tls-client-ca", "{cert}"], "tls_client_ca (mTLS) needs tls_cert and tls_key"),
         (["--tls-cert", "{cert}"], "tls_cert and tls_key must be given together"),
         (["--tls-cert", "{cert}", "--tls-key", "{cert}"], "are not a matching PEM certificate chain"),

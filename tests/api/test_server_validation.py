@@ -11,6 +11,10 @@ from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve.api.grpc_requests import generation_request, prompt_ids, reject_unknown_fields
 from serve.api.validation import (
     MAX_CONSTRAINT_CHARS,
+    MESSAGES_FIELDS,
+    OPENAI_FIELDS,
+    RESPONSES_FIELDS,
+    Fields,
     RequestLimits,
     check_request_id,
     header_priority,
@@ -167,16 +171,51 @@ def test_max_new_tokens_default_cap_and_context() -> None:
     assert max_new_tokens(0, prompt_tokens=10, limits=LIMITS) == 16  # the server's default
     assert max_new_tokens(0, prompt_tokens=60, limits=LIMITS) == 4  # the default, shortened to the context
     assert max_new_tokens(32, prompt_tokens=32, limits=LIMITS) == 32  # exactly fills the context
+    assert max_new_tokens(40, prompt_tokens=1, limits=LIMITS) == 32  # above the cap: lowered to it
     with pytest.raises(
-        InvalidRequest, match=r"max_new_tokens = 33 is above the server's cap: allowed 1\.\.32"
-    ):
-        max_new_tokens(33, prompt_tokens=1, limits=LIMITS)
-    with pytest.raises(
-        InvalidRequest, match=r"= 65 exceeds the context length 64: allowed max_new_tokens 1\.\.4"
+        InvalidRequest,
+        match=r"= 65 exceeds the context length 64: allowed max_new_tokens 1\.\.4 for this prompt "
+        r"\(0: the server's default\)$",
     ):
         max_new_tokens(5, prompt_tokens=60, limits=LIMITS)
     with pytest.raises(InvalidRequest, match=r"prompt has 64 tokens; allowed 1\.\.63 \(the context holds 64"):
         max_new_tokens(0, prompt_tokens=64, limits=LIMITS)
+
+
+def test_without_a_default_or_a_cap_a_request_may_fill_its_context() -> None:
+    # vLLM's way, and the server's defaults: no max_new_tokens generates until the context is full, and
+    # only a max_new_tokens the context cannot hold is refused.
+    limits = dataclasses.replace(LIMITS, default_max_new_tokens=None, max_new_tokens=None)
+    assert max_new_tokens(0, prompt_tokens=10, limits=limits) == 54
+    assert max_new_tokens(54, prompt_tokens=10, limits=limits) == 54
+    assert limits.largest_new_tokens == 63 and LIMITS.largest_new_tokens == 32
+    with pytest.raises(InvalidRequest, match=r"= 65 exceeds the context length 64"):
+        max_new_tokens(55, prompt_tokens=10, limits=limits)
+
+
+def test_a_messages_max_tokens_beyond_the_context_runs_until_it_is_full() -> None:
+    # Anthropic's way: its clients must send max_tokens, and send large ones (langchain-anthropic 4096).
+    limits = dataclasses.replace(LIMITS, max_new_tokens=None)
+    assert max_new_tokens(4096, prompt_tokens=60, limits=limits, fields=MESSAGES_FIELDS) == 4
+    assert max_new_tokens(4096, prompt_tokens=10, limits=LIMITS, fields=MESSAGES_FIELDS) == 32  # the cap
+
+
+@pytest.mark.parametrize(
+    ("fields", "hint"),
+    [
+        (OPENAI_FIELDS, "allowed max_tokens 1..4 for this prompt (or leave it out for the server's default)"),
+        (
+            RESPONSES_FIELDS,
+            "allowed max_output_tokens 1..4 for this prompt (or leave it out for the server's",
+        ),
+    ],
+    ids=["chat", "responses"],
+)
+def test_the_refusal_says_how_each_endpoint_asks_for_the_default(fields: Fields, hint: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        max_new_tokens(5, prompt_tokens=60, limits=LIMITS, fields=fields)
+    message = str(refused.value)
+    assert hint in message and "0" not in message.split("for this prompt")[1]
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end() -> None:

@@ -149,6 +149,19 @@ def test_an_fcfs_head_that_does_not_fit_the_kv_budget_blocks_younger_ones() -> N
     assert got.kind is StepKind.PREFILL and ids(got.group) == ["long"]
 
 
+def test_requests_that_may_fill_their_context_reserve_whole_rows_and_a_batch_of_them_runs() -> None:
+    # Without max_new_tokens a request may generate until its context is full: it reserves its whole row
+    # (prompt + what the context leaves). The default budget, every row's context, takes a full batch.
+    context = 64
+    running = [decoding("r0", 10, max_new=context - 10)]
+    waiting = [queued(f"w{i}", 5 + i, max_new=context - 5 - i) for i in range(3)]
+    got = plan(View(), running, waiting, max_batch_size=4, max_batch_tokens=4 * context)
+    assert got.kind is StepKind.PREFILL and ids(got.group) == ["w0", "w1", "w2"]
+    # A budget of two contexts runs two such requests at once; the others wait, none is refused.
+    got = plan(View(), running, waiting, max_batch_size=4, max_batch_tokens=2 * context)
+    assert got.kind is StepKind.PREFILL and ids(got.group) == ["w0"]
+
+
 def test_the_priority_policy_admits_the_lowest_priority_first_and_fcfs_ignores_it() -> None:
     # Joined in this order; one free row, so each plan admits the head alone.
     waiting = [queued("low", 4, arrival=0.0, priority=5), queued("high", 4, arrival=1.0, priority=-1)]

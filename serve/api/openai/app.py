@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API: FastAPI on uvicorn, on the server's own event loop, beside gRPC.
 
-    GET  /v1/models              the served model (its bundle's name) and its max_model_len
+    GET  /v1/models              the served model (each of its served names) and its max_model_len
     POST /v1/completions         prompt(s) as text or token ids; echo, logprobs, n, stream, ...
     POST /v1/chat/completions    messages rendered with the bundle's chat template (serve/api/chat.py)
     POST /v1/responses           OpenAI's Responses API, stateless: served as the chat it means (responses.py)
@@ -175,7 +175,7 @@ class OpenAIApi:
                 return self._accounting.failed(record, exc)
             record.status = 200
             self._accounting.account(record)
-            cards = [self._model_card(model), *(self._model_card(model, a) for a in model.info.adapters)]
+            cards = [self._model_card(model, name) for name in (*model.names, *model.info.adapters)]
             return JSONResponse({"object": "list", "data": cards})
 
         @app.post(
@@ -294,14 +294,17 @@ class OpenAIApi:
         except Draining:
             return None
 
-    def _model_card(self, model: LoadedModel, adapter: str = "") -> dict[str, Any]:
+    def _model_card(self, model: LoadedModel, name: str) -> dict[str, Any]:
+        """`name`'s card: a served name of the model (vLLM lists each), or an adapter's, whose parent is the
+        model's first name."""
+        adapter = name not in model.names
         return {
-            "id": adapter or model.name,
+            "id": name,
             "object": "model",
             "created": int(model.bundle.root.stat().st_mtime),
             "owned_by": "textgen",
             "max_model_len": model.limits.context_length,
-            "root": adapter or model.name,
+            "root": name,
             "parent": model.name if adapter else None,
         }
 

@@ -93,10 +93,14 @@ class SamplingFields(_Body):
     )
 
 
+# What a request that gives no output length gets (serve/api/validation.py, max_new_tokens).
+DEFAULT_OUTPUT = "default: until the context is full (or the server's --default-max-new-tokens)"
+
+
 class SamplingRequest(SamplingFields):
     """What /v1/completions and /v1/chat/completions take besides."""
 
-    max_tokens: int | None = Field(None, ge=0, description="default: the server's default_max_new_tokens")
+    max_tokens: int | None = Field(None, ge=0, description=DEFAULT_OUTPUT)
     n: int | None = Field(1, ge=1, description="choices per prompt (at most the server's max_n)")
     stream_options: StreamOptions | None = None
 
@@ -177,9 +181,7 @@ class ResponsesRequest(SamplingFields):
         description="a user message, or message, function_call and function_call_output items"
     )
     instructions: str | None = Field(None, description="a system message before the input")
-    max_output_tokens: int | None = Field(
-        None, ge=0, description="default: the server's default_max_new_tokens"
-    )
+    max_output_tokens: int | None = Field(None, ge=0, description=DEFAULT_OUTPUT)
     text: dict[str, Any] | None = Field(None, description='{"format": {"type": "json_schema", ...}}')
     tools: list[dict[str, Any]] | None = Field(None, description="function tools")
     tool_choice: str | dict[str, Any] | None = Field(

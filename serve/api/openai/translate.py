@@ -60,12 +60,12 @@ from serve.api.tool_calls import (
     ToolCallIn,
     ToolChoice,
     ToolPlan,
-    parsed_arguments,
     template_message,
     tool_plan,
 )
 from serve.api.tool_formats import tool_format
 from serve.api.validation import (
+    MESSAGES_FIELDS,
     OPENAI_FIELDS,
     RESPONSES_FIELDS,
     Fields,
@@ -82,19 +82,21 @@ from serve.scheduling.request import GenerationRequest
 
 
 def named_model(state: ServingState, name: str | None) -> LoadedModel:
-    """The served model, if `name` (a request's `model`) names it, one of its LoRA adapters, or is None."""
+    """The served model, if `name` (a request's `model`) is one of its served names, one of its LoRA
+    adapters, or None."""
     model = state.ready_model()
-    if name is not None and name != model.name and name not in model.info.adapters:
+    if name is not None and name not in model.names and name not in model.info.adapters:
+        served = ", ".join(repr(n) for n in model.names)
         adapters = f" and its adapters {', '.join(model.info.adapters)}" if model.info.adapters else ""
-        raise NotFound(f"the model {name!r} does not exist: this server serves {model.name!r}{adapters}")
+        raise NotFound(f"the model {name!r} does not exist: this server serves {served}{adapters}")
     return model
 
 
 def with_adapter(plan: Plan, model: LoadedModel, name: str | None) -> str:
-    """Run the plan's requests with the adapter `name` names ("" or the model's name: none); returns the
-    name its answers give as their `model`."""
-    if name is None or name == model.name:
-        return model.name
+    """Run the plan's requests with the adapter `name` names (None or a served name: none); returns the
+    name its answers give as their `model`: the one asked for, else the first served name (vLLM's way)."""
+    if name is None or name in model.names:
+        return name or model.name
     plan.requests[:] = [replace(request, adapter=name) for request in plan.requests]
     return name
 
@@ -222,7 +224,7 @@ async def messages_plan(body: MessagesRequest, model: LoadedModel, record: CallR
     options = _options(body, body.max_tokens, constraint, logprobs=False, top_logprobs=0)
     options = replace(options, stop=[*options.stop, *(body.stop_sequences or ())])
     stream = bool(body.stream)
-    requests = _requests([prompt], options, 1, model, record.request_id, stream)
+    requests = _requests([prompt], options, 1, model, record.request_id, stream, MESSAGES_FIELDS)
     label = _chat_label(constraint, tools)
     return ChatPlan([prompt], requests, 1, stream, False, label, tools, False)
 
@@ -506,8 +508,8 @@ def _input_message(index: int, item: dict[str, Any]) -> dict[str, Any]:
     kind = item.get("type", "message")
     if kind == "function_call":
         call = _validated(FunctionCallItem, item, f"input.{index}")
-        arguments = parsed_arguments(call.arguments, f"input[{index}].arguments")
-        called = ToolCallIn(id=call.call_id, function=CalledFunction(name=call.name, arguments=arguments))
+        function = CalledFunction(name=call.name, arguments=call.arguments)  # JSON or not: as chat takes it
+        called = ToolCallIn(id=call.call_id, function=function)
         return template_message(index, "assistant", None, [called])
     if kind == "function_call_output":
         result = _validated(FunctionCallOutputItem, item, f"input.{index}")
