@@ -1,7 +1,8 @@
 """POST /v1/messages and /v1/messages/count_tokens with Anthropic's SDK (`anthropic.Anthropic`), against the
 tiny bundle whose chat template declares tools, behind an auth token: the same tokens as the chat completion
-it translates to, the stream's events and its final message, a tool use round trip, stop sequences, the
-prompt's count, and errors in Anthropic's shape (x-api-key and a bearer token both carry the token).
+it translates to, the stream's events and its final message, a tool use round trip, output_config's JSON
+schema, stop sequences, the prompt's count, and errors in Anthropic's shape (x-api-key and a bearer token
+both carry the token).
 
 The server decodes one request at a time, and fails the requests whose ids begin "doomed" (a decode step)
 (tests/support/engine_faults.py)."""
@@ -17,6 +18,7 @@ import anthropic
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 from chat_templates import COMPACT_TOOLS
 from engine_faults import InjectedFaults
@@ -35,6 +37,16 @@ CHAT_TOOL: Any = {
 }
 OSLO: Any = [{"role": "user", "content": "Oslo?"}]
 GREEDY: Any = {"temperature": 0}  # the SDK has no sampling parameters: sent as the body's extra fields
+ANSWER: Any = {
+    "type": "object",
+    "properties": {"answer": {"type": "boolean"}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+class Answer(pydantic.BaseModel):
+    answer: bool
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +212,23 @@ def test_a_tool_use_round_trip(client: anthropic.Anthropic, chat: openai.OpenAI,
     assert answer.usage.input_tokens > message.usage.input_tokens  # the call and its result are in the prompt
     counted = client.messages.count_tokens(model=model, messages=history, tools=[TOOL])
     assert counted.input_tokens == answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0)
+
+
+def test_output_config_format_constrains_the_text(client: anthropic.Anthropic, model: str) -> None:
+    config: Any = {"format": {"type": "json_schema", "schema": ANSWER}}
+    fields: Any = {"model": model, "messages": OSLO, "max_tokens": 48, "extra_body": GREEDY}
+    message = client.messages.create(**fields, output_config=config)
+    (block,) = message.content
+    assert block.type == "text" and message.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(block.text), ANSWER)
+    with client.messages.stream(**fields, output_config=config) as stream:
+        assert stream.get_final_message().content[0].text == block.text  # type: ignore[union-attr]
+    parsed = client.messages.parse(**fields, output_format=Answer)  # the SDK's schema of a pydantic type
+    assert isinstance(parsed.parsed_output, Answer)
+
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(**fields, output_config={"format": {"type": "json_schema"}})
+    assert anthropic_error(refused.value)["message"].startswith("output_config.format.schema: Field required")
 
 
 def test_count_tokens_is_the_prompts_count(

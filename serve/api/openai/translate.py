@@ -49,7 +49,13 @@ from serve.api.openai.protocol import (
     SamplingFields,
     SamplingRequest,
 )
-from serve.api.openai.structured_output import chat_constraint, structured_output, text_format, tool_or_format
+from serve.api.openai.structured_output import (
+    chat_constraint,
+    output_format,
+    structured_output,
+    text_format,
+    tool_or_format,
+)
 from serve.api.state import ServingState
 from serve.api.tool_calls import (
     CalledFunction,
@@ -216,9 +222,10 @@ async def messages_prompt(
 
 async def messages_plan(body: MessagesRequest, model: LoadedModel, record: CallRecord) -> ChatPlan:
     """A Messages request as the chat it means (one choice, no logprobs): a forced tool call constrained as
-    chat's, `stop_sequences` beside vLLM's `stop`. `record.prompt` as chat_plan sets it."""
+    chat's, `output_config.format` as Responses' text.format, `stop_sequences` beside vLLM's `stop`.
+    `record.prompt` as chat_plan sets it."""
     prompt, tools = await messages_prompt(body, model, record)
-    constraint = tools.constraint()
+    constraint = tool_or_format(tools, output_format(body.output_config), "output_config.format")
     options = _options(body, body.max_tokens, constraint, logprobs=False, top_logprobs=0)
     options = replace(options, stop=[*options.stop, *(body.stop_sequences or ())])
     stream = bool(body.stream)
