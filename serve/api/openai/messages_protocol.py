@@ -94,7 +94,7 @@ class MessagesRequest(MessagesInput, SamplingFields):  # MessagesInput's `model`
 # --- the answer ---------------------------------------------------------------------------------------------
 
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"]
 
 
 class TextOut(TypedDict):
@@ -111,8 +111,9 @@ class ToolUseOut(TypedDict):
 
 class MessagesUsage(TypedDict):
     input_tokens: int  # the prompt's tokens computed, not read from the prefix cache (Anthropic's sense)
-    output_tokens: int
+    cache_creation_input_tokens: int  # 0: the prefix cache is written as it goes, at no extra cost
     cache_read_input_tokens: int
+    output_tokens: int
 
 
 class MessageObject(TypedDict):
