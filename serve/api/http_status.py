@@ -19,8 +19,8 @@ an oversized message).
 
 Anthropic's Messages API (/v1/messages) names the same errors its own way (`anthropic_error`): by status,
 invalid_request_error (400), authentication_error (401), not_found_error (404), request_too_large (413),
-rate_limit_error (429), overloaded_error (529, for a server that cannot take the request now: 503 here)
-and api_error for the server's other faults.
+rate_limit_error (429), overloaded_error (529, for a server that cannot take the request now: 503 here),
+timeout_error (504) and api_error for the server's other faults.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ ANTHROPIC_ERRORS: dict[int, tuple[int, str]] = {
     413: (413, "request_too_large"),
     429: (429, "rate_limit_error"),
     503: (529, "overloaded_error"),  # draining or loading: Anthropic's clients retry an overloaded server
+    504: (504, "timeout_error"),
 }
 
 

@@ -101,6 +101,8 @@ class TokenEvent:
     top_logprobs: list[Alternatives] = field(default_factory=list)  # one per token if asked for
     prompt_logprobs: list[float] = field(default_factory=list)  # in the first event, if asked for
     prompt_top_logprobs: list[Alternatives] = field(default_factory=list)  # likewise, one per prompt logprob
+    # In the first event: the prompt tokens read from the prefix cache (a stream's usage can say so at once).
+    cached_prompt_tokens: int | None = None
 
     @staticmethod
     def join(events: list[TokenEvent]) -> TokenEvent:
@@ -114,6 +116,7 @@ class TokenEvent:
             top_logprobs=[a for e in events for a in e.top_logprobs],
             prompt_logprobs=[p for e in events for p in e.prompt_logprobs],
             prompt_top_logprobs=[a for e in events for a in e.prompt_top_logprobs],
+            cached_prompt_tokens=events[0].cached_prompt_tokens,
         )
 
 
@@ -269,6 +272,7 @@ class RequestTracker:
         self.cancel_requested = False
         self.speculated = SpeculationCount()
         self._prompt_scores = _NO_SCORES  # the prompt's, until the first event carries them
+        self._first_event = True  # the next event is the first: it carries cached_tokens
         self._eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
         self._eos_set = frozenset(self._eos)
         self._stop_ids = frozenset(request.stop_token_ids)
@@ -437,7 +441,8 @@ class RequestTracker:
         scores, self._prompt_scores = self._prompt_scores, _NO_SCORES
         if not token_ids and not text and not scores.logprobs:
             return None
-        return TokenEvent(token_ids, text, logprobs, top, scores.logprobs, scores.top)
+        cached, self._first_event = self.cached_tokens if self._first_event else None, False
+        return TokenEvent(token_ids, text, logprobs, top, scores.logprobs, scores.top, cached)
 
     def _finish(self, reason: str, now: float) -> FinishEvent:
         self._move(RequestState.FINISHED)

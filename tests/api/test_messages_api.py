@@ -1,7 +1,8 @@
 """POST /v1/messages and /v1/messages/count_tokens with Anthropic's SDK (`anthropic.Anthropic`), against the
 tiny bundle whose chat template declares tools, behind an auth token: the same tokens as the chat completion
-it translates to, the stream's events and its final message, a tool use round trip, stop sequences, the
-prompt's count, and errors in Anthropic's shape (x-api-key and a bearer token both carry the token).
+it translates to, the stream's events and its final message, a tool use round trip, output_config's JSON
+schema, stop sequences, the prompt's count, and errors in Anthropic's shape (x-api-key and a bearer token
+both carry the token).
 
 The server decodes one request at a time, and fails the requests whose ids begin "doomed" (a decode step)
 (tests/support/engine_faults.py)."""
@@ -17,6 +18,7 @@ import anthropic
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 from chat_templates import COMPACT_TOOLS
 from engine_faults import InjectedFaults
@@ -35,6 +37,16 @@ CHAT_TOOL: Any = {
 }
 OSLO: Any = [{"role": "user", "content": "Oslo?"}]
 GREEDY: Any = {"temperature": 0}  # the SDK has no sampling parameters: sent as the body's extra fields
+ANSWER: Any = {
+    "type": "object",
+    "properties": {"answer": {"type": "boolean"}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+class Answer(pydantic.BaseModel):
+    answer: bool
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +174,7 @@ def test_a_tool_use_round_trip(client: anthropic.Anthropic, chat: openai.OpenAI,
         model=model, messages=OSLO, tools=[TOOL], tool_choice=forced, max_tokens=48, extra_body=GREEDY
     )
     (use,) = message.content
-    assert use.type == "tool_use" and use.name == "weather" and use.id
+    assert use.type == "tool_use" and use.name == "weather" and use.id.startswith("toolu_")
     assert message.stop_reason == "tool_use"
     jsonschema.validate(use.input, WEATHER)
     expected = chat.chat.completions.create(
@@ -200,6 +212,23 @@ def test_a_tool_use_round_trip(client: anthropic.Anthropic, chat: openai.OpenAI,
     assert answer.usage.input_tokens > message.usage.input_tokens  # the call and its result are in the prompt
     counted = client.messages.count_tokens(model=model, messages=history, tools=[TOOL])
     assert counted.input_tokens == answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0)
+
+
+def test_output_config_format_constrains_the_text(client: anthropic.Anthropic, model: str) -> None:
+    config: Any = {"format": {"type": "json_schema", "schema": ANSWER}}
+    fields: Any = {"model": model, "messages": OSLO, "max_tokens": 48, "extra_body": GREEDY}
+    message = client.messages.create(**fields, output_config=config)
+    (block,) = message.content
+    assert block.type == "text" and message.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(block.text), ANSWER)
+    with client.messages.stream(**fields, output_config=config) as stream:
+        assert stream.get_final_message().content[0].text == block.text  # type: ignore[union-attr]
+    parsed = client.messages.parse(**fields, output_format=Answer)  # the SDK's schema of a pydantic type
+    assert isinstance(parsed.parsed_output, Answer)
+
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(**fields, output_config={"format": {"type": "json_schema"}})
+    assert anthropic_error(refused.value)["message"].startswith("output_config.format.schema: Field required")
 
 
 def test_count_tokens_is_the_prompts_count(
@@ -322,3 +351,78 @@ def test_messages_are_counted_under_their_route(
     before = server.metric("textgen_requests_total", rpc="/v1/messages/count_tokens", code="OK")
     client.messages.count_tokens(model=model, messages=OSLO)
     assert server.metric("textgen_requests_total", rpc="/v1/messages/count_tokens", code="OK") == before + 1
+
+
+LOOKBEHIND: Any = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        (
+            {
+                "tools": [{**TOOL, "input_schema": LOOKBEHIND}],
+                "tool_choice": {"type": "tool", "name": "weather"},
+            },
+            "",
+        ),
+        (
+            {"output_config": {"format": {"type": "json_schema", "schema": LOOKBEHIND}}},
+            "output_config.format",
+        ),
+    ],
+)
+def test_a_schema_llguidance_rejects_is_a_400_before_the_stream(
+    client: anthropic.Anthropic,
+    model: str,
+    extra: dict[str, Any],
+    field: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Refused at its compile, before the first token: the status says so, not an error event on a 200."""
+    monkeypatch.setattr(MessagesRenderer, "keepalive_seconds", 600.0)  # the stream waits for the refusal
+    fields: Any = {"model": model, "messages": OSLO, "max_tokens": 8, **extra}
+    with pytest.raises(anthropic.BadRequestError) as refused, client.messages.stream(**fields) as stream:
+        stream.get_final_message()
+    assert refused.value.status_code == 400
+    error = anthropic_error(refused.value)
+    assert error["type"] == "invalid_request_error" and "look-around" in error["message"]
+    assert field in error["message"]
+
+
+def test_a_failed_prefill_is_a_500_before_the_stream(
+    client: anthropic.Anthropic, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(MessagesRenderer, "keepalive_seconds", 600.0)  # the stream waits for the failure
+    fields: Any = {"model": model, "messages": OSLO, "max_tokens": 8, "extra_body": GREEDY}
+    with (
+        pytest.raises(anthropic.InternalServerError) as raised,
+        client.messages.stream(**fields, extra_headers={"X-Request-Id": "fails-to-join-1"}) as stream,
+    ):
+        stream.get_final_message()
+    assert raised.value.status_code == 500 and anthropic_error(raised.value)["type"] == "api_error"
+
+
+def test_the_request_id_is_anthropics_request_id_header(client: anthropic.Anthropic, model: str) -> None:
+    headers = {"X-Request-Id": "req-messages-1"}
+    message = client.messages.create(
+        model=model, messages=OSLO, max_tokens=2, extra_body=GREEDY, extra_headers=headers
+    )
+    assert message._request_id == "req-messages-1"
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        client.messages.create(model="nope", messages=OSLO, max_tokens=2, extra_headers=headers)
+    assert unknown.value.request_id == "req-messages-1"
+
+
+def test_a_streams_usage_is_the_same_at_its_start_and_end(server: RunningServer, model: str) -> None:
+    """The same prompt twice: the second reads it from the prefix cache; its stream's two ends say so."""
+    long: Any = [{"role": "user", "content": "Oslo or Rome? " * 8}]  # over prefix_cache_min_tokens
+    body = {"model": model, "messages": long, "max_tokens": 3, "temperature": 0, "stream": True}
+    for _ in range(2):
+        reply = httpx.post(
+            f"{server.http_base}/v1/messages", json=body, headers={"x-api-key": TOKEN}, timeout=30
+        )
+        events = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
+    start, delta = events[0]["message"]["usage"], events[-2]["usage"]
+    assert start == {**delta, "output_tokens": 0} and delta["output_tokens"] == 3
+    assert delta["cache_creation_input_tokens"] == 0 and delta["cache_read_input_tokens"] > 0

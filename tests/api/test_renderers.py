@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from export.tokenizer import train_tokenizer
-from serve.api.http_status import http_error
+from serve.api.http_status import anthropic_error, http_error
 from serve.api.openai.chat import ChatRenderer
 from serve.api.openai.completions import CompletionRenderer
 from serve.api.openai.logprobs import Vocabulary
@@ -19,10 +19,10 @@ from serve.api.openai.messages import MessagesRenderer
 from serve.api.openai.protocol import ResponsesRequest
 from serve.api.openai.responses import ResponsesRenderer
 from serve.api.openai.serving import ChunkRenderer
-from serve.api.openai.translate import ChatPlan, CompletionPlan, Prompt, ResponsesPlan
+from serve.api.openai.translate import ChatPlan, CompletionPlan, MessagesPlan, Prompt, ResponsesPlan
 from serve.api.tool_calls import NamedToolChoice, Tool, ToolPlan, tool_plan
 from serve.engine.sampling import Alternatives, SamplingParams
-from serve.errors import EngineFailure
+from serve.errors import DeadlineExceeded, EngineFailure
 from serve.scheduling.request import Completion, Event, FinishEvent, GenerationRequest, TokenEvent
 
 TOKENIZER = train_tokenizer(["the quick brown fox jumps over the lazy dog " * 3], vocab_size=300)
@@ -273,11 +273,11 @@ def test_a_failed_stream_ends_with_response_failed() -> None:
 # --- /v1/messages -------------------------------------------------------------------------------------------
 
 
-def messages_plan(tools: ToolPlan) -> ChatPlan:
-    return ChatPlan([PROMPT], requests(1), 1, True, False, None, tools, False)
+def messages_plan(tools: ToolPlan, max_tokens: int = 3, context: int = 128) -> MessagesPlan:
+    return MessagesPlan([PROMPT], requests(1), 1, True, False, None, tools, False, max_tokens, context)
 
 
-def streamed_message(plan: ChatPlan, events: list[Event]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def streamed_message(plan: MessagesPlan, events: list[Event]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The whole body and the stream's events, each from a renderer of its own."""
     done = Completion("rid")
     for event in events:
@@ -328,7 +328,12 @@ def test_a_streamed_message_adds_up_to_the_whole_body(reason: str, stop_reason: 
     assert body["id"] == "msg_rid" and body["type"] == "message" and body["role"] == "assistant"
     assert body["content"] == [{"type": "text", "text": " brown fox"}]
     assert body["stop_reason"] == stop_reason and body["stop_sequence"] is None
-    usage = {"input_tokens": len(PROMPT.ids), "output_tokens": 2, "cache_read_input_tokens": 0}
+    usage = {
+        "input_tokens": len(PROMPT.ids),
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "output_tokens": 2,
+    }
     assert body["usage"] == usage
     assert assembled(streamed) == body
 
@@ -379,3 +384,84 @@ def test_a_failed_message_stream_ends_with_an_error_event() -> None:
     error = http_error(EngineFailure("the engine failed"), "rid")
     *_, failed = sse_events(messages + renderer.failure(error))
     assert failed == {"type": "error", "error": {"type": "api_error", "message": error.message}}
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "kind"),
+    [
+        (EngineFailure("the engine failed"), 500, "api_error"),
+        (DeadlineExceeded("too late"), 504, "timeout_error"),
+    ],
+)
+def test_a_messages_error_is_of_anthropics_type(error: Exception, status: int, kind: str) -> None:
+    failed = http_error(error, "rid")
+    assert anthropic_error(failed) == (
+        status,
+        {"type": "error", "error": {"type": kind, "message": failed.message}},
+    )
+
+
+def test_a_streams_usage_tells_the_same_input_from_start_to_end() -> None:
+    """message_start splits the prompt as the first event tells (2 tokens from the prefix cache), and
+    message_delta repeats it, as the whole body says."""
+    first = replace(tokens(" brown", scored=False), cached_prompt_tokens=2)
+    body, streamed = streamed_message(
+        messages_plan(tool_plan(None, None, None)), [first, replace(finish("eos", 1), cached_prompt_tokens=2)]
+    )
+    told = {
+        "input_tokens": len(PROMPT.ids) - 2,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 2,
+    }
+    start, delta = streamed[0]["message"]["usage"], streamed[-2]["usage"]
+    assert start == {**told, "output_tokens": 0} and delta == body["usage"] == {**told, "output_tokens": 1}
+
+
+def test_a_stream_that_opens_while_waiting_starts_once() -> None:
+    renderer = MessagesRenderer(messages_plan(tool_plan(None, None, None)), "m", "rid", VOCAB)
+    waited = sse_events([*renderer.keepalive(), *renderer.keepalive()])
+    assert [e["type"] for e in waited] == ["message_start", "ping", "ping"]
+    first = replace(tokens(" brown", scored=False), cached_prompt_tokens=2)
+    ended = replace(finish("eos", 1), cached_prompt_tokens=2)
+    events = sse_events([*renderer.events(0, first), *renderer.events(0, ended), *renderer.closing([ended])])
+    assert "message_start" not in [e["type"] for e in events]
+    # told before the first event: the whole prompt is input, at the start and at the end alike
+    assert (
+        waited[0]["message"]["usage"]["input_tokens"]
+        == len(PROMPT.ids)
+        == events[-2]["usage"]["input_tokens"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("event", "room", "stop_reason"),
+    [
+        (finish("context", 2), 100, "model_context_window_exceeded"),  # the server's token limit
+        (finish("length", 2), 2, "model_context_window_exceeded"),  # the context full before max_tokens
+        (finish("length", 3), 3, "max_tokens"),  # both at once: the limit the client set
+        (finish("length", 3), 100, "max_tokens"),
+    ],
+)
+def test_a_full_context_is_its_own_stop_reason(event: FinishEvent, room: int, stop_reason: str) -> None:
+    context = len(PROMPT.ids) + room
+    body, streamed = streamed_message(
+        messages_plan(tool_plan(None, None, None), max_tokens=3, context=context),
+        [tokens(" brown", scored=False), event],
+    )
+    assert body["stop_reason"] == stop_reason == assembled(streamed)["stop_reason"]
+
+
+def test_whitespace_alone_makes_no_text_block_beside_a_tool_use() -> None:
+    plan = messages_plan(tool_plan([WEATHER], None, None))  # auto: Hermes blocks, read when the output ends
+    text = ["\n", ' <tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>', "\n"]
+    body, streamed = streamed_message(plan, [*(tokens(t, scored=False) for t in text), finish("eos", 9)])
+    (use,) = body["content"]
+    assert use["type"] == "tool_use" and use["id"].startswith("toolu_")  # Anthropic's kind of id
+    assert without_tool_ids(assembled(streamed)) == without_tool_ids(body)
+
+    blank, streamed = streamed_message(plan, [tokens(" \n", scored=False), finish("eos", 2)])
+    assert blank["content"] == [{"type": "text", "text": " \n"}] and assembled(streamed) == blank
+    spaced, _ = streamed_message(
+        plan, [tokens(t, scored=False) for t in (" ", "Sure", " ")] + [finish("eos", 3)]
+    )
+    assert spaced["content"] == [{"type": "text", "text": " Sure "}]

@@ -94,7 +94,7 @@ class FrontDoor:
             # The body is JSON whatever the Content-Type says (`curl -d` sends a form's type).
             raw = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
             scope = {**scope, "headers": [*raw, (b"content-type", b"application/json")]}
-        await self._app(scope, self._counting(receive), self._echoing(send, request_id))
+        await self._app(scope, self._counting(receive), self._echoing(send, request_id, path))
 
     @staticmethod
     def _unauthenticated(headers: dict[bytes, bytes], token: bytes) -> tuple[HttpError, str | None] | None:
@@ -126,13 +126,16 @@ class FrontDoor:
         return counted
 
     @staticmethod
-    def _echoing(send: Send, request_id: str) -> Send:
-        header = (b"x-request-id", request_id.encode("latin-1", "replace"))
+    def _echoing(send: Send, request_id: str, path: str) -> Send:
+        """`send`, with the request id in the answer's X-Request-Id header, and on Anthropic's routes in its
+        `request-id` too (the anthropic SDK's `_request_id`)."""
+        names = (b"x-request-id", b"request-id") if path in ANTHROPIC_ROUTES else (b"x-request-id",)
+        value = request_id.encode("latin-1", "replace")
 
         async def echoed(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
-                message = {**message, "headers": [*headers, header]}
+                headers = [h for h in message.get("headers", []) if h[0].lower() not in names]
+                message = {**message, "headers": [*headers, *((name, value) for name in names)]}
             await send(message)
 
         return echoed

@@ -1,13 +1,14 @@
 """/v1/messages' answers: Anthropic's `message` object, whole or as the Messages API's stream of events.
 
 The request is served as the chat it means (translate.py `messages_plan`), and its text is read as its tools
-say (serve/api/tool_calls.py `Reply`) into content blocks: text, and tool_use. A stream opens with
-message_start and a ping as soon as the request is submitted, before its first token (and a ping each
-keepalive_seconds it waits for the engine); then each block is
-started (content_block_start), grows (content_block_delta: text_delta, input_json_delta) and is stopped
-(content_block_stop), one at a time; message_delta carries the stop reason and the usage, message_stop ends
-it. A failure after it began is an `error` event. The whole body is the same content read from the whole
-text at once.
+say (serve/api/tool_calls.py `Reply`) into content blocks: text, and tool_use (whitespace alone makes no text
+block beside a tool_use). A stream opens with message_start and a ping at its first event, so that what
+fails before it (a constraint llguidance rejects, a failed prefill) gets its HTTP status; a request that
+waits keepalive_seconds for the engine opens it then, and is pinged each keepalive_seconds it waits on.
+Then each block is started (content_block_start), grows (content_block_delta: text_delta, input_json_delta)
+and is stopped (content_block_stop), one at a time; message_delta carries the stop reason and the usage,
+message_stop ends it. A failure after it began is an `error` event. The whole body is the same content read
+from the whole text at once.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from typing import Any
 from serve.api.http_status import HttpError, anthropic_error
 from serve.api.openai.logprobs import Vocabulary
 from serve.api.openai.messages_protocol import MessageObject, MessagesUsage, StopReason, TextOut, ToolUseOut
-from serve.api.openai.request_events import plan_usage
-from serve.api.openai.serving import Renderer, finish_reason
-from serve.api.openai.translate import ChatPlan
+from serve.api.openai.serving import Renderer, context_filled, finish_reason
+from serve.api.openai.translate import MessagesPlan
 from serve.api.tool_calls import Reply, ToolPlan
 from serve.scheduling.request import Completion, Event, FinishEvent
 
@@ -59,14 +59,24 @@ class _ToolUse:
         return value if isinstance(value, dict) else {}
 
 
+def _tool_use_id(call_id: str) -> str:
+    """Anthropic's id of a call (`toolu_...`), from the chat's (`call_...`)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 class _Content:
     """A message's content blocks as its text comes, in the order they begin (a block's place is its
-    index), at most one open at a time, and the events (type, data) each piece of text makes."""
+    index), at most one open at a time, and the events (type, data) each piece of text makes.
+
+    Whitespace alone opens no text block: it is held until text follows, and dropped if a tool_use comes
+    first or the message ends with blocks (a model writes a newline before its call); a message of nothing
+    but whitespace keeps it."""
 
     def __init__(self, tools: ToolPlan) -> None:
         self._reply = Reply(tools)
         self._calls: dict[int, _ToolUse] = {}  # by the call's index in the reply
         self._open = False  # the last block has not been stopped
+        self._blank = ""  # whitespace held until a text block begins
         self.blocks: list[_Text | _ToolUse] = []
 
     def feed(self, text: str) -> list[dict[str, Any]]:
@@ -75,7 +85,7 @@ class _Content:
         for piece in pieces:
             if piece.name is not None:
                 assert piece.id is not None  # a call's first piece names it
-                self._calls[piece.index] = _ToolUse(piece.id, piece.name)
+                self._calls[piece.index] = _ToolUse(_tool_use_id(piece.id), piece.name)
                 events += self._start(self._calls[piece.index])
             events += self._arguments(self._calls[piece.index], piece.arguments)
         return events
@@ -87,19 +97,27 @@ class _Content:
         events = self._text(content)
         for index, whole in enumerate(calls):
             if index not in self._calls:  # auto's calls are read at the end
-                call = self._calls[index] = _ToolUse(whole.id, whole.name)
+                call = self._calls[index] = _ToolUse(_tool_use_id(whole.id), whole.name)
                 events += self._start(call) + self._arguments(call, whole.arguments)
+        blank, self._blank = self._blank, ""
+        if blank and not self.blocks:
+            events += self._text(blank, blank=True)
         return events + self._stop(), reason
 
     def content(self) -> list[Block]:
         return [block.block(whole=True) for block in self.blocks]
 
-    def _text(self, text: str) -> list[dict[str, Any]]:
+    def _text(self, text: str, blank: bool = False) -> list[dict[str, Any]]:
+        """The events of more text: a text block's delta, the block started first unless one is open."""
         if not text:
             return []
         last = self.blocks[-1] if self._open else None
         events = []
         if not isinstance(last, _Text):
+            text, self._blank = self._blank + text, ""
+            if not text.strip() and not blank:
+                self._blank = text
+                return []
             last = _Text()
             events = self._start(last)
         last.text += text
@@ -112,7 +130,7 @@ class _Content:
         return [self._delta({"type": "input_json_delta", "partial_json": piece})]
 
     def _start(self, block: _Text | _ToolUse) -> list[dict[str, Any]]:
-        events = self._stop()
+        events, self._blank = self._stop(), ""
         self.blocks.append(block)
         self._open = True
         index = len(self.blocks) - 1
@@ -129,45 +147,43 @@ class _Content:
         return {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
 
 
-class MessagesRenderer(Renderer[ChatPlan]):
+class MessagesRenderer(Renderer[MessagesPlan]):
     prefix = "msg_"
     keepalive_seconds = 10.0
 
-    def __init__(self, plan: ChatPlan, model: str, request_id: str, vocab: Vocabulary) -> None:
+    def __init__(self, plan: MessagesPlan, model: str, request_id: str, vocab: Vocabulary) -> None:
         super().__init__(plan, model, request_id, vocab)
         self._content = _Content(plan.tools)  # a stream's, as it goes
         self._stop: Stop | None = None  # a stream's, once it finished
+        self._input: MessagesUsage | None = None  # a stream's usage as message_start told it
 
     def body(self, done: Sequence[Completion]) -> MessageObject:
         (completion,) = done
-        assert completion.finish is not None
+        finish = completion.finish
+        assert finish is not None
         content = _Content(self.plan.tools)
         content.feed(completion.text)
-        _, reason = content.finish(finish_reason(completion.finish.finish_reason))
-        stop = self._stop_reason(reason, completion.finish)
-        return self._message(content.content(), stop, self._usage(completion.finish))
-
-    def opening(self) -> list[str]:
-        prompt = len(self.plan.prompts[0].ids)
-        usage: MessagesUsage = {"input_tokens": prompt, "output_tokens": 0, "cache_read_input_tokens": 0}
-        start = {"type": "message_start", "message": self._message([], None, usage)}
-        return self._sse([start, {"type": "ping"}])
+        _, reason = content.finish(finish_reason(finish.finish_reason))
+        usage = self._usage(finish.cached_prompt_tokens, finish.completion_tokens)
+        return self._message(content.content(), self._stop_reason(reason, finish), usage)
 
     def events(self, index: int, event: Event) -> list[str]:
+        start = self._start(event.cached_prompt_tokens)
         if isinstance(event, FinishEvent):
             events, reason = self._content.finish(finish_reason(event.finish_reason))
             self._stop = self._stop_reason(reason, event)
-            return self._sse(events)
-        return self._sse(self._content.feed(event.text))
+            return start + self._sse(events)
+        return start + self._sse(self._content.feed(event.text))
 
     def closing(self, finishes: Sequence[FinishEvent | None]) -> list[str]:
         (finish,) = finishes
-        assert finish is not None and self._stop is not None
+        assert finish is not None and self._stop is not None and self._input is not None
         reason, sequence = self._stop
         delta = {"stop_reason": reason, "stop_sequence": sequence}
+        usage = {**self._input, "output_tokens": finish.completion_tokens}  # the input counts as told
         return self._sse(
             [
-                {"type": "message_delta", "delta": delta, "usage": self._usage(finish)},
+                {"type": "message_delta", "delta": delta, "usage": usage},
                 {"type": "message_stop"},
             ]
         )
@@ -177,27 +193,41 @@ class MessagesRenderer(Renderer[ChatPlan]):
         return self._sse([body])
 
     def keepalive(self) -> list[str]:
-        return self._sse([{"type": "ping"}])
+        """A ping; the stream's start if it has not begun (its request waits for the engine)."""
+        return self._start(None) or self._sse([{"type": "ping"}])
+
+    def _start(self, cached: int | None) -> list[str]:
+        """message_start and a ping, unless sent already. Its usage splits the prompt as the first event
+        tells (`cached`: its tokens read from the prefix cache); one sent before the first event counts the
+        whole prompt as input. message_delta repeats the same input counts."""
+        if self._input is not None:
+            return []
+        self._input = self._usage(cached or 0, 0)
+        start = {"type": "message_start", "message": self._message([], None, self._input)}
+        return self._sse([start, {"type": "ping"}])
 
     @staticmethod
     def _sse(events: list[dict[str, Any]]) -> list[str]:
         """Anthropic's server-sent events: each names its type in an `event:` line too."""
         return [f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events]
 
-    @staticmethod
-    def _stop_reason(reason: str, finish: FinishEvent) -> Stop:
+    def _stop_reason(self, reason: str, finish: FinishEvent) -> Stop:
         """Anthropic's stop reason and stop sequence, from Reply's reason and the finish."""
         if reason == "stop" and finish.stop_string is not None:
             return "stop_sequence", finish.stop_string
+        if reason == "length" and context_filled(finish, self.plan.context_length, self.plan.max_tokens):
+            return "model_context_window_exceeded", None
         return STOP_REASONS[reason], None
 
-    def _usage(self, finish: FinishEvent) -> MessagesUsage:
-        usage, _ = plan_usage(self.plan, [finish])
-        cached = usage["prompt_tokens_details"]["cached_tokens"]
+    def _usage(self, cached: int, output: int) -> MessagesUsage:
+        """Anthropic's usage: `input_tokens` are the prompt's tokens computed, not read from the prefix cache
+        (which is written as it goes: no cache_creation_input_tokens)."""
+        prompt = len(self.plan.prompts[0].ids)
         return {
-            "input_tokens": usage["prompt_tokens"] - cached,
-            "output_tokens": usage["completion_tokens"],
+            "input_tokens": prompt - cached,
+            "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": cached,
+            "output_tokens": output,
         }
 
     def _message(self, content: list[Block], stop: Stop | None, usage: MessagesUsage) -> MessageObject:

@@ -3,7 +3,8 @@ protocol.py has OpenAI's.
 
 A request takes Anthropic's fields (`system`, `messages` of text, tool_use and tool_result blocks,
 `max_tokens`, required, `stop_sequences`, `tools` with an `input_schema`, `tool_choice` auto / any / tool /
-none) and the sampling fields every route takes (`SamplingFields`: temperature, top_p, top_k, vLLM's extras).
+none, `output_config.format`, a JSON schema the text must match) and the sampling fields every route takes
+(`SamplingFields`: temperature, top_p, top_k, vLLM's extras).
 A message's blocks are read by hand (translate.py), so that an error names `messages.N.content.M`; their
 models are here. Fields that do not change the output (`metadata`, ...) are accepted and ignored.
 """
@@ -63,6 +64,16 @@ class AnthropicToolChoice(_Body):
     disable_parallel_tool_use: bool | None = Field(None, description='true: "any" makes one call')
 
 
+class OutputFormat(_Body):
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema", description="the JSON Schema the text must match")
+
+
+class OutputConfig(_Body):
+    format: OutputFormat | None = Field(None, description="the text is one JSON value of this schema")
+    effort: str | None = Field(None, description="accepted and ignored: the model does not reason at length")
+
+
 class MessagesInput(_Body):
     """What makes a Messages prompt: /v1/messages/count_tokens takes this alone."""
 
@@ -77,12 +88,13 @@ class MessagesRequest(MessagesInput, SamplingFields):  # MessagesInput's `model`
     max_tokens: int = Field(ge=1, description="the most tokens to generate")
     stop_sequences: list[str] | None = None
     metadata: dict[str, Any] | None = Field(None, description="accepted and ignored")
+    output_config: OutputConfig | None = None
 
 
 # --- the answer ---------------------------------------------------------------------------------------------
 
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"]
 
 
 class TextOut(TypedDict):
@@ -99,8 +111,9 @@ class ToolUseOut(TypedDict):
 
 class MessagesUsage(TypedDict):
     input_tokens: int  # the prompt's tokens computed, not read from the prefix cache (Anthropic's sense)
-    output_tokens: int
+    cache_creation_input_tokens: int  # 0: the prefix cache is written as it goes, at no extra cost
     cache_read_input_tokens: int
+    output_tokens: int
 
 
 class MessageObject(TypedDict):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -16,6 +16,8 @@ from serve.api.openai.translate import (
 from serve.errors import Cancelled
 from serve.scheduling.handles import RequestHandle
 from serve.scheduling.request import Completion, Event, FinishEvent, GenerationRequest
+
+T = TypeVar("T")
 
 
 def submit_all(model: LoadedModel, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
@@ -152,7 +154,7 @@ async def with_keepalives(
             pending.cancel()  # no effect once done
 
 
-async def first_event(events: AsyncIterator[tuple[int, Event]], request: Request) -> tuple[int, Event]:
+async def first_event(events: AsyncIterator[T], request: Request) -> T:
     """The first event, unless the client goes away first (Cancelled)."""
     nxt = asyncio.ensure_future(events.__anext__())
     watcher = asyncio.ensure_future(_disconnected(request))
@@ -167,9 +169,7 @@ async def first_event(events: AsyncIterator[tuple[int, Event]], request: Request
         watcher.cancel()
 
 
-async def prepend(
-    first: tuple[int, Event], rest: AsyncIterator[tuple[int, Event]]
-) -> AsyncIterator[tuple[int, Event]]:
+async def prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
     yield first
     async for item in rest:
         yield item

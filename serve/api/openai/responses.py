@@ -30,7 +30,7 @@ from serve.api.openai.protocol import (
     ResponseUsage,
 )
 from serve.api.openai.request_events import plan_usage
-from serve.api.openai.serving import Renderer, finish_reason
+from serve.api.openai.serving import Renderer, context_filled, finish_reason
 from serve.api.openai.translate import ResponsesPlan
 from serve.api.tool_calls import Reply, ToolPlan
 from serve.scheduling.request import Completion, Event, FinishEvent
@@ -246,9 +246,7 @@ class ResponsesRenderer(Renderer[ResponsesPlan]):
     def _incomplete(self, finish: FinishEvent) -> IncompleteDetails:
         """The context filled up before max_output_tokens (given, or the server's default, which the
         context shortens) was reached, or it was reached."""
-        asked = self.plan.request.max_output_tokens
-        full = finish.prompt_tokens + finish.completion_tokens >= self.plan.context_length
-        if full and (asked is None or finish.completion_tokens < asked):
+        if context_filled(finish, self.plan.context_length, self.plan.request.max_output_tokens):
             return {"reason": "context_length"}
         return {"reason": "max_output_tokens"}
 

@@ -3,11 +3,12 @@
 A route's translation (translate.py) makes a `Plan`; its `Renderer` (completions.py, chat.py, responses.py,
 messages.py) says what the answer looks like; `Serving.run` submits the plan's requests and answers when they
 are done, with the whole body, or as they go, with a stream of server-sent events. A stream begins with its
-first event, so a request refused before it (a drain, a failed prefill) gets its HTTP status and one whose
-client leaves while queued is cancelled, unless its renderer opens the stream at once (/v1/responses'
-response.created, /v1/messages' message_start); an error after the stream began is the route's failure
+first event, so a request refused before it (a constraint llguidance rejects, a drain, a failed prefill)
+gets its HTTP status and one whose client leaves while queued is cancelled, unless its renderer opens the
+stream at once (/v1/responses' response.created); an error after the stream began is the route's failure
 events, then the end of the stream. Either way the call is accounted once, when it ends. A route may keep a
-quiet stream alive (/v1/messages pings while its request waits for the engine).
+quiet stream alive (/v1/messages pings while its request waits for the engine): its stream begins with the
+first event, or once it has waited that long for one.
 """
 
 from __future__ import annotations
@@ -55,6 +56,15 @@ def finish_reason(reason: str) -> str:
     return "stop" if reason in ("eos", "stop") else "length"
 
 
+def context_filled(finish: FinishEvent, context_length: int, asked: int | None) -> bool:
+    """Whether an output cut short ("length") was cut by the model's context: the tracker's limit, or the
+    context full before the `asked` tokens (None: the server's default, which the context shortens)."""
+    if finish.finish_reason == "context":
+        return True
+    full = finish.prompt_tokens + finish.completion_tokens >= context_length
+    return full and (asked is None or finish.completion_tokens < asked)
+
+
 DONE = "data: [DONE]\n\n"
 
 
@@ -70,7 +80,7 @@ class Renderer(ABC, Generic[P]):
 
     A stream sends `opening()` as soon as the requests are submitted, when the route has something to say
     then; one with nothing to say begins with the first event, so that a request refused before it gets its
-    HTTP status."""
+    HTTP status, or with its first keepalive() if it has one and waits that long."""
 
     prefix: ClassVar[str]  # of the response's id
     keepalive_seconds: ClassVar[float | None] = None  # a stream this long without events sends keepalive()
@@ -103,7 +113,8 @@ class Renderer(ABC, Generic[P]):
         """The events that end a stream which failed after it began."""
 
     def keepalive(self) -> list[str]:
-        """What a stream sends when it has waited keepalive_seconds for the engine (none by default)."""
+        """What a stream sends when it has waited keepalive_seconds for the engine (none by default): the
+        stream's beginning, if it has not begun."""
         return []
 
 
@@ -164,6 +175,13 @@ class ChunkRenderer(Renderer[P]):
         return first
 
 
+def _keepalives(
+    events: AsyncIterator[tuple[int, Event]], quiet: float | None
+) -> AsyncIterator[tuple[int, Event] | None]:
+    """`events`, with a None each `quiet` seconds without one (none if `quiet` is None)."""
+    return events if quiet is None else with_keepalives(events, quiet)
+
+
 class Serving:
     """Runs a generation route's calls: a plan's requests, answered as its renderer says; `account` writes
     a call's record (its log line, metric and span)."""
@@ -190,11 +208,11 @@ class Serving:
             record.status = 200
             self._account(record)
             return JSONResponse(body, headers=headers)
-        events = merged(handles)
+        events = _keepalives(merged(handles), renderer.keepalive_seconds)
         opening = renderer.opening()
         if not opening:
             try:
-                first = await first_event(events, request)
+                first = await first_event(events, request)  # None: keepalive_seconds without one
             except BaseException:
                 for handle in handles:
                     handle.cancel()
@@ -209,18 +227,17 @@ class Serving:
         self,
         renderer: Renderer[Any],
         opening: list[str],
-        events: AsyncIterator[tuple[int, Event]],
+        events: AsyncIterator[tuple[int, Event] | None],
         handles: Sequence[RequestHandle],
         record: CallRecord,
     ) -> AsyncIterator[str]:
-        """The stream, one write per engine event (all the route's events for it)."""
+        """The stream, one write per engine event (all the route's events for it); None: a keepalive."""
         finishes: list[FinishEvent | None] = [None] * len(handles)
         record.status = 200
         try:
             if opening:
                 yield "".join(opening)
-            quiet = renderer.keepalive_seconds
-            async for item in events if quiet is None else with_keepalives(events, quiet):
+            async for item in events:
                 if item is None:
                     yield "".join(renderer.keepalive())
                     continue

@@ -1,12 +1,14 @@
 """What a generation request's output must match: OpenAI's response_format (a Responses request's
-text.format), vLLM's structured-output fields, or the call a tool_choice forces, as the neutral `Constraint`
-the engine enforces token by token (serve/engine/constraints.py)."""
+text.format, a Messages request's output_config.format), vLLM's structured-output fields, or the call a
+tool_choice forces, as the neutral `Constraint` the engine enforces token by token
+(serve/engine/constraints.py)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Any
 
+from serve.api.openai.messages_protocol import OutputConfig
 from serve.api.openai.protocol import ChatCompletionRequest, SamplingRequest
 from serve.api.tool_calls import ToolPlan
 from serve.engine.types import Constraint
@@ -71,6 +73,13 @@ def text_format(text: dict[str, Any] | None) -> Constraint | None:
             'text.format needs a schema: {"type": "json_schema", "name": ..., "schema": {...}}'
         )
     return _constraint_of("json", value["schema"], "text.format.schema")
+
+
+def output_format(config: OutputConfig | None) -> Constraint | None:
+    """A Messages request's `output_config.format`: its JSON schema, as text.format's."""
+    if config is None or config.format is None:
+        return None
+    return _constraint_of("json", config.format.json_schema, "output_config.format.schema")
 
 
 def structured_output(body: SamplingRequest) -> Constraint | None:

@@ -49,7 +49,13 @@ from serve.api.openai.protocol import (
     SamplingFields,
     SamplingRequest,
 )
-from serve.api.openai.structured_output import chat_constraint, structured_output, text_format, tool_or_format
+from serve.api.openai.structured_output import (
+    chat_constraint,
+    output_format,
+    structured_output,
+    text_format,
+    tool_or_format,
+)
 from serve.api.state import ServingState
 from serve.api.tool_calls import (
     CalledFunction,
@@ -139,6 +145,14 @@ class ResponsesPlan(ChatPlan):
     context_length: int  # the model's: an output cut short there is incomplete for its own reason
 
 
+@dataclass
+class MessagesPlan(ChatPlan):
+    """A Messages request served as the chat it means (one choice, no logprobs)."""
+
+    max_tokens: int  # asked for: an output cut short before it filled the context
+    context_length: int  # the model's
+
+
 async def completion_plan(
     body: CompletionRequest, model: LoadedModel, max_n: int, record: CallRecord
 ) -> CompletionPlan:
@@ -216,17 +230,19 @@ async def messages_prompt(
     return await _chat_prompt(_anthropic_messages(body), tools, model, record), tools
 
 
-async def messages_plan(body: MessagesRequest, model: LoadedModel, record: CallRecord) -> ChatPlan:
+async def messages_plan(body: MessagesRequest, model: LoadedModel, record: CallRecord) -> MessagesPlan:
     """A Messages request as the chat it means (one choice, no logprobs): a forced tool call constrained as
-    chat's, `stop_sequences` beside vLLM's `stop`. `record.prompt` as chat_plan sets it."""
+    chat's, `output_config.format` as Responses' text.format, `stop_sequences` beside vLLM's `stop`.
+    `record.prompt` as chat_plan sets it."""
     prompt, tools = await messages_prompt(body, model, record)
-    constraint = tools.constraint()
+    constraint = tool_or_format(tools, output_format(body.output_config), "output_config.format")
     options = _options(body, body.max_tokens, constraint, logprobs=False, top_logprobs=0)
     options = replace(options, stop=[*options.stop, *(body.stop_sequences or ())])
     stream = bool(body.stream)
     requests = _requests([prompt], options, 1, model, record.request_id, stream, MESSAGES_FIELDS)
     label = _chat_label(constraint, tools)
-    return ChatPlan([prompt], requests, 1, stream, False, label, tools, False)
+    context = model.limits.context_length
+    return MessagesPlan([prompt], requests, 1, stream, False, label, tools, False, body.max_tokens, context)
 
 
 def _tool_plan(
