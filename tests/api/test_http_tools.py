@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,11 +16,10 @@ import jsonschema
 import openai
 import pytest
 from chat_templates import COMPACT_LLAMA, COMPACT_MISTRAL, COMPACT_TOOLS
-from running_server import RunningServer, loopback_settings
-from server_tools import LoopThread, free_port
+from running_server import RunningServer, serve_with_template
+from server_tools import LoopThread
 
 from serve.api.chat import ChatTemplate
-from serve.scheduling.messages import EngineWrap
 
 WEATHER = {
     "type": "object",
@@ -45,28 +43,6 @@ TOOLS: list[Any] = [
 SCHEMAS = {"weather": WEATHER, "clock": CLOCK}
 USER = [{"role": "user", "content": "Oslo?"}]
 NAMED: Any = {"type": "function", "function": {"name": "weather"}}
-
-
-def serve_with_template(
-    loop: LoopThread,
-    tiny_bundle: Path,
-    where: Path,
-    template: str,
-    *,
-    engine_process: bool,
-    engine_wrap: EngineWrap | None = None,
-    **overrides: Any,
-) -> RunningServer:
-    """A server of a copy of the tiny bundle whose chat template is `template` (`overrides`: settings)."""
-    bundle = where / "bundle"
-    shutil.copytree(tiny_bundle, bundle)
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    (bundle / "manifest.json").write_text(json.dumps({**manifest, "chat_template": template}))
-    lengths = {"max_new_tokens": 64, "default_max_new_tokens": 48}  # short outputs, unless overridden
-    settings = loopback_settings(
-        bundle, http_port=free_port(), engine_process=engine_process, **{**lengths, **overrides}
-    )
-    return RunningServer(loop, settings, engine_wrap)
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import openai
-from server_tools import LoopThread
+from server_tools import LoopThread, free_port
 
 from serve.api.common import LoadedModel
 from serve.api.config import ServerSettings
@@ -92,3 +94,25 @@ class RunningServer:
 
     def stop(self) -> None:
         self.loop.run(self.server.stop())
+
+
+def serve_with_template(
+    loop: LoopThread,
+    tiny_bundle: Path,
+    where: Path,
+    template: str,
+    *,
+    engine_process: bool,
+    engine_wrap: EngineWrap | None = None,
+    **overrides: Any,
+) -> RunningServer:
+    """A server of a copy of the tiny bundle whose chat template is `template` (`overrides`: settings)."""
+    bundle = where / "bundle"
+    shutil.copytree(tiny_bundle, bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    (bundle / "manifest.json").write_text(json.dumps({**manifest, "chat_template": template}))
+    lengths = {"max_new_tokens": 64, "default_max_new_tokens": 48}  # short outputs, unless overridden
+    settings = loopback_settings(
+        bundle, http_port=free_port(), engine_process=engine_process, **{**lengths, **overrides}
+    )
+    return RunningServer(loop, settings, engine_wrap)

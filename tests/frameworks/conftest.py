@@ -1,0 +1,20 @@
+"""The server every framework test talks to, one per module (support/framework_server.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from framework_server import serve_for_frameworks
+from running_server import RunningServer
+from server_tools import LoopThread
+
+
+@pytest.fixture(scope="module")
+def server(
+    loop: LoopThread, tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    running = serve_for_frameworks(loop, tiny_bundle, tmp_path_factory.mktemp("frameworks"))
+    yield running
+    running.stop()
