@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Literal
 
-import pydantic
 import pytest
-from framework_server import MODEL
+from framework_server import MODEL, Forecast
 from langchain_anthropic import ChatAnthropic
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage
@@ -20,13 +18,6 @@ from running_server import RunningServer
 
 ROOM = 60  # room for a forced call of Forecast
 PROMPT = "Oslo?"
-
-
-class Forecast(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")  # a schema that ends (strict)
-
-    city: Literal["Oslo", "Rome"]
-    days: int
 
 
 @pytest.fixture(params=["openai", "anthropic"])

@@ -8,9 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-import pydantic
 import pytest
-from framework_server import MODEL
+from framework_server import MODEL, Forecast
 from pydantic_ai import Agent, RunContext, ToolOutput
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.models.openai import OpenAIChatModel
@@ -19,13 +18,6 @@ from pydantic_ai.settings import ModelSettings
 from running_server import RunningServer
 
 ROOM: ModelSettings = {"max_tokens": 60, "temperature": 0}  # room for a forced call of the tools below
-
-
-class Forecast(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")  # a schema that ends (strict)
-
-    city: Literal["Oslo", "Rome"]
-    days: int
 
 
 class ClockFirst(AbstractCapability[Any]):

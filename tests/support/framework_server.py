@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
+import pydantic
 from running_server import RunningServer, serve_with_template
 from server_tools import LoopThread
 
@@ -21,6 +22,17 @@ FRAMEWORK_TEMPLATE = (
     "\n{% endfor %}a:"
 )
 MODEL = "tiny"  # the frameworks ask for the model by the name the server publishes (--served-model-name)
+
+
+class Forecast(pydantic.BaseModel):
+    """The structured output the tests ask for: its schema forbids extra keys and lists every value, so
+    the constrained output ends within a few tokens even when sampled (an unbounded integer may run to
+    max_tokens; the anthropic SDK drops `minimum` and `maximum` from the schemas it sends, enums stay)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    city: Literal["Oslo", "Rome"]
+    days: Literal[1, 2, 3]
 
 
 class Bodies(list[dict[str, Any]]):
