@@ -44,7 +44,7 @@ def test_the_tool_runner_runs_a_forced_tool_each_turn(client: anthropic.Anthropi
         tool_choice={"type": "tool", "name": "clock"},
         max_iterations=2,
         thread=False,
-        messages=OSLO,
+        messages=[{"role": "user", "content": "Oslo?"}],
     )
     replies = list(runner)
     assert [reply.stop_reason for reply in replies] == ["tool_use", "tool_use"]

@@ -33,7 +33,7 @@ def chat_model(request: pytest.FixtureRequest, server: RunningServer) -> BaseCha
             max_retries=0,
         )
     return ChatAnthropic(
-        model_name=MODEL,
+        model=MODEL,
         base_url=server.http_base,
         api_key="unused",
         max_tokens=ROOM,

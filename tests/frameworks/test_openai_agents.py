@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Literal
 
-import httpx
 import pydantic
 import pytest
 from agents import (
@@ -26,7 +25,7 @@ from agents import (
 )
 from agents.items import ToolCallOutputItem
 from framework_server import MODEL, Bodies
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 from running_server import RunningServer
 
 set_tracing_disabled(True)  # the SDK would otherwise upload traces to OpenAI
@@ -41,7 +40,7 @@ class Answer(pydantic.BaseModel):
 def model(request: pytest.FixtureRequest, server: RunningServer) -> Iterator[tuple[Model, Bodies]]:
     """Each of the SDK's two OpenAI models on the server, and the request bodies its client sends."""
     bodies = Bodies()
-    http = httpx.AsyncClient(event_hooks={"request": [bodies.async_hook]})
+    http = DefaultAsyncHttpxClient(event_hooks={"request": [bodies.record]})
     client = AsyncOpenAI(base_url=f"{server.http_base}/v1", api_key="unused", max_retries=0, http_client=http)
     kind = OpenAIChatCompletionsModel if request.param == "chat" else OpenAIResponsesModel
     yield kind(model=MODEL, openai_client=client), bodies

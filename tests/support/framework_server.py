@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
-import httpx
 import pydantic
 from running_server import RunningServer, serve_with_template
 from server_tools import LoopThread
@@ -35,15 +34,19 @@ class Forecast(pydantic.BaseModel):
     days: Literal[1, 2, 3]
 
 
-class Bodies(list[dict[str, Any]]):
-    """The JSON bodies a client sent, in order: give `hook` (or `async_hook`) to httpx as a request hook."""
+class Request(Protocol):
+    """What the hooks read of an httpx request (the SDKs use httpx or its fork httpx2)."""
 
-    def hook(self, request: httpx.Request) -> None:
+    @property
+    def content(self) -> bytes: ...
+
+
+class Bodies(list[dict[str, Any]]):
+    """The JSON bodies an async client sent, in order: give `record` to its httpx client as a request hook."""
+
+    async def record(self, request: Request) -> None:
         if request.content:
             self.append(json.loads(request.content))
-
-    async def async_hook(self, request: httpx.Request) -> None:
-        self.hook(request)
 
 
 def serve_for_frameworks(loop: LoopThread, tiny_bundle: Path, where: Path) -> RunningServer:
