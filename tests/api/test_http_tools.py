@@ -303,6 +303,7 @@ def test_by_default_a_request_may_fill_its_context_and_only_one_that_cannot_fit_
             model=model, max_tokens=4096, messages=USER, extra_body={"ignore_eos": True}
         )
         assert message.usage.input_tokens + message.usage.output_tokens == context
+        assert message.stop_reason == "model_context_window_exceeded"  # Anthropic's, not max_tokens
     finally:
         running.stop()
 
