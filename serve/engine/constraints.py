@@ -15,7 +15,8 @@
 
 JSON is generated compact (no whitespace between tokens: `{"a":1,"b":[2,3]}`) unless the schema's own
 `"x-guidance"` options say otherwise (e.g. `{"whitespace_flexible": true}`): flexible whitespace lets a weak
-model pad the output with blanks until it runs out of tokens.
+model pad the output with blanks until it runs out of tokens. For the same reason an object schema that
+lists its properties and says nothing of other keys allows none (`closed_schema`, xgrammar's strict mode).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import numpy as np
 import tokenizers
 from llguidance.numpy import fill_next_token_bitmask_par
 
-from serve.engine.types import Constraint, ConstraintKind, ConstraintState
+from serve.engine.types import Constraint, ConstraintKind, ConstraintState, closed_schema
 from serve.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -75,7 +76,9 @@ def grammar_of(constraint: Constraint) -> str:
     try:
         match kind:
             case ConstraintKind.JSON_SCHEMA:
-                return llguidance.LLMatcher.grammar_from_json_schema(constraint.text, defaults=JSON_DEFAULTS)
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    _closed(constraint.text), defaults=JSON_DEFAULTS
+                )
             case ConstraintKind.JSON_OBJECT:
                 return llguidance.LLMatcher.grammar_from_json_schema(
                     '{"type": "object"}', defaults=JSON_DEFAULTS
@@ -89,6 +92,15 @@ def grammar_of(constraint: Constraint) -> str:
     except ValueError as exc:
         raise _Refused(_short(str(exc))) from None
     raise ValueError(f"unknown constraint kind {kind!r}")
+
+
+def _closed(schema: str) -> str:
+    """A schema's text with its objects closed (`closed_schema`); text that is no JSON goes to llguidance
+    as it is, whose refusal names the field."""
+    try:
+        return json.dumps(closed_schema(json.loads(schema)))
+    except ValueError:
+        return schema
 
 
 def parser_limits() -> llguidance.LLParserLimits:
