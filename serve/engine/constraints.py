@@ -29,14 +29,14 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import llguidance
 import numpy as np
 import tokenizers
 from llguidance.numpy import fill_next_token_bitmask_par
 
-from serve.engine.types import Constraint, ConstraintKind, ConstraintState, closed_schema
+from serve.engine.types import COMPACT_JSON, Constraint, ConstraintKind, ConstraintState, closed_schema
 from serve.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ log = logging.getLogger("textgen.constraints")
 # Compiles kept (their futures): a schema sent again is served from here.
 DEFAULT_CACHE_SIZE = 128
 COMPILE_WORKERS = 2  # one pathological grammar does not hold every other compile back
-JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}  # compact; x-guidance may override
+JSON_DEFAULTS = cast("JsonCompileOptions", COMPACT_JSON)  # x-guidance may override
 MAX_ERROR_CHARS = 1_000  # of llguidance's message in a refusal
 MAX_UNREAD_COMPILE_TIMES = 1_024  # compile times kept for the metrics between two steps' reads
 

@@ -174,6 +174,19 @@ class Constraint:
         return cls(ConstraintKind.CHOICE, choices=tuple(choices))
 
 
+# llguidance's JSON options unless a schema's own "x-guidance" says otherwise: compact, since flexible
+# whitespace lets a weak model pad its output with blanks until it runs out of tokens.
+COMPACT_JSON: dict[str, Any] = {"whitespace_flexible": False}
+
+
+def lark_json(schema: Mapping[str, Any]) -> str:
+    """A JSON Schema as a `%json` item of a Lark grammar (llguidance's syntax), read as a JSON_SCHEMA
+    constraint's schema is: closed (`closed_schema`), compact unless its "x-guidance" says otherwise."""
+    closed = closed_schema(dict(schema))
+    closed["x-guidance"] = {**COMPACT_JSON, **(closed.get("x-guidance") or {})}
+    return "%json " + json.dumps(closed)
+
+
 # Keywords whose value is one subschema, or a map or list of them, where an object schema may be found.
 _SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
