@@ -211,7 +211,7 @@ async def responses_plan(body: ResponsesRequest, model: LoadedModel, record: Cal
     choice = _responses_tool_choice(body.tool_choice)
     tools = _tool_plan(model, _function_tools(body.tools), choice, body.parallel_tool_calls)
     logprobs = _output_logprobs(body, tools)
-    constraint = tool_or_format(tools, text_format(body.text), "text.format")
+    constraint = tool_or_format(tools, text_format(body.text))
     options = _options(
         body, body.max_output_tokens, constraint, logprobs=logprobs, top_logprobs=body.top_logprobs or 0
     )
@@ -240,7 +240,7 @@ async def messages_plan(body: MessagesRequest, model: LoadedModel, record: CallR
     chat's, `output_config.format` as Responses' text.format, `stop_sequences` beside vLLM's `stop`.
     `record.prompt` as chat_plan sets it."""
     prompt, tools = await messages_prompt(body, model, record)
-    constraint = tool_or_format(tools, output_format(body.output_config), "output_config.format")
+    constraint = tool_or_format(tools, output_format(body.output_config))
     options = _options(body, body.max_tokens, constraint, logprobs=False, top_logprobs=0)
     options = replace(options, stop=[*options.stop, *(body.stop_sequences or ())])
     stream = bool(body.stream)
