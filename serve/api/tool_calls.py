@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from serve.api.tool_formats import DEFAULT_FORMAT, AutoStream, ToolCall, ToolCallFormat
-from serve.engine.types import Constraint
+from serve.engine.types import Constraint, ConstraintKind, lark_json
 from serve.errors import InvalidRequest
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -113,6 +113,37 @@ class ToolPlan:
             return replace(Constraint.json_schema(schema), source="tools (with tool_choice required)")
         return None
 
+    def calls_or(self, answer: Constraint) -> Constraint:
+        """`auto` beside an output format: the output is calls in the chat template's format, or the
+        format's JSON (a JSON schema or any object). Another kind of constraint (vLLM's regex, choice,
+        grammar) is the output's own, as without tools."""
+        if answer.kind == ConstraintKind.JSON_OBJECT:
+            answer_schema: dict[str, Any] = ANY_OBJECT
+        elif answer.kind == ConstraintKind.JSON_SCHEMA:
+            answer_schema = _schema_object(answer)
+        else:
+            return answer
+        form = self.format
+        call = calls_schema(self.tools, form.arguments_key, array=form.calls_array, parallel=self.parallel)
+        grammar = (
+            f"start: answer | calls\nanswer: {lark_json(answer_schema)}\ncall: {lark_json(call)}\n"
+            f"calls: {form.calls_rule(self.parallel)}\n"
+        )
+        return replace(Constraint.grammar(grammar), source=f"tools and {answer.field_name}")
+
+
+def _schema_object(constraint: Constraint) -> dict[str, Any]:
+    """A JSON_SCHEMA constraint's schema as an object (`true`: any JSON value)."""
+    try:
+        schema = json.loads(constraint.text)
+    except ValueError:
+        raise InvalidRequest(f"{constraint.field_name} is not valid: not JSON") from None
+    if schema is True:
+        return {}
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{constraint.field_name} is not valid: a schema is an object or true")
+    return schema
+
 
 def tool_plan(
     tools: Sequence[Tool] | None,
@@ -144,8 +175,14 @@ def tool_plan(
 
 
 def required_schema(tools: Sequence[Tool], parallel: bool) -> dict[str, Any]:
-    """An array of {"name", "parameters"} objects, one anyOf branch per tool. Each tool's `$defs` move to the
-    root, where their `#/$defs/...` references point once the schema is nested (vLLM does the same)."""
+    """An array of {"name", "parameters"} objects, one anyOf branch per tool (vLLM's format)."""
+    return calls_schema(tools, "parameters", array=True, parallel=parallel)
+
+
+def calls_schema(tools: Sequence[Tool], key: str, *, array: bool, parallel: bool = True) -> dict[str, Any]:
+    """One call object (`{"name": ..., key: <its arguments>}`, one anyOf branch per tool), or an array of
+    them (at least one; one unless `parallel`). Each tool's `$defs` move to the root, where their
+    `#/$defs/...` references point once the schema is nested (vLLM does the same)."""
     defs: dict[str, Any] = {}
     branches = []
     for index, tool in enumerate(tools):
@@ -157,20 +194,22 @@ def required_schema(tools: Sequence[Tool], parallel: bool) -> dict[str, Any]:
             if name in defs and defs[name] != definition:
                 raise InvalidRequest(
                     f"tools[{index}].function.parameters.$defs.{name} differs from another tool's "
-                    "definition of that name: with tool_choice required their $defs must agree"
+                    "definition of that name: where any tool may be called their $defs must agree"
                 )
             defs[name] = definition
         branches.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": tool.function.name}, "parameters": parameters},
-                "required": ["name", "parameters"],
+                "properties": {"name": {"const": tool.function.name}, key: parameters},
+                "required": ["name", key],
                 "additionalProperties": False,
             }
         )
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
-    if not parallel:
-        schema["maxItems"] = 1
+    schema: dict[str, Any] = {"anyOf": branches}
+    if array:
+        schema = {"type": "array", "minItems": 1, "items": schema}
+        if not parallel:
+            schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
     return schema

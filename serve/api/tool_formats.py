@@ -68,6 +68,12 @@ class ToolCallFormat:
     read: Reader
     markers: tuple[str, ...] = ()
     openers: tuple[str, ...] = ()
+    # Where an output must be calls or an answer (auto beside an output format): the calls as a Lark rule
+    # body (llguidance's syntax) over `call`, one call object with its arguments under `arguments_key`, or
+    # an array of them where `calls_array`; `parallel`: more than one call allowed.
+    calls_rule: Callable[[bool], str] = lambda parallel: "call"
+    arguments_key: str = "arguments"
+    calls_array: bool = False
 
     def split(self, text: str, checked: int = 0) -> tuple[int, bool]:
         """Where the calls begin in the output so far (True), or how much of it is content for sure (False):
@@ -193,8 +199,17 @@ def _read_llama(text: str, names: Sequence[str]) -> tuple[str, list[ToolCall]] |
 
 _LLAMA_INSTRUCTION = re.compile(r'"name":\s*function name,\s*"parameters"')
 
+# The blocks' newlines are optional and single: a run of blanks would let a weak model pad to its limit.
+_HERMES_BLOCK_RULE = f'"{HERMES_START}" "\\n"? call "\\n"? "{HERMES_END}"'
+
 HERMES = ToolCallFormat(
-    "hermes", lambda template: HERMES_START in template, _read_hermes, markers=(HERMES_START,)
+    "hermes",
+    lambda template: HERMES_START in template,
+    _read_hermes,
+    markers=(HERMES_START,),
+    calls_rule=lambda parallel: (
+        f'{_HERMES_BLOCK_RULE} ("\\n"? {_HERMES_BLOCK_RULE})*' if parallel else _HERMES_BLOCK_RULE
+    ),
 )
 MISTRAL = ToolCallFormat(
     "mistral",
@@ -202,12 +217,17 @@ MISTRAL = ToolCallFormat(
     _read_mistral,
     markers=(MISTRAL_MARKER,),
     openers=("[",),
+    # A special token of Mistral's tokenizers, which the output text leaves out: the array alone is calls.
+    calls_rule=lambda parallel: f'"{MISTRAL_MARKER}"? call',
+    calls_array=True,
 )
 LLAMA_JSON = ToolCallFormat(
     "llama3_json",
     lambda template: _LLAMA_INSTRUCTION.search(template) is not None,
     _read_llama,
     openers=(LLAMA_TAG, "{"),
+    calls_rule=lambda parallel: 'call (";" call)*' if parallel else "call",
+    arguments_key="parameters",
 )
 FORMATS = (HERMES, MISTRAL, LLAMA_JSON)  # the first one a template declares is its format
 DEFAULT_FORMAT = HERMES  # textgen's convention, for a template that declares none

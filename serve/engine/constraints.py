@@ -15,7 +15,8 @@
 
 JSON is generated compact (no whitespace between tokens: `{"a":1,"b":[2,3]}`) unless the schema's own
 `"x-guidance"` options say otherwise (e.g. `{"whitespace_flexible": true}`): flexible whitespace lets a weak
-model pad the output with blanks until it runs out of tokens.
+model pad the output with blanks until it runs out of tokens. For the same reason an object schema that
+lists its properties and says nothing of other keys allows none (`closed_schema`, xgrammar's strict mode).
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import llguidance
 import numpy as np
 import tokenizers
 from llguidance.numpy import fill_next_token_bitmask_par
 
-from serve.engine.types import Constraint, ConstraintKind, ConstraintState
+from serve.engine.types import COMPACT_JSON, Constraint, ConstraintKind, ConstraintState, closed_schema
 from serve.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ log = logging.getLogger("textgen.constraints")
 # Compiles kept (their futures): a schema sent again is served from here.
 DEFAULT_CACHE_SIZE = 128
 COMPILE_WORKERS = 2  # one pathological grammar does not hold every other compile back
-JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}  # compact; x-guidance may override
+JSON_DEFAULTS = cast("JsonCompileOptions", COMPACT_JSON)  # x-guidance may override
 MAX_ERROR_CHARS = 1_000  # of llguidance's message in a refusal
 MAX_UNREAD_COMPILE_TIMES = 1_024  # compile times kept for the metrics between two steps' reads
 
@@ -75,7 +76,9 @@ def grammar_of(constraint: Constraint) -> str:
     try:
         match kind:
             case ConstraintKind.JSON_SCHEMA:
-                return llguidance.LLMatcher.grammar_from_json_schema(constraint.text, defaults=JSON_DEFAULTS)
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    _closed(constraint.text), defaults=JSON_DEFAULTS
+                )
             case ConstraintKind.JSON_OBJECT:
                 return llguidance.LLMatcher.grammar_from_json_schema(
                     '{"type": "object"}', defaults=JSON_DEFAULTS
@@ -89,6 +92,15 @@ def grammar_of(constraint: Constraint) -> str:
     except ValueError as exc:
         raise _Refused(_short(str(exc))) from None
     raise ValueError(f"unknown constraint kind {kind!r}")
+
+
+def _closed(schema: str) -> str:
+    """A schema's text with its objects closed (`closed_schema`); text that is no JSON goes to llguidance
+    as it is, whose refusal names the field."""
+    try:
+        return json.dumps(closed_schema(json.loads(schema)))
+    except ValueError:
+        return schema
 
 
 def parser_limits() -> llguidance.LLParserLimits:

@@ -174,6 +174,58 @@ class Constraint:
         return cls(ConstraintKind.CHOICE, choices=tuple(choices))
 
 
+# llguidance's JSON options unless a schema's own "x-guidance" says otherwise: compact, since flexible
+# whitespace lets a weak model pad its output with blanks until it runs out of tokens.
+COMPACT_JSON: dict[str, Any] = {"whitespace_flexible": False}
+
+
+def lark_json(schema: Mapping[str, Any]) -> str:
+    """A JSON Schema as a `%json` item of a Lark grammar (llguidance's syntax), read as a JSON_SCHEMA
+    constraint's schema is: closed (`closed_schema`), compact unless its "x-guidance" says otherwise."""
+    closed = closed_schema(dict(schema))
+    closed["x-guidance"] = {**COMPACT_JSON, **(closed.get("x-guidance") or {})}
+    return "%json " + json.dumps(closed)
+
+
+# Keywords whose value is one subschema, or a map or list of them, where an object schema may be found.
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+# Keywords that already say what an object's other keys may be.
+_OTHER_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_schema(schema: Any, *, close: bool = True) -> Any:
+    """A JSON Schema whose object schemas that list `properties` and say nothing of other keys forbid them
+    (`"additionalProperties": false`), as xgrammar's strict mode (vLLM's default backend) reads them.
+
+    JSON Schema allows any other key there, and a constrained model may then write `,"` and one endless key
+    until it runs out of tokens; frameworks leave the keyword out by default (LangChain's non-strict tools,
+    instructor's models, every Anthropic tool). An explicit `additionalProperties` (true or a schema),
+    `patternProperties` or `unevaluatedProperties` is kept, and an object schema without `properties` (any
+    object) stays open. The members of an `allOf` are not closed one by one (their intersection would
+    allow no key of the others); objects nested in them are."""
+    if isinstance(schema, list):
+        return [closed_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = closed_schema(out[key])
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_schema(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(sub) for sub in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_schema(sub, close=False) for sub in out["allOf"]]
+    if close and isinstance(out.get("properties"), dict) and not any(k in out for k in _OTHER_KEYS):
+        out["additionalProperties"] = False
+    return out
+
+
 class ConstraintState(enum.Enum):
     """Where a constrained sequence's output stands after a token."""
 

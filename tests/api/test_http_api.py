@@ -720,7 +720,10 @@ def test_a_client_that_disconnects_cancels_its_request(base: str, server: Runnin
     body = {"prompt": PROMPT, "max_tokens": 30, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, headers={"X-Request-Id": "held-sse"}) as r:
         assert r.status_code == 200
-        next(r.iter_lines())  # the first token arrived: the request holds a row until its cancel
+        # One iterator for the whole block: a dropped one, closed when the garbage collector gets to it,
+        # closes the connection (httpcore), and the server would cancel the request before the test acts.
+        lines = r.iter_lines()
+        next(lines)  # the first token arrived: the request holds a row until its cancel
         server.wait_for(lambda s: s.running == 1)
     snapshot = server.wait_idle(5.0)  # closing the connection freed it
     assert snapshot.running == 0 and snapshot.kv_slots_used == 0
@@ -750,7 +753,8 @@ def test_a_client_that_leaves_a_streamed_response_cancels_it(base: str, server: 
     with httpx.stream("POST", f"{base}/v1/responses", json=body, headers=headers) as r:
         assert r.status_code == 200
         # response.created goes out at submission; the request then holds a row until its cancel.
-        next(line for line in r.iter_lines() if line == "event: response.created")
+        lines = r.iter_lines()  # kept: see the test above
+        next(line for line in lines if line == "event: response.created")
         server.wait_for(lambda s: s.running == 1)
     snapshot = server.wait_idle(5.0)  # closing the connection freed its row
     assert snapshot.running == 0 and snapshot.kv_slots_used == 0

@@ -113,6 +113,88 @@ def test_required_calls_name_a_tool_and_validate_against_its_schema(client: open
     assert [streamed[i] for i in sorted(streamed)] == expected
 
 
+# An output format as frameworks send one (openai-agents' output_type, pydantic-ai's NativeOutput): it says
+# nothing of other keys.
+ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+ANSWER_FORMAT: Any = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+
+
+def test_a_forced_call_beside_an_output_format_is_the_call(client: openai.OpenAI) -> None:
+    """The format applies to the turn's text; a forced turn is a call, whose arguments are the tool's."""
+    named = chat(client, tools=TOOLS, tool_choice=NAMED, response_format=ANSWER_FORMAT).choices[0]
+    assert named.finish_reason == "tool_calls" and named.message.content is None
+    (call,) = named.message.tool_calls
+    assert call.function.name == "weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    required = chat(
+        client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, response_format=ANSWER_FORMAT
+    ).choices[0]
+    assert required.finish_reason == "tool_calls" and len(required.message.tool_calls) == 1
+    call = required.message.tool_calls[0]
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_a_forced_call_beside_an_output_format_on_responses_and_messages(server: RunningServer) -> None:
+    client, model = server.openai_client(), server.model.name
+    response = client.responses.create(
+        model=model,
+        input="Oslo?",
+        tools=[{"type": "function", "name": "weather", "parameters": WEATHER, "strict": False}],
+        tool_choice={"type": "function", "name": "weather"},
+        text={"format": {"type": "json_schema", "name": "answer", "schema": ANSWER}},
+        temperature=0,
+    )
+    (item,) = response.output
+    assert item.type == "function_call" and item.name == "weather"
+    jsonschema.validate(json.loads(item.arguments), WEATHER)
+    messages = anthropic.Anthropic(base_url=server.http_base, api_key="unused", max_retries=0)
+    fields: Any = {
+        "messages": USER,
+        "tools": [{"name": "weather", "input_schema": WEATHER}],
+        "tool_choice": {"type": "tool", "name": "weather"},
+        "output_config": {"format": {"type": "json_schema", "schema": ANSWER}},
+    }
+    message = messages.messages.create(model=model, max_tokens=48, **fields)
+    assert message.stop_reason == "tool_use"
+    (use,) = [block for block in message.content if block.type == "tool_use"]
+    assert use.name == "weather"
+    jsonschema.validate(use.input, WEATHER)
+
+
+def call_or_answer(choice: Any) -> str:
+    """A choice of `auto` beside ANSWER_FORMAT, checked: one call of a tool with valid arguments, or the
+    format's JSON with no other key; which of the two it is."""
+    assert choice.finish_reason in ("tool_calls", "stop"), choice
+    if choice.message.tool_calls:
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        return "call"
+    jsonschema.validate(json.loads(choice.message.content), {**ANSWER, "additionalProperties": False})
+    return "answer"
+
+
+def test_auto_beside_an_output_format_is_a_call_or_the_formats_json(
+    client: openai.OpenAI, server: RunningServer
+) -> None:
+    """Either is allowed: what the model writes first decides (a +100 bias on a first character makes it).
+    The clock's call alone fits the 64 tokens the server allows (the tiny tokenizer spends a token a byte)."""
+    fields: dict[str, Any] = {
+        "tools": TOOLS[1:],
+        "parallel_tool_calls": False,
+        "response_format": ANSWER_FORMAT,
+        "max_tokens": 64,
+    }
+    call_or_answer(chat(client, **fields).choices[0])
+    (less,) = server.model.tokenizer.encode("<", add_special_tokens=False).ids
+    (brace,) = server.model.tokenizer.encode("{", add_special_tokens=False).ids
+    assert call_or_answer(chat(client, logit_bias={str(less): 100}, **fields).choices[0]) == "call"
+    assert call_or_answer(chat(client, logit_bias={str(brace): 100}, **fields).choices[0]) == "answer"
+    streamed = [c.choices[0] for c in chat(client, logit_bias={str(less): 100}, stream=True, **fields)]
+    assert [t.function.name for c in streamed for t in c.delta.tool_calls or []] and (
+        streamed[-1].finish_reason == "tool_calls"
+    )
+
+
 def rendered_tokens(server: RunningServer, messages: list[Any], tools: list[Any] | None) -> int:
     text = ChatTemplate(COMPACT_TOOLS, {}).render(messages, tools=tools)
     return len(server.model.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -279,6 +361,7 @@ def test_by_default_a_request_may_fill_its_context_and_only_one_that_cannot_fit_
             model=model, max_tokens=4096, messages=USER, extra_body={"ignore_eos": True}
         )
         assert message.usage.input_tokens + message.usage.output_tokens == context
+        assert message.stop_reason == "model_context_window_exceeded"  # Anthropic's, not max_tokens
     finally:
         running.stop()
 
@@ -306,10 +389,6 @@ ERRORS: list[tuple[dict[str, Any], str]] = [
             "tool_choice": {"type": "function", "function": {"name": "f"}},
         },
         "tools[0].function.parameters is not valid",
-    ),
-    (
-        {"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
-        "leave out response_format",
     ),
     (
         {

@@ -5,6 +5,7 @@ by choice, item by item, block by block."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -138,10 +139,10 @@ NAMED = NamedToolChoice.model_validate({"type": "function", "function": {"name":
 
 
 def responses_plan(
-    tools: ToolPlan, max_output_tokens: int | None = None, context: int = 128
+    tools: ToolPlan, max_output_tokens: int | None = None, context: int = 128, logprobs: bool = False
 ) -> ResponsesPlan:
     request = ResponsesRequest(input="x", max_output_tokens=max_output_tokens)
-    return ResponsesPlan([PROMPT], requests(1), 1, True, False, None, tools, False, request, context)
+    return ResponsesPlan([PROMPT], requests(1), 1, True, False, None, tools, logprobs, request, context)
 
 
 def sse_events(messages: list[str]) -> list[dict[str, Any]]:
@@ -181,7 +182,7 @@ def assert_adds_up(body: dict[str, Any], events: list[dict[str, Any]]) -> None:
     final = events[-1]["response"]
     assert kinds[-1] == f"response.{body['status']}"
     assert without_call_ids(final["output"]) == without_call_ids(body["output"])
-    drawn = ("output", "created_at")  # the renderers' own: their call ids, the second each was made in
+    drawn = ("id", "output", "created_at")  # the renderers' own: their ids, the second each was made in
     assert {k: v for k, v in final.items() if k not in drawn} == {
         k: v for k, v in body.items() if k not in drawn
     }
@@ -200,6 +201,16 @@ def assert_adds_up(body: dict[str, Any], events: list[dict[str, Any]]) -> None:
             assert arguments == item["arguments"] == mine[-1]["arguments"]
     done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
     assert done == final["output"]
+    assert_one_item_at_a_time(events)
+
+
+def assert_one_item_at_a_time(events: list[dict[str, Any]]) -> None:
+    """As OpenAI streams them: an item's events all come between its output_item.added and .done, and the
+    next item is added after that."""
+    places = [e["output_index"] for e in events if "output_index" in e]
+    assert places == sorted(places)
+    for kind in ("response.output_item.added", "response.output_item.done"):
+        assert [e["output_index"] for e in events if e["type"] == kind] == sorted(set(places))
 
 
 @pytest.mark.parametrize(("reason", "status"), [("eos", "completed"), ("length", "incomplete")])
@@ -207,7 +218,7 @@ def test_a_streamed_response_adds_up_to_the_whole_body(reason: str, status: str)
     plan = responses_plan(tool_plan(None, None, None))
     events: list[Event] = [tokens(" brown", scored=False), tokens(" fox", scored=False), finish(reason, 2)]
     body, streamed = streamed_response(plan, events)
-    assert body["id"] == "resp_rid" and body["object"] == "response" and body["status"] == status
+    assert body["object"] == "response" and body["status"] == status
     (message,) = body["output"]
     assert message["status"] == status and message["content"][0]["text"] == " brown fox"
     assert body["usage"]["output_tokens"] == 2 and body["usage"]["input_tokens"] == len(PROMPT.ids)
@@ -233,6 +244,43 @@ def test_calls_read_at_the_end_follow_the_content() -> None:
     body, streamed = streamed_response(plan, [*(tokens(t, scored=False) for t in text), finish("eos", 9)])
     message, call = body["output"]
     assert message["content"][0]["text"] == "Sure. " and call["arguments"] == '{"city": "Oslo"}'
+    assert_adds_up(body, streamed)
+
+
+def test_the_message_is_done_before_a_call_is_added() -> None:
+    plan = responses_plan(tool_plan([WEATHER], None, None))  # auto: the content, then the calls at the end
+    text = ["Sure. ", '<tool_call>{"name": "weather", ', '"arguments": {"city": "Oslo"}}</tool_call>']
+    _, streamed = streamed_response(plan, [*(tokens(t, scored=False) for t in text), finish("eos", 9)])
+    kinds = [(e["type"], e.get("output_index")) for e in streamed if e["type"].startswith("response.output_")]
+    message_done = kinds.index(("response.output_item.done", 0))
+    assert message_done < kinds.index(("response.output_item.added", 1))
+    assert [item["status"] for item in streamed[-1]["response"]["output"]] == ["completed", "completed"]
+
+
+def test_each_response_has_an_id_of_its_own() -> None:
+    plan = responses_plan(tool_plan(None, None, None))
+    renderers = [ResponsesRenderer(plan, "m", "same-request-id", VOCAB) for _ in range(2)]
+    ids = [renderer.id for renderer in renderers]
+    assert ids[0] != ids[1] and all(re.fullmatch("resp_[0-9a-f]{32}", i) for i in ids)
+    messages = [
+        sse_events([*r.events(0, tokens(" brown", scored=False))])[0]["item"]["id"] for r in renderers
+    ]
+    assert messages[0] != messages[1] and "same-request-id" not in messages[0]
+
+
+def test_the_output_texts_logprobs_add_up_to_the_whole_bodys() -> None:
+    plan = responses_plan(tool_plan(None, None, None), logprobs=True)
+    events: list[Event] = [tokens(" brown"), tokens(" fox"), finish("eos", 2)]
+    body, streamed = streamed_response(plan, events)
+    (message,) = body["output"]
+    logprobs = message["content"][0]["logprobs"]
+    ids = TOKENIZER.encode(" brown").ids + TOKENIZER.encode(" fox").ids
+    assert [entry["token"] for entry in logprobs] == [VOCAB.text(i) for i in ids]
+    assert all(len(entry["top_logprobs"]) == 2 for entry in logprobs)
+    deltas = [e for e in streamed if e["type"] == "response.output_text.delta"]
+    assert [entry for e in deltas for entry in e["logprobs"]] == logprobs
+    (text_done,) = [e for e in streamed if e["type"] == "response.output_text.done"]
+    assert text_done["logprobs"] == logprobs
     assert_adds_up(body, streamed)
 
 

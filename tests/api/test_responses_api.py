@@ -266,6 +266,20 @@ def test_text_format_json_schema_constrains_the_output(client: openai.OpenAI, mo
         ({"input": "x", "tools": [TOOL | {"name": "no spaces"}]}, 400, "tools.0.name: String should match"),
         ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "file_search"}}, 400, "tool_choice must be"),
         ({"input": "x", "text": {"format": {"type": "json_schema"}}}, 400, "text.format needs a schema"),
+        ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata has 17 keys"),
+        ({"input": "x", "metadata": {"k" * 65: "v"}}, 400, "longer than 64 characters"),
+        ({"input": "x", "metadata": {"k": "v" * 513}}, 400, "metadata['k'] is longer than 512"),
+        ({"input": "x", "metadata": {"k": 1}}, 400, "metadata.k: Input should be a valid string"),
+        ({"input": "x", "include": ["file_search_call.results"]}, 400, "include: 'file_search_call.results'"),
+        ({"input": "x", "top_logprobs": 2}, 400, "top_logprobs needs include"),
+        ({"input": "x", "top_logprobs": 21}, 400, "top_logprobs"),
+        (
+            {"input": "x", "tools": [TOOL], "include": ["message.output_text.logprobs"]},
+            400,
+            "served without tools",
+        ),
+        ({"input": "x", "reasoning": {"effort": "low"}}, 400, "this model does not reason"),
+        ({"input": "x", "reasoning": {"summary": "auto"}}, 400, "this model does not reason"),
     ],
 )
 def test_refusals_in_openais_shape(server: RunningServer, body: Any, status: int, message: str) -> None:
@@ -274,6 +288,47 @@ def test_refusals_in_openais_shape(server: RunningServer, body: Any, status: int
     error = reply.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
     assert "messages" not in error["message"] and "max_tokens" not in error["message"]
+
+
+def test_a_response_echoes_the_sampling_it_used_and_its_metadata(client: openai.OpenAI, model: str) -> None:
+    defaults = client.responses.create(model=model, input="x", max_output_tokens=2)
+    assert (defaults.temperature, defaults.top_p, defaults.metadata) == (1.0, 1.0, {})
+    metadata = {"user": "u-1", "k" * 64: "v" * 512}
+    fields: Any = {"temperature": 0.5, "top_p": 0.75, "metadata": metadata, "reasoning": {"effort": "none"}}
+    given = client.responses.create(model=model, input="x", max_output_tokens=2, **fields)
+    assert (given.temperature, given.top_p, given.metadata) == (0.5, 0.75, metadata)
+    *_, last = client.responses.create(model=model, input="x", max_output_tokens=2, stream=True, **fields)
+    final = last.response  # response.incomplete's (max_output_tokens reached)
+    assert (final.temperature, final.top_p, final.metadata) == (0.5, 0.75, metadata)
+
+
+def test_the_output_texts_logprobs_when_include_asks(client: openai.OpenAI, model: str) -> None:
+    include: Any = ["message.output_text.logprobs"]
+    fields: Any = {"model": model, "input": "Oslo?", "max_output_tokens": 4, "temperature": 0}
+    plain = client.responses.create(**fields)
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+    response = client.responses.create(**fields, include=include, top_logprobs=3)
+    (part,) = response.output[0].content  # type: ignore[union-attr]
+    assert part.type == "output_text" and part.logprobs is not None
+    assert "".join(entry.token for entry in part.logprobs) == response.output_text == plain.output_text
+    assert all(len(entry.top_logprobs) == 3 for entry in part.logprobs)
+    events = list(client.responses.create(**fields, include=include, top_logprobs=3, stream=True))
+    streamed = [e for e in events if e.type == "response.output_text.delta" for e in e.logprobs]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in part.logprobs]
+
+
+def test_responses_have_ids_of_their_own(client: openai.OpenAI, model: str) -> None:
+    """Not the client's X-Request-Id (two clients may send the same one), which names the request."""
+    headers = {"X-Request-Id": "same-id"}
+    replies = [
+        client.responses.with_raw_response.create(
+            model=model, input="x", max_output_tokens=2, extra_headers=headers
+        )
+        for _ in range(2)
+    ]
+    assert all(reply.headers["X-Request-Id"] == "same-id" for reply in replies)
+    ids = [reply.parse().id for reply in replies]
+    assert ids[0] != ids[1] and all(i.startswith("resp_") and "same-id" not in i for i in ids)
 
 
 def test_responses_are_counted_under_their_route(

@@ -4,11 +4,14 @@ convention, and reading a `required` array piece by piece as a stream does."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import pytest
+from scheduler_fakes import letter_tokenizer
 
+from serve.api.openai.structured_output import tool_or_format
 from serve.api.tool_calls import (
     NamedToolChoice,
     Reply,
@@ -18,8 +21,9 @@ from serve.api.tool_calls import (
     required_schema,
     tool_plan,
 )
-from serve.api.tool_formats import LLAMA_JSON, AutoStream, parse_auto
-from serve.engine.types import ConstraintKind
+from serve.api.tool_formats import HERMES, LLAMA_JSON, MISTRAL, AutoStream, ToolCallFormat, parse_auto
+from serve.engine.constraints import ConstraintCompiler
+from serve.engine.types import Constraint, ConstraintKind
 from serve.errors import InvalidRequest
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -194,3 +198,66 @@ def test_a_reply_cut_short_keeps_what_came_and_says_length() -> None:
     plain = Reply(tool_plan(TOOLS, "none", None))
     assert plain.feed("<tool_call>") == {"content": "<tool_call>"} and plain.finish("stop")[1] == "stop"
     assert plain.message() == {"role": "assistant", "content": "<tool_call>"}
+
+
+# --- auto beside an output format: calls in the template's format, or the format's JSON ---------------------
+
+ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+CLOCK = {"type": "object", "properties": {"zone": {"enum": ["UTC"]}}, "required": ["zone"]}
+CALL = '{"name":"clock","arguments":{"zone":"UTC"}}'  # compact, as the constraint writes JSON
+LLAMA_CALL = '{"name":"clock","parameters":{"zone":"UTC"}}'
+# Each format, one call as it writes it, and two.
+CALLS = {
+    HERMES: (
+        f"<tool_call>\n{CALL}\n</tool_call>",
+        f"<tool_call>{CALL}</tool_call>" * 2,
+    ),
+    MISTRAL: (f"[TOOL_CALLS][{CALL}]", f"[{CALL},{CALL}]"),
+    LLAMA_JSON: (LLAMA_CALL, f"{LLAMA_CALL};{LLAMA_CALL}"),
+}
+
+
+@pytest.fixture(scope="module")
+def compiler() -> Iterator[ConstraintCompiler]:
+    tokenizer = letter_tokenizer()
+    compiler = ConstraintCompiler(tokenizer, tokenizer.get_vocab_size(), [0])
+    yield compiler
+    compiler.shutdown()
+
+
+def matches(compiler: ConstraintCompiler, constraint: Constraint, text: str) -> bool:
+    matcher = compiler.compile(constraint).matcher()
+    ids = compiler.tokenizer.tokenize_str(text)
+    return all(matcher.consume_token(token) for token in ids) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("form", list(CALLS), ids=lambda form: form.name)
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_beside_a_format_allows_the_templates_calls_or_the_formats_json(
+    compiler: ConstraintCompiler, form: ToolCallFormat, parallel: bool
+) -> None:
+    plan = tool_plan([tool("weather", WEATHER), tool("clock", CLOCK)], "auto", parallel, form)
+    constraint = tool_or_format(plan, Constraint.json_schema(ANSWER))
+    assert constraint is not None and constraint.kind == ConstraintKind.GRAMMAR
+    one, two = CALLS[form]
+    assert matches(compiler, constraint, '{"answer":"yes"}')
+    assert not matches(compiler, constraint, '{"answer":"yes","more":1}')  # closed, as a schema alone is
+    assert not matches(compiler, constraint, "plain text")
+    assert matches(compiler, constraint, one) and matches(compiler, constraint, two) == parallel
+    # What the grammar allows is what the format's reader reads as calls.
+    for text in (one, two) if parallel else (one,):
+        content, calls = parse_auto(text, plan.names, form)
+        assert content is None and calls and all(json.loads(c.arguments) == {"zone": "UTC"} for c in calls)
+    any_object = tool_or_format(plan, Constraint.json_object())  # json_object: any object, or calls
+    assert any_object is not None and matches(compiler, any_object, '{"x":[1]}')
+    assert matches(compiler, any_object, one)
+
+
+def test_a_forced_call_beside_a_format_is_the_call_and_none_keeps_the_format() -> None:
+    answer = Constraint.json_schema(ANSWER)
+    for choice in (named("weather"), "required"):
+        plan = tool_plan(TOOLS, choice, None)
+        assert tool_or_format(plan, answer) == plan.constraint()
+    assert tool_or_format(tool_plan(TOOLS, "none", None), answer) == answer
+    regex = Constraint.regex("a+")  # vLLM's other fields constrain the whole output, tools or not
+    assert tool_or_format(tool_plan(TOOLS, "auto", None), regex) == regex

@@ -31,7 +31,7 @@ from serve.engine.engine import Engine
 from serve.engine.logits_processors import apply_token_bitmask
 from serve.engine.runtime import SessionConfig
 from serve.engine.sampling import SamplingBatch, SamplingParams
-from serve.engine.types import Constraint, ConstraintState, EngineSettings
+from serve.engine.types import Constraint, ConstraintState, EngineSettings, closed_schema
 from serve.errors import Cancelled, InvalidRequest, TextgenError
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.offline import OFFLINE_LIMITS, generate
@@ -544,3 +544,71 @@ def test_the_tracker_ends_a_constrained_request_where_its_constraint_says(engine
     last = matching.accept(a, 0.0, 1.0, constraint=ConstraintState.ACCEPTING)[1]
     assert last is not None and last.finish_reason == "length" and not last.constraint_incomplete
     assert tracker(ignore_eos=True, min_new_tokens=2).new_sequence().banned[0] == engine.eos_token_id
+
+
+# --- object schemas that say nothing of other keys ----------------------------------------------------------
+
+
+def _opened(schema: Any) -> Any:
+    """The schema without any `additionalProperties`: as frameworks send their default schemas."""
+    if isinstance(schema, dict):
+        return {k: _opened(v) for k, v in schema.items() if k != "additionalProperties"}
+    return [_opened(item) for item in schema] if isinstance(schema, list) else schema
+
+
+def test_objects_that_list_their_properties_allow_no_other_key(engine: Engine, bundle: Bundle) -> None:
+    """With "," favoured, a model under an open schema writes `,"":0` again and again until max_new_tokens;
+    closed, each object ends after its own properties, and the output validates against the schema with
+    `additionalProperties: false` everywhere (no extra key)."""
+    outs = completions(
+        engine,
+        [Constraint.json_schema(_opened(s)) for s in SCHEMAS.values()],
+        forcing(bundle, ","),
+        max_new_tokens=110,
+    )
+    for schema, out in zip(SCHEMAS.values(), outs, strict=True):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_explicit_additional_properties_are_honoured(engine: Engine, bundle: Bundle) -> None:
+    schema = {"type": "object", "properties": {"a": {"const": 1}}, "required": ["a"]}
+    open_keys = {**schema, "additionalProperties": {"type": "integer"}}
+    (closed, opened) = completions(
+        engine, [Constraint.json_schema(schema), Constraint.json_schema(open_keys)], forcing(bundle, ",")
+    )
+    assert closed.text == '{"a":1}'
+    assert opened.text.startswith('{"a":1,"'), opened.text  # "," was allowed, and taken
+
+
+def test_closed_schema_closes_listed_properties_only() -> None:
+    inner: dict[str, Any] = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {
+            "inner": inner,
+            "free": {"type": "object"},
+            "items": {"type": "array", "items": inner},
+        },
+        "$defs": {"d": inner},
+        "anyOf": [inner],
+        "allOf": [{"properties": {"a": inner}}],
+    }
+    closed = closed_schema(schema)
+    shut = {**inner, "additionalProperties": False}
+    assert closed["additionalProperties"] is False
+    assert closed["properties"] == {
+        "inner": shut,
+        "free": {"type": "object"},
+        "items": {"type": "array", "items": shut},
+    }
+    assert closed["$defs"] == {"d": shut} and closed["anyOf"] == [shut]
+    assert closed["allOf"] == [{"properties": {"a": shut}}]  # an allOf member itself stays open
+    kept: dict[str, Any]
+    for kept in (
+        {"additionalProperties": True},
+        {"patternProperties": {"^x": {}}},
+        {"unevaluatedProperties": False},
+    ):
+        assert closed_schema({**inner, **kept}) == {**inner, **kept}
+    assert schema["properties"]["inner"] == inner  # the caller's schema is left as it was

@@ -8,7 +8,7 @@ top_logprobs (and the completions' logprobs) 0..20, max_tokens >= 0. Chat takes 
 `parallel_tool_calls` (serve/api/tool_calls.py) and the history's tool calls and tool results. /v1/responses
 takes OpenAI's Responses request with the same sampling fields (`SamplingFields`), its `input` items and
 function tools in their own shape, and `max_output_tokens` (>= 0) for max_tokens. Unknown
-fields that do not change the output (user, metadata, store, ...) are accepted and ignored; those that would
+fields that do not change the output (user, safety_identifier, ...) are accepted and ignored; those that would
 and are not supported here are refused (serve/api/openai/translate.py).
 
 Responses are typed dicts, not models: a stream sends one object per token, and a dict is serialized as it
@@ -191,6 +191,18 @@ class ResponsesRequest(SamplingFields):
     parallel_tool_calls: bool | None = Field(None, description="false: tool_choice required makes one call")
     previous_response_id: str | None = Field(None, description="refused: responses are not stored")
     store: bool | None = Field(None, description="true is refused: responses are not stored")
+    metadata: dict[str, str] | None = Field(
+        None, description="echoed: up to 16 keys of up to 64 characters, values of up to 512"
+    )
+    include: list[str] | None = Field(
+        None, description='"message.output_text.logprobs": the output text\'s logprobs (without tools)'
+    )
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token, with the included logprobs"
+    )
+    reasoning: dict[str, Any] | None = Field(
+        None, description='this model does not reason: only {"effort": "none"} (or null) is served'
+    )
 
 
 # The items of a Responses `input` that are not messages, each validated on its own, so that an error names
@@ -385,6 +397,7 @@ class OutputText(TypedDict):
     type: Literal["output_text"]
     text: str
     annotations: list[Any]
+    logprobs: list[TokenLogprob]  # empty unless `include` asks for them
 
 
 class OutputMessage(TypedDict):
@@ -438,8 +451,9 @@ class ResponseObject(TypedDict):
     error: ResponseError | None
     instructions: str | None
     max_output_tokens: int | None
-    temperature: float | None
-    top_p: float | None
+    temperature: float
+    top_p: float
+    top_logprobs: int | None
     tools: list[dict[str, Any]]
     tool_choice: str | dict[str, Any]
     parallel_tool_calls: bool
@@ -447,4 +461,5 @@ class ResponseObject(TypedDict):
     previous_response_id: None
     store: Literal[False]
     metadata: dict[str, str]
+    reasoning: dict[str, str | None]  # effort: the request's ("none" or null), summary: null
     usage: ResponseUsage | None

@@ -1,23 +1,28 @@
 """/v1/responses' answers: OpenAI's `response` object, whole or as the Responses API's typed events.
 
 The request is served as the chat it means (translate.py `responses_plan`), and its text is read as its
-tools say (serve/api/tool_calls.py `Reply`) into output items: a message of output_text, function_call
-items. A stream opens with response.created and response.in_progress as soon as the request is submitted,
-before its first token; then each item is added (response.output_item.added), grows
-(response.output_text.delta, response.function_call_arguments.delta) and is done (its .done events,
-response.output_item.done); the last event is response.completed, response.incomplete or response.failed.
-The whole body is the same output read from the whole text at once.
+tools say (serve/api/tool_calls.py `Reply`) into output items: a message of output_text (with its tokens'
+logprobs when `include` asks for them), function_call items. A stream opens with response.created and
+response.in_progress as soon as the request is submitted, before its first token; then each item in turn is
+added (response.output_item.added), grows (response.output_text.delta, response.function_call_arguments.delta)
+and is done (its .done events, response.output_item.done) before the next is added, as OpenAI streams them;
+the last event is response.completed, response.incomplete or response.failed. The whole body is the same
+output read from the whole text at once.
+
+A response's id is its own (`resp_` and random hex): the client's X-Request-Id names the HTTP request (its
+logs, its header), not the response, and two requests may send the same one.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from serve.api.http_status import HttpError
-from serve.api.openai.logprobs import Vocabulary
+from serve.api.openai.logprobs import Vocabulary, chat_logprobs
 from serve.api.openai.protocol import (
     FunctionCallOut,
     IncompleteDetails,
@@ -28,11 +33,13 @@ from serve.api.openai.protocol import (
     ResponseObject,
     ResponseStatus,
     ResponseUsage,
+    TokenLogprob,
 )
 from serve.api.openai.request_events import plan_usage
 from serve.api.openai.serving import Renderer, context_filled, finish_reason
 from serve.api.openai.translate import ResponsesPlan
 from serve.api.tool_calls import Reply, ToolPlan
+from serve.engine.sampling import Alternatives
 from serve.scheduling.request import Completion, Event, FinishEvent
 
 Ended = Literal["completed", "incomplete"]
@@ -42,6 +49,8 @@ Ended = Literal["completed", "incomplete"]
 class _Message:
     id: str
     text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # its tokens', when `include` asks for them
+    sent: int = 0  # how many of them went out in deltas
 
     def item(self, status: ItemStatus) -> OutputMessage:
         """The item as response.output_item.added shows it (in_progress: no content yet), or with its text."""
@@ -49,7 +58,7 @@ class _Message:
         return {"type": "message", "id": self.id, "status": status, "role": "assistant", "content": content}
 
     def part(self) -> OutputText:
-        return {"type": "output_text", "text": self.text, "annotations": []}
+        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
 
 
 @dataclass
@@ -76,18 +85,22 @@ class _Call:
 
 class _Output:
     """A response's output items as its text comes, in the order they begin (an item's place is its
-    output_index), and the events each piece of text makes (numbered when sent)."""
+    output_index), and the events each piece of text makes (numbered when sent). One item is open at a
+    time: adding the next one ends the one before, completed."""
 
-    def __init__(self, tools: ToolPlan, message_id: str) -> None:
+    def __init__(self, tools: ToolPlan) -> None:
         self._reply = Reply(tools)
-        self._message = _Message(message_id)
+        self._message = _Message(f"msg_{uuid.uuid4().hex}")
         self._calls: dict[int, _Call] = {}  # by the call's index in the reply
         self._places: dict[str, int] = {}  # an item's id -> its output_index
+        self._ended: dict[str, Ended] = {}  # the items done, by id -> how they ended
         self.items: list[_Message | _Call] = []
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
+    def feed(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> list[dict[str, Any]]:
+        """The events of this piece of text; `logprobs`: its tokens' (they are the message's: logprobs are
+        served without tools, whose output is all message)."""
         content, pieces = self._reply.read(text)
-        events = self._text(content)
+        events = self._text(content, logprobs)
         for piece in pieces:
             if piece.name is not None:
                 assert piece.id is not None  # a call's first piece names it
@@ -97,8 +110,8 @@ class _Output:
         return events
 
     def finish(self, reason: str, status: Ended) -> list[dict[str, Any]]:
-        """The events that end the output: what was held to the end (auto's content and calls), then every
-        item done with `status`."""
+        """The events that end the output: what was held to the end (auto's content and calls), then the
+        last item done with `status`."""
         content, calls, _ = self._reply.end(reason)
         events = self._text(content)
         for index, whole in enumerate(calls):
@@ -107,26 +120,28 @@ class _Output:
                 events += self._open(call) + self._arguments(call, whole.arguments)
         if not self.items:  # an answer of nothing is an empty message
             events += self._open(self._message)
-        for item in self.items:
-            events += self._done(item, status)
-        return events
+        return events + self._close(status)
 
     def output(self, status: ItemStatus) -> list[OutputMessage | FunctionCallOut]:
-        return [item.item(status) for item in self.items]
+        """The items: those done as they ended, the open one with `status`."""
+        return [item.item(self._ended.get(item.id, status)) for item in self.items]
 
-    def _text(self, text: str) -> list[dict[str, Any]]:
-        if not text:
-            return []
+    def _text(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> list[dict[str, Any]]:
         message = self._message
+        if not text:  # tokens of no text yet: their logprobs go with the next delta, or the done events
+            message.logprobs += logprobs
+            return []
         events = [] if message.id in self._places else self._open(message)
         message.text += text
+        message.logprobs += logprobs
         delta = {
             "type": "response.output_text.delta",
             **self._where(message),
             "content_index": 0,
             "delta": text,
-            "logprobs": [],
+            "logprobs": message.logprobs[message.sent :],
         }
+        message.sent = len(message.logprobs)
         return [*events, delta]
 
     def _arguments(self, call: _Call, piece: str) -> list[dict[str, Any]]:
@@ -136,23 +151,29 @@ class _Output:
         return [{"type": "response.function_call_arguments.delta", **self._where(call), "delta": piece}]
 
     def _open(self, item: _Message | _Call) -> list[dict[str, Any]]:
+        events = self._close("completed")  # items do not overlap: the one before is done first
         place = self._places[item.id] = len(self.items)
         self.items.append(item)
-        events = [
+        events.append(
             {"type": "response.output_item.added", "output_index": place, "item": item.item("in_progress")}
-        ]
+        )
         if isinstance(item, _Message):
             events.append(
                 {
                     "type": "response.content_part.added",
                     **self._where(item),
                     "content_index": 0,
-                    "part": item.part(),
+                    "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
                 }
             )
         return events
 
-    def _done(self, item: _Message | _Call, status: Ended) -> list[dict[str, Any]]:
+    def _close(self, status: Ended) -> list[dict[str, Any]]:
+        """The events that end the open item with `status` (none if no item is open)."""
+        if not self.items or self.items[-1].id in self._ended:
+            return []
+        item = self.items[-1]
+        self._ended[item.id] = status
         where = self._where(item)
         done = {
             "type": "response.output_item.done",
@@ -172,7 +193,7 @@ class _Output:
             **where,
             "content_index": 0,
             "text": item.text,
-            "logprobs": [],
+            "logprobs": item.logprobs,
         }
         part = {"type": "response.content_part.done", **where, "content_index": 0, "part": item.part()}
         return [text, part, done]
@@ -186,15 +207,18 @@ class ResponsesRenderer(Renderer[ResponsesPlan]):
 
     def __init__(self, plan: ResponsesPlan, model: str, request_id: str, vocab: Vocabulary) -> None:
         super().__init__(plan, model, request_id, vocab)
-        self._message_id = f"msg_{request_id}"
-        self._output = _Output(plan.tools, self._message_id)  # a stream's, as it goes
+        self.id = f"{self.prefix}{uuid.uuid4().hex}"  # the response's own: X-Request-Id names the request
+        self._output = _Output(plan.tools)  # a stream's, as it goes
         self._sent = 0  # the next event's sequence_number
 
     def body(self, done: Sequence[Completion]) -> ResponseObject:
         (completion,) = done
         assert completion.finish is not None
-        output = _Output(self.plan.tools, self._message_id)
-        output.feed(completion.text)
+        output = _Output(self.plan.tools)
+        output.feed(
+            completion.text,
+            self._logprobs(completion.token_ids, completion.logprobs, completion.top_logprobs),
+        )
         output.finish(finish_reason(completion.finish.finish_reason), self._status(completion.finish))
         return self._final(output, completion.finish)
 
@@ -211,7 +235,8 @@ class ResponsesRenderer(Renderer[ResponsesPlan]):
         if isinstance(event, FinishEvent):
             reason = finish_reason(event.finish_reason)
             return self._sse(self._output.finish(reason, self._status(event)))
-        return self._sse(self._output.feed(event.text))
+        logprobs = self._logprobs(event.token_ids, event.logprobs, event.top_logprobs)
+        return self._sse(self._output.feed(event.text, logprobs))
 
     def closing(self, finishes: Sequence[FinishEvent | None]) -> list[str]:
         (finish,) = finishes
@@ -233,6 +258,12 @@ class ResponsesRenderer(Renderer[ResponsesPlan]):
             self._sent += 1
             out.append(f"event: {event['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n")
         return out
+
+    def _logprobs(
+        self, token_ids: list[int], logprobs: list[float], tops: list[Alternatives]
+    ) -> list[TokenLogprob]:
+        """The tokens' logprobs as output_text shows them, if `include` asks for them."""
+        return chat_logprobs(self.vocab, token_ids, logprobs, tops) if self.plan.logprobs else []
 
     @staticmethod
     def _status(finish: FinishEvent) -> Ended:
@@ -281,14 +312,16 @@ class ResponsesRenderer(Renderer[ResponsesPlan]):
             "error": error,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
-            "temperature": body.temperature,
-            "top_p": body.top_p,
+            "temperature": 1.0 if body.temperature is None else body.temperature,  # translate.py's default
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "top_logprobs": body.top_logprobs,
             "tools": body.tools or [],
             "tool_choice": body.tool_choice or "auto",
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "text": body.text or {"format": {"type": "text"}},
             "previous_response_id": None,
             "store": False,
-            "metadata": {},
+            "metadata": body.metadata or {},
+            "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
             "usage": usage,
         }

@@ -111,21 +111,18 @@ def structured_output(body: SamplingRequest) -> Constraint | None:
 
 
 def chat_constraint(body: ChatCompletionRequest, plan: ToolPlan) -> Constraint | None:
-    """A chat's constraint: a forced tool call's, or the structured output asked for (not both)."""
-    return tool_or_format(
-        plan, structured_output(body), "response_format (and vLLM's structured-output fields)"
-    )
+    """A chat's constraint: its tool_choice's and its structured output's together (`tool_or_format`)."""
+    return tool_or_format(plan, structured_output(body))
 
 
-def tool_or_format(plan: ToolPlan, constraint: Constraint | None, fields: str) -> Constraint | None:
-    """A forced tool call's constraint, or the output format's (`constraint`, asked for in `fields`): a
-    request may not ask for both."""
+def tool_or_format(plan: ToolPlan, constraint: Constraint | None) -> Constraint | None:
+    """What a request's tool_choice and its output format (`constraint`) make of the output together, as
+    OpenAI's API does, where the format applies to the turn's text and a tool call has none: a forced call
+    (a named function, `required`) is that call's constraint; `auto` is calls or the format's JSON; without
+    tools (or with `none`), the format's."""
     forced = plan.constraint()
-    if forced is None:
-        return constraint
-    if constraint is not None:
-        raise InvalidRequest(
-            f"tool_choice {plan.named or plan.mode!r} constrains the output to a tool call: "
-            f"leave out {fields}"
-        )
-    return forced
+    if forced is not None:
+        return forced
+    if plan.mode == "auto" and constraint is not None:
+        return plan.calls_or(constraint)
+    return constraint

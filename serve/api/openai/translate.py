@@ -139,7 +139,7 @@ class ChatPlan(Plan):
 
 @dataclass
 class ResponsesPlan(ChatPlan):
-    """A Responses request served as the chat it means (one choice, no logprobs)."""
+    """A Responses request served as the chat it means (one choice; logprobs when `include` asks)."""
 
     request: ResponsesRequest  # its fields are echoed in the response
     context_length: int  # the model's: an output cut short there is incomplete for its own reason
@@ -206,16 +206,21 @@ async def responses_plan(body: ResponsesRequest, model: LoadedModel, record: Cal
             "max_output_tokens = 0 generates nothing: give 1 or more "
             "(or leave it out for the server's default)"
         )
+    _check_metadata(body.metadata or {})
+    _check_reasoning(body.reasoning)
     choice = _responses_tool_choice(body.tool_choice)
     tools = _tool_plan(model, _function_tools(body.tools), choice, body.parallel_tool_calls)
-    constraint = tool_or_format(tools, text_format(body.text), "text.format")
-    options = _options(body, body.max_output_tokens, constraint, logprobs=False, top_logprobs=0)
+    logprobs = _output_logprobs(body, tools)
+    constraint = tool_or_format(tools, text_format(body.text))
+    options = _options(
+        body, body.max_output_tokens, constraint, logprobs=logprobs, top_logprobs=body.top_logprobs or 0
+    )
     prompts = [await _chat_prompt(_input_messages(body), tools, model, record)]
     stream = bool(body.stream)
     requests = _requests(prompts, options, 1, model, record.request_id, stream, RESPONSES_FIELDS)
     label = _chat_label(constraint, tools)
     context = model.limits.context_length
-    return ResponsesPlan(prompts, requests, 1, stream, False, label, tools, False, body, context)
+    return ResponsesPlan(prompts, requests, 1, stream, False, label, tools, logprobs, body, context)
 
 
 async def messages_prompt(
@@ -235,7 +240,7 @@ async def messages_plan(body: MessagesRequest, model: LoadedModel, record: CallR
     chat's, `output_config.format` as Responses' text.format, `stop_sequences` beside vLLM's `stop`.
     `record.prompt` as chat_plan sets it."""
     prompt, tools = await messages_prompt(body, model, record)
-    constraint = tool_or_format(tools, output_format(body.output_config), "output_config.format")
+    constraint = tool_or_format(tools, output_format(body.output_config))
     options = _options(body, body.max_tokens, constraint, logprobs=False, top_logprobs=0)
     options = replace(options, stop=[*options.stop, *(body.stop_sequences or ())])
     stream = bool(body.stream)
@@ -546,6 +551,48 @@ def _input_text(index: int, content: Any) -> str:
     if not isinstance(content, list):
         raise InvalidRequest(f"input[{index}].content must be a string or a list of text parts")
     return _joined_text(content, TEXT_PARTS, f"input[{index}].content")
+
+
+# OpenAI's limits on a response's metadata.
+MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# What `include` may ask for: the output text's logprobs, and reasoning's encrypted content, of which this
+# model, which does not reason, has none. The others name tools and inputs this server does not take.
+INCLUDABLE = (OUTPUT_LOGPROBS, "reasoning.encrypted_content")
+
+
+def _check_metadata(metadata: dict[str, str]) -> None:
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise InvalidRequest(f"metadata has {len(metadata)} keys: at most {MAX_METADATA_KEYS}")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise InvalidRequest(f"metadata key {key[:20]!r}... is longer than {MAX_METADATA_KEY} characters")
+        if len(value) > MAX_METADATA_VALUE:
+            raise InvalidRequest(f"metadata[{key!r}] is longer than {MAX_METADATA_VALUE} characters")
+
+
+def _check_reasoning(reasoning: dict[str, Any] | None) -> None:
+    """OpenAI's `reasoning` configures a reasoning model; this one has no reasoning to configure, so only
+    what asks for none is served."""
+    reasoning = reasoning or {}
+    if reasoning.get("effort") not in (None, "none") or reasoning.get("summary") is not None:
+        raise InvalidRequest(
+            'reasoning: this model does not reason; leave reasoning out (or give {"effort": "none"})'
+        )
+
+
+def _output_logprobs(body: ResponsesRequest, tools: ToolPlan) -> bool:
+    """Whether the output text's logprobs are served: `include` asks for them (top_logprobs alone does
+    not), and there are no tools, whose calls' tokens are no text's."""
+    for name in body.include or ():
+        if name not in INCLUDABLE:
+            raise InvalidRequest(f"include: {name!r} is not served here; this server includes {INCLUDABLE}")
+    wanted = OUTPUT_LOGPROBS in (body.include or ())
+    if body.top_logprobs and not wanted:
+        raise InvalidRequest(f'top_logprobs needs include: ["{OUTPUT_LOGPROBS}"]')
+    if wanted and tools.mode != "none":
+        raise InvalidRequest(f"include {OUTPUT_LOGPROBS!r} is served without tools; leave out tools or it")
+    return wanted
 
 
 def _function_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
