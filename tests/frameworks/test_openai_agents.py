@@ -1,11 +1,11 @@
 """openai-agents against the server, as its documentation sets up "a local OpenAI-compatible server" (an
 `AsyncOpenAI` client with a `base_url`, given to `OpenAIChatCompletionsModel` or `OpenAIResponsesModel`):
-a forced function tool runs with arguments its schema validated, an `output_type` comes back parsed, and a
-tool's error reaches the model in the next turn's request."""
+a forced function tool runs with arguments its schema validated, an `output_type` comes back parsed (alone,
+streamed, and beside a forced tool), and a tool's error reaches the model in the next turn's request."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
 import pydantic
@@ -17,8 +17,10 @@ from agents import (
     ModelSettings,
     OpenAIChatCompletionsModel,
     OpenAIResponsesModel,
+    RawResponsesStreamEvent,
     RunContextWrapper,
     Runner,
+    StreamEvent,
     ToolsToFinalOutputResult,
     function_tool,
     set_tracing_disabled,
@@ -77,6 +79,52 @@ def test_output_type_comes_back_parsed(loop: Any, model: tuple[Model, Bodies]) -
     )
     result = loop.run(Runner.run(agent, "Oslo?"))
     assert isinstance(result.final_output, Answer)
+
+
+def test_a_forced_tool_beside_output_type_runs_then_the_output_parses(
+    loop: Any, model: tuple[Model, Bodies]
+) -> None:
+    cities: list[str] = []
+
+    @function_tool
+    def weather(city: Literal["Oslo", "Rome"]) -> str:
+        """A forecast."""
+        cities.append(city)
+        return "sun"
+
+    # The first request forces the tool and carries the output's format; the next ones (tool_choice back to
+    # auto) let the model call again or answer in the format, so the run ends in an Answer either way.
+    agent = Agent(
+        name="forecaster",
+        model=model[0],
+        tools=[weather],
+        output_type=Answer,
+        model_settings=ModelSettings(tool_choice="weather", max_tokens=ROOM, temperature=0),
+    )
+    result = loop.run(Runner.run(agent, "Oslo?"))
+    assert cities
+    assert isinstance(result.final_output, Answer)
+
+
+def test_a_streamed_run_adds_up_to_its_output(loop: Any, model: tuple[Model, Bodies]) -> None:
+    settings = ModelSettings(max_tokens=16, temperature=0)
+    agent = Agent(name="judge", model=model[0], output_type=Answer, model_settings=settings)
+
+    async def stream() -> tuple[list[str], Any]:
+        run = Runner.run_streamed(agent, "Oslo?")
+        deltas = [delta async for delta in text_deltas(run.stream_events())]
+        return deltas, run.final_output
+
+    deltas, output = loop.run(stream())
+    assert isinstance(output, Answer)
+    assert Answer.model_validate_json("".join(deltas)) == output
+
+
+async def text_deltas(events: AsyncIterator[StreamEvent]) -> AsyncIterator[str]:
+    """The text deltas of a run's raw model events (the SDK turns chat chunks into Responses events)."""
+    async for event in events:
+        if isinstance(event, RawResponsesStreamEvent) and event.data.type == "response.output_text.delta":
+            yield event.data.delta
 
 
 def test_a_tool_error_reaches_the_next_turn(loop: Any, model: tuple[Model, Bodies]) -> None:
