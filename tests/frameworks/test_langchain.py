@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import functools
 import operator
+from typing import Literal
 
+import pydantic
 import pytest
 from framework_server import MODEL, Forecast
 from langchain_anthropic import ChatAnthropic
@@ -18,6 +20,12 @@ from running_server import RunningServer
 
 ROOM = 60  # room for a forced call of Forecast
 PROMPT = "Oslo?"
+
+
+class City(pydantic.BaseModel):
+    """A model as people write them: its schema leaves additionalProperties out (not strict)."""
+
+    city: Literal["Oslo", "Rome"]
 
 
 @pytest.fixture(params=["openai", "anthropic"])
@@ -48,6 +56,16 @@ def test_a_forced_tool_comes_back_with_valid_arguments(chat_model: BaseChatModel
     [call] = reply.tool_calls
     assert call["name"] == "Forecast"
     Forecast.model_validate(call["args"])
+
+
+def test_a_sampled_call_of_a_non_strict_schema_ends(chat_model: BaseChatModel) -> None:
+    """The server reads a schema that leaves additionalProperties out as closed, so a sampled call ends."""
+    sampled = chat_model.bind(temperature=1).bind_tools([City], tool_choice="City")
+    for _ in range(3):
+        reply = sampled.invoke(PROMPT)
+        assert isinstance(reply, AIMessage)
+        [call] = reply.tool_calls
+        City.model_validate(call["args"])
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])

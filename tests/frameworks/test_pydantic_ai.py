@@ -1,7 +1,7 @@
 """pydantic-ai against the server, as its documentation sets up an OpenAI-compatible provider
 (`OpenAIChatModel` with an `OpenAIProvider(base_url=...)`): a function tool forced on the first step runs
-with validated arguments, a `ToolOutput` comes back as its model, and streamed text and output add up to
-what the unstreamed run gives."""
+with validated arguments before a `ToolOutput` or a `NativeOutput` comes back as its model, and streamed
+text and output add up to what the unstreamed run gives."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import pytest
 from framework_server import MODEL, Forecast
-from pydantic_ai import Agent, RunContext, ToolOutput
+from pydantic_ai import Agent, NativeOutput, RunContext, ToolOutput
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
@@ -46,6 +46,22 @@ def test_a_tool_runs_then_the_tool_output_ends_the_run(loop: Any, model: OpenAIC
 
     result = loop.run(agent.run("Oslo?"))
     assert len(zones) == 1
+    assert isinstance(result.output, Forecast)
+
+
+def test_a_tool_runs_then_the_native_output_ends_the_run(loop: Any, model: OpenAIChatModel) -> None:
+    """The first request forces the tool and carries the output's JSON schema as its response_format."""
+    zones: list[str] = []
+    agent = Agent(model, output_type=NativeOutput(Forecast), model_settings=ROOM, capabilities=[ClockFirst()])
+
+    @agent.tool_plain
+    def clock(zone: Literal["UTC", "CET"]) -> str:
+        """The time."""
+        zones.append(zone)
+        return "noon"
+
+    result = loop.run(agent.run("Oslo?"))
+    assert zones
     assert isinstance(result.output, Forecast)
 
 
