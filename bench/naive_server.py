@@ -106,7 +106,7 @@ class NaiveService(pb_grpc.TextGenerationServicer):
             model_name=manifest.model_name,
             vocab_size=self._engine.vocab_size,
             context_length=self._engine.context_length,
-            max_new_tokens_limit=min(self._limits.max_new_tokens, self._limits.context_length - 1),
+            max_new_tokens_limit=self._limits.largest_new_tokens,
             max_batch_size=1,
             dtype=manifest.dtype,
             quantization=manifest.quantization,
