@@ -7,8 +7,11 @@ the logits of the new tokens with the present key/values (past + new).
 The defaults are the GPT-style decoder this project trains (LayerNorm, GELU MLP, multi-head attention, biases
 everywhere). The other options are the blocks of the Hugging Face families export/hf_import.py reads: RMSNorm,
 SwiGLU, tanh-approximated GELU, grouped-query attention (fewer key/value heads, each shared by a group of
-query heads; the cache holds the key/value heads only), an explicit head dim, per-head RMSNorm of q and k,
-scaled RoPE (linear, llama3) and a sliding window.
+query heads; the cache holds the key/value heads only), an explicit head dim, RMSNorm of q and k (per head,
+or over the whole projection), scaled RoPE (linear, llama3) on all of the head dim or its first part, GeGLU,
+norms before and/or after each sublayer, scales of the embedding, the residual branches, the attention
+scores and the logits, tanh soft-capping of the attention scores and of the logits, and layers that attend
+differently (`LayerAttention`: a sliding window, a RoPE base of their own, or no rotary at all).
 
 Shapes in comments: B batch, S new tokens, P past tokens, T = P + S, H heads, Hkv key/value heads, Dh head
 dim, D d_model, F d_ff, V vocab.
@@ -25,14 +28,38 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 Positions = Literal["learned", "sinusoidal", "rotary"]
-Activation = Literal["gelu", "relu", "gelu_tanh", "swiglu"]
+Activation = Literal["gelu", "relu", "gelu_tanh", "swiglu", "geglu"]
 Norm = Literal["layer", "rms"]
-RopeScaling = Literal["none", "linear", "llama3"]
+NormPlacement = Literal["pre", "post", "sandwich"]
+QKNormScope = Literal["head", "projection"]
+RopeScaling = Literal["none", "linear", "llama3", "longrope"]
 KV = tuple[Tensor, Tensor]
 
-ACTIVATIONS = ("gelu", "relu", "gelu_tanh", "swiglu")
+ACTIVATIONS = ("gelu", "relu", "gelu_tanh", "swiglu", "geglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu")  # `up` computes [gate; up]: act(gate) * up
 NORMS = ("layer", "rms")
-ROPE_SCALINGS = ("none", "linear", "llama3")
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
+QK_NORM_SCOPES = ("head", "projection")
+ROPE_SCALINGS = ("none", "linear", "llama3", "longrope")
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends, where the layers of one model differ (Gemma 2 and 3 interleave sliding-window
+    and global layers, Gemma 3's with RoPE bases of their own; SmolLM3 leaves every fourth layer without
+    rotary). The sizes and the projections are the same in every layer."""
+
+    window: int = 0  # W > 0: a query sees the last W keys, itself included; 0: all
+    rotary: bool = True  # False: no position encoding in this layer (of a rotary model)
+    rope_theta: float = 0.0  # > 0: this layer's own RoPE base, unscaled; 0: the config's RoPE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
+            raise ValueError(f"a layer's window must be a non-negative integer, got {self.window!r}")
+        if self.rope_theta < 0:
+            raise ValueError(
+                f"a layer's rope_theta must be positive (or 0: the config's), got {self.rope_theta}"
+            )
 
 
 @dataclass(frozen=True)
@@ -64,13 +91,38 @@ class DecoderConfig:
     rope_low_freq_factor: float = 1.0  # llama3
     rope_high_freq_factor: float = 4.0  # llama3
     rope_original_context: int = 0  # llama3: the context the model was pretrained with; 0: context_length
+    rope_short_factors: tuple[float, ...] = ()  # longrope: each frequency divided by its factor
+    rope_attention_factor: float = 1.0  # longrope: cos and sin times this
+    rotary_dim: int = 0  # RoPE on the first rotary_dim features of each head (Phi-4-mini); 0: all of them
+    # One per layer where the layers attend differently; (): every layer LayerAttention(sliding_window).
+    layer_attention: tuple[LayerAttention, ...] = ()
+    qk_norm_scope: QKNormScope = "head"  # "projection": one norm over all heads of q, one of k (OLMo 2)
+    norm_placement: NormPlacement = "pre"  # "post": norm(sublayer(x)) (OLMo 2); "sandwich": both (Gemma)
+    embedding_scale: float = 1.0  # the token embeddings times this (Gemma: sqrt(d_model); Granite)
+    residual_scale: float = 1.0  # each sublayer's output times this before it is added (Granite)
+    attn_scale: float = 0.0  # of q.k; 0: 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-0.5; Granite)
+    attn_softcap: float = 0.0  # c > 0: scores become c * tanh(scores / c) before the mask (Gemma 2)
+    logit_scale: float = 1.0  # the logits times this (Granite: 1 / logits_scaling)
+    logit_softcap: float = 0.0  # c > 0: logits become c * tanh(logits / c), after logit_scale (Gemma 2)
 
     def __post_init__(self) -> None:
+        # A config read back from a dict or JSON has lists and dicts where the dataclass holds tuples.
+        layers = tuple(
+            LayerAttention(**layer) if isinstance(layer, dict) else layer for layer in self.layer_attention
+        )
+        object.__setattr__(self, "layer_attention", layers)
+        object.__setattr__(self, "rope_short_factors", tuple(float(f) for f in self.rope_short_factors))
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("n_kv_heads", "explicit_head_dim", "sliding_window", "rope_original_context"):
+        for name in (
+            "n_kv_heads",
+            "explicit_head_dim",
+            "sliding_window",
+            "rope_original_context",
+            "rotary_dim",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
@@ -86,8 +138,32 @@ class DecoderConfig:
             raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, not {self.activation!r}")
         if self.norm not in NORMS:
             raise ValueError(f"norm must be layer or rms, not {self.norm!r}")
-        if self.positions == "rotary" and self.head_dim % 2:
-            raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
+        if self.positions == "rotary" and self.rotary_features % 2:
+            raise ValueError(
+                f"rotary positions need an even head_dim (or rotary_dim), got {self.rotary_features}"
+            )
+        if self.rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim ({self.rotary_dim}) must not exceed head_dim ({self.head_dim})")
+        if self.layer_attention and len(self.layer_attention) != self.n_layers:
+            raise ValueError(
+                f"layer_attention has {len(self.layer_attention)} entries for {self.n_layers} layers"
+            )
+        if self.layer_attention and self.sliding_window:
+            raise ValueError("give the window in layer_attention or in sliding_window, not both")
+        if not all(isinstance(layer, LayerAttention) for layer in self.layer_attention):
+            raise ValueError("layer_attention must hold LayerAttention entries")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"qk_norm_scope must be head or projection, not {self.qk_norm_scope!r}")
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(
+                f"norm_placement must be one of {', '.join(NORM_PLACEMENTS)}, not {self.norm_placement!r}"
+            )
+        for name in ("embedding_scale", "residual_scale", "logit_scale"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("attn_scale", "attn_softcap", "logit_softcap"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be positive (or 0: none), got {getattr(self, name)}")
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ValueError(
                 f"rope_scaling must be one of {', '.join(ROPE_SCALINGS)}, not {self.rope_scaling!r}"
@@ -103,6 +179,31 @@ class DecoderConfig:
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.d_model // self.n_heads
+
+        pairs = self.rotary_features // 2
+        if self.rope_scaling == "longrope" and len(self.rope_short_factors) != pairs:
+            raise ValueError(f"longrope needs {pairs} rope_short_factors, got {len(self.rope_short_factors)}")
+
+    @property
+    def rotary_features(self) -> int:
+        """The features of each head RoPE rotates: the first rotary_dim, or all head_dim."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def layers(self) -> tuple[LayerAttention, ...]:
+        """Each layer's attention: layer_attention, or every layer alike with sliding_window."""
+        return self.layer_attention or (LayerAttention(window=self.sliding_window),) * self.n_layers
+
+    @property
+    def rope_thetas(self) -> tuple[float, ...]:
+        """The RoPE bases the rotary layers use, each once: 0.0 (the config's RoPE) first if any use it."""
+        if self.positions != "rotary":
+            return ()
+        return tuple(sorted({layer.rope_theta for layer in self.layers if layer.rotary}))
+
+    @property
+    def attention_scale(self) -> float:
+        return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
 
     @property
     def kv_heads(self) -> int:
@@ -126,7 +227,7 @@ class DecoderConfig:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown decoder config keys: {sorted(unknown)}")
-        return cls(**data)  # type: ignore[arg-type]
+        return cls(**data)  # type: ignore[arg-type]  # layer_attention's dicts: __post_init__
 
 
 def sinusoidal_table(length: int, dim: int) -> Tensor:
@@ -139,20 +240,27 @@ def sinusoidal_table(length: int, dim: int) -> Tensor:
     return table
 
 
-def rope_frequencies(cfg: DecoderConfig) -> Tensor:
-    """The rotary angle per position of each pair of the head dim, [Dh/2], scaled as cfg says.
+def rope_frequencies(cfg: DecoderConfig, theta: float = 0.0) -> Tensor:
+    """The rotary angle per position of each rotated pair of the head dim, [rotary/2], scaled as cfg says;
+    with `theta` > 0, that base unscaled instead (a layer's own RoPE, LayerAttention.rope_theta).
 
     Both scalings are of the frequencies, so the tables do not depend on the sequence length:
     - linear: every frequency / factor (positions interpolated by the factor);
+    - longrope: each frequency / its own short factor (transformers' _compute_longrope_parameters up to
+      the original context; rotary_tables scales cos and sin by the attention factor);
     - llama3: wavelengths shorter than original / high_freq_factor unchanged, longer than
       original / low_freq_factor divided by the factor, and those between interpolated smoothly
       (transformers' _compute_llama3_parameters).
     """
-    dim = cfg.head_dim
-    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    dim = cfg.rotary_features
+    inv = 1.0 / (theta or cfg.rope_theta) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if theta:
+        return inv
     factor = cfg.rope_factor
     if cfg.rope_scaling == "linear":
         return inv / factor
+    if cfg.rope_scaling == "longrope":
+        return inv / torch.tensor(cfg.rope_short_factors, dtype=torch.float32)
     if cfg.rope_scaling == "llama3":
         original = cfg.rope_original_context or cfg.context_length
         low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
@@ -165,16 +273,22 @@ def rope_frequencies(cfg: DecoderConfig) -> Tensor:
     return inv
 
 
-def rotary_tables(cfg: DecoderConfig) -> tuple[Tensor, Tensor]:
-    """cos and sin of the rotary angles, [context_length, Dh/2] each (GPT-NeoX, non-interleaved halves)."""
-    angles = torch.arange(cfg.context_length, dtype=torch.float32)[:, None] * rope_frequencies(cfg)[None, :]
+def rotary_tables(cfg: DecoderConfig, theta: float = 0.0) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotary angles, [context_length, rotary/2] each (GPT-NeoX, non-interleaved
+    halves); `theta` as rope_frequencies takes it."""
+    inv = rope_frequencies(cfg, theta)
+    angles = torch.arange(cfg.context_length, dtype=torch.float32)[:, None] * inv[None, :]
+    if cfg.rope_scaling == "longrope" and not theta:
+        return torch.cos(angles) * cfg.rope_attention_factor, torch.sin(angles) * cfg.rope_attention_factor
     return torch.cos(angles), torch.sin(angles)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x1[i], x2[i]) of the two halves of the head dim. x [B,H,S,Dh], cos/sin [B,1,S,Dh/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate pairs (x1[i], x2[i]) of the two halves of the first 2 * cos.shape[-1] features of the head
+    dim, the rest unchanged (partial rotary). x [B,H,S,Dh], cos/sin [B,1,S,rotary/2]."""
+    rotary = 2 * cos.shape[-1]
+    x1, x2 = x[..., : rotary // 2], x[..., rotary // 2 : rotary]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotary:]), dim=-1)
 
 
 def attention_bias(attention_mask: Tensor, seq_len: int, dtype: torch.dtype, window: int = 0) -> Tensor:
@@ -219,8 +333,12 @@ class Attention(nn.Module):
         # One projection for q, k and v: rows [0, H*Dh) are q, then Hkv*Dh of k, then Hkv*Dh of v.
         self.qkv = nn.Linear(cfg.d_model, self.q_dim + 2 * self.kv_dim, bias=cfg.qkv_bias)
         self.out = nn.Linear(self.q_dim, cfg.d_model, bias=cfg.out_bias)
-        self.q_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
-        self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.per_head_norm = cfg.qk_norm_scope == "head"
+        q_features, k_features = (cfg.head_dim,) * 2 if self.per_head_norm else (cfg.q_dim, cfg.kv_dim)
+        self.q_norm = make_norm(cfg, q_features) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, k_features) if cfg.qk_norm else None
+        self.scale = cfg.attn_scale or None  # None: SDPA's own 1/sqrt(Dh)
+        self.softcap = cfg.attn_softcap
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
         # Inspection only: when set, the weights are computed explicitly and kept in `recorded`.
@@ -234,9 +352,11 @@ class Attention(nn.Module):
         self, x: Tensor, bias: Tensor, past: KV, rotary: tuple[Tensor, Tensor] | None
     ) -> tuple[Tensor, KV]:
         q, k, v = self.qkv(x).split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
+        if self.q_norm is not None and self.k_norm is not None and not self.per_head_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # over all heads at once
         q = self.split_heads(q, self.n_heads)  # [B,H,S,Dh]
         k, v = self.split_heads(k, self.kv_heads), self.split_heads(v, self.kv_heads)  # [B,Hkv,S,Dh]
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # over Dh, each head on its own
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
@@ -246,30 +366,36 @@ class Attention(nn.Module):
         if self.kv_heads != self.n_heads:  # each key/value head serves H / Hkv consecutive query heads
             k = k.repeat_interleave(self.n_heads // self.kv_heads, dim=1)  # [B,H,T,Dh]
             v = v.repeat_interleave(self.n_heads // self.kv_heads, dim=1)
-        if self.record:
-            scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim) + bias  # [B,H,S,T]
-            weights = scores.softmax(dim=-1)
-            self.recorded = weights.detach()
-            y = weights @ v
+        if self.record or self.softcap:  # SDPA has no soft-capping: the scores are computed here
+            scores = q @ k.transpose(-2, -1) * (self.scale or 1 / math.sqrt(self.head_dim))  # [B,H,S,T]
+            if self.softcap:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
+            weights = (scores + bias).softmax(dim=-1)
+            if self.record:
+                self.recorded = weights.detach()
+            y = F.dropout(weights, self.dropout, self.training) @ v
         else:
             drop = self.dropout if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)  # [B,H,S,Dh]
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, dropout_p=drop, scale=self.scale
+            )  # [B,H,S,Dh]
         y = y.transpose(1, 2).flatten(2)  # [B,S,H*Dh]
         return self.resid_dropout(self.out(y)), present
 
 
 class FeedForward(nn.Module):
-    """down(act(up(x))); SwiGLU: `up` computes [gate; up] ([B,S,2F]) and down(silu(gate) * up)."""
+    """down(act(up(x))); gated (SwiGLU, GeGLU): `up` computes [gate; up] ([B,S,2F]), down(act(gate) * up)."""
 
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
-        self.gated = cfg.activation == "swiglu"
+        self.gated = cfg.activation in GATED_ACTIVATIONS
         self.up = nn.Linear(cfg.d_model, (2 if self.gated else 1) * cfg.d_ff, bias=cfg.mlp_bias)
         self.act: nn.Module = {
             "gelu": nn.GELU(),
             "gelu_tanh": nn.GELU(approximate="tanh"),  # GPT-2's gelu_new
             "relu": nn.ReLU(),
             "swiglu": nn.SiLU(),
+            "geglu": nn.GELU(approximate="tanh"),  # Gemma's gelu_pytorch_tanh
         }[cfg.activation]
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
         self.dropout = nn.Dropout(cfg.dropout)
@@ -285,21 +411,35 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x))."""
+    """Residual block: x + scale * attn(x), then x + scale * ffn(x), each sublayer with the norms of the
+    config's norm_placement: "pre" sublayer(norm(x)), "post" norm(sublayer(x)), "sandwich" both."""
 
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
-        self.ln_attn = make_norm(cfg, cfg.d_model)
+        pre, post = cfg.norm_placement != "post", cfg.norm_placement != "pre"
+        self.ln_attn = make_norm(cfg, cfg.d_model) if pre else None
         self.attn = Attention(cfg)
-        self.ln_ffn = make_norm(cfg, cfg.d_model)
+        self.ln_attn_out = make_norm(cfg, cfg.d_model) if post else None
+        self.ln_ffn = make_norm(cfg, cfg.d_model) if pre else None
         self.ffn = FeedForward(cfg)
+        self.ln_ffn_out = make_norm(cfg, cfg.d_model) if post else None
+        self.residual_scale = cfg.residual_scale
 
     def forward(
         self, x: Tensor, bias: Tensor, past: KV, rotary: tuple[Tensor, Tensor] | None
     ) -> tuple[Tensor, KV]:
-        a, present = self.attn(self.ln_attn(x), bias, past, rotary)
-        x = x + a
-        return x + self.ffn(self.ln_ffn(x)), present
+        a, present = self.attn(_normed(self.ln_attn, x), bias, past, rotary)
+        x = x + _scaled(_normed(self.ln_attn_out, a), self.residual_scale)
+        f = self.ffn(_normed(self.ln_ffn, x))
+        return x + _scaled(_normed(self.ln_ffn_out, f), self.residual_scale), present
+
+
+def _normed(norm: nn.Module | None, x: Tensor) -> Tensor:
+    return x if norm is None else norm(x)
+
+
+def _scaled(x: Tensor, scale: float) -> Tensor:
+    return x if scale == 1.0 else x * scale
 
 
 class Decoder(nn.Module):
@@ -320,16 +460,17 @@ class Decoder(nn.Module):
 
     def make_tables(self) -> None:
         """(Re)compute the fixed position tables, non-persistent buffers: for a model built on the meta
-        device whose weights were then loaded (export/hf_import.py)."""
+        device whose weights were then loaded (export/hf_import.py). Rotary: one cos/sin pair per RoPE
+        base the layers use (rope_cos_0 / rope_sin_0, ... in the order of cfg.rope_thetas)."""
         cfg = self.cfg
         if cfg.positions == "sinusoidal":
             self.register_buffer(
                 "pos_table", sinusoidal_table(cfg.context_length, cfg.d_model), persistent=False
             )
-        elif cfg.positions == "rotary":
-            cos, sin = rotary_tables(cfg)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+        for j, theta in enumerate(cfg.rope_thetas):
+            cos, sin = rotary_tables(cfg, theta)
+            self.register_buffer(f"rope_cos_{j}", cos, persistent=False)
+            self.register_buffer(f"rope_sin_{j}", sin, persistent=False)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -365,28 +506,35 @@ class Decoder(nn.Module):
         position_ids: Tensor,  # [B,S] int64
         past_key_values: list[KV] | None = None,  # per layer ([B,Hkv,P,Dh], [B,Hkv,P,Dh])
     ) -> tuple[Tensor, list[KV]]:
+        cfg = self.cfg
         if past_key_values is None:
             past_key_values = self.empty_past(input_ids.shape[0])
-        x = self.tok_emb(input_ids)  # [B,S,D]
-        rotary = None
-        if self.cfg.positions == "learned":
+        x = _scaled(self.tok_emb(input_ids), cfg.embedding_scale)  # [B,S,D]
+        if cfg.positions == "learned":
             x = x + self.pos_emb(position_ids)
-        elif self.cfg.positions == "sinusoidal":
+        elif cfg.positions == "sinusoidal":
             x = x + self.buffer("pos_table")[position_ids]
-        else:
-            rotary = (
-                self.buffer("rope_cos")[position_ids][:, None],
-                self.buffer("rope_sin")[position_ids][:, None],
-            )  # [B,1,S,Dh/2]
+        rotaries = {
+            theta: (
+                self.buffer(f"rope_cos_{j}")[position_ids][:, None],
+                self.buffer(f"rope_sin_{j}")[position_ids][:, None],
+            )  # [B,1,S,rotary/2]
+            for j, theta in enumerate(cfg.rope_thetas)
+        }
         x = self.emb_dropout(x)
-        bias = attention_bias(
-            attention_mask, input_ids.shape[1], x.dtype, self.cfg.sliding_window
-        )  # [B,1,S,T]
+        biases = {
+            w: attention_bias(attention_mask, input_ids.shape[1], x.dtype, w)  # [B,1,S,T]
+            for w in sorted({layer.window for layer in cfg.layers})
+        }
         presents: list[KV] = []
-        for block, past in zip(self.block_list(), past_key_values, strict=True):
-            x, present = block(x, bias, past, rotary)
+        for block, layer, past in zip(self.block_list(), cfg.layers, past_key_values, strict=True):
+            rotary = rotaries.get(layer.rope_theta) if layer.rotary else None
+            x, present = block(x, biases[layer.window], past, rotary)
             presents.append(present)
-        return self.lm_head(self.ln_f(x)), presents  # [B,S,V]
+        logits = _scaled(self.lm_head(self.ln_f(x)), cfg.logit_scale)  # [B,S,V]
+        if cfg.logit_softcap:
+            logits = torch.tanh(logits / cfg.logit_softcap) * cfg.logit_softcap
+        return logits, presents
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:

@@ -23,7 +23,15 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from export.model import Decoder, rotary_tables, sinusoidal_table
+from export.model import (
+    GATED_ACTIVATIONS,
+    Block,
+    Decoder,
+    DecoderConfig,
+    LayerAttention,
+    rotary_tables,
+    sinusoidal_table,
+)
 from serve.bundle import (
     LORA_POSITIONS_INPUT,
     LORA_ROUTING_INPUTS,
@@ -147,6 +155,19 @@ class _GraphBuilder:
         (y,) = self.node("Div", [x, rms], f"{name}/div")
         return self.node("Mul", [y, self.weight(f"{name}.weight", module.weight.detach().numpy())], name)[0]
 
+    def scaled(self, x: str, scale: float, name: str) -> str:
+        """x times a constant, or x itself for 1."""
+        if scale == 1.0:
+            return x
+        return self.node("Mul", [x, self.weight(f"{name}.value", np.array(scale))], name)[0]
+
+    def softcap(self, x: str, cap: float, name: str) -> str:
+        """cap * tanh(x / cap)."""
+        c = self.weight(f"{name}.cap", np.array(cap))
+        (y,) = self.node("Div", [x, c], f"{name}/div")
+        (y,) = self.node("Tanh", [y], f"{name}/tanh")
+        return self.node("Mul", [y, c], name)[0]
+
     def head_norm(self, x: str, module: torch.nn.Module, heads: int, head_dim: int, name: str) -> str:
         """The norm over each head of x [B,S,heads*Dh]: reshaped to [B,S,heads,Dh] and back."""
         (h,) = self.node(
@@ -170,10 +191,10 @@ def build_inplace_graph(model: Decoder, lora: LoraLayout | None = None) -> onnx.
     """Write `model` as the in-place GroupQueryAttention graph described in the module docstring, with
     `lora`'s branches (export/lora.py) if given."""
     cfg = model.cfg
-    if cfg.positions == "rotary" and cfg.head_dim % 16:
+    if cfg.positions == "rotary" and (cfg.head_dim % 16 or cfg.rotary_features % 16):
         raise ValueError(
-            f"rotary positions need head_dim to be a multiple of 16 for ONNX Runtime's GroupQueryAttention "
-            f"(got {cfg.head_dim})"
+            "rotary positions need head_dim and the rotated features to be multiples of 16 for ONNX "
+            f"Runtime's GroupQueryAttention (got {cfg.head_dim} and {cfg.rotary_features})"
         )
     model = model.eval()
     g = _GraphBuilder(lora)
@@ -181,80 +202,127 @@ def build_inplace_graph(model: Decoder, lora: LoraLayout | None = None) -> onnx.
     (x,) = g.node(
         "Gather", [g.weight("tok_emb.weight", model.tok_emb.weight.detach().numpy()), "input_ids"], "tok_emb"
     )
-    rotary_inputs: list[str] = []
-    if cfg.positions == "learned":
-        table = model.pos_emb.weight.detach().numpy()
-    elif cfg.positions == "sinusoidal":
-        table = sinusoidal_table(cfg.context_length, cfg.d_model).numpy()
-    else:
-        table = None
-        cos, sin = rotary_tables(cfg)  # [context, Dh/2], the RoPE scaling already in the frequencies
-        rotary_inputs = [g.weight("rope.cos", cos.numpy()), g.weight("rope.sin", sin.numpy())]
-    if table is not None:
+    x = g.scaled(x, cfg.embedding_scale, "emb_scale")
+    if cfg.positions != "rotary":
+        if cfg.positions == "learned":
+            table = model.pos_emb.weight.detach().numpy()
+        else:
+            table = sinusoidal_table(cfg.context_length, cfg.d_model).numpy()
         (pos,) = g.node("Gather", [g.weight("pos_table", table), "position_ids"], "pos_emb")
         (x,) = g.node("Add", [x, pos], "emb_add")
-
-    for i, block in enumerate(model.block_list()):
-        p = f"blocks.{i}"
-        attn = block.attn
-        h = g.norm(x, block.ln_attn, f"{p}.ln_attn")
-        qkv = g.linear(h, attn.qkv.weight, attn.qkv.bias, f"{p}.attn.qkv")  # [B,S,H*Dh + 2*Hkv*Dh]
-        if attn.q_norm is not None and attn.k_norm is not None:
-            # The per-head norms come before the rotation GroupQueryAttention applies: q, k, v go in apart.
-            q, k, v = g.node(
-                "Split",
-                [qkv, g.const_i64(f"{p}.attn.qkv_sizes", [cfg.q_dim, cfg.kv_dim, cfg.kv_dim])],
-                f"{p}.attn.qkv_split",
-                outputs=[f"{p}.attn.q", f"{p}.attn.k", f"{p}.attn.v"],
-                axis=-1,
-            )
-            q = g.head_norm(q, attn.q_norm, cfg.n_heads, cfg.head_dim, f"{p}.attn.q_norm")
-            k = g.head_norm(k, attn.k_norm, cfg.kv_heads, cfg.head_dim, f"{p}.attn.k_norm")
-            qkv_inputs = [q, k, v]
-        else:
-            qkv_inputs = [qkv, "", ""]  # packed
-        attn_inputs = [
-            *qkv_inputs,
-            f"past_key.{i}",
-            f"past_value.{i}",
-            "seqlens_k",
-            "total_sequence_length",
-            *rotary_inputs,
+    rotary_inputs: dict[float, list[str]] = {}
+    for j, theta in enumerate(cfg.rope_thetas):
+        cos, sin = rotary_tables(
+            cfg, theta
+        )  # [context, rotary/2], the RoPE scaling already in the frequencies
+        suffix = f"_{j}" if j else ""
+        rotary_inputs[theta] = [
+            g.weight(f"rope.cos{suffix}", cos.numpy()),
+            g.weight(f"rope.sin{suffix}", sin.numpy()),
         ]
-        # The presents are graph outputs directly (no Identity), so a buffer bound to both past and present is
-        # written in place rather than copied.
-        (y, _, _) = g.node(
-            "GroupQueryAttention",
-            attn_inputs,
-            f"{p}.attn.gqa",
-            domain=MS_DOMAIN,
-            outputs=[f"{p}.attn.gqa", f"present_key.{i}", f"present_value.{i}"],
-            num_heads=cfg.n_heads,
-            kv_num_heads=cfg.kv_heads,
-            do_rotary=int(bool(rotary_inputs)),
-            rotary_interleaved=0,
-            **({"local_window_size": local_window_size(cfg.sliding_window)} if cfg.sliding_window else {}),
-        )
-        a = g.linear(y, attn.out.weight, attn.out.bias, f"{p}.attn.out")
-        (x,) = g.node("Add", [x, a], f"{p}.attn_residual")
-        h = g.norm(x, block.ln_ffn, f"{p}.ln_ffn")
-        h = g.linear(h, block.ffn.up.weight, block.ffn.up.bias, f"{p}.ffn.up")
-        h = _activation(g, h, cfg.activation, cfg.d_ff, f"{p}.ffn")
-        h = g.linear(h, block.ffn.down.weight, block.ffn.down.bias, f"{p}.ffn.down")
-        (x,) = g.node("Add", [x, h], f"{p}.ffn_residual")
+
+    for i, (block, layer) in enumerate(zip(model.block_list(), cfg.layers, strict=True)):
+        rotary = rotary_inputs.get(layer.rope_theta, []) if layer.rotary else []
+        x = _block(g, cfg, block, layer, rotary, x, i)
 
     # Only the last_index position of each row reaches the final norm and the vocabulary projection.
     (idx,) = g.node("Unsqueeze", ["last_index", g.const_i64("axes_last", [-1])], "last_index_2d")
     (x,) = g.node("GatherND", [x, idx], "gather_last", batch_dims=1)  # [B,D]
     x = g.norm(x, model.ln_f, "ln_f")
-    g.node("MatMul", [x, g.weight("lm_head.weight_t", model.lm_head.weight.detach().numpy().T)], "logits")
+    head = [x, g.weight("lm_head.weight_t", model.lm_head.weight.detach().numpy().T)]
+    if cfg.logit_scale == 1.0 and not cfg.logit_softcap:
+        g.node("MatMul", head, "logits")
+    else:
+        # The head's input declared [batch, d_model]: export/row_pad.py reads a projection's rows from it when
+        # the projection's own output is not the graph's [batch, vocab] output.
+        g.model.graph.value_info.append(
+            helper.make_tensor_value_info(x, TensorProto.FLOAT, ["batch", cfg.d_model])
+        )
+        (y,) = g.node("MatMul", head, "lm_head")
+        y = g.scaled(y, cfg.logit_scale, "logit_scale")
+        if cfg.logit_softcap:
+            y = g.softcap(y, cfg.logit_softcap, "logit_softcap")
+        g.node("Identity", [y], "logits")
 
     return _make_model(g, cfg.n_layers, cfg.kv_heads, cfg.head_dim, cfg.vocab_size)
 
 
+def _block(
+    g: _GraphBuilder,
+    cfg: DecoderConfig,
+    block: Block,
+    layer: LayerAttention,
+    rotary: list[str],
+    x: str,
+    i: int,
+) -> str:
+    """Layer i: attention then MLP, each with the norms of cfg.norm_placement and the residual scale."""
+    p = f"blocks.{i}"
+    attn = block.attn
+    h = g.norm(x, block.ln_attn, f"{p}.ln_attn") if block.ln_attn is not None else x
+    qkv = g.linear(h, attn.qkv.weight, attn.qkv.bias, f"{p}.attn.qkv")  # [B,S,H*Dh + 2*Hkv*Dh]
+    if attn.q_norm is not None and attn.k_norm is not None:
+        # The q/k norms come before the rotation GroupQueryAttention applies: q, k, v go in apart.
+        q, k, v = g.node(
+            "Split",
+            [qkv, g.const_i64(f"{p}.attn.qkv_sizes", [cfg.q_dim, cfg.kv_dim, cfg.kv_dim])],
+            f"{p}.attn.qkv_split",
+            outputs=[f"{p}.attn.q", f"{p}.attn.k", f"{p}.attn.v"],
+            axis=-1,
+        )
+        if attn.per_head_norm:
+            q = g.head_norm(q, attn.q_norm, cfg.n_heads, cfg.head_dim, f"{p}.attn.q_norm")
+            k = g.head_norm(k, attn.k_norm, cfg.kv_heads, cfg.head_dim, f"{p}.attn.k_norm")
+        else:
+            q, k = g.norm(q, attn.q_norm, f"{p}.attn.q_norm"), g.norm(k, attn.k_norm, f"{p}.attn.k_norm")
+        qkv_inputs = [q, k, v]
+    else:
+        qkv_inputs = [qkv, "", ""]  # packed
+    attn_inputs = [
+        *qkv_inputs,
+        f"past_key.{i}",
+        f"past_value.{i}",
+        "seqlens_k",
+        "total_sequence_length",
+        *rotary,
+    ]
+    attrs: dict[str, Any] = {}
+    if layer.window:
+        attrs["local_window_size"] = local_window_size(layer.window)
+    if cfg.attn_scale:
+        attrs["scale"] = cfg.attn_scale
+    if cfg.attn_softcap:
+        attrs["softcap"] = cfg.attn_softcap  # after the scale, before the mask: as Gemma 2
+    # The presents are graph outputs directly (no Identity), so a buffer bound to both past and present is
+    # written in place rather than copied.
+    (y, _, _) = g.node(
+        "GroupQueryAttention",
+        attn_inputs,
+        f"{p}.attn.gqa",
+        domain=MS_DOMAIN,
+        outputs=[f"{p}.attn.gqa", f"present_key.{i}", f"present_value.{i}"],
+        num_heads=cfg.n_heads,
+        kv_num_heads=cfg.kv_heads,
+        do_rotary=int(bool(rotary)),
+        rotary_interleaved=0,
+        **attrs,
+    )
+    a = g.linear(y, attn.out.weight, attn.out.bias, f"{p}.attn.out")
+    if block.ln_attn_out is not None:
+        a = g.norm(a, block.ln_attn_out, f"{p}.ln_attn_out")
+    (x,) = g.node("Add", [x, g.scaled(a, cfg.residual_scale, f"{p}.attn_scale")], f"{p}.attn_residual")
+    h = g.norm(x, block.ln_ffn, f"{p}.ln_ffn") if block.ln_ffn is not None else x
+    h = g.linear(h, block.ffn.up.weight, block.ffn.up.bias, f"{p}.ffn.up")
+    h = _activation(g, h, cfg.activation, cfg.d_ff, f"{p}.ffn")
+    h = g.linear(h, block.ffn.down.weight, block.ffn.down.bias, f"{p}.ffn.down")
+    if block.ln_ffn_out is not None:
+        h = g.norm(h, block.ln_ffn_out, f"{p}.ln_ffn_out")
+    return g.node("Add", [x, g.scaled(h, cfg.residual_scale, f"{p}.ffn_scale")], f"{p}.ffn_residual")[0]
+
+
 def _activation(g: _GraphBuilder, h: str, activation: str, d_ff: int, name: str) -> str:
-    """The MLP's activation of h [B,S,F] (SwiGLU: of h [B,S,2F] = [gate; up], giving silu(gate) * up)."""
-    if activation == "swiglu":
+    """The MLP's activation of h [B,S,F] (SwiGLU, GeGLU: of h [B,S,2F] = [gate; up]: act(gate) * up)."""
+    if activation in GATED_ACTIVATIONS:
         gate, up = g.node(
             "Split",
             [h, g.const_i64(f"{name}.gate_up_sizes", [d_ff, d_ff])],
@@ -262,9 +330,12 @@ def _activation(g: _GraphBuilder, h: str, activation: str, d_ff: int, name: str)
             outputs=[f"{name}.gate", f"{name}.up_half"],
             axis=-1,
         )
-        (sig,) = g.node("Sigmoid", [gate], f"{name}.sigmoid")
-        (silu,) = g.node("Mul", [gate, sig], f"{name}.silu")
-        return g.node("Mul", [silu, up], f"{name}.act")[0]
+        if activation == "geglu":
+            (act,) = g.node("Gelu", [gate], f"{name}.gelu", approximate="tanh")
+        else:
+            (sig,) = g.node("Sigmoid", [gate], f"{name}.sigmoid")
+            (act,) = g.node("Mul", [gate, sig], f"{name}.silu")
+        return g.node("Mul", [act, up], f"{name}.act")[0]
     if activation == "gelu_tanh":
         return g.node("Gelu", [h], f"{name}.act", approximate="tanh")[0]
     return g.node("Gelu" if activation == "gelu" else "Relu", [h], f"{name}.act")[0]

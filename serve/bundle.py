@@ -90,7 +90,7 @@ class Architecture(_Strict):
     head_dim: PositiveInt  # n_heads x head_dim need not be d_model (Qwen3)
     d_ff: PositiveInt
     positions: Literal["learned", "sinusoidal", "rotary"]
-    activation: Literal["gelu", "relu", "gelu_tanh", "swiglu"]
+    activation: Literal["gelu", "relu", "gelu_tanh", "swiglu", "geglu"]
     norm: Literal["layer", "rms"] = "layer"
     sliding_window: NonNegativeInt = 0  # a query sees the last W keys; 0: all of them
 
