@@ -10,10 +10,20 @@ Families (`SUPPORTED_ARCHITECTURES`):
   attention; Llama's attention_bias / mlp_bias, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm and own
   head_dim, Mistral's sliding window;
 - GPT-2: learned positions, LayerNorm with bias, tanh-approximated GELU, Conv1D weights ([in, out], so
-  transposed here).
+  transposed here);
+- Gemma 2 and 3 (text): GeGLU, norms before and after each sublayer, Gemma's (1 + w) RMSNorm read as RMSNorm
+  with weight 1 + w (the same float32 product), the embedding times sqrt(hidden_size), query_pre_attn_scalar,
+  sliding-window and global layers interleaved (Gemma 3's local layers with a RoPE base of their own), Gemma
+  2's attention and final-logit soft-capping, Gemma 3's per-head q/k norms;
+- Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, partial rotary, longrope (see below);
+- SmolLM3: layers without rotary (no_rope_layers); Granite: embedding, attention and residual multipliers,
+  logits scaling; OLMo 2: norms after attention and MLP only, q/k norms over the whole projection.
 config.json may be in transformers 4 form (rope_theta and rope_scaling at the top level, torch_dtype) or 5
 (rope_parameters with rope_theta inside, dtype). RoPE types whose tables depend on the sequence length
-(dynamic, yarn, longrope, ...) are refused by name: the graphs precompute one cos/sin table.
+(dynamic, yarn, ...) are refused by name: the graphs precompute one cos/sin table. longrope is the one
+exception: transformers uses its short factors while a sequence is within original_max_position_embeddings
+(and recomputes the whole cache with the long ones past it), so a longrope model imports with the short
+factors and that original context as its context length.
 
 Every problem with the folder is an `HFImportError`: one line naming the file, the problem and what to do.
 """
@@ -34,13 +44,15 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from export.lora import PROJECTIONS, projection_features
-from export.model import Decoder, DecoderConfig
+from export.model import Decoder, DecoderConfig, LayerAttention
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, "GPT2LMHeadModel")
-ROPE_TYPES = ("default", "linear", "llama3")
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+DENSE_FAMILIES = (*GEMMA, "Phi3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, "GPT2LMHeadModel", *DENSE_FAMILIES)
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # Scalings whose cos/sin depend on the current sequence length (or switch tables past a length).
-LENGTH_DEPENDENT_ROPE = ("dynamic", "yarn", "longrope", "su", "ntk")
+LENGTH_DEPENDENT_ROPE = ("dynamic", "yarn", "su", "ntk")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 CONFIG_FILE = "config.json"
@@ -195,9 +207,9 @@ class _Fields:
         return HFImportError(self.path, problem)
 
 
-def _rope_fields(f: _Fields, context_length: int) -> dict[str, Any]:
-    """RoPE settings in either form: transformers 5's rope_parameters (rope_theta inside), or transformers 4's
-    top-level rope_theta with rope_scaling (whose type key was once "type")."""
+def _rope_params(f: _Fields) -> dict[str, Any]:
+    """The RoPE parameters in either form: transformers 5's rope_parameters (rope_theta inside), or
+    transformers 4's rope_scaling (whose type key was once "type"), the same for every layer type."""
     params = f.config.get("rope_parameters") or f.config.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise f.refuse(f"RoPE parameters must be an object, found {params!r}")
@@ -206,16 +218,34 @@ def _rope_fields(f: _Fields, context_length: int) -> dict[str, Any]:
         if len(distinct) != 1:
             raise f.refuse(f"RoPE parameters differ between layer types ({', '.join(params)}); not supported")
         params = next(iter(params.values()))
+    return params
+
+
+def _rope_fields(
+    f: _Fields,
+    context_length: int,
+    params: dict[str, Any] | None = None,
+    theta: float = 10000.0,
+    longrope: bool = False,
+) -> dict[str, Any]:
+    """The DecoderConfig's RoPE fields from `params` (default: _rope_params), the base read from them, else
+    from the top-level rope_theta, else `theta`. A longrope model (where the family has it) gets its
+    original context as its context_length."""
+    params = _rope_params(f) if params is None else params
     kind = params.get("rope_type", params.get("type")) or "default"
-    if kind not in ROPE_TYPES:
+    if kind not in ROPE_TYPES or (kind == "longrope" and not longrope):
         why = " (its tables depend on the sequence length)" if kind in LENGTH_DEPENDENT_ROPE else ""
-        raise f.refuse(f"RoPE type {kind!r} is not supported{why}; supported: {', '.join(ROPE_TYPES)}")
-    partial = params.get("partial_rotary_factor", f.config.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise f.refuse(f"partial_rotary_factor {partial!r} is not supported (RoPE on the whole head only)")
+        if kind == "longrope":
+            why = " for this family (its tables depend on the sequence length)"
+        supported = ", ".join(t for t in ROPE_TYPES if longrope or t != "longrope")
+        raise f.refuse(f"RoPE type {kind!r} is not supported{why}; supported: {supported}")
     p = _Fields(params, f.path)
-    theta = p.number("rope_theta", f.number("rope_theta", 10000.0))
-    fields: dict[str, Any] = {"rope_theta": theta}
+    fields: dict[str, Any] = {"rope_theta": p.number("rope_theta", f.number("rope_theta", theta))}
+    partial = p.number("partial_rotary_factor", f.number("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        d_model, heads = f.integer("hidden_size"), f.integer("num_attention_heads")
+        head_dim = f.integer("head_dim") if f.has("head_dim") else d_model // heads
+        fields["rotary_dim"] = int(head_dim * partial)
     if kind == "linear":
         fields |= {"rope_scaling": "linear", "rope_factor": p.number("factor", 1.0)}
     elif kind == "llama3":
@@ -225,6 +255,21 @@ def _rope_fields(f: _Fields, context_length: int) -> dict[str, Any]:
             "rope_low_freq_factor": p.number("low_freq_factor", 1.0),
             "rope_high_freq_factor": p.number("high_freq_factor", 4.0),
             "rope_original_context": p.integer("original_max_position_embeddings", context_length),
+        }
+    elif kind == "longrope":
+        original = p.integer(
+            "original_max_position_embeddings", f.integer("original_max_position_embeddings")
+        )
+        factor = p.number("factor", context_length / original)
+        default_attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        short = params.get("short_factor")
+        if not isinstance(short, list) or not all(isinstance(v, int | float) for v in short):
+            raise f.refuse(f"longrope needs a list of numbers as short_factor, found {short!r}")
+        fields |= {
+            "rope_scaling": "longrope",
+            "rope_short_factors": tuple(float(v) for v in short),
+            "rope_attention_factor": p.number("attention_factor", default_attention),
+            "context_length": min(original, context_length),
         }
     return fields
 
@@ -293,6 +338,182 @@ def _llama_like_config(f: _Fields, architecture: str) -> DecoderConfig:
     )
 
 
+def _rotary_fields(f: _Fields, activations: dict[str, str], act_key: str, tied: bool) -> dict[str, Any]:
+    """What every RMSNorm, gated-MLP, RoPE family reads alike (the families below)."""
+    act = f.config.get(act_key) or f.config.get("hidden_act")
+    if act not in activations:
+        raise f.refuse(f"{act_key} {act!r} is not supported; supported: {', '.join(activations)}")
+    d_model, n_heads = f.integer("hidden_size"), f.integer("num_attention_heads")
+    head_dim = f.integer("head_dim") if f.has("head_dim") else d_model // n_heads
+    return {
+        "vocab_size": f.integer("vocab_size"),
+        "context_length": f.integer("max_position_embeddings"),
+        "d_model": d_model,
+        "n_layers": f.integer("num_hidden_layers"),
+        "n_heads": n_heads,
+        "d_ff": f.integer("intermediate_size"),
+        "positions": "rotary",
+        "activation": activations[act],
+        "tie_embeddings": f.flag("tie_word_embeddings", tied),
+        "layer_norm_eps": f.number("rms_norm_eps", 1e-6),
+        "norm": "rms",
+        "n_kv_heads": f.integer("num_key_value_heads", n_heads),
+        "explicit_head_dim": 0 if head_dim * n_heads == d_model else head_dim,
+        "mlp_bias": f.flag("mlp_bias", False),
+    }
+
+
+SILU = {"silu": "swiglu", "swish": "swiglu"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_types(f: _Fields, n_layers: int, default: list[str]) -> list[str]:
+    types = f.config.get("layer_types") or default
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in LAYER_TYPES for t in types):
+        raise f.refuse(f"layer_types must list {n_layers} of {', '.join(LAYER_TYPES)}, found {types!r}")
+    return types
+
+
+def _gemma_config(f: _Fields, architecture: str) -> DecoderConfig:
+    """Gemma 2 and 3: layer_types (default: Gemma 2 every other layer sliding, Gemma 3 five of each six),
+    Gemma 3's local layers with their own RoPE base (rope_parameters["sliding_attention"], or transformers
+    4's rope_local_base_freq)."""
+    if f.flag("use_bidirectional_attention", False):
+        raise f.refuse("bidirectional attention (an embedding model) is not a decoder")
+    fields = _rotary_fields(f, {"gelu_pytorch_tanh": "geglu"}, "hidden_activation", tied=True)
+    n_layers = fields["n_layers"]
+    gemma3 = architecture == "Gemma3ForCausalLM"
+    every = f.integer("sliding_window_pattern", 6) if gemma3 else 2
+    types = _layer_types(
+        f, n_layers, ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
+    )
+    params = f.config.get("rope_parameters")
+    local_theta = 0.0
+    if isinstance(params, dict) and "full_attention" in params:  # transformers 5, one dict per layer type
+        local = params.get("sliding_attention") or {}
+        if (local.get("rope_type") or "default") != "default":
+            raise f.refuse(f"RoPE of the sliding-window layers must be default, found {local!r}")
+        local_theta = _Fields(local, f.path).number("rope_theta", 10000.0)
+        rope = _rope_fields(f, fields["context_length"], params["full_attention"], 1e6 if gemma3 else 1e4)
+    else:
+        rope = _rope_fields(f, fields["context_length"], theta=1e6 if gemma3 else 1e4)
+        if gemma3:
+            local_theta = f.number("rope_local_base_freq", 10000.0)
+    if local_theta == rope["rope_theta"] and rope.get("rope_scaling", "none") == "none":
+        local_theta = 0.0  # the same RoPE as the global layers: one table
+    window = f.integer("sliding_window") if "sliding_attention" in types else 0
+    layers = tuple(
+        LayerAttention(window=window, rope_theta=local_theta)
+        if t == "sliding_attention"
+        else LayerAttention()
+        for t in types
+    )
+    scalar = f.number("query_pre_attn_scalar", 256)
+    return DecoderConfig(
+        **fields,
+        qkv_bias=f.flag("attention_bias", False),
+        out_bias=f.flag("attention_bias", False),
+        qk_norm=gemma3,
+        layer_attention=layers,
+        norm_placement="sandwich",
+        embedding_scale=float(torch.tensor(fields["d_model"] ** 0.5)),  # rounded to float32, as Gemma's
+        attn_scale=scalar**-0.5,
+        attn_softcap=f.number("attn_logit_softcapping", 0.0),
+        logit_softcap=f.number("final_logit_softcapping", 0.0),
+        **rope,
+    )
+
+
+def _phi3_config(f: _Fields) -> DecoderConfig:
+    """Phi-3 and Phi-4-mini: a window on every layer when sliding_window is set, partial rotary, longrope."""
+    fields = _rotary_fields(f, SILU, "hidden_act", tied=False)
+    fields["mlp_bias"] = False
+    bias = f.flag("attention_bias", False)
+    rope = _rope_fields(f, fields["context_length"], longrope=True)
+    window = f.integer("sliding_window") if f.has("sliding_window") else 0
+    return DecoderConfig(
+        **{**fields, **rope},
+        qkv_bias=bias,
+        out_bias=bias,
+        sliding_window=window if window < rope.get("context_length", fields["context_length"]) else 0,
+    )
+
+
+def _smollm3_config(f: _Fields) -> DecoderConfig:
+    """SmolLM3: no_rope_layers (1: RoPE, 0: none; default every no_rope_layer_interval-th layer without)."""
+    fields = _rotary_fields(f, SILU, "hidden_act", tied=True)
+    n_layers = fields["n_layers"]
+    interval = f.integer("no_rope_layer_interval", 4)
+    uses = f.config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if not isinstance(uses, list) or len(uses) != n_layers or any(u not in (0, 1) for u in uses):
+        raise f.refuse(f"no_rope_layers must list {n_layers} of 0 and 1, found {uses!r}")
+    window = (
+        f.integer("sliding_window") if f.flag("use_sliding_window", False) and f.has("sliding_window") else 0
+    )
+    types = _layer_types(
+        f, n_layers, ["sliding_attention" if window and not u else "full_attention" for u in uses]
+    )
+    bias = f.flag("attention_bias", False)
+    return DecoderConfig(
+        **fields,
+        qkv_bias=bias,
+        out_bias=bias,
+        layer_attention=tuple(
+            LayerAttention(window=window if t == "sliding_attention" else 0, rotary=bool(u))
+            for t, u in zip(types, uses, strict=True)
+        ),
+        **_rope_fields(f, fields["context_length"]),
+    )
+
+
+def _granite_config(f: _Fields) -> DecoderConfig:
+    """Granite: Llama with embedding_multiplier, attention_multiplier (the score scale),
+    residual_multiplier and logits divided by logits_scaling."""
+    fields = _rotary_fields(f, SILU, "hidden_act", tied=True)
+    bias = f.flag("attention_bias", False)
+    return DecoderConfig(
+        **fields,
+        qkv_bias=bias,
+        out_bias=bias,
+        embedding_scale=f.number("embedding_multiplier", 1.0),
+        attn_scale=f.number("attention_multiplier", 1.0),
+        residual_scale=f.number("residual_multiplier", 1.0),
+        logit_scale=1.0 / f.number("logits_scaling", 1.0),
+        **_rope_fields(f, fields["context_length"]),
+    )
+
+
+def _olmo2_config(f: _Fields) -> DecoderConfig:
+    """OLMo 2: norms after attention and after the MLP only, q/k RMSNorm over the whole projections."""
+    fields = _rotary_fields(f, SILU, "hidden_act", tied=False)
+    bias = f.flag("attention_bias", False)
+    return DecoderConfig(
+        **fields,
+        qkv_bias=bias,
+        out_bias=bias,
+        qk_norm=True,
+        qk_norm_scope="projection",
+        norm_placement="post",
+        **_rope_fields(f, fields["context_length"]),
+    )
+
+
+def _family_config(f: _Fields, architecture: str) -> DecoderConfig:
+    if architecture == "GPT2LMHeadModel":
+        return _gpt2_config(f)
+    if architecture in GEMMA:
+        return _gemma_config(f, architecture)
+    dense: dict[str, Callable[[_Fields], DecoderConfig]] = {
+        "Phi3ForCausalLM": _phi3_config,
+        "SmolLM3ForCausalLM": _smollm3_config,
+        "GraniteForCausalLM": _granite_config,
+        "Olmo2ForCausalLM": _olmo2_config,
+    }
+    if architecture in dense:
+        return dense[architecture](f)
+    return _llama_like_config(f, architecture)
+
+
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 
 
@@ -328,7 +549,7 @@ def decoder_config(folder: Path | str) -> tuple[str, DecoderConfig]:
     architecture = hf_architecture(config, path)
     f = _Fields(config, path)
     try:
-        cfg = _gpt2_config(f) if architecture == "GPT2LMHeadModel" else _llama_like_config(f, architecture)
+        cfg = _family_config(f, architecture)
     except ValueError as exc:  # DecoderConfig's own validation: values that do not fit together
         if isinstance(exc, HFImportError):
             raise
@@ -355,36 +576,66 @@ def _concat(*names: str) -> _Source:
     return _Source(names, lambda ts: torch.cat(ts, dim=0))
 
 
+def _plus_one(name: str) -> _Source:  # Gemma's RMSNorm multiplies by (1 + weight)
+    return _Source((name,), lambda ts: ts[0] + 1.0)
+
+
 def _transposed(name: str) -> _Source:  # GPT-2's Conv1D keeps [in, out]; nn.Linear [out, in]
     return _Source((name,), lambda ts: ts[0].t().contiguous())
 
 
+# Our norms -> the checkpoint's names, by the config's norm placement (Llama's post_attention_layernorm is the
+# norm before the MLP; Gemma's and OLMo 2's is the norm after attention).
+NORM_NAMES = {
+    "pre": {"ln_attn": "input_layernorm", "ln_ffn": "post_attention_layernorm"},
+    "sandwich": {
+        "ln_attn": "input_layernorm",
+        "ln_attn_out": "post_attention_layernorm",
+        "ln_ffn": "pre_feedforward_layernorm",
+        "ln_ffn_out": "post_feedforward_layernorm",
+    },
+    "post": {"ln_attn_out": "post_attention_layernorm", "ln_ffn_out": "post_feedforward_layernorm"},
+}
+
+
 def _llama_like_sources(cfg: DecoderConfig, architecture: str) -> dict[str, _Source]:
-    sources = {"tok_emb.weight": _one("model.embed_tokens.weight"), "ln_f.weight": _one("model.norm.weight")}
+    """Llama's tensor names, and the other families' as they differ: Phi-3's fused projections, Gemma's
+    (1 + w) norms, the norms of cfg.norm_placement."""
+    norm = _plus_one if architecture in GEMMA else _one
+    sources = {"tok_emb.weight": _one("model.embed_tokens.weight"), "ln_f.weight": norm("model.norm.weight")}
     if not cfg.tie_embeddings:
         sources["lm_head.weight"] = _one("lm_head.weight")
+    fused = architecture == "Phi3ForCausalLM"
     for i in range(cfg.n_layers):
         hf, ours = f"model.layers.{i}", f"blocks.{i}"
         attn = f"{hf}.self_attn"
         mlp = f"{hf}.mlp"
         sources |= {
-            f"{ours}.ln_attn.weight": _one(f"{hf}.input_layernorm.weight"),
-            f"{ours}.attn.qkv.weight": _concat(*(f"{attn}.{p}_proj.weight" for p in "qkv")),
+            f"{ours}.{our_norm}.weight": norm(f"{hf}.{their_norm}.weight")
+            for our_norm, their_norm in NORM_NAMES[cfg.norm_placement].items()
+        }
+        sources |= {
+            f"{ours}.attn.qkv.weight": _one(f"{attn}.qkv_proj.weight")
+            if fused
+            else _concat(*(f"{attn}.{p}_proj.weight" for p in "qkv")),
             f"{ours}.attn.out.weight": _one(f"{attn}.o_proj.weight"),
-            f"{ours}.ln_ffn.weight": _one(f"{hf}.post_attention_layernorm.weight"),
-            f"{ours}.ffn.up.weight": _concat(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"),
+            f"{ours}.ffn.up.weight": _one(f"{mlp}.gate_up_proj.weight")
+            if fused
+            else _concat(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"),
             f"{ours}.ffn.down.weight": _one(f"{mlp}.down_proj.weight"),
         }
         if cfg.qkv_bias:
-            sources[f"{ours}.attn.qkv.bias"] = _concat(*(f"{attn}.{p}_proj.bias" for p in "qkv"))
+            sources[f"{ours}.attn.qkv.bias"] = (
+                _one(f"{attn}.qkv_proj.bias") if fused else _concat(*(f"{attn}.{p}_proj.bias" for p in "qkv"))
+            )
         if cfg.out_bias:
             sources[f"{ours}.attn.out.bias"] = _one(f"{attn}.o_proj.bias")
         if cfg.mlp_bias:
             sources[f"{ours}.ffn.up.bias"] = _concat(f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias")
             sources[f"{ours}.ffn.down.bias"] = _one(f"{mlp}.down_proj.bias")
         if cfg.qk_norm:
-            sources[f"{ours}.attn.q_norm.weight"] = _one(f"{attn}.q_norm.weight")
-            sources[f"{ours}.attn.k_norm.weight"] = _one(f"{attn}.k_norm.weight")
+            sources[f"{ours}.attn.q_norm.weight"] = norm(f"{attn}.q_norm.weight")
+            sources[f"{ours}.attn.k_norm.weight"] = norm(f"{attn}.k_norm.weight")
     return sources
 
 

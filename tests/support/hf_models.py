@@ -23,12 +23,22 @@ import onnxruntime as ort
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -36,6 +46,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from export.model import Decoder, DecoderConfig
@@ -96,12 +108,87 @@ def gpt2_config(**changes: Any) -> GPT2Config:
     return GPT2Config(**{**base, **changes})
 
 
+# The dense families of three layers: Gemma's windows of 8 and its mix of sliding and global layers, and
+# SmolLM3's layers without rotary, take effect well within the prompts and the 20 greedy steps.
+_DENSE_SHAPE = {**_LLAMA_SHAPE, "num_hidden_layers": 3}
+# Gemma 3: two local layers (their own RoPE base) then a global one (linear scaling), in transformers 5's
+# form of the per-layer-type RoPE.
+GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+}
+
+
+# Both Gemmas: heads of 16, a window of 8, query_pre_attn_scalar other than head_dim.
+_GEMMA = {**_COMMON, **_DENSE_SHAPE, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24}
+
+
+def gemma3_config(**changes: Any) -> Gemma3TextConfig:
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention"]
+    return Gemma3TextConfig(
+        **{**_GEMMA, "layer_types": layer_types, "rope_parameters": GEMMA3_ROPE, "pad_token_id": 0, **changes}
+    )
+
+
+def gemma2_config(**changes: Any) -> Gemma2Config:
+    # Soft caps near the scores' and logits' size, so that capping changes them.
+    caps = {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}
+    return Gemma2Config(**{**_GEMMA, **caps, "pad_token_id": 0, **changes})
+
+
+def phi3_config(**changes: Any) -> Phi3Config:
+    # Two heads of 32, RoPE on the first 16 features of each (ONNX Runtime rotates multiples of 16).
+    return Phi3Config(
+        **{
+            **_COMMON,
+            **_DENSE_SHAPE,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "partial_rotary_factor": 0.5,
+            "pad_token_id": 0,
+            **changes,
+        }
+    )
+
+
+# Phi-3.5 / Phi-4-mini's longrope over a context twice the original: the short factors, and the attention
+# factor sqrt(1 + ln 2 / ln 128) on cos and sin.
+PHI3_LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5,
+    "short_factor": [1.0 + 0.3 * i for i in range(8)],
+    "long_factor": [2.0 + i for i in range(8)],
+}
+
+
+def smollm3_config(**changes: Any) -> SmolLM3Config:
+    return SmolLM3Config(
+        **{**_COMMON, **_DENSE_SHAPE, "no_rope_layer_interval": 2, "pad_token_id": 0, **changes}
+    )
+
+
+def granite_config(**changes: Any) -> GraniteConfig:
+    multipliers = {"embedding_multiplier": 3.0, "attention_multiplier": 0.1, "residual_multiplier": 0.5}
+    return GraniteConfig(**{**_COMMON, **_DENSE_SHAPE, **multipliers, "logits_scaling": 2.0, **changes})
+
+
+def olmo2_config(**changes: Any) -> Olmo2Config:
+    return Olmo2Config(**{**_COMMON, **_DENSE_SHAPE, "pad_token_id": 0, **changes})
+
+
 MODEL_CLASSES: dict[type[PretrainedConfig], type[PreTrainedModel]] = {
     LlamaConfig: LlamaForCausalLM,
     MistralConfig: MistralForCausalLM,
     Qwen2Config: Qwen2ForCausalLM,
     Qwen3Config: Qwen3ForCausalLM,
     GPT2Config: GPT2LMHeadModel,
+    Gemma3TextConfig: Gemma3ForCausalLM,
+    Gemma2Config: Gemma2ForCausalLM,
+    Phi3Config: Phi3ForCausalLM,
+    SmolLM3Config: SmolLM3ForCausalLM,
+    GraniteConfig: GraniteForCausalLM,
+    Olmo2Config: Olmo2ForCausalLM,
 }
 
 
@@ -278,6 +365,66 @@ _CHATML = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# The dense families' templates, written in each family's layout and with the Jinja it uses: Gemma's "model"
+# turns with the system prompt folded into the first user turn (Gemma 2 refuses a system turn), Phi-3's
+# <|role|> tags, SmolLM3's metadata system turn with today's date and a reasoning mode, Granite's roles
+# with its date line, OLMo 2's tags with EOS after each answer.
+_GEMMA_CHAT = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{- message['content'] | trim }}<end_of_turn>\n"
+    "{%- endfor -%}{%- if add_generation_prompt -%}<start_of_turn>model\n{%- endif -%}"
+)
+_GEMMA2_CHAT = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    + _GEMMA_CHAT.removeprefix("{{ bos_token }}")
+)
+_GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
+_GEMMA_TOKENS = ("<bos>", "<end_of_turn>", "<pad>", "<unk>", True)  # bos, eos, pad, unk, adds BOS
+_PHI3_CHAT = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+_SMOLLM3_CHAT = (
+    "{%- set ns = namespace(system='', think=true) -%}"
+    "{%- if messages[0].role == 'system' -%}{%- set ns.system = messages[0].content -%}"
+    "{%- if '/no_think' in ns.system -%}{%- set ns.think = false -%}{%- endif -%}"
+    "{%- set ns.system = ns.system | replace('/no_think', '') | replace('/think', '') | trim -%}{%- endif -%}"
+    "<|im_start|>system\n## Metadata\n\nToday Date: {{ strftime_now('%d %B %Y') }}\n"
+    "Reasoning Mode: {{ '/think' if ns.think else '/no_think' }}\n\n## Custom Instructions\n\n"
+    "{{ ns.system }}<|im_end|>\n"
+    "{%- for message in messages if message.role != 'system' -%}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n"
+    "{%- if not ns.think %}<think>\n\n</think>\n{% endif -%}{%- endif -%}"
+)
+_GRANITE_CHAT = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}"
+    "{%- set system_message = \"Today's Date: \" + strftime_now('%B %d, %Y') + '.\\nYou are Granite.' %}"
+    "{%- set loop_messages = messages %}{%- endif %}"
+    "{{- '<|start_of_role|>system<|end_of_role|>' + system_message + '<|end_of_text|>\n' }}"
+    "{%- for message in loop_messages %}"
+    "{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content'] }}"
+    "{{- '<|end_of_text|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}{%- endif %}"
+)
+_OLMO2_CHAT = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ '<|system|>\n' + message['content'] + '\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '<|user|>\n' + message['content'] + '\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>\n' + message['content'] + eos_token }}"
+    "{% if not loop.last %}{{ '\n' }}{% endif %}{% endif %}"
+    "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}{% endfor %}"
+)
 FAMILIES = {
     f.name: f
     for f in (
@@ -311,6 +458,52 @@ FAMILIES = {
             "<|endoftext|>",
             False,
             "{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}",
+        ),
+        Family("gemma3", gemma3_config, _GEMMA_SPECIALS, *_GEMMA_TOKENS, _GEMMA_CHAT),
+        Family("gemma2", gemma2_config, _GEMMA_SPECIALS, *_GEMMA_TOKENS, _GEMMA2_CHAT),
+        Family(
+            "phi3",
+            phi3_config,
+            ("<unk>", "<s>", "</s>", "<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"),
+            "<s>",
+            "<|end|>",
+            "<|endoftext|>",
+            "<unk>",
+            False,
+            _PHI3_CHAT,
+        ),
+        Family(
+            "smollm3",
+            smollm3_config,
+            _QWEN_SPECIALS,
+            None,
+            "<|im_end|>",
+            "<|endoftext|>",
+            None,
+            False,
+            _SMOLLM3_CHAT,
+        ),
+        Family(
+            "granite",
+            granite_config,
+            ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"),
+            "<|end_of_text|>",
+            "<|end_of_text|>",
+            "<|end_of_text|>",
+            None,
+            False,
+            _GRANITE_CHAT,
+        ),
+        Family(
+            "olmo2",
+            olmo2_config,
+            ("<|endoftext|>", "<|pad|>"),
+            "<|endoftext|>",
+            "<|endoftext|>",
+            "<|pad|>",
+            None,
+            False,
+            _OLMO2_CHAT,
         ),
     )
 }
