@@ -1,5 +1,5 @@
 """llama.cpp as the served benchmark's peer: its own server and batched bench, built from source, and GGUFs of
-a Hugging Face folder (bench.served_peers).
+a Hugging Face folder (bench.scenarios.served_peers).
 
 The source is the llama.cpp that the llama-cpp-python sdist vendors (one `pip download` from PyPI, so the
 build needs no other network), compiled with `-DGGML_NATIVE=ON` (the machine's own instruction set, as a

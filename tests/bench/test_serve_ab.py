@@ -1,5 +1,5 @@
-"""bench.serve_ab: configurations alternated round by round against servers of the tiny bundle, and how it
-reads a configuration (its environment words, its own client call, the round order)."""
+"""The serve-ab scenario: configurations alternated round by round against servers of the tiny bundle, and
+how it reads a configuration (its environment words, its own client call)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve_ab import CPU_PARTS, Served, client_rpc, main, served, split_config
+from bench.scenarios.serve_ab import CPU_PARTS, Served, client_rpc, main, served, split_config
 
 
 def test_the_ab_benchmark_alternates_server_configurations(tiny_bundle: Path, tmp_path: Path) -> None:

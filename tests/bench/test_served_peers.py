@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import llama_cpp, served_peers
-from bench.served_peers import Workload, order, prompts, ratio_median, report
+from bench import llama_cpp
+from bench.scenarios import served_peers
+from bench.scenarios.served_peers import Workload, order, prompts, ratio_median, report
 from bench.servers import free_port
 from serve.bundle import load_bundle
 

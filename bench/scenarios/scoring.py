@@ -5,7 +5,7 @@ a prefill runs the serving graph (the head on the last position only), so a requ
 logprobs pays about one more prefill, plus the head over every position. Prints the median of each for
 prompts of a few lengths and their ratio (scoring ÷ prefill); the first scoring call (the session's
 creation) is timed apart.
-Run: `.venv/bin/python -m bench.scoring_bench [--bundle models/bench/bench-a-fp32] [--lengths 32 128 512]`.
+Run: `.venv/bin/textgen-bench scoring [--bundle models/bench/bench-a-fp32] [--lengths 32 128 512]`.
 """
 
 from __future__ import annotations

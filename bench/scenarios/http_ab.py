@@ -1,6 +1,6 @@
 """HTTP ÷ gRPC: served tokens/s and TTFT of one server through either front end, alternated, in one run.
 
-    .venv/bin/python -m bench.http_ab --bundle models/demo/bundle --clients 1,16 --rounds 3
+    .venv/bin/textgen-bench http-ab --bundle models/demo/bundle --clients 1,16 --rounds 3
 
 One `textgen-serve` (defaults, the HTTP API on a free port) serves both: for each client count, each round
 runs a closed loop of streamed requests through gRPC (GenerateStream) and through the OpenAI API (streamed

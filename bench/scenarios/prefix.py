@@ -18,7 +18,7 @@ round by round (this machine is shared and noisy: compare the two within a round
 Every prompt is fresh random token ids (a round never finds the previous round's answers kept). Greedy;
 both engines must produce the same tokens (checked). Everything runs through the offline API (the
 scheduler's admission and steps). Results print as a table and go to `--json`.
-Run: `.venv/bin/python -m bench.prefix_bench [--bundle models/bench/bench-a-fp32] [--rounds 5]`.
+Run: `.venv/bin/textgen-bench prefix [--bundle models/bench/bench-a-fp32] [--rounds 5]`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.report import RESULTS
 from bench.rounds import in_turn
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system", type=int, default=256, help="tokens of the shared system prompt")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", type=Path, default=Path("bench/results/prefix.json"))
+    parser.add_argument("--json", type=Path, default=RESULTS / "prefix.json")
     args = parser.parse_args(argv)
     # Each engine goes first in half the rounds: with an odd count, one of them is first once more, and an
     # order effect (demo model: the first run of a round up to 15% slower) lands in its median.

@@ -26,7 +26,7 @@ from bench.report import section_markers, table, write_section
 
 if TYPE_CHECKING:
     from bench.loadgen import BenchmarkOutput
-    from bench.serving_bench import Results
+    from bench.scenarios.serving import Results
 
 SECTION = "serving"
 DOC_BEGIN, DOC_END = section_markers(SECTION)

@@ -6,10 +6,10 @@ exactly 128 new tokens, greedy, batch 1/4/16, 2 threads; one untimed warm-up, 3 
 tok/s = 128 x batch / wall time of the whole generation (prefill included). Each (variant, batch) cell runs in
 its own process so its peak RSS is its own (`peak_rss_mb`: VmHWM, the peak since the cell's exec).
 
-    python -m bench.engine_bench                 # textgen fp32, int8, int8-dynamic, int4, and the roofline
-    python -m bench.engine_bench --anchors-dir DIR           # and the default peer cells in the same pass
-    python -m bench.engine_bench --anchors-dir DIR --anchors "ortgenai B-llama fp32"   # chosen peer cells
-    python -m bench.engine_bench --cell BUNDLE --batch 1 [--no-spinning]   # one cell of any bundle, as JSON
+    textgen-bench engine                 # textgen fp32, int8, int8-dynamic, int4, and the roofline
+    textgen-bench engine --anchors-dir DIR           # and the default peer cells in the same pass
+    textgen-bench engine --anchors-dir DIR --anchors "ortgenai B-llama fp32"   # chosen peer cells
+    textgen-bench engine --cell BUNDLE --batch 1 [--no-spinning]   # one cell of any bundle, as JSON
 
 A cell's ONNX Runtime threads spin between operators, as GenAI's do by default (and as `textgen-serve`'s
 do within a step); `--no-spinning` lets them sleep, as `textgen-serve --no-spinning` does.
@@ -169,7 +169,7 @@ def ensure_bundle(out: Path, kind: PrecisionKind) -> Path:
 
 
 def cell_in_subprocess(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "bench.engine_bench", "--cell", str(bundle), "--batch", str(batch)]
+    cmd = [sys.executable, "-m", "bench.scenarios.engine", "--cell", str(bundle), "--batch", str(batch)]
     cmd += ["--threads", str(threads), "--repeats", str(repeats)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])

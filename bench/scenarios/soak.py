@@ -1,7 +1,7 @@
 """Soak: rounds of mixed load against a server subprocess; between rounds the server must return to idle.
 
-    python -m bench.soak                      # `make soak`: 6 rounds of 25 s, ~3 minutes
-    python -m bench.soak --rounds 3 --round-seconds 10 --bundle models/demo/bundle
+    textgen-bench soak                      # `make soak`: 6 rounds of 25 s, ~3 minutes
+    textgen-bench soak --rounds 3 --round-seconds 10 --bundle models/demo/bundle
 
 Each round, `--clients` concurrent clients (more than the server's batch rows plus queue places) send a mix of
 streams, unary calls, streams cancelled after their first message, streams with deadlines too short to finish,

@@ -1,6 +1,6 @@
 """An urgent request on a saturated server, under `--scheduling-policy fcfs` and `priority`, alternated.
 
-    python -m bench.priority_bench --bundle models/demo/bundle --rounds 6 --new-tokens 192 --threads 1
+    textgen-bench priority --bundle models/demo/bundle --rounds 6 --new-tokens 192 --threads 1
 
 Each run starts a server with `--max-batch-size ROWS` and the policy, warms it up, then sends `--streams`
 low-priority streams (priority 5) at once, more than the rows, so the rows decode and the rest wait. After
@@ -10,7 +10,7 @@ resumes once a row frees up. Reported per policy (medians over the rounds): the 
 first token and total time; the preempted stream's total time and longest wait between two tokens (it is
 the stream that waited longest in the round's priority run; under fcfs, the same request, sent in the same
 place, is not preempted); all streams' median total time and when the last one ended; the preemptions the
-server counted (`textgen_preemptions_total`). The policies alternate as `bench/serve_ab.py`'s
+server counted (`textgen_preemptions_total`). The policies alternate as `bench/scenarios/serve_ab.py`'s
 configurations do (this machine's speed drifts).
 """
 

@@ -1,7 +1,7 @@
 """Regenerate the serving part of docs/benchmarks.md: the gRPC server against its baselines, with plots.
 
-    .venv/bin/python -m bench.serving_bench            # the full run (`make bench`), ~12 minutes on 2 cores
-    .venv/bin/python -m bench.serving_bench --quick    # 1, 4 and 16 clients, one pass: ~2 minutes
+    .venv/bin/textgen-bench serving            # the full run (`make bench`), ~12 minutes on 2 cores
+    .venv/bin/textgen-bench serving --quick    # 1, 4 and 16 clients, one pass: ~2 minutes
 
 In one run, on one machine, with one workload (prompt of `--input-len` random token ids, exactly
 `--new-tokens` new tokens, greedy):
@@ -44,9 +44,9 @@ from bench.loadgen import (
     usage_checked,
     write_json,
 )
-from bench.report import machine
+from bench.report import DOC, RESULTS, machine
+from bench.scenarios.serving_report import cdf_level, plot_all, update_doc
 from bench.servers import BIN, ROOT, free_port, naive_command, server_process
-from bench.serving_report import cdf_level, plot_all, update_doc
 from serve.api.config import ServerSettings
 from serve.bundle import Bundle, load_bundle
 from serve.engine.engine import Engine
@@ -108,7 +108,7 @@ def pinned_engine(flag: str | None) -> tuple[int, ...] | None:
 
 
 def ensure_bundle(bundle: Path | None) -> Path:
-    """The given bundle, or bench-a fp32 with random weights: the bundle bench/engine_bench.py uses too."""
+    """The given bundle, or bench-a fp32 with random weights: the engine scenario's too."""
     if bundle is not None:
         return bundle
     out = ROOT / "models" / "bench" / "bench-a-fp32"
@@ -558,8 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--hf-venv", type=Path, default=ROOT / "bench" / ".venv-hf", help="venv for HF transformers"
     )
-    p.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "serving", help="raw records")
-    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md", help="markdown to update")
+    p.add_argument("--results", type=Path, default=RESULTS / "serving", help="raw records")
+    p.add_argument("--doc", type=Path, default=DOC, help="markdown to update")
     p.add_argument("--images", type=Path, default=ROOT / "docs" / "images", help="where the plots go")
     args = p.parse_args(argv)
     results = run(args)

@@ -5,7 +5,7 @@ A: the standard (traced) graph, left-padded batch, the graph concatenates past a
 B: the serving graph, GroupQueryAttention writing into preallocated slots in place (serve.engine.engine).
 Same bundle, same prompts (32 tokens), greedy, 2 threads; tok/s of the whole generation, median of 3.
 
-    python -m bench.kv_design_bench --bundle models/bench/bench-a-fp32
+    textgen-bench kv-design --bundle models/bench/bench-a-fp32
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.engine_bench import PROMPT_LEN, prompt_rows
+from bench.scenarios.engine import PROMPT_LEN, prompt_rows
 from export.generation import Shape, greedy, session_step
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine

@@ -11,7 +11,7 @@ greedy tokens each way: tokens the two caches agree on position by position, pro
 and the largest logit difference over the steps both ran on the same tokens (up to and at the first token
 they part at), also as a fraction of the largest logit.
 
-    python -m bench.kv_dtype_bench --bundle BUNDLE [--cases 1:128,16:128,1:1920,16:1920] [--rounds 5]
+    textgen-bench kv-dtype --bundle BUNDLE [--cases 1:128,16:128,1:1920,16:1920] [--rounds 5]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Served throughput of textgen-serve configurations, alternated round by round under one load.
 
-    .venv/bin/python -m bench.serve_ab --bundle models/demo/bundle --threads 1 --rpc stream --rounds 6 \\
+    .venv/bin/textgen-bench serve-ab --bundle models/demo/bundle --threads 1 --rpc stream --rounds 6 \\
         --config=--no-engine-process --config=--engine-process
 
 A configuration's leading `NAME=value` words are set in its server's environment, so code can be compared

@@ -1,7 +1,7 @@
 """Same weights as the peers: textgen, offline and served over gRPC, beside ONNX Runtime GenAI and llama.cpp
 on one Llama folder, cell by cell in one run.
 
-    python -m bench.peers_bench --anchors-dir DIR [--anchors-work WORK] [--model-dir FOLDER] \\
+    textgen-bench peers --anchors-dir DIR [--anchors-work WORK] [--model-dir FOLDER] \\
         [--precisions fp32,int8,int4] [--batches 1,4,16] [--passes 1]
 
 DIR holds the peer stacks' scripts (run.sh), WORK the folder they were prepared in (venv, models, ONNX and
@@ -13,7 +13,7 @@ Every cell runs the peers' workload: their 32 prompt token ids per row, exactly 
 ignored, 2 threads, one untimed warm-up, then 3 timed runs, median; tok/s = 128 x batch / wall of the
 whole generation, prefill included. For each batch and precision, in turn (the first of the four rotating
 from group to group, so none always runs first):
-- textgen engine: `bench.engine_bench --cell` on the bundle (the engine offline, no server);
+- textgen engine: `bench.scenarios.engine --cell` on the bundle (the engine offline, no server);
 - textgen served: `textgen-serve` on the bundle (`--max-batch-size` = batch, prefix cache off so the
   repeated prompts are prefilled each time, defaults otherwise, plus `--serve-flags`) and `batch`
   concurrent GenerateStream calls of the same prompts: wall from sending them to the last token of all,
@@ -49,7 +49,10 @@ import grpc
 import onnx
 from onnx import numpy_helper
 
-from bench.engine_bench import (
+from bench.loadgen import LoadConfig, Prompt, RequestRecord, send
+from bench.proc import CpuMeter, descendants, main_thread_cpu_seconds, peak_rss_mib
+from bench.report import RESULTS
+from bench.scenarios.engine import (
     CHECKED_TOKENS,
     NEW_TOKENS,
     PROMPT_LEN,
@@ -60,9 +63,6 @@ from bench.engine_bench import (
     rates,
     run_anchors,
 )
-from bench.loadgen import LoadConfig, Prompt, RequestRecord, send
-from bench.proc import CpuMeter, descendants, main_thread_cpu_seconds, peak_rss_mib
-from bench.report import RESULTS
 from bench.servers import ROOT, free_port, server_process, textgen_command
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 
@@ -267,7 +267,7 @@ def served_cell(bundle: Path, batch: int, repeats: int, flags: list[str], log: P
 
 
 def served_in_subprocess(bundle: Path, batch: int, args: argparse.Namespace) -> Cell:
-    cmd = [sys.executable, "-m", "bench.peers_bench", "--served-cell", str(bundle), "--batch", str(batch)]
+    cmd = [sys.executable, "-m", "bench.scenarios.peers", "--served-cell", str(bundle), "--batch", str(batch)]
     cmd += ["--repeats", str(args.repeats), "--serve-flags", args.serve_flags]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))

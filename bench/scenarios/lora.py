@@ -1,10 +1,10 @@
 """LoRA adapters served: what slots cost a base request, what adapters cost, how fast an adapter loads, and
 textgen against llama-server on the same adapters.
 
-    python -m bench.lora_bench adapters MODEL_DIR OUT_DIR [--count 4 --rank 16]
-    python -m bench.lora_bench load LORA_BUNDLE ADAPTER_DIR... [--repeats 3 --starts 3]
-    python -m bench.lora_bench steps --plain BUNDLE --lora LORA_BUNDLE ADAPTER_DIR... [--batches 1,16]
-    python -m bench.lora_bench peers --bundle LORA_BUNDLE --gguf MODEL.gguf --llama-cpp LLAMA_CPP_DIR \\
+    textgen-bench lora adapters MODEL_DIR OUT_DIR [--count 4 --rank 16]
+    textgen-bench lora load LORA_BUNDLE ADAPTER_DIR... [--repeats 3 --starts 3]
+    textgen-bench lora steps --plain BUNDLE --lora LORA_BUNDLE ADAPTER_DIR... [--batches 1,16]
+    textgen-bench lora peers --bundle LORA_BUNDLE --gguf MODEL.gguf --llama-cpp LLAMA_CPP_DIR \\
         --model-dir MODEL_DIR ADAPTER_DIR... [--clients 16 --rounds 2]
 
 `adapters` makes peft adapters of a Hugging Face model: rank R on all seven projections of a Llama (q, k, v,
@@ -23,11 +23,11 @@ where a served difference comes from.
 `peers` serves the same adapters from textgen (`--lora`, the OpenAI `model` field) and from llama.cpp's
 llama-server (each adapter converted with its convert_lora_to_gguf.py, loaded at start with scale 0 by
 `--lora-scaled`, picked by the per-request `lora` field), one server at a time, the first flipping every
-round, as bench.served_peers runs them; C clients over HTTP with requests spread round-robin over the
-adapters, and the same clients on the base model.
+round, as the served-peers scenario runs them; C clients over HTTP with requests spread round-robin over
+the adapters, and the same clients on the base model.
 
 The served figures of textgen alone (tok/s through `textgen-serve`, bundle against bundle) come from
-bench.serve_ab with `--models` and a configuration's own `--bench-bundle=` (docs/benchmarks.md).
+bench.scenarios.serve_ab with `--models` and a configuration's own `--bench-bundle=` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ import numpy as np
 
 from bench import llama_cpp
 from bench.loadgen import AdapterField
+from bench.report import RESULTS
 from bench.rounds import in_turn, median_ratio
-from bench.served_peers import Workload, llama_command, load, served_cell, textgen_command
+from bench.scenarios.served_peers import Workload, llama_command, load, served_cell, textgen_command
 from bench.servers import free_port, http_answers, server_process
 from serve.bundle import LoraLayout
 from serve.engine.lora import LoraSlots, read_adapter
@@ -158,7 +159,7 @@ def server_starts(bundle: Path, adapters: list[Path], starts: int, log: Path) ->
 def bytes_a_step(plain: Path, lora: Path) -> dict[str, int]:
     """What a decode step reads: the base weights (of the bundle without slots) and, with slots, every slot's
     LoRA arrays (a step whose rows use every slot reads them all)."""
-    from bench.peers_bench import weight_bytes
+    from bench.scenarios.peers import weight_bytes
 
     slots = LoraSlots(bundle_layout(lora))
     return {
@@ -359,7 +360,7 @@ def parser() -> argparse.ArgumentParser:
     pe.add_argument("--requests", type=int, default=1, help="per client and cell")
     pe.add_argument("--new-tokens", type=int, default=128)
     pe.add_argument("--rounds", type=int, default=2)
-    pe.add_argument("--out", type=Path, default=Path("bench/results/lora-peers"), help="GGUFs and logs")
+    pe.add_argument("--out", type=Path, default=RESULTS / "lora-peers", help="GGUFs and logs")
     return p
 
 
@@ -368,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "adapters":
         make_adapters(args.model, args.out, args.count, args.rank)
     elif args.command == "load":
-        log = Path("bench/results/lora-load.log")
+        log = RESULTS / "lora-load.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         cell = adapter_load(args.bundle, args.adapters, args.repeats)
         if args.starts:

@@ -1,11 +1,11 @@
 """Served against served: `textgen-serve` against llama.cpp's `llama-server` on the same weights of a model of
 real size, at every precision (fp32 / int8 / int4 against f32 / q8_0 / q4_0), with the engines offline beside.
 
-    python -m bench.served_peers [--work DIR] [--rounds 4] [--clients 1,4,16] [--precisions fp32,int8,int4]
-    python -m bench.served_peers --report bench/results/served-peers-*.json   # the tables of saved runs
+    textgen-bench served-peers [--work DIR] [--rounds 4] [--clients 1,4,16] [--precisions fp32,int8,int4]
+    textgen-bench served-peers --report bench/results/served-peers-*.json   # the tables of saved runs
 
 What it prepares in WORK (default models/served-peers; each step only when its output is missing):
-1. C-llama (bench.c_llama): a 373M-parameter Llama with random weights, or `--model-dir` a Llama folder
+1. C-llama (the c-llama scenario): a 373M-parameter Llama with random weights, or `--model-dir` a Llama folder
    of your own;
 2. llama.cpp's llama-server, llama-batched-bench and llama-quantize, built from the source in the
    llama-cpp-python sdist (bench.llama_cpp; one pip download, ~25 minutes of compile on 2 cores);
@@ -24,7 +24,7 @@ One warm-up of C short requests before each client count. Per round and precisio
 after the other, the first flipping every round. A cell: output tok/s over the run, TTFT p50/p90, ITL p50.
 The summary is the median over rounds, and textgen ÷ llama-server as the median of the rounds' ratios.
 
-Offline (`--offline`, once before the served rounds): textgen's engine (`bench.engine_bench --cell`) and
+Offline (`--offline`, once before the served rounds): textgen's engine (`bench.scenarios.engine --cell`) and
 `llama-batched-bench -npp 32 -ntg 128 -npl 1,4,16` on the same model, both as 128 x batch new tokens over
 the whole run's wall, prefill included; and the weights a textgen decode step reads against the machine's
 read bandwidth (the b1 tok/s that memory allows).
@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 from bench import llama_cpp, servers
-from bench.engine_bench import cell_in_subprocess, machine_roofline
 from bench.loadgen import (
     AdapterField,
     LoadConfig,
@@ -57,9 +56,10 @@ from bench.loadgen import (
     summarize,
     synthetic_ids,
 )
-from bench.peers_bench import PRECISIONS, import_bundle, weight_bytes
 from bench.report import add_record_options, finish_record, print_reports, record_path
 from bench.rounds import in_turn, median_ratio
+from bench.scenarios.engine import cell_in_subprocess, machine_roofline
+from bench.scenarios.peers import PRECISIONS, import_bundle, weight_bytes
 from bench.servers import ROOT, free_port, http_answers, server_process
 
 SERVERS = ("textgen", "llama-server")
@@ -80,7 +80,7 @@ class Workload:
     # bundle's) and sent as token ids, so both servers get the same ids; "synthetic": random ids
     dataset: str = "synthetic"
     tokenizer: str | None = None
-    # LoRA adapters the requests name in turn, and where (bench.loadgen.LoadConfig's fields; bench.lora_bench)
+    # LoRA adapters the requests name in turn, and where (bench.loadgen.LoadConfig's fields; lora scenario)
     models: tuple[str, ...] = ()
     adapter_field: AdapterField = "model"
 
@@ -194,7 +194,7 @@ def prepare(work_dir: Path, model_dir: Path | None, precisions: list[str]) -> Pr
         model_dir = work_dir / "c-llama"
         if not (model_dir / "model.safetensors").is_file():
             shutil.rmtree(model_dir, ignore_errors=True)
-            llama_cpp.run_logged([sys.executable, "-m", "bench.c_llama", str(model_dir)])
+            llama_cpp.run_logged([sys.executable, "-m", "bench.scenarios.c_llama", str(model_dir)])
     bin_dir = llama_cpp.binaries(work_dir)
     ggufs = llama_cpp.ggufs(work_dir, model_dir)
     bundles = {}
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Workload(requests=args.requests, dataset=args.dataset, tokenizer=tokenizer)
     result: Cell = {
         "started": time.strftime("%Y-%m-%d %H:%M"),
-        "command": " ".join(["python -m bench.served_peers", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["textgen-bench served-peers", *(argv if argv is not None else sys.argv[1:])]),
         "workload": asdict(work),
         "precisions": args.precisions,
         "clients": args.clients,

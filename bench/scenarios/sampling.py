@@ -2,7 +2,7 @@
 
 Not a test: prints the best of several repeats for greedy decoding and for top-p sampling, on
 model-like (peaked) logits and on flat logits (the worst case for top-p, whose nucleus is then wide).
-Run: `.venv/bin/python -m bench.sampling_bench [--rows 16] [--vocab 8192] [--steps 200]`.
+Run: `.venv/bin/textgen-bench sampling [--rows 16] [--vocab 8192] [--steps 200]`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ sampling picked), the tokens a speculating step emits, the share of steps that s
 n-gram match, or in backoff, is a plain decode step), and a speculating step's time over a plain step's. The
 speed-up is about (tokens per step) / (step cost) over the steps that speculate.
 
-    .venv/bin/python -m bench.speculation_bench --bundle models/demo/bundle --prompts 8 --new-tokens 128
+    .venv/bin/textgen-bench speculation --bundle models/demo/bundle --prompts 8 --new-tokens 128
 
 Datasets: `corpus`, windows of the Python standard library's sources (code repeats its own names), and
 `synthetic`, uniform random token ids (nothing to look up). The tokens of both engines are compared: a

@@ -14,8 +14,8 @@ fill took on the masks' thread, per row-token (it runs beside ONNX Runtime's ste
 the engine thread then still waited for it, per step (the part of the fill the step's run did not hide);
 `consume` is advancing the matchers by the sampled tokens, per row-token.
 
-    python -m bench.constrained_bench                    # the demo model and bench-a, under $TEXTGEN_HOME
-    python -m bench.constrained_bench --bundle models/bench/bench-a-fp32 --rounds 5 --threads 2
+    textgen-bench constrained                    # the demo model and bench-a, under $TEXTGEN_HOME
+    textgen-bench constrained --bundle models/bench/bench-a-fp32 --rounds 5 --threads 2
 """
 
 from __future__ import annotations

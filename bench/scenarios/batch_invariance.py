@@ -10,7 +10,7 @@ for the graph as exported, and for the MatMulNBits formats export.quantize pads 
 pad (ONNX Runtime's one-row kernel on its own, the reason for the pad; which blocks it differs at depends
 on the CPU).
 
-    python -m bench.batch_invariance --bundle models/demo/bundle
+    textgen-bench batch-invariance --bundle models/demo/bundle
 """
 
 from __future__ import annotations

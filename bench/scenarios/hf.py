@@ -1,6 +1,6 @@
 """A Qwen2.5-0.5B-shaped model from Hugging Face folder to served tokens: export time and memory, serving.
 
-    python -m bench.hf_bench --workdir /tmp/hf-bench [--concurrency 1,16] [--requests 32] [--output F.json]
+    textgen-bench hf --workdir /tmp/hf-bench [--concurrency 1,16] [--requests 32] [--output F.json]
 
 Nothing is downloaded: the model is Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads,
 intermediate 4864, vocabulary 151,936, tied embeddings, 32k context, rope theta 1e6) with random weights
@@ -165,7 +165,7 @@ def serve_and_load(bundle: Path, work: Path, args: argparse.Namespace) -> dict[s
 def sampling_costs() -> dict[str, dict[str, float]]:
     import numpy as np
 
-    from bench.sampling_bench import logits_like, per_step_ms
+    from bench.scenarios.sampling import logits_like, per_step_ms
     from serve.engine.sampling import SamplingParams
 
     cases = {
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     folder, bundle = work / "model", work / "bundle"
     figures: dict[str, Any] = {"load_average_before": os.getloadavg()}
     if not args.skip_make:
-        make_command = [sys.executable, "-m", "bench.hf_bench", "make", str(folder)]
+        make_command = [sys.executable, "-m", "bench.scenarios.hf", "make", str(folder)]
         figures["make"] = timed(make_command, work / "make.log")
         print(f"make: {figures['make']}")
     if not args.skip_export:
