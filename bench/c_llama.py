@@ -111,7 +111,7 @@ def make_draft(source: Path, out: Path, layers: int) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
         make_draft(args.draft_of, args.out, args.draft_layers)
     else:
         make_c_llama(args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

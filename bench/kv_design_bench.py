@@ -35,13 +35,13 @@ def median_tok_s(run: Callable[[], None], tokens: int, repeats: int) -> float:
     return tokens / statistics.median(walls)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", type=Path, required=True)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cases", default="1:128,16:128,16:512", help="batch:new_tokens pairs")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     bundle = load_bundle(args.bundle)
     arch = bundle.manifest.architecture
@@ -69,7 +69,8 @@ def main() -> None:
         a = median_tok_s(run_a, batch * new, args.repeats)
         b = median_tok_s(run_b, batch * new, args.repeats)
         print(f"{f'b{batch}/{new}':>12} {a:15.0f} {b:17.0f} {b / a:6.2f}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

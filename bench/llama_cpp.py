@@ -110,19 +110,6 @@ def ggufs(work: Path, model_dir: Path) -> dict[str, Path]:
     return out
 
 
-def server_command(
-    bin_dir: Path, gguf: Path, port: int, slots: int, ctx_per_slot: int, threads: int
-) -> list[str]:
-    """llama-server with `slots` parallel sequences of `ctx_per_slot` positions each (its context is shared
-    by the slots), continuous batching (its default), `threads` for both decode and prompt batches."""
-    return [
-        str(bin_dir / "llama-server"),
-        *("-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
-        *("-np", str(slots), "-c", str(slots * ctx_per_slot)),
-        *("-t", str(threads), "-tb", str(threads), "--no-webui"),
-    ]
-
-
 @dataclass(frozen=True)
 class BatchedRow:
     """One row of llama-batched-bench's table: `batch` sequences, each a `prompt`-token prefill then `new`

@@ -860,7 +860,6 @@ def _no_tokenizer(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="textgen-bench",
         description="Load-test a textgen gRPC server; reports as `vllm bench serve` does.",
     )
     p.add_argument("--target", default="localhost:50051", help="server HOST:PORT")

@@ -46,8 +46,9 @@ import numpy as np
 
 from bench import llama_cpp
 from bench.loadgen import AdapterField
-from bench.served_peers import Workload, http_answers, load, served_cell, textgen_command
-from bench.serving_bench import free_port, server_process
+from bench.rounds import in_turn, median_ratio
+from bench.served_peers import Workload, llama_command, load, served_cell, textgen_command
+from bench.servers import free_port, http_answers, server_process
 from serve.bundle import LoraLayout
 from serve.engine.lora import LoraSlots, read_adapter
 
@@ -149,8 +150,7 @@ def server_starts(bundle: Path, adapters: list[Path], starts: int, log: Path) ->
     kinds = {"without": [], "with": lora_flag(adapters)}
     seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     for round_no in range(starts):
-        order = list(kinds) if round_no % 2 == 0 else list(reversed(kinds))
-        for kind in order:
+        for kind in in_turn(list(kinds), round_no):
             seconds[kind].append(server_start(bundle, kinds[kind], log))
     return {f"start_{kind}_s": statistics.median(values) for kind, values in seconds.items()}
 
@@ -229,8 +229,7 @@ def step_times(
     engines = step_engines(cases, adapters, max(batches), PROMPT_LEN + steps + 8)
     times: dict[str, dict[int, list[float]]] = {c.name: {b: [] for b in batches} for c in cases}
     for round_no in range(rounds):
-        shift = round_no % len(cases)
-        for case in cases[shift:] + cases[:shift]:
+        for case in in_turn(cases, round_no):
             for batch in batches:
                 times[case.name][batch].append(decode_ms(engines[case.bundle], case, batch, steps))
         latest = {name: {b: ms[-1] for b, ms in cells.items()} for name, cells in times.items()}
@@ -270,10 +269,9 @@ def peer_servers(
     args: argparse.Namespace, port: int, work: Workload, ggufs: list[Path]
 ) -> dict[str, PeerServer]:
     textgen = textgen_command(args.bundle.resolve(), port, work, lora_flag(args.adapters))
-    bin_dir = args.llama_cpp / "build" / "bin"
-    llama = llama_cpp.server_command(bin_dir, args.gguf, port, work.slots, work.ctx_per_slot, work.threads)
     # scale 0 by default: a request that lists no adapter gets none (with `--lora` it would get all of them)
-    llama += ["--lora-scaled", ",".join(f"{g}:0" for g in ggufs)]
+    scaled = ["--lora-scaled", ",".join(f"{g}:0" for g in ggufs)]
+    llama = llama_command(args.llama_cpp / "build" / "bin", args.gguf, port, work, scaled)
     return {
         "textgen": PeerServer("textgen", textgen, tuple(adapter_names(args.adapters)), "model"),
         "llama-server": PeerServer("llama-server", llama, tuple(str(i) for i in range(len(ggufs))), "lora"),
@@ -298,8 +296,7 @@ def peers(args: argparse.Namespace) -> list[Cell]:
     work = Workload(max_tokens=args.new_tokens, requests=args.requests)
     records = []
     for round_no in range(args.rounds):
-        names = ["textgen", "llama-server"] if round_no % 2 == 0 else ["llama-server", "textgen"]
-        for name in names:
+        for name in in_turn(("textgen", "llama-server"), round_no):
             port = free_port()
             server = peer_servers(args, port, work, ggufs)[name]
             log = args.out / f"{name}-{round_no}.log"
@@ -319,7 +316,8 @@ def peers_summary(records: list[Cell]) -> str:
             if r["spread"] == spread:
                 rates[r["server"]][r["round"]] = r["tok_s"]
         ours, theirs = rates["textgen"], rates["llama-server"]
-        ratio = statistics.median(ours[k] / theirs[k] for k in ours.keys() & theirs.keys())
+        paired = sorted(ours.keys() & theirs.keys())
+        ratio = median_ratio([ours[k] for k in paired], [theirs[k] for k in paired])
         lines.append(
             f"{spread}: textgen {statistics.median(ours.values()):.1f} tok/s, llama-server "
             f"{statistics.median(theirs.values()):.1f} tok/s, textgen ÷ llama-server {ratio:.2f}"
@@ -331,9 +329,7 @@ def peers_summary(records: list[Cell]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="lora_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     csv_ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("adapters", help="make peft adapters of a Hugging Face model")

@@ -53,7 +53,6 @@ from bench.engine_bench import (
     CHECKED_TOKENS,
     NEW_TOKENS,
     PROMPT_LEN,
-    REPO,
     cell_in_subprocess,
     machine_roofline,
     prepared_anchors,
@@ -63,7 +62,8 @@ from bench.engine_bench import (
 )
 from bench.loadgen import LoadConfig, Prompt, RequestRecord, send
 from bench.proc import CpuMeter, descendants, main_thread_cpu_seconds, peak_rss_mib
-from bench.serving_bench import free_port, server_process
+from bench.report import RESULTS
+from bench.servers import ROOT, free_port, server_process, textgen_command
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 
 MODEL = "B-llama"  # the peers' name of the folder's model
@@ -197,14 +197,14 @@ def _tensor_bytes(tensor: onnx.TensorProto) -> int:
 
 
 def serve_command(bundle: Path, batch: int, port: int, flags: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        *("-m", "serve", "--bundle", str(bundle.resolve()), "--log-level", "WARNING"),
+    return textgen_command(
+        bundle.resolve(),
+        *("--log-level", "WARNING"),
         *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--http-port", "0"),
         *("--max-batch-size", str(batch), "--max-model-len", str(PROMPT_LEN + NEW_TOKENS)),
         *("--prefix-cache-rows", "0"),
         *flags,
-    ]
+    )
 
 
 async def concurrent_streams(stub: pb_grpc.TextGenerationStub, batch: int, run: int) -> Cell:
@@ -269,7 +269,7 @@ def served_cell(bundle: Path, batch: int, repeats: int, flags: list[str], log: P
 def served_in_subprocess(bundle: Path, batch: int, args: argparse.Namespace) -> Cell:
     cmd = [sys.executable, "-m", "bench.peers_bench", "--served-cell", str(bundle), "--batch", str(batch)]
     cmd += ["--repeats", str(args.repeats), "--serve-flags", args.serve_flags]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -352,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max-other-load", type=float, default=0.25, help="share of the cores other processes may take"
     )
     p.add_argument("--serve-flags", default="", help="more textgen-serve flags for the served cells")
-    p.add_argument("--bundles", type=Path, default=REPO / "models" / "peers")
-    p.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "peers.json")
+    p.add_argument("--bundles", type=Path, default=ROOT / "models" / "peers")
+    p.add_argument("--output", type=Path, default=RESULTS / "peers.json")
     p.add_argument("--report", type=Path, nargs="+", help="only report these runs' --output files, merged")
     p.add_argument("--served-cell", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)

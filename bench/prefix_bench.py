@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.rounds import in_turn
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
 from serve.engine.types import EngineSettings, NewSequence, SessionConfig
@@ -142,9 +143,8 @@ def compare(
     Returns figure name -> engine name -> one value a round."""
     figures: dict[str, dict[str, list[float]]] = {}
     for r in range(rounds):
-        order = list(engines) if r % 2 == 0 else list(reversed(engines))
         tokens: dict[str, list[list[int]]] = {}
-        for name in order:
+        for name in in_turn(list(engines), r):
             values, tokens[name] = measure(engines[name], np.random.default_rng(seed + r))
             for figure, value in values.items():
                 figures.setdefault(figure, {e: [] for e in engines})[name].append(value)
@@ -153,7 +153,7 @@ def compare(
     return figures
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", type=Path, default=Path("models/bench/bench-a-fp32"))
     parser.add_argument("--rows", type=int, default=4, help="prefix cache rows of the engine that has one")
@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     summary = {"bundle": str(args.bundle), "rows": args.rows, "rounds": args.rounds, "cases": results}
     args.json.write_text(json.dumps(summary, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

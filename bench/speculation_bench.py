@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.loadgen import corpus_window, cut_to_tokens, stdlib_texts, synthetic_ids
+from bench.rounds import in_turn
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
 from serve.engine.sampling import SamplingParams
@@ -133,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         decode(spec, prompts[0], 8, Tally())
         tallies = Tally(), Tally()
         for i, prompt in enumerate(prompts):
-            order = (0, 1) if i % 2 == 0 else (1, 0)
-            for which in order:
+            for which in in_turn((0, 1), i):
                 decode((plain, spec)[which], prompt, args.new_tokens, tallies[which])
         report(dataset, *tallies)
     return 0

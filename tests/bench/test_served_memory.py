@@ -9,7 +9,7 @@ import pytest
 
 from bench.served_memory import factor_table, predicted, report, run_cell
 from bench.served_peers import Workload, textgen_command
-from bench.serving_bench import free_port
+from bench.servers import free_port
 from serve.api.sizing import FIXED_BYTES, MIB
 
 TINY = Workload(slots=4, ctx_per_slot=64, threads=1, prompt_len=6, max_tokens=8, vocab=320)
