@@ -107,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         "| HTTP ÷ gRPC TTFT | server CPU µs/token gRPC, HTTP | client CPU µs/token gRPC, HTTP |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for clients, runs in figures.items():
+    for level, runs in figures.items():
         med = {rpc: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for rpc, rs in runs.items()}
         g, h = med["stream"], med["http"]
         print(
-            f"| {clients} | {g['tok_s']:.0f} | {h['tok_s']:.0f} | {h['tok_s'] / g['tok_s']:.2f} "
+            f"| {level} | {g['tok_s']:.0f} | {h['tok_s']:.0f} | {h['tok_s'] / g['tok_s']:.2f} "
             f"| {g['ttft_p50_ms']:.1f} ms | {h['ttft_p50_ms']:.1f} ms "
             f"| {h['ttft_p50_ms'] / g['ttft_p50_ms']:.2f} "
             f"| {g['server_us_per_token']:.0f}, {h['server_us_per_token']:.0f} "

@@ -31,9 +31,9 @@ from bench.rounds import in_turn
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
 from serve.engine.sampling import SamplingParams
-from serve.engine.types import EngineSettings, NewSequence, SessionConfig
+from serve.engine.types import EngineSettings, KvCacheDtype, NewSequence, SessionConfig
 
-DTYPES = ("fp32", "fp16")
+DTYPES: tuple[KvCacheDtype, ...] = ("fp32", "fp16")
 GREEDY = SamplingParams()
 
 
@@ -136,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     # The server's defaults: spinning within a step, not between steps (two engines share the cores here).
     session = SessionConfig(threads=args.threads, spin_between_runs=False)
     settings = EngineSettings(max_batch_size=args.rows, capacity=args.capacity, session=session)
-    engines = {dtype: Engine.from_bundle(bundle, replace(settings, kv_cache_dtype=dtype)) for dtype in DTYPES}
+    engines: dict[str, Engine] = {
+        dtype: Engine.from_bundle(bundle, replace(settings, kv_cache_dtype=dtype)) for dtype in DTYPES
+    }
     for engine in engines.values():
         engine.warm_up()
     result: dict[str, Any] = {
