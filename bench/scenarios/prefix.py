@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.bundles import bench_a
 from bench.report import RESULTS
 from bench.rounds import in_turn
 from serve.bundle import load_bundle
@@ -156,7 +157,7 @@ def compare(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bundle", type=Path, default=Path("models/bench/bench-a-fp32"))
+    parser.add_argument("--bundle", type=Path, help="default: bench-a fp32, exported on first use")
     parser.add_argument("--rows", type=int, default=4, help="prefix cache rows of the engine that has one")
     parser.add_argument("--history", type=int, default=512, help="chat: tokens of the previous prompt")
     parser.add_argument("--system", type=int, default=256, help="tokens of the shared system prompt")
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=RESULTS / "prefix.json")
     args = parser.parse_args(argv)
+    args.bundle = args.bundle or bench_a()
     # Each engine goes first in half the rounds: with an odd count, one of them is first once more, and an
     # order effect (demo model: the first run of a round up to 15% slower) lands in its median.
     args.rounds += args.rounds % 2

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.bundles import bench_a
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
 from serve.engine.types import EngineSettings, NewSequence, SessionConfig
@@ -40,11 +41,12 @@ def scoring_seconds(engine: Engine, prompt: list[int]) -> float:
 def measure(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     """Prefill and scoring seconds (medians) by prompt length; the table printed as it goes."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bundle", type=Path, default=Path("models/bench/bench-a-fp32"))
+    parser.add_argument("--bundle", type=Path, help="default: bench-a fp32, exported on first use")
     parser.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 512])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
+    args.bundle = args.bundle or bench_a()
     settings = EngineSettings(max_batch_size=1, session=SessionConfig(threads=args.threads))
     engine = Engine.from_bundle(load_bundle(args.bundle), settings)
     rng = np.random.default_rng(0)

@@ -56,6 +56,7 @@ from bench.loadgen import (
     summarize,
     synthetic_ids,
 )
+from bench.proc import run_logged
 from bench.report import add_record_options, finish_record, print_reports, record_path
 from bench.rounds import in_turn, median_ratio
 from bench.scenarios.engine import cell_in_subprocess, machine_roofline
@@ -194,7 +195,7 @@ def prepare(work_dir: Path, model_dir: Path | None, precisions: list[str]) -> Pr
         model_dir = work_dir / "c-llama"
         if not (model_dir / "model.safetensors").is_file():
             shutil.rmtree(model_dir, ignore_errors=True)
-            llama_cpp.run_logged([sys.executable, "-m", "bench.scenarios.c_llama", str(model_dir)])
+            run_logged([sys.executable, "-m", "bench.scenarios.c_llama", str(model_dir)])
     bin_dir = llama_cpp.binaries(work_dir)
     ggufs = llama_cpp.ggufs(work_dir, model_dir)
     bundles = {}

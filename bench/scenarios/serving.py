@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.bundles import bench_a
 from bench.cpus import resolve_engine_cpus
 from bench.loadgen import (
     RPC_NAMES,
@@ -44,6 +45,7 @@ from bench.loadgen import (
     usage_checked,
     write_json,
 )
+from bench.proc import run_logged
 from bench.report import DOC, RESULTS, machine
 from bench.scenarios.serving_report import cdf_level, plot_all, update_doc
 from bench.servers import BIN, ROOT, free_port, naive_command, server_process
@@ -105,21 +107,6 @@ def pinned_engine(flag: str | None) -> tuple[int, ...] | None:
 
 
 # --- the model ---------------------------------------------------------------------------------------------
-
-
-def ensure_bundle(bundle: Path | None) -> Path:
-    """The given bundle, or bench-a fp32 with random weights: the engine scenario's too."""
-    if bundle is not None:
-        return bundle
-    out = ROOT / "models" / "bench" / "bench-a-fp32"
-    if not (out / "manifest.json").exists():
-        run_logged([str(BIN / "textgen-export"), "random", "--preset", "bench-a", "--out", str(out)])
-    return out
-
-
-def run_logged(command: list[str]) -> None:
-    print(f"$ {shlex.join(command)}", flush=True)
-    subprocess.run(command, check=True)
 
 
 # --- offline measurements ----------------------------------------------------------------------------------
@@ -330,7 +317,7 @@ def run(args: argparse.Namespace) -> Results:
     plan = plan_from_args(args)
     results_dir: Path = args.results
     results_dir.mkdir(parents=True, exist_ok=True)
-    bundle_dir = ensure_bundle(args.bundle)
+    bundle_dir = args.bundle or bench_a()
     bundle = load_bundle(bundle_dir)
     threads = args.threads or os.cpu_count() or 1
     max_batch = max(plan.levels)
