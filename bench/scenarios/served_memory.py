@@ -53,7 +53,7 @@ from bench.scenarios.served_peers import (
     prepare,
     textgen_command,
 )
-from bench.servers import ROOT, free_port, http_answers, server_process
+from bench.servers import free_port, http_answers, server_process
 from serve.api.sizing import FIXED_BYTES, ITEMSIZE, WEIGHT_FACTORS, PodMemory, pod_memory, size_kv_cache
 from serve.bundle import read_manifest
 
@@ -299,8 +299,6 @@ def named_path(text: str) -> tuple[str, Path]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     csv_ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    p.add_argument("--work", type=Path, default=ROOT / "models" / "served-peers")
-    p.add_argument("--model-dir", type=Path, help="a Llama folder (default: C-llama, made in WORK)")
     p.add_argument(
         "--bundle", type=named_path, action="append", default=[], help="PRECISION=DIR (repeatable)"
     )

@@ -420,8 +420,6 @@ def report(result: Cell) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     csv_ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    p.add_argument("--work", type=Path, default=ROOT / "models" / "served-peers")
-    p.add_argument("--model-dir", type=Path, help="a Llama folder (default: C-llama, made in WORK)")
     p.add_argument("--precisions", type=lambda t: t.split(","), default=list(PRECISIONS))
     p.add_argument("--clients", type=csv_ints, default=[1, 4, 16])
     p.add_argument("--rounds", type=int, default=4)
@@ -439,7 +437,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def add_server_options(p: argparse.ArgumentParser, record: str) -> None:
-    """What every served-against-served benchmark takes: flags for each server, its record, its reports."""
+    """What every served-against-served benchmark takes: where its assets are prepared, flags for each
+    server, its record, its reports."""
+    p.add_argument("--work", type=Path, default=ROOT / "models" / "served-peers")
+    p.add_argument("--model-dir", type=Path, help="a Llama folder (default: C-llama, made in WORK)")
     p.add_argument("--textgen-flag", action="append", default=[], help="a textgen-serve flag (repeatable)")
     p.add_argument("--llama-flag", action="append", default=[], help="a llama-server flag (repeatable)")
     add_record_options(p, record)
