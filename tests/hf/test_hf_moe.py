@@ -1,6 +1,7 @@
 """Mixtures of experts beyond fp32 parity (which tests/hf/test_hf_import.py checks for every family): the
 experts at 8 and 4 bits stay batch invariant, their row pads are those the engine can take out, the router
-stays float, and the active-parameter count is what a token reads.
+stays float, and the active-parameter count is what a token reads; gpt-oss's MXFP4 expert weights read as
+transformers reads them.
 
 One tiny random Qwen3-MoE (8 experts of width 32, top 2, one dense layer) built once for the module.
 """
@@ -20,6 +21,7 @@ from export.checkpoint import load_checkpoint, save_checkpoint
 from export.hf_import import import_checkpoint
 from export.model import Decoder, count_active_parameters, count_parameters
 from export.moe import ROUTER_SUFFIX, is_expert_tensor
+from export.mxfp4 import dequantize_mxfp4
 from export.onnx_inplace import build_inplace_graph
 from export.pipeline import architecture_fields
 from export.quantize import quantize_nbits
@@ -112,3 +114,14 @@ def test_a_positions_activations_follow_the_experts_it_takes(moe: tuple[Decoder,
     assert scoring_bytes_per_position(sparse, 128) < scoring_bytes_per_position(all_experts, 128)
     only_sparse = Architecture(**{**fields, "sparse_layers": cfg.n_layers})
     assert only_sparse.token_ffn_width == 2 * cfg.experts.d_ff + 8
+
+
+def test_mxfp4_blocks_read_as_transformers_converts_them() -> None:
+    from transformers.integrations import mxfp4
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 4, 16), generator=gen, dtype=torch.uint8)  # [E, rows, K/32, 16]
+    scales = torch.randint(127 - 20, 127 + 20, (3, 8, 4), generator=gen, dtype=torch.uint8)
+    ours = dequantize_mxfp4(blocks, scales)  # [E, rows, K]
+    theirs = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, K, rows]
+    assert torch.equal(ours, theirs.transpose(1, 2))
