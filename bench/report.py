@@ -47,10 +47,18 @@ def machine() -> dict[str, str]:
     }
 
 
+def table_head(header: Sequence[str]) -> list[str]:
+    """A Markdown table's header and rule; its rows follow (table_row), printed as they are measured."""
+    return [table_row(header), "|" + "---|" * len(header)]
+
+
+def table_row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     """A Markdown table's lines."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+    return [*table_head(header), *map(table_row, rows)]
 
 
 def section_markers(name: str) -> tuple[str, str]:
