@@ -10,8 +10,9 @@ SwiGLU, tanh-approximated GELU, grouped-query attention (fewer key/value heads, 
 query heads; the cache holds the key/value heads only), an explicit head dim, RMSNorm of q and k (per head,
 or over the whole projection), scaled RoPE (linear, llama3) on all of the head dim or its first part, GeGLU,
 norms before and/or after each sublayer, scales of the embedding, the residual branches, the attention
-scores and the logits, tanh soft-capping of the attention scores and of the logits, and layers that attend
-differently (`LayerAttention`: a sliding window, a RoPE base of their own, or no rotary at all).
+scores and the logits, tanh soft-capping of the attention scores and of the logits, layers that attend
+differently (`LayerAttention`: a sliding window, a RoPE base of their own, or no rotary at all), and sparse
+mixture-of-experts feed-forward layers (export/moe.py).
 
 Shapes in comments: B batch, S new tokens, P past tokens, T = P + S, H heads, Hkv key/value heads, Dh head
 dim, D d_model, F d_ff, V vocab.
@@ -27,11 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from export.moe import Experts, ExpertsConfig
+
 Positions = Literal["learned", "sinusoidal", "rotary"]
 Activation = Literal["gelu", "relu", "gelu_tanh", "swiglu", "geglu"]
 Norm = Literal["layer", "rms"]
 NormPlacement = Literal["pre", "post", "sandwich"]
-QKNormScope = Literal["head", "projection"]
 RopeScaling = Literal["none", "linear", "llama3", "longrope"]
 KV = tuple[Tensor, Tensor]
 
@@ -39,7 +41,6 @@ ACTIVATIONS = ("gelu", "relu", "gelu_tanh", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")  # `up` computes [gate; up]: act(gate) * up
 NORMS = ("layer", "rms")
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
-QK_NORM_SCOPES = ("head", "projection")
 ROPE_SCALINGS = ("none", "linear", "llama3", "longrope")
 
 
@@ -85,6 +86,7 @@ class DecoderConfig:
     out_bias: bool = True
     mlp_bias: bool = True
     qk_norm: bool = False  # a norm over each head of q and of k, before RoPE (Qwen3)
+    qk_norm_whole: bool = False  # with qk_norm: over the whole q and k projections instead (OLMoE, OLMo 2)
     sliding_window: int = 0  # W > 0: a query sees the last W keys, itself included (Mistral); 0: all
     rope_scaling: RopeScaling = "none"  # of the rotary frequencies; see rope_frequencies
     rope_factor: float = 1.0  # linear, llama3
@@ -96,7 +98,6 @@ class DecoderConfig:
     rotary_dim: int = 0  # RoPE on the first rotary_dim features of each head (Phi-4-mini); 0: all of them
     # One per layer where the layers attend differently; (): every layer LayerAttention(sliding_window).
     layer_attention: tuple[LayerAttention, ...] = ()
-    qk_norm_scope: QKNormScope = "head"  # "projection": one norm over all heads of q, one of k (OLMo 2)
     norm_placement: NormPlacement = "pre"  # "post": norm(sublayer(x)) (OLMo 2); "sandwich": both (Gemma)
     embedding_scale: float = 1.0  # the token embeddings times this (Gemma: sqrt(d_model); Granite)
     residual_scale: float = 1.0  # each sublayer's output times this before it is added (Granite)
@@ -104,6 +105,7 @@ class DecoderConfig:
     attn_softcap: float = 0.0  # c > 0: scores become c * tanh(scores / c) before the mask (Gemma 2)
     logit_scale: float = 1.0  # the logits times this (Granite: 1 / logits_scaling)
     logit_softcap: float = 0.0  # c > 0: logits become c * tanh(logits / c), after logit_scale (Gemma 2)
+    experts: ExpertsConfig | None = None  # sparse feed-forward layers (export/moe.py); None: dense
 
     def __post_init__(self) -> None:
         # A config read back from a dict or JSON has lists and dicts where the dataclass holds tuples.
@@ -152,8 +154,6 @@ class DecoderConfig:
             raise ValueError("give the window in layer_attention or in sliding_window, not both")
         if not all(isinstance(layer, LayerAttention) for layer in self.layer_attention):
             raise ValueError("layer_attention must hold LayerAttention entries")
-        if self.qk_norm_scope not in QK_NORM_SCOPES:
-            raise ValueError(f"qk_norm_scope must be head or projection, not {self.qk_norm_scope!r}")
         if self.norm_placement not in NORM_PLACEMENTS:
             raise ValueError(
                 f"norm_placement must be one of {', '.join(NORM_PLACEMENTS)}, not {self.norm_placement!r}"
@@ -218,6 +218,10 @@ class DecoderConfig:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    def sparse(self, layer: int) -> bool:
+        """Whether the layer's feed-forward is the experts (export/moe.py)."""
+        return self.experts is not None and self.experts.sparse(layer)
+
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
@@ -227,6 +231,9 @@ class DecoderConfig:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown decoder config keys: {sorted(unknown)}")
+        experts = data.get("experts")
+        if isinstance(experts, dict):
+            data = {**data, "experts": ExpertsConfig.from_dict(experts)}
         return cls(**data)  # type: ignore[arg-type]  # layer_attention's dicts: __post_init__
 
 
@@ -333,7 +340,7 @@ class Attention(nn.Module):
         # One projection for q, k and v: rows [0, H*Dh) are q, then Hkv*Dh of k, then Hkv*Dh of v.
         self.qkv = nn.Linear(cfg.d_model, self.q_dim + 2 * self.kv_dim, bias=cfg.qkv_bias)
         self.out = nn.Linear(self.q_dim, cfg.d_model, bias=cfg.out_bias)
-        self.per_head_norm = cfg.qk_norm_scope == "head"
+        self.per_head_norm = not cfg.qk_norm_whole
         q_features, k_features = (cfg.head_dim,) * 2 if self.per_head_norm else (cfg.q_dim, cfg.kv_dim)
         self.q_norm = make_norm(cfg, q_features) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, k_features) if cfg.qk_norm else None
@@ -412,16 +419,21 @@ class FeedForward(nn.Module):
 
 class Block(nn.Module):
     """Residual block: x + scale * attn(x), then x + scale * ffn(x), each sublayer with the norms of the
-    config's norm_placement: "pre" sublayer(norm(x)), "post" norm(sublayer(x)), "sandwich" both."""
+    config's norm_placement: "pre" sublayer(norm(x)), "post" norm(sublayer(x)), "sandwich" both; the ffn is
+    the experts in a sparse layer."""
 
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
         super().__init__()
         pre, post = cfg.norm_placement != "post", cfg.norm_placement != "pre"
         self.ln_attn = make_norm(cfg, cfg.d_model) if pre else None
         self.attn = Attention(cfg)
         self.ln_attn_out = make_norm(cfg, cfg.d_model) if post else None
         self.ln_ffn = make_norm(cfg, cfg.d_model) if pre else None
-        self.ffn = FeedForward(cfg)
+        self.ffn: FeedForward | Experts = (
+            Experts(cfg.d_model, cfg.experts)
+            if cfg.experts is not None and cfg.sparse(layer)
+            else FeedForward(cfg)
+        )
         self.ln_ffn_out = make_norm(cfg, cfg.d_model) if post else None
         self.residual_scale = cfg.residual_scale
 
@@ -451,7 +463,7 @@ class Decoder(nn.Module):
             self.pos_emb = nn.Embedding(cfg.context_length, cfg.d_model)
         self.make_tables()
         self.emb_dropout = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.ln_f = make_norm(cfg, cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -544,3 +556,10 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def count_active_parameters(model: Decoder) -> int:
+    """The weights one token reads: all but the experts it is not routed to (count_parameters when dense)."""
+    experts = [b.ffn for b in model.block_list() if isinstance(b.ffn, Experts)]
+    total = sum(p.numel() for e in experts for p in e.parameters())
+    return count_parameters(model) - total + sum(e.active_parameters() for e in experts)

@@ -32,6 +32,7 @@ from export.model import (
     rotary_tables,
     sinusoidal_table,
 )
+from export.moe import Experts, experts_graph
 from serve.bundle import (
     LORA_POSITIONS_INPUT,
     LORA_ROUTING_INPUTS,
@@ -136,6 +137,26 @@ class _GraphBuilder:
         (d,) = self.node("Concat", ds, f"{name}/concat", axis=2) if parts > 1 else ds
         (d,) = self.node("GatherND", [d, LORA_POSITIONS_INPUT], f"{name}/own")  # [m,out]
         return self.node("ScatterND", [y, LORA_TOKENS_INPUT, d], f"{name}/add", reduction="add")[0]
+
+    def swiglu(self, h: str, d_ff: int, name: str) -> str:
+        """silu(gate) * up of h [..., 2F] = [gate; up]."""
+        return self.gated(h, d_ff, name, "swiglu")
+
+    def gated(self, h: str, d_ff: int, name: str, activation: str) -> str:
+        """act(gate) * up of h [..., 2F] = [gate; up]: silu (SwiGLU) or tanh-approximated GELU (GeGLU)."""
+        gate, up = self.node(
+            "Split",
+            [h, self.const_i64(f"{name}.gate_up_sizes", [d_ff, d_ff])],
+            f"{name}.gate_up",
+            outputs=[f"{name}.gate", f"{name}.up_half"],
+            axis=-1,
+        )
+        if activation == "geglu":
+            (act,) = self.node("Gelu", [gate], f"{name}.gelu", approximate="tanh")
+        else:
+            (sig,) = self.node("Sigmoid", [gate], f"{name}.sigmoid")
+            (act,) = self.node("Mul", [gate, sig], f"{name}.silu")
+        return self.node("Mul", [act, up], f"{name}.act")[0]
 
     def norm(self, x: str, module: torch.nn.Module, name: str) -> str:
         """LayerNormalization, or RMSNorm as x / sqrt(mean(x^2) + eps) * weight over the last axis: the
@@ -312,9 +333,12 @@ def _block(
         a = g.norm(a, block.ln_attn_out, f"{p}.ln_attn_out")
     (x,) = g.node("Add", [x, g.scaled(a, cfg.residual_scale, f"{p}.attn_scale")], f"{p}.attn_residual")
     h = g.norm(x, block.ln_ffn, f"{p}.ln_ffn") if block.ln_ffn is not None else x
-    h = g.linear(h, block.ffn.up.weight, block.ffn.up.bias, f"{p}.ffn.up")
-    h = _activation(g, h, cfg.activation, cfg.d_ff, f"{p}.ffn")
-    h = g.linear(h, block.ffn.down.weight, block.ffn.down.bias, f"{p}.ffn.down")
+    if isinstance(block.ffn, Experts):
+        h = experts_graph(g, h, block.ffn, cfg.d_model, f"{p}.ffn")
+    else:
+        h = g.linear(h, block.ffn.up.weight, block.ffn.up.bias, f"{p}.ffn.up")
+        h = _activation(g, h, cfg.activation, cfg.d_ff, f"{p}.ffn")
+        h = g.linear(h, block.ffn.down.weight, block.ffn.down.bias, f"{p}.ffn.down")
     if block.ln_ffn_out is not None:
         h = g.norm(h, block.ln_ffn_out, f"{p}.ln_ffn_out")
     return g.node("Add", [x, g.scaled(h, cfg.residual_scale, f"{p}.ffn_scale")], f"{p}.ffn_residual")[0]
@@ -323,19 +347,7 @@ def _block(
 def _activation(g: _GraphBuilder, h: str, activation: str, d_ff: int, name: str) -> str:
     """The MLP's activation of h [B,S,F] (SwiGLU, GeGLU: of h [B,S,2F] = [gate; up]: act(gate) * up)."""
     if activation in GATED_ACTIVATIONS:
-        gate, up = g.node(
-            "Split",
-            [h, g.const_i64(f"{name}.gate_up_sizes", [d_ff, d_ff])],
-            f"{name}.gate_up",
-            outputs=[f"{name}.gate", f"{name}.up_half"],
-            axis=-1,
-        )
-        if activation == "geglu":
-            (act,) = g.node("Gelu", [gate], f"{name}.gelu", approximate="tanh")
-        else:
-            (sig,) = g.node("Sigmoid", [gate], f"{name}.sigmoid")
-            (act,) = g.node("Mul", [gate, sig], f"{name}.silu")
-        return g.node("Mul", [act, up], f"{name}.act")[0]
+        return g.gated(h, d_ff, name, activation)
     if activation == "gelu_tanh":
         return g.node("Gelu", [h], f"{name}.act", approximate="tanh")[0]
     return g.node("Gelu" if activation == "gelu" else "Relu", [h], f"{name}.act")[0]

@@ -35,8 +35,12 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PretrainedConfig,
@@ -46,6 +50,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -92,6 +98,23 @@ def qwen2_config(**changes: Any) -> Qwen2Config:
 def qwen3_config(**changes: Any) -> Qwen3Config:
     # head_dim 32 with 4 heads: q is 128 wide on a hidden size of 64.
     return Qwen3Config(**{**_COMMON, **_LLAMA_SHAPE, "head_dim": 32, "num_key_value_heads": 1, **changes})
+
+
+# Mixtures of experts: 8 experts of width 32, top 2 (Qwen3-MoE: a dense layer too, of width 96).
+_MOE_SHAPE = {**_LLAMA_SHAPE, "num_experts_per_tok": 2, "intermediate_size": 32}
+
+
+def qwen3_moe_config(**changes: Any) -> Qwen3MoeConfig:
+    shape = {**_MOE_SHAPE, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 8}
+    return Qwen3MoeConfig(**{**_COMMON, **shape, "head_dim": 32, "norm_topk_prob": True, **changes})
+
+
+def olmoe_config(**changes: Any) -> OlmoeConfig:
+    return OlmoeConfig(**{**_COMMON, **_MOE_SHAPE, "num_experts": 8, "pad_token_id": 0, **changes})
+
+
+def mixtral_config(**changes: Any) -> MixtralConfig:
+    return MixtralConfig(**{**_COMMON, **_MOE_SHAPE, "num_local_experts": 8, "rope_theta": 5000.0, **changes})
 
 
 def gpt2_config(**changes: Any) -> GPT2Config:
@@ -189,6 +212,9 @@ MODEL_CLASSES: dict[type[PretrainedConfig], type[PreTrainedModel]] = {
     SmolLM3Config: SmolLM3ForCausalLM,
     GraniteConfig: GraniteForCausalLM,
     Olmo2Config: Olmo2ForCausalLM,
+    Qwen3MoeConfig: Qwen3MoeForCausalLM,
+    OlmoeConfig: OlmoeForCausalLM,
+    MixtralConfig: MixtralForCausalLM,
 }
 
 
@@ -365,6 +391,7 @@ _CHATML = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_CHATML_TOKENS = (None, "<|im_end|>", "<|endoftext|>", None, False)  # bos, eos, pad, unk, adds BOS
 # The dense families' templates, written in each family's layout and with the Jinja it uses: Gemma's "model"
 # turns with the system prompt folded into the first user turn (Gemma 2 refuses a system turn), Phi-3's
 # <|role|> tags, SmolLM3's metadata system turn with today's date and a reasoning mode, Granite's roles
@@ -449,6 +476,17 @@ FAMILIES = {
             "qwen3", qwen3_config, _QWEN_SPECIALS, None, "<|im_end|>", "<|endoftext|>", None, False, _CHATML
         ),
         Family(
+            "qwen3-moe",
+            qwen3_moe_config,
+            _QWEN_SPECIALS,
+            None,
+            "<|im_end|>",
+            "<|endoftext|>",
+            None,
+            False,
+            _CHATML,
+        ),
+        Family(
             "gpt2",
             gpt2_config,
             ("<|endoftext|>",),
@@ -472,17 +510,7 @@ FAMILIES = {
             False,
             _PHI3_CHAT,
         ),
-        Family(
-            "smollm3",
-            smollm3_config,
-            _QWEN_SPECIALS,
-            None,
-            "<|im_end|>",
-            "<|endoftext|>",
-            None,
-            False,
-            _SMOLLM3_CHAT,
-        ),
+        Family("smollm3", smollm3_config, _QWEN_SPECIALS, *_CHATML_TOKENS, _SMOLLM3_CHAT),
         Family(
             "granite",
             granite_config,
