@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from export.model import DecoderConfig
+from export.model import GATED_ACTIVATIONS, DecoderConfig
 from serve.bundle import LORA_GEMM_TERMS, LoraBranch, LoraLayout, LoraPart
 
 # Our projection -> the checkpoint modules it is made of, in order, each with its output features.
@@ -63,7 +63,7 @@ def own_modules(cfg: DecoderConfig) -> dict[str, list[tuple[str, int]]]:
 
 def projection_features(cfg: DecoderConfig, projection: str) -> int:
     """The output features of one of PROJECTIONS."""
-    gated = cfg.activation == "swiglu"
+    gated = cfg.activation in GATED_ACTIVATIONS
     return {
         "attn.qkv": cfg.q_dim + 2 * cfg.kv_dim,
         "attn.out": cfg.d_model,

@@ -12,11 +12,14 @@ from hf_models import (
     PROMPTS,
     Run,
     build,
+    gemma3_config,
     gpt2_config,
     hf_greedy_batch,
     llama_config,
     max_diff,
     mistral_config,
+    olmo2_config,
+    phi3_config,
     qwen2_config,
     qwen3_config,
     run_inplace,
@@ -39,6 +42,9 @@ CASES: dict[str, tuple[PretrainedConfig, tuple[int, int, list[str], bool]]] = {
     "qwen3": (qwen3_config(), (2, 8, ["q_proj", "gate_proj"], False)),
     "gpt2": (gpt2_config(), (4, 8, ["c_attn", "c_proj", "c_fc"], False)),
     "llama, 3 slots of rank 48": (llama_config(), (40, 32, LLAMA_ALL, False)),
+    "gemma3": (gemma3_config(), (4, 8, ["q_proj", "o_proj", "down_proj"], False)),
+    "phi3, fused projections": (phi3_config(), (4, 8, ["qkv_proj", "gate_up_proj", "o_proj"], False)),
+    "olmo2": (olmo2_config(), (2, 4, ["k_proj", "up_proj"], True)),
 }
 SLOTS, RANK = 2, 8
 # a wider rank over more slots
