@@ -31,6 +31,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from serve.api.adapters import load_adapter, unload_adapter
+from serve.api.anthropic.messages import MessagesRenderer
+from serve.api.anthropic.protocol import (
+    AnthropicError,
+    MessageObject,
+    MessagesInput,
+    MessagesRequest,
+    TokenCount,
+)
 from serve.api.common import CallRecord, LoadedModel
 from serve.api.config import ServerSettings
 from serve.api.metrics import Metrics
@@ -39,14 +47,6 @@ from serve.api.openai.completions import CompletionRenderer
 from serve.api.openai.errors import Accounting
 from serve.api.openai.front_door import FrontDoor
 from serve.api.openai.logprobs import Vocabulary
-from serve.api.openai.messages import MessagesRenderer
-from serve.api.openai.messages_protocol import (
-    AnthropicError,
-    MessageObject,
-    MessagesInput,
-    MessagesRequest,
-    TokenCount,
-)
 from serve.api.openai.paths import (
     CHAT,
     COMPLETIONS,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from serve.api.openai.messages_protocol import OutputConfig
+from serve.api.anthropic.protocol import OutputConfig
 from serve.api.openai.protocol import ChatCompletionRequest, SamplingRequest
 from serve.api.tool_calls import ToolPlan
 from serve.engine.types import Constraint

@@ -27,8 +27,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from serve.api.common import CallRecord, LoadedModel
-from serve.api.openai.messages_protocol import (
+from serve.api.anthropic.protocol import (
     AnthropicTool,
     AnthropicToolChoice,
     MessagesInput,
@@ -37,6 +36,7 @@ from serve.api.openai.messages_protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from serve.api.common import CallRecord, LoadedModel
 from serve.api.openai.protocol import (
     CHAT_ROLES,
     MAX_PROMPTS,
