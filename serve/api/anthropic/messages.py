@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve.api.anthropic.protocol import MessageObject, MessagesUsage, StopReason, TextOut, ToolUseOut
+from serve.api.anthropic.translate import MessagesPlan
 from serve.api.http_status import HttpError, anthropic_error
 from serve.api.openai.logprobs import Vocabulary
 from serve.api.openai.serving import Renderer, context_filled, finish_reason
-from serve.api.openai.translate import MessagesPlan
 from serve.api.tool_calls import Reply, ToolPlan
 from serve.scheduling.request import Completion, Event, FinishEvent
 

@@ -17,7 +17,7 @@ Handlers submit to the same scheduler directly, on the event loop. `X-Request-Id
 echoed; it is the request id of the log line and of an INTERNAL error's message. A client that goes away
 cancels its request at the next engine step, streamed or not.
 
-The generation routes share one handler (`_generate`): the body's translation (translate.py) and its
+The generation routes share one handler (`_generate`): the body's translation (translate_*.py) and its
 route's renderer (completions.py, chat.py, responses.py, messages.py), run by serving.py's skeleton.
 """
 
@@ -39,6 +39,7 @@ from serve.api.anthropic.protocol import (
     MessagesRequest,
     TokenCount,
 )
+from serve.api.anthropic.translate import messages_plan, messages_prompt
 from serve.api.common import CallRecord, LoadedModel
 from serve.api.config import ServerSettings
 from serve.api.metrics import Metrics
@@ -79,23 +80,13 @@ from serve.api.openai.protocol import (
 )
 from serve.api.openai.responses import ResponsesRenderer
 from serve.api.openai.serving import Renderer, Serving
-from serve.api.openai.translate import (
-    chat_messages,
-    chat_plan,
-    completion_plan,
-    messages_plan,
-    messages_prompt,
-    named_model,
-    responses_plan,
-    with_adapter,
-)
+from serve.api.openai.translate import named_model, with_adapter
+from serve.api.openai.translate_chat import chat_messages, chat_plan
+from serve.api.openai.translate_completions import completion_plan
+from serve.api.openai.translate_responses import responses_plan
 from serve.api.state import ServingState
 from serve.api.tracing import RequestTracer
-from serve.api.validation import (
-    PRIORITY_HEADER,
-    header_priority,
-    token_ids,
-)
+from serve.api.validation import PRIORITY_HEADER, header_priority, token_ids
 from serve.errors import Draining, InvalidRequest
 
 # The error statuses a route may answer with, each in OpenAI's error shape (/openapi.json says so).

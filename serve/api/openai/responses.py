@@ -1,7 +1,7 @@
 """/v1/responses' answers: OpenAI's `response` object, whole or as the Responses API's typed events.
 
-The request is served as the chat it means (translate.py `responses_plan`), and its text is read as its
-tools say (serve/api/tool_calls.py `Reply`) into output items: a message of output_text (with its tokens'
+The request is served as the chat it means (translate_responses.py `responses_plan`), and its text is read as
+its tools say (serve/api/tool_calls.py `Reply`) into output items: a message of output_text (with its tokens'
 logprobs when `include` asks for them), function_call items. A stream opens with response.created and
 response.in_progress as soon as the request is submitted, before its first token; then each item in turn is
 added (response.output_item.added), grows (response.output_text.delta, response.function_call_arguments.delta)
@@ -37,7 +37,7 @@ from serve.api.openai.protocol import (
 )
 from serve.api.openai.request_events import plan_usage
 from serve.api.openai.serving import Renderer, context_filled, finish_reason
-from serve.api.openai.translate import ResponsesPlan
+from serve.api.openai.translate_responses import ResponsesPlan
 from serve.api.tool_calls import Reply, ToolPlan
 from serve.engine.sampling import Alternatives
 from serve.scheduling.request import Completion, Event, FinishEvent
