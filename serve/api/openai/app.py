@@ -4,7 +4,7 @@
     POST /v1/completions         prompt(s) as text or token ids; echo, logprobs, n, stream, ...
     POST /v1/chat/completions    messages rendered with the bundle's chat template (serve/api/chat.py)
     POST /v1/responses           OpenAI's Responses API, stateless: served as the chat it means (responses.py)
-    POST /v1/messages            Anthropic's Messages API, served as the chat it means (messages.py)
+    POST /v1/messages            Anthropic's Messages API, served as the chat it means (serve/api/anthropic/)
     POST /v1/messages/count_tokens  the tokens of a Messages request's prompt
     POST /tokenize, /detokenize  a prompt's or a chat's token ids, and back
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter  vLLM's, with --lora-runtime-updates (else 404)
@@ -18,7 +18,8 @@ echoed; it is the request id of the log line and of an INTERNAL error's message.
 cancels its request at the next engine step, streamed or not.
 
 The generation routes share one handler (`_generate`): the body's translation (translate_*.py) and its
-route's renderer (completions.py, chat.py, responses.py, messages.py), run by serving.py's skeleton.
+route's renderer (completions.py, chat.py, responses.py, anthropic/messages.py), run by serving.py's
+skeleton.
 """
 
 from __future__ import annotations
