@@ -5,7 +5,7 @@ a prefill runs the serving graph (the head on the last position only), so a requ
 logprobs pays about one more prefill, plus the head over every position. Prints the median of each for
 prompts of a few lengths and their ratio (scoring ÷ prefill); the first scoring call (the session's
 creation) is timed apart.
-Run: `.venv/bin/python -m bench.scoring_bench [--bundle models/bench/bench-a-fp32] [--lengths 32 128 512]`.
+Run: `.venv/bin/textgen-bench scoring [--bundle models/bench/bench-a-fp32] [--lengths 32 128 512]`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.bundles import bench_a
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
 from serve.engine.types import EngineSettings, NewSequence, SessionConfig
@@ -37,13 +38,15 @@ def scoring_seconds(engine: Engine, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
+def measure(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
+    """Prefill and scoring seconds (medians) by prompt length; the table printed as it goes."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bundle", type=Path, default=Path("models/bench/bench-a-fp32"))
+    parser.add_argument("--bundle", type=Path, help="default: bench-a fp32, exported on first use")
     parser.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 512])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
+    args.bundle = args.bundle or bench_a()
     settings = EngineSettings(max_batch_size=1, session=SessionConfig(threads=args.threads))
     engine = Engine.from_bundle(load_bundle(args.bundle), settings)
     rng = np.random.default_rng(0)
@@ -66,5 +69,10 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     return results
 
 
+def main(argv: list[str] | None = None) -> int:
+    measure(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
