@@ -24,7 +24,6 @@ Run: `.venv/bin/textgen-bench prefix [--bundle models/bench/bench-a-fp32] [--rou
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.bundles import bench_a
-from bench.report import RESULTS
+from bench.report import RESULTS, table_head, table_row, write_json
 from bench.rounds import in_turn
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
@@ -191,17 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     generate(engines["0 rows"], [[5] * 8], max_new_tokens=4)
     results: dict[str, object] = {}
     print(f"bundle {args.bundle}, {args.threads} threads, {args.rounds} alternated rounds, medians")
-    print(f"| case | figure | {args.rows} rows | 0 rows | with ÷ without |")
-    print("|---|---|---|---|---|")
+    print("\n".join(table_head(["case", "figure", f"{args.rows} rows", "0 rows", "with ÷ without"])))
     for seed, (case, measure) in enumerate(cases.items()):
         results[case] = figures = compare(engines, measure, args.rounds, seed * 1000)
         for figure, by_engine in figures.items():
             with_cache, without = (statistics.median(v) for v in by_engine.values())
             ratio = f"{with_cache / without:.3f}" if without else "-"
-            print(f"| {case} | {figure} | {with_cache:.4g} | {without:.4g} | {ratio} |")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
+            print(table_row([case, figure, f"{with_cache:.4g}", f"{without:.4g}", ratio]))
     summary = {"bundle": str(args.bundle), "rows": args.rows, "rounds": args.rounds, "cases": results}
-    args.json.write_text(json.dumps(summary, indent=1))
+    write_json(args.json, summary)
     return 0
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.bundles import bench_a
+from bench.report import table_head, table_row
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
 from serve.engine.types import EngineSettings, NewSequence, SessionConfig
@@ -52,8 +53,7 @@ def measure(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     rng = np.random.default_rng(0)
     first = scoring_seconds(engine, rng.integers(3, engine.vocab_size, 8).tolist())
     print(f"bundle {args.bundle}, {args.threads} threads; first call (makes the session): {first:.2f} s")
-    print("| prompt tokens | prefill ms | prompt logprobs ms | scoring ÷ prefill |")
-    print("|---|---|---|---|")
+    print("\n".join(table_head(["prompt tokens", "prefill ms", "prompt logprobs ms", "scoring ÷ prefill"])))
     results: dict[int, dict[str, float]] = {}
     for length in args.lengths:
         prompt = rng.integers(3, engine.vocab_size, length).tolist()
@@ -65,7 +65,7 @@ def measure(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
             scoring.append(scoring_seconds(engine, prompt))
         p, s = statistics.median(prefill), statistics.median(scoring)
         results[length] = {"prefill_s": p, "scoring_s": s}
-        print(f"| {length} | {1e3 * p:.1f} | {1e3 * s:.1f} | {s / p:.2f} |")
+        print(table_row([str(length), f"{1e3 * p:.1f}", f"{1e3 * s:.1f}", f"{s / p:.2f}"]))
     return results
 
 
