@@ -34,14 +34,14 @@ Positions = Literal["learned", "sinusoidal", "rotary"]
 Activation = Literal["gelu", "relu", "gelu_tanh", "swiglu", "geglu"]
 Norm = Literal["layer", "rms"]
 NormPlacement = Literal["pre", "post", "sandwich"]
-RopeScaling = Literal["none", "linear", "llama3", "longrope"]
+RopeScaling = Literal["none", "linear", "llama3", "longrope", "yarn"]
 KV = tuple[Tensor, Tensor]
 
 ACTIVATIONS = ("gelu", "relu", "gelu_tanh", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")  # `up` computes [gate; up]: act(gate) * up
 NORMS = ("layer", "rms")
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
-ROPE_SCALINGS = ("none", "linear", "llama3", "longrope")
+ROPE_SCALINGS = ("none", "linear", "llama3", "longrope", "yarn")
 
 
 @dataclass(frozen=True)
@@ -92,9 +92,12 @@ class DecoderConfig:
     rope_factor: float = 1.0  # linear, llama3
     rope_low_freq_factor: float = 1.0  # llama3
     rope_high_freq_factor: float = 4.0  # llama3
-    rope_original_context: int = 0  # llama3: the context the model was pretrained with; 0: context_length
+    rope_original_context: int = 0  # llama3, yarn: the context pretrained with; 0: context_length
     rope_short_factors: tuple[float, ...] = ()  # longrope: each frequency divided by its factor
-    rope_attention_factor: float = 1.0  # longrope: cos and sin times this
+    rope_beta_fast: float = 32.0  # yarn: rotations per original context above which frequencies stay
+    rope_beta_slow: float = 1.0  # yarn: ... below which they are interpolated
+    rope_truncate: bool = True  # yarn: the ramp between them on whole dims
+    rope_attention_factor: float = 1.0  # cos and sin times this (longrope's, yarn's mscale); 1: unscaled
     rotary_dim: int = 0  # RoPE on the first rotary_dim features of each head (Phi-4-mini); 0: all of them
     # One per layer where the layers attend differently; (): every layer LayerAttention(sliding_window).
     layer_attention: tuple[LayerAttention, ...] = ()
@@ -105,6 +108,7 @@ class DecoderConfig:
     attn_softcap: float = 0.0  # c > 0: scores become c * tanh(scores / c) before the mask (Gemma 2)
     logit_scale: float = 1.0  # the logits times this (Granite: 1 / logits_scaling)
     logit_softcap: float = 0.0  # c > 0: logits become c * tanh(logits / c), after logit_scale (Gemma 2)
+    attention_sinks: bool = False  # a learned logit per head beside the keys in the softmax (gpt-oss)
     experts: ExpertsConfig | None = None  # sparse feed-forward layers (export/moe.py); None: dense
 
     def __post_init__(self) -> None:
@@ -251,13 +255,16 @@ def rope_frequencies(cfg: DecoderConfig, theta: float = 0.0) -> Tensor:
     """The rotary angle per position of each rotated pair of the head dim, [rotary/2], scaled as cfg says;
     with `theta` > 0, that base unscaled instead (a layer's own RoPE, LayerAttention.rope_theta).
 
-    Both scalings are of the frequencies, so the tables do not depend on the sequence length:
+    The scalings are of the frequencies, so the tables do not depend on the sequence length:
     - linear: every frequency / factor (positions interpolated by the factor);
     - longrope: each frequency / its own short factor (transformers' _compute_longrope_parameters up to
       the original context; rotary_tables scales cos and sin by the attention factor);
     - llama3: wavelengths shorter than original / high_freq_factor unchanged, longer than
       original / low_freq_factor divided by the factor, and those between interpolated smoothly
-      (transformers' _compute_llama3_parameters).
+      (transformers' _compute_llama3_parameters);
+    - yarn: dims that turn more than beta_fast times over the original context unchanged, fewer than
+      beta_slow times divided by the factor, a linear ramp between (transformers' _compute_yarn_parameters;
+      the attention factor scales the tables, rotary_tables).
     """
     dim = cfg.rotary_features
     inv = 1.0 / (theta or cfg.rope_theta) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
@@ -277,17 +284,29 @@ def rope_frequencies(cfg: DecoderConfig, theta: float = 0.0) -> Tensor:
         smoothed = (1 - smooth) * long_scaled / factor + smooth * long_scaled
         medium = (wavelength >= original / high) & (wavelength <= original / low)
         return torch.where(medium, smoothed, long_scaled)
+    if cfg.rope_scaling == "yarn":
+        original = cfg.rope_original_context or cfg.context_length
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+        low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+        if cfg.rope_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+        extrapolated = 1 - ramp
+        return inv / factor * (1 - extrapolated) + inv * extrapolated
     return inv
 
 
 def rotary_tables(cfg: DecoderConfig, theta: float = 0.0) -> tuple[Tensor, Tensor]:
     """cos and sin of the rotary angles, [context_length, rotary/2] each (GPT-NeoX, non-interleaved
-    halves); `theta` as rope_frequencies takes it."""
+    halves), times the attention factor of the config's RoPE; `theta` as rope_frequencies takes it."""
     inv = rope_frequencies(cfg, theta)
     angles = torch.arange(cfg.context_length, dtype=torch.float32)[:, None] * inv[None, :]
-    if cfg.rope_scaling == "longrope" and not theta:
-        return torch.cos(angles) * cfg.rope_attention_factor, torch.sin(angles) * cfg.rope_attention_factor
-    return torch.cos(angles), torch.sin(angles)
+    scale = 1.0 if theta else cfg.rope_attention_factor
+    return torch.cos(angles) * scale, torch.sin(angles) * scale
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -346,6 +365,7 @@ class Attention(nn.Module):
         self.k_norm = make_norm(cfg, k_features) if cfg.qk_norm else None
         self.scale = cfg.attn_scale or None  # None: SDPA's own 1/sqrt(Dh)
         self.softcap = cfg.attn_softcap
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sinks else None
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
         # Inspection only: when set, the weights are computed explicitly and kept in `recorded`.
@@ -373,11 +393,16 @@ class Attention(nn.Module):
         if self.kv_heads != self.n_heads:  # each key/value head serves H / Hkv consecutive query heads
             k = k.repeat_interleave(self.n_heads // self.kv_heads, dim=1)  # [B,H,T,Dh]
             v = v.repeat_interleave(self.n_heads // self.kv_heads, dim=1)
-        if self.record or self.softcap:  # SDPA has no soft-capping: the scores are computed here
+        if self.record or self.softcap or self.sinks is not None:  # what SDPA lacks: computed here
             scores = q @ k.transpose(-2, -1) * (self.scale or 1 / math.sqrt(self.head_dim))  # [B,H,S,T]
             if self.softcap:
                 scores = torch.tanh(scores / self.softcap) * self.softcap
-            weights = (scores + bias).softmax(dim=-1)
+            scores = scores + bias
+            if self.sinks is None:
+                weights = scores.softmax(dim=-1)
+            else:  # each head's sink takes its share of the softmax and is dropped
+                sink = self.sinks[None, :, None, None].expand(*scores.shape[:-1], 1)
+                weights = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
             if self.record:
                 self.recorded = weights.detach()
             y = F.dropout(weights, self.dropout, self.training) @ v

@@ -51,7 +51,7 @@ class _GraphBuilder:
         self.nodes: list[onnx.NodeProto] = []
         self.lora = lora
         self._lora_branches = {} if lora is None else {b.projection: b for b in lora.branches}
-        self._consts: dict[str, list[int]] = {}
+        self._consts: dict[str, list[int] | float] = {}
         # The weights go straight into the model they end in: helper.make_graph and helper.make_model would
         # each copy every initializer (three copies of the weights alive at once at the peak).
         self.model = onnx.ModelProto()
@@ -66,12 +66,19 @@ class _GraphBuilder:
 
     def const_i64(self, name: str, values: list[int]) -> str:
         """An int64 initializer; asked for again by name, the same one (the LoRA branches share theirs)."""
+        return self._constant(name, values, np.int64)
+
+    def scalar(self, name: str, value: float) -> str:
+        """A float32 scalar initializer; asked for again by name, the same one."""
+        return self._constant(name, value, np.float32)
+
+    def _constant(self, name: str, value: list[int] | float, dtype: type[np.generic]) -> str:
         known = self._consts.get(name)
         if known is None:
-            self._consts[name] = values
-            self.initializers.append(numpy_helper.from_array(np.asarray(values, dtype=np.int64), name))
-        elif known != values:
-            raise ValueError(f"constant {name!r} asked for as {values}, already {known}")
+            self._consts[name] = value
+            self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+        elif known != value:
+            raise ValueError(f"constant {name!r} asked for as {value}, already {known}")
         return name
 
     def node(
@@ -233,9 +240,8 @@ def build_inplace_graph(model: Decoder, lora: LoraLayout | None = None) -> onnx.
         (x,) = g.node("Add", [x, pos], "emb_add")
     rotary_inputs: dict[float, list[str]] = {}
     for j, theta in enumerate(cfg.rope_thetas):
-        cos, sin = rotary_tables(
-            cfg, theta
-        )  # [context, rotary/2], the RoPE scaling already in the frequencies
+        # [context, rotary/2] each, the RoPE scaling already in the frequencies
+        cos, sin = rotary_tables(cfg, theta)
         suffix = f"_{j}" if j else ""
         rotary_inputs[theta] = [
             g.weight(f"rope.cos{suffix}", cos.numpy()),
@@ -307,6 +313,9 @@ def _block(
         "total_sequence_length",
         *rotary,
     ]
+    if attn.sinks is not None:  # inputs 7-10 (cos, sin, position_ids, attention_bias) before head_sink
+        sinks = g.weight(f"{p}.attn.sinks", attn.sinks.detach().numpy())
+        attn_inputs += [""] * (11 - len(attn_inputs)) + [sinks]
     attrs: dict[str, Any] = {}
     if layer.window:
         attrs["local_window_size"] = local_window_size(layer.window)
