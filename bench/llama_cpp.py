@@ -1,5 +1,5 @@
 """llama.cpp as the served benchmark's peer: its own server and batched bench, built from source, and GGUFs of
-a Hugging Face folder (bench.served_peers).
+a Hugging Face folder (bench.scenarios.served_peers).
 
 The source is the llama.cpp that the llama-cpp-python sdist vendors (one `pip download` from PyPI, so the
 build needs no other network), compiled with `-DGGML_NATIVE=ON` (the machine's own instruction set, as a
@@ -20,6 +20,8 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.proc import run_logged
+
 SDIST = "llama-cpp-python==0.3.36"
 TARGETS = ("llama-server", "llama-batched-bench", "llama-quantize")
 QUANTS = ("q8_0", "q4_0")  # llama-quantize's names; f32 is the converter's output
@@ -37,11 +39,6 @@ CMAKE_FLAGS = (
     "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
     "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
 )
-
-
-def run_logged(command: list[str], env: dict[str, str] | None = None) -> None:
-    print(f"$ {shlex.join(command)}", flush=True)
-    subprocess.run(command, check=True, env=None if env is None else {**os.environ, **env})
 
 
 def source(work: Path) -> Path:
@@ -108,19 +105,6 @@ def ggufs(work: Path, model_dir: Path) -> dict[str, Path]:
             quantize = [str(bin_dir / "llama-quantize"), str(f32), str(out[quant]), quant]
             run_logged([*quantize, str(os.cpu_count() or 1)])
     return out
-
-
-def server_command(
-    bin_dir: Path, gguf: Path, port: int, slots: int, ctx_per_slot: int, threads: int
-) -> list[str]:
-    """llama-server with `slots` parallel sequences of `ctx_per_slot` positions each (its context is shared
-    by the slots), continuous batching (its default), `threads` for both decode and prompt batches."""
-    return [
-        str(bin_dir / "llama-server"),
-        *("-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
-        *("-np", str(slots), "-c", str(slots * ctx_per_slot)),
-        *("-t", str(threads), "-tb", str(threads), "--no-webui"),
-    ]
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Same weights as the peers: textgen, offline and served over gRPC, beside ONNX Runtime GenAI and llama.cpp
 on one Llama folder, cell by cell in one run.
 
-    python -m bench.peers_bench --anchors-dir DIR [--anchors-work WORK] [--model-dir FOLDER] \\
+    textgen-bench peers --anchors-dir DIR [--anchors-work WORK] [--model-dir FOLDER] \\
         [--precisions fp32,int8,int4] [--batches 1,4,16] [--passes 1]
 
 DIR holds the peer stacks' scripts (run.sh), WORK the folder they were prepared in (venv, models, ONNX and
@@ -13,7 +13,7 @@ Every cell runs the peers' workload: their 32 prompt token ids per row, exactly 
 ignored, 2 threads, one untimed warm-up, then 3 timed runs, median; tok/s = 128 x batch / wall of the
 whole generation, prefill included. For each batch and precision, in turn (the first of the four rotating
 from group to group, so none always runs first):
-- textgen engine: `bench.engine_bench --cell` on the bundle (the engine offline, no server);
+- textgen engine: `bench.scenarios.engine --cell` on the bundle (the engine offline, no server);
 - textgen served: `textgen-serve` on the bundle (`--max-batch-size` = batch, prefix cache off so the
   repeated prompts are prefilled each time, defaults otherwise, plus `--serve-flags`) and `batch`
   concurrent GenerateStream calls of the same prompts: wall from sending them to the last token of all,
@@ -49,11 +49,13 @@ import grpc
 import onnx
 from onnx import numpy_helper
 
-from bench.engine_bench import (
+from bench.loadgen import LoadConfig, Prompt, RequestRecord, send
+from bench.proc import CpuMeter, descendants, main_thread_cpu_seconds, peak_rss_mib
+from bench.report import RESULTS, table
+from bench.scenarios.engine import (
     CHECKED_TOKENS,
     NEW_TOKENS,
     PROMPT_LEN,
-    REPO,
     cell_in_subprocess,
     machine_roofline,
     prepared_anchors,
@@ -61,9 +63,7 @@ from bench.engine_bench import (
     rates,
     run_anchors,
 )
-from bench.loadgen import LoadConfig, Prompt, RequestRecord, send
-from bench.proc import CpuMeter, descendants, main_thread_cpu_seconds, peak_rss_mib
-from bench.serving_bench import free_port, server_process
+from bench.servers import ROOT, free_port, server_process, textgen_command
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 
 MODEL = "B-llama"  # the peers' name of the folder's model
@@ -197,14 +197,14 @@ def _tensor_bytes(tensor: onnx.TensorProto) -> int:
 
 
 def serve_command(bundle: Path, batch: int, port: int, flags: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        *("-m", "serve", "--bundle", str(bundle.resolve()), "--log-level", "WARNING"),
+    return textgen_command(
+        bundle.resolve(),
+        *("--log-level", "WARNING"),
         *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--http-port", "0"),
         *("--max-batch-size", str(batch), "--max-model-len", str(PROMPT_LEN + NEW_TOKENS)),
         *("--prefix-cache-rows", "0"),
         *flags,
-    ]
+    )
 
 
 async def concurrent_streams(stub: pb_grpc.TextGenerationStub, batch: int, run: int) -> Cell:
@@ -267,9 +267,9 @@ def served_cell(bundle: Path, batch: int, repeats: int, flags: list[str], log: P
 
 
 def served_in_subprocess(bundle: Path, batch: int, args: argparse.Namespace) -> Cell:
-    cmd = [sys.executable, "-m", "bench.peers_bench", "--served-cell", str(bundle), "--batch", str(batch)]
+    cmd = [sys.executable, "-m", "bench.scenarios.peers", "--served-cell", str(bundle), "--batch", str(batch)]
     cmd += ["--repeats", str(args.repeats), "--serve-flags", args.serve_flags]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -352,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max-other-load", type=float, default=0.25, help="share of the cores other processes may take"
     )
     p.add_argument("--serve-flags", default="", help="more textgen-serve flags for the served cells")
-    p.add_argument("--bundles", type=Path, default=REPO / "models" / "peers")
-    p.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "peers.json")
+    p.add_argument("--bundles", type=Path, default=ROOT / "models" / "peers")
+    p.add_argument("--output", type=Path, default=RESULTS / "peers.json")
     p.add_argument("--report", type=Path, nargs="+", help="only report these runs' --output files, merged")
     p.add_argument("--served-cell", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
@@ -510,12 +510,11 @@ def report(record: Cell, precisions: list[str], batches: list[int]) -> str:
     cells: dict[str, list[Cell]] = record["cells"]
     medians = {key: quietest_cell(runs) for key, runs in cells.items()}  # a cell's figures: its quietest pass
     reference = record["reference"].get("first_row_tokens")
-    head = " | ".join(f"b{b} tok/s" for b in batches) + " | " + " | ".join(f"b{b} TTFT ms" for b in batches)
-    lines = [
-        f"| stack | precision | {head} | peak RSS MB b{batches[0]} / b{batches[-1]} | other load | "
-        "tokens = transformers' |",
-        "|---|---|" + "---|" * (2 * len(batches) + 3),
+    header = [
+        *("stack", "precision", *(f"b{b} tok/s" for b in batches), *(f"b{b} TTFT ms" for b in batches)),
+        *(f"peak RSS MB b{batches[0]} / b{batches[-1]}", "other load", "tokens = transformers'"),
     ]
+    rows = []
     for precision in precisions:
         for stack in STACKS:
             row = [medians.get(cell_key(stack, precision, b)) for b in batches]
@@ -526,8 +525,14 @@ def report(record: Cell, precisions: list[str], batches: list[int]) -> str:
             loads = [float(c["other_load"] or 0) for c in row if c]
             other = f"≤ {100 * max(loads):.0f}%" if loads else "—"
             same = agreement(row[0]["first_row_tokens"] if row[0] else None, reference)
-            lines.append(f"| {stack} | {variant} | {' | '.join(rates + ttfts)} | {rss} | {other} | {same} |")
-    lines += ["", *ratios(medians, precisions, batches), "", *tax(medians, precisions, batches)]
+            rows.append([stack, variant, *rates, *ttfts, rss, other, same])
+    lines = [
+        *table(header, rows),
+        "",
+        *ratios(medians, precisions, batches),
+        "",
+        *tax(medians, precisions, batches),
+    ]
     lines += ["", *roofline(record, precisions)]
     return "\n".join(lines)
 
@@ -543,10 +548,7 @@ def _rate(medians: dict[str, Cell | None], key: str) -> float | None:
 
 def ratios(medians: dict[str, Cell | None], precisions: list[str], batches: list[int]) -> list[str]:
     """textgen (engine, served) over the faster peer at each precision and batch."""
-    lines = [
-        "| textgen ÷ best peer | " + " | ".join(f"b{b}" for b in batches) + " |",
-        "|---|" + "---|" * len(batches),
-    ]
+    rows = []
     for precision in precisions:
         for stack in ("textgen engine", "textgen served"):
             cells = []
@@ -555,19 +557,17 @@ def ratios(medians: dict[str, Cell | None], precisions: list[str], batches: list
                 peers = [r for s in STACKS[2:] if (r := _rate(medians, cell_key(s, precision, batch)))]
                 best = max(peers, default=None)
                 cells.append(f"{ours / best:.2f}" if ours and best else "—")
-            lines.append(f"| {stack.removeprefix('textgen ')} {precision} | {' | '.join(cells)} |")
-    return lines
+            rows.append([f"{stack.removeprefix('textgen ')} {precision}", *cells])
+    return table(["textgen ÷ best peer", *(f"b{b}" for b in batches)], rows)
 
 
 def tax(medians: dict[str, Cell | None], precisions: list[str], batches: list[int]) -> list[str]:
     """Served ÷ engine at each batch, and where a served token's CPU went."""
-    lines = [
-        "| served | "
-        + " | ".join(f"÷ engine b{b}" for b in batches)
-        + " | CPU µs/token: front end (its event "
-        "loop), engine, load generator (smallest; largest batch) |",
-        "|---|" + "---|" * (len(batches) + 1),
+    header = [
+        *("served", *(f"÷ engine b{b}" for b in batches)),
+        "CPU µs/token: front end (its event loop), engine, load generator (smallest; largest batch)",
     ]
+    rows = []
     for precision in precisions:
         cells = []
         for batch in batches:
@@ -581,8 +581,8 @@ def tax(medians: dict[str, Cell | None], precisions: list[str], batches: list[in
                 us: dict[str, float] = cell["us_per_token"]
                 front = f"{us['front_end']:.0f} ({us['event_loop']:.0f})"
                 cpu.append(f"{front}, {us['engine']:.0f}, {us['load_generator']:.0f}")
-        lines.append(f"| {precision} | {' | '.join(cells)} | {'; '.join(cpu) or '—'} |")
-    return lines
+        rows.append([precision, *cells, "; ".join(cpu) or "—"])
+    return table(header, rows)
 
 
 def roofline(record: Cell, precisions: list[str]) -> list[str]:
@@ -592,13 +592,7 @@ def roofline(record: Cell, precisions: list[str]) -> list[str]:
     cells: dict[str, list[Cell]] = record["cells"]
     threads = machine.get("read_gbps_threads", 0.0)
     bandwidth = max(machine["read_gbps"], threads)  # the faster of the two reads
-    lines = [
-        f"read bandwidth {bandwidth:.1f} GB/s (numpy sums over 256 MB, best of 5: {machine['read_gbps']:.1f} "
-        f"on one thread, {threads:.1f} on all the cell's)",
-        "",
-        "| textgen | weights read a step | lookup-only | b1 ceiling tok/s | b1 measured (engine) |",
-        "|---|---|---|---|---|",
-    ]
+    rows = []
     for precision in precisions:
         if precision not in weights:
             continue
@@ -606,11 +600,17 @@ def roofline(record: Cell, precisions: list[str]) -> list[str]:
         ceiling = bandwidth * 1e9 / streamed
         engine = quietest_cell(cells.get(cell_key("textgen engine", precision, 1), []))
         measured = f"{engine['tok_s']:.0f} ({float(engine['tok_s']) / ceiling:.2f} of it)" if engine else "—"
-        lines.append(
-            f"| {precision} | {streamed / 1e6:.1f} MB | {weights[precision]['lookup'] / 1e6:.1f} MB "
-            f"| {ceiling:.0f} | {measured} |"
+        lookup = weights[precision]["lookup"]
+        rows.append(
+            [precision, f"{streamed / 1e6:.1f} MB", f"{lookup / 1e6:.1f} MB", f"{ceiling:.0f}", measured]
         )
-    return lines
+    header = ["textgen", "weights read a step", "lookup-only", "b1 ceiling tok/s", "b1 measured (engine)"]
+    return [
+        f"read bandwidth {bandwidth:.1f} GB/s (numpy sums over 256 MB, best of 5: {machine['read_gbps']:.1f} "
+        f"on one thread, {threads:.1f} on all the cell's)",
+        "",
+        *table(header, rows),
+    ]
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ for the graph as exported, and for the MatMulNBits formats export.quantize pads 
 pad (ONNX Runtime's one-row kernel on its own, the reason for the pad; which blocks it differs at depends
 on the CPU).
 
-    python -m bench.batch_invariance --bundle models/demo/bundle
+    textgen-bench batch-invariance --bundle models/demo/bundle
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from bench.report import table_head, table_row
 from export.fp16 import convert_fp16
 from export.quantize import heldout_windows, pads_rows, quantize_int8, quantize_nbits
 from export.verify import engine_greedy
@@ -83,11 +84,11 @@ def measure(engine: Engine, prompts: list[list[int]]) -> tuple[float, int]:
     return worst, differing
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", type=Path, required=True, help="a float32 bundle")
     p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     bundle = load_bundle(args.bundle)
     assert bundle.inplace_graph is not None, "the bundle has no serving graph"
     arch = bundle.manifest.architecture
@@ -101,15 +102,21 @@ def main() -> None:
         f"{bundle.manifest.model_name}: {ROWS} rows, prefill + {STEPS} decode steps through the engine, "
         f"onnxruntime {ort.__version__}, {args.threads} threads\n"
     )
-    print("| weights | block | as exported: max abs logit diff, rows with other tokens | without the pad |")
-    print("|---|---|---|---|")
+    header = [
+        "weights",
+        "block",
+        "as exported: max abs logit diff, rows with other tokens",
+        "without the pad",
+    ]
+    print("\n".join(table_head(header)))
     for fmt in FORMATS:
         _, bits, block = fmt
         exported = measure_format(bundle, fp32, settings, prompts, fmt, pad_rows=True)
         padded = bits is not None and block is not None and pads_rows(bits, block)
         raw = measure_format(bundle, fp32, settings, prompts, fmt, pad_rows=False) if padded else "-"
-        print(f"| {fmt[0]} | {block or '-'} | {exported} | {raw} |")
+        print(table_row([fmt[0], str(block or "-"), str(exported), str(raw)]))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
