@@ -21,7 +21,6 @@ the engine thread then still waited for it, per step (the part of the fill the s
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from bench.bundles import bench_a, demo_bundle
+from bench.report import write_json
 from bench.rounds import in_turn, median_ratio
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_json(args.json, results)
     return 0
 
 

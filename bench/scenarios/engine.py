@@ -32,7 +32,7 @@ import numpy as np
 
 from bench.bundles import bench_a
 from bench.proc import CpuMeter, peak_rss_mib
-from bench.report import RESULTS
+from bench.report import RESULTS, write_json
 from bench.servers import ROOT
 
 if TYPE_CHECKING:  # a cell must not import torch (through export): its peak RSS would count it
@@ -249,8 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     for cell in cells.values():
         flops = cell["tok_s"] * 2 * PARAMS_BENCH_A / 1e9
         cell["gemm_fraction"] = flops / machine["gemm_gflops"]
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(record, indent=2))
+    write_json(args.output, record)
     print(f"machine: {machine}; wrote {args.output}")
     return 0
 

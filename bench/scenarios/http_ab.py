@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 from dataclasses import replace
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from bench.loadgen import LoadConfig, Rpc, benchmark
 from bench.proc import cpu_seconds, own_cpu_seconds
-from bench.report import RESULTS, table
+from bench.report import RESULTS, table, write_json
 from bench.rounds import in_turn
 from bench.servers import free_port, server_process, textgen_command
 
@@ -121,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print("\n".join(table(header, rows)))
     if args.json is not None:
-        args.json.write_text(json.dumps(figures, indent=1))
+        write_json(args.json, figures)
     return 0
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from bench.loadgen import stdlib_texts
+from bench.report import write_json
 from bench.rounds import in_turn
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.output is not None:
-        args.output.write_text(json.dumps(result, indent=2))
+        write_json(args.output, result)
     return 0
 
 

@@ -46,7 +46,7 @@ import numpy as np
 
 from bench.loadgen import AdapterField
 from bench.proc import run_logged
-from bench.report import RESULTS
+from bench.report import RESULTS, write_json
 from bench.rounds import in_turn, median_ratio
 from bench.scenarios.served_peers import Workload, llama_command, load, served_cell, textgen_command
 from bench.servers import free_port, http_answers, server_process
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         records = peers(args)
-        (args.out / "records.json").write_text(json.dumps(records, indent=1))
+        write_json(args.out / "records.json", records)
         print(peers_summary(records))
     return 0
 

@@ -51,7 +51,7 @@ from onnx import numpy_helper
 
 from bench.loadgen import LoadConfig, Prompt, RequestRecord, send
 from bench.proc import CpuMeter, descendants, main_thread_cpu_seconds, peak_rss_mib
-from bench.report import RESULTS, table
+from bench.report import RESULTS, table, write_json
 from bench.scenarios.engine import (
     CHECKED_TOKENS,
     NEW_TOKENS,
@@ -375,8 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model_dir or prepared / "models" / "llama-30m"
     check_same_weights(model_dir, prepared / "models" / "llama-30m")
     record = run(args, prepared, model_dir, precisions, batches)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(record, indent=1))
+    write_json(args.output, record)
     print(report(record, precisions, batches))
     print(f"wrote {args.output}")
     return 0
@@ -415,8 +414,7 @@ def run(
             cell["pass"] = pass_no
             cells.setdefault(cell_key(stack, precision, batch), []).append(cell)
             print(cell_line(stack, precision, batch, cell), flush=True)
-            args.output.parent.mkdir(parents=True, exist_ok=True)
-            args.output.write_text(json.dumps(record, indent=1))  # kept as it goes: a long run
+            write_json(args.output, record)  # kept as it goes: a long run
     record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     record["load_average_after"] = os.getloadavg()
     return record

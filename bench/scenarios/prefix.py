@@ -24,7 +24,6 @@ Run: `.venv/bin/textgen-bench prefix [--bundle models/bench/bench-a-fp32] [--rou
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.bundles import bench_a
-from bench.report import RESULTS, table_head, table_row
+from bench.report import RESULTS, table_head, table_row, write_json
 from bench.rounds import in_turn
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
@@ -198,9 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             with_cache, without = (statistics.median(v) for v in by_engine.values())
             ratio = f"{with_cache / without:.3f}" if without else "-"
             print(table_row([case, figure, f"{with_cache:.4g}", f"{without:.4g}", ratio]))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
     summary = {"bundle": str(args.bundle), "rows": args.rows, "rounds": args.rounds, "cases": results}
-    args.json.write_text(json.dumps(summary, indent=1))
+    write_json(args.json, summary)
     return 0
 
 

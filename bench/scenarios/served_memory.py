@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.proc import tree_status_mib
-from bench.report import finish_record, machine, print_reports, record_path, table
+from bench.report import finish_record, machine, print_reports, record_path, table, write_json
 from bench.scenarios.peers import PRECISIONS
 from bench.scenarios.served_peers import (
     Prepared,
@@ -169,7 +169,7 @@ def measure(ready: Prepared, args: argparse.Namespace, base: Workload, result: C
                     cell = run_cell(command, port, log, work, args.requests, seed=1000 * (round_no + 1))
                     record = {"round": round_no, "context": context, "precision": precision, "server": server}
                     records.append(record | cell)
-                    output.write_text(json.dumps(result, indent=1))
+                    write_json(output, result)
                     print(json.dumps(records[-1]), flush=True)
 
 

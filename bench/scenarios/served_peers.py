@@ -57,7 +57,7 @@ from bench.loadgen import (
     synthetic_ids,
 )
 from bench.proc import run_logged
-from bench.report import add_record_options, finish_record, print_reports, record_path, table
+from bench.report import add_record_options, finish_record, print_reports, record_path, table, write_json
 from bench.rounds import in_turn, median_ratio
 from bench.scenarios.engine import cell_in_subprocess, machine_roofline
 from bench.scenarios.peers import PRECISIONS, import_bundle, weight_bytes
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.offline:
         result["offline"] = offline(ready, args.precisions, args.clients, work)
-        output.write_text(json.dumps(result, indent=1))
+        write_json(output, result)
     if args.served:
         result["served"] = served(ready, args, work, logs)
     return finish_record(result, output, report)

@@ -43,10 +43,9 @@ from bench.loadgen import (
     benchmark,
     synthetic_ids,
     usage_checked,
-    write_json,
 )
 from bench.proc import run_logged
-from bench.report import DOC, RESULTS, machine
+from bench.report import DOC, RESULTS, machine, write_json
 from bench.scenarios.serving_report import cdf_level, plot_all, update_doc
 from bench.servers import BIN, ROOT, free_port, naive_command, server_process
 from serve.api.config import ServerSettings
@@ -194,7 +193,7 @@ def hf_generate(bundle: Bundle, plan: Plan, threads: int, venv: Path) -> dict[st
 def measure(name: str, config: LoadConfig, results: Path, metrics_url: str | None = None) -> BenchmarkOutput:
     """One load-generator run; its records go to `results/name.json`."""
     output = asyncio.run(benchmark(config, metrics_url))
-    write_json(output, results / f"{name}.json")
+    write_json(results / f"{name}.json", output.to_json())
     s = output.summary
     print(
         f"{name}: {s['output_throughput']:.0f} tok/s, {s['successful_requests']} ok, "
@@ -454,7 +453,7 @@ def save_summary(results: Results, path: Path) -> None:
         "seconds": results.seconds,
         "pairs": [dataclasses.asdict(pair) for pair in results.pairs],
     }
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    write_json(path, data)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ A preempted sequence's row goes to host memory and back (`read_row`, `write_row`
 positions in host memory, a run of the copy graph between the row and host arrays on a device.
 
 Which rows hold what (running sequences, a prefill group, the prefix cache) is the engine's business
-(serve/engine/engine.py); this module knows rows only by index.
+(serve/engine/rows.py); this module knows rows only by index.
 """
 
 from __future__ import annotations

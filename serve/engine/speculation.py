@@ -2,7 +2,7 @@
 
 A decode step on a CPU is bound by reading the weights, so scoring a few positions of one sequence in one run
 costs little more than scoring one. A proposer guesses the next tokens; the engine scores the pending token
-and the guess in one run and keeps the guessed tokens the model itself picks (serve/engine/engine.py,
+and the guess in one run and keeps the guessed tokens the model itself picks (serve/engine/step.py,
 `_speculate`).
 - `PromptLookup` (n-gram speculation: vLLM's `ngram`, llama-server's `--spec-ngram`) proposes, after the
   longest recent n-gram of the sequence that occurred before in its prompt or output, the tokens that
@@ -20,13 +20,11 @@ does not repeat itself.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from serve.engine.engine import Engine
 
 
 class Proposer(Protocol):
@@ -44,13 +42,19 @@ class PromptLookup:
         return propose(context, self.ngram_min, self.ngram_max, k)
 
 
+class GreedyModel(Protocol):
+    def greedy_next(self, ids: Sequence[int], start: int) -> int:
+        """Append ids[start:] to the one row, whose cache holds ids[:start]; the argmax token after them."""
+        ...
+
+
 class DraftModel:
     """A smaller model's greedy continuation, from an engine of its own whose one row stays resident: the
     row keeps the tokens it was fed, and each proposal rolls it back to the longest prefix they share with
     the sequence (as the target's row drops the rejected tokens past its length), then feeds only the rest:
     what the sequence gained since the last proposal, then each proposed token but the last."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: GreedyModel) -> None:
         self.engine = engine
         self._fed: list[int] = []  # the tokens in the draft's row
 

@@ -11,10 +11,11 @@ if _SECONDS > 0:
     import time
 
     import serve.engine.engine
+    import serve.engine.types
 
     _decode = serve.engine.engine.Engine.decode
 
-    def _slow_decode(self: serve.engine.engine.Engine) -> list[serve.engine.engine.TokenOut]:
+    def _slow_decode(self: serve.engine.engine.Engine) -> list[serve.engine.types.TokenOut]:
         time.sleep(_SECONDS)
         return _decode(self)
 
