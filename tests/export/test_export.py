@@ -89,7 +89,7 @@ def test_export_report_of_tiny_bundle(tiny_bundle: Path) -> None:
         assert report[graph]["greedy_identical"] and report[graph]["finite"]
     assert report["standard"]["batch_invariant"]
     assert report["opset"] == 23 and report["decode_steps"] == 20
-    assert set(report["files"]) == {"model.onnx", "model_inplace.onnx", "tokenizer.json"}
+    assert set(report["files"]) == {"model.onnx", "model_inplace.onnx", "weights.data", "tokenizer.json"}
     assert {"torch", "onnx", "onnxruntime"} <= set(report["versions"])
 
 
