@@ -10,7 +10,7 @@ branch over the slots a run is given (a span of k of the N, serve/bundle.py's Lo
 with lora_a [k*groups, in, group] (groups of at most 16 columns) and lora_b one [k, max_rank, features] per
 part: products that sum a token's terms in the same blocks alone and in any batch, on any number of threads
 (serve/bundle.py's LoraLayout says why). The engine computes the three routing inputs per run
-(serve/engine/lora.py, token_slots).
+(serve/engine/lora/routing.py, token_slots).
 
 Why this form: each token multiplies its own adapter's weights only (16 rows over 4 adapters do the
 arithmetic of 16 rows of one), each slot's weights are read once per step whatever its tokens, and a token

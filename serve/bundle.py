@@ -272,8 +272,9 @@ class LoraLayout(_Strict):
 
     @property
     def max_adapter_bytes(self) -> int:
-        """The most memory one registered adapter holds (serve/engine/lora.py's Adapter, float32 at its own
-        ranks): one of --max-lora-rank on every module the branches cover, A [r, in] and B [features, r]."""
+        """The most memory one registered adapter holds (serve/engine/lora/reading.py's Adapter, float32 at
+        its own ranks): one of --max-lora-rank on every module the branches cover, A [r, in] and B
+        [features, r]."""
         elements = sum(
             self.max_rank * (branch.in_features + part.stop - part.start)
             for branch in self.branches
@@ -283,7 +284,7 @@ class LoraLayout(_Strict):
 
     @property
     def slots_bytes(self) -> int:
-        """The memory of every slot's A and B as the engine holds them (serve/engine/lora.py's LoraSlots)."""
+        """The memory of every slot's A and B as the engine holds them (serve/engine/lora/slots.py)."""
         shapes = [
             shape
             for b in self.branches

@@ -118,7 +118,7 @@ class EngineSettings:
     prefix_cache_rows: int = 0
     prefix_cache_min_tokens: int = 16  # the shortest prefix kept or reused
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)  # off by default
-    # LoRA adapters loaded at start, (name, peft folder), into a LoRA bundle's slots (serve/engine/lora.py).
+    # LoRA adapters loaded at start, (name, peft folder), into a LoRA bundle's slots (serve/engine/lora/).
     adapters: tuple[tuple[str, str], ...] = ()
     max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS  # the most adapters registered at once (Residency)
     # The KV cache's element type (serve/engine/kv_dtype.py); auto: the bundle's own.
