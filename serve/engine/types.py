@@ -17,7 +17,7 @@ from serve.engine.sampling import Alternatives, PromptScores, SamplingParams
 DEFAULT_MAX_CPU_LORAS = 16
 
 if TYPE_CHECKING:
-    from serve.engine.constraints import CompiledConstraint
+    import llguidance
 
 
 # --kv-cache-dtype (serve/engine/kv_dtype.py): auto keeps the bundle's own; the others as manifests name them
@@ -232,6 +232,19 @@ class ConstraintState(enum.Enum):
     PARTIAL = "partial"  # not a match yet: more tokens are needed
     ACCEPTING = "accepting"  # a match: it may end here (EOS is allowed) or go on
     COMPLETE = "complete"  # a match that nothing may extend: the sequence ends here
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledConstraint:
+    """A compiled constraint (serve/engine/constraints.py's ConstraintCompiler makes them): a matcher at its
+    start state that is never advanced; each sequence gets its own copy (`matcher()`, a few microseconds)."""
+
+    constraint: Constraint
+    template: llguidance.LLMatcher
+    seconds: float  # the compile's
+
+    def matcher(self) -> llguidance.LLMatcher:
+        return self.template.deep_copy()
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,7 @@ from serve.errors import InvalidRequest
 from serve.scheduling.textstream import TextStream
 
 if TYPE_CHECKING:
-    from serve.engine.constraints import CompiledConstraint
-    from serve.engine.types import NewSequence
+    from serve.engine.types import CompiledConstraint, NewSequence
 
 _NO_SCORES = PromptScores([], [])
 

@@ -62,8 +62,8 @@ from serve.scheduling.request import (
 )
 
 if TYPE_CHECKING:
-    from serve.engine.constraints import CompiledConstraint, ConstraintCompiler
-    from serve.engine.types import NewSequence, TokenOut
+    from serve.engine.constraints import ConstraintCompiler
+    from serve.engine.types import CompiledConstraint, NewSequence, TokenOut
 
 log = logging.getLogger(__name__)
 
