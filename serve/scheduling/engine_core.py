@@ -24,7 +24,7 @@ from serve.engine.engine import open_engine
 from serve.errors import TextgenError
 from serve.process import configure_logging, freeze_startup_objects, pin_process
 from serve.scheduling.adapters import UpdateResult
-from serve.scheduling.engine_protocol import PriorityCounts
+from serve.scheduling.engine_protocol import PriorityCounts, StepKind
 from serve.scheduling.handles import Outcome
 from serve.scheduling.messages import (
     AdaptersUpdated,
@@ -40,7 +40,6 @@ from serve.scheduling.messages import (
     Submit,
     UpdateAdapters,
 )
-from serve.scheduling.planner import StepKind
 from serve.scheduling.runner import BatchRunner, Delivery, StepRecord, draining_error, outcomes
 
 log = logging.getLogger("textgen.engine_process")

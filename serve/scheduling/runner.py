@@ -47,10 +47,16 @@ from serve.scheduling.adapters import (
     retire_unused,
     unknown_adapter,
 )
-from serve.scheduling.engine_protocol import BatchEngine, EngineMetrics, PriorityCounts, priority_counts
+from serve.scheduling.engine_protocol import (
+    BatchEngine,
+    EngineMetrics,
+    PriorityCounts,
+    StepKind,
+    priority_counts,
+)
 from serve.scheduling.handles import Outcome
 from serve.scheduling.limits import SchedulerLimits
-from serve.scheduling.planner import NO_STEP, Planner, RunnerState, StepKind, StepPlan, StepShape
+from serve.scheduling.planner import NO_STEP, Planner, RunnerState, StepPlan, StepShape
 from serve.scheduling.request import (
     Event,
     FinishEvent,
