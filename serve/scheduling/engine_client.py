@@ -45,7 +45,8 @@ from serve.scheduling.messages import (
     Submit,
     UpdateAdapters,
 )
-from serve.scheduling.request import GenerationRequest, validate_request
+from serve.scheduling.request import GenerationRequest
+from serve.scheduling.request_checks import validate_request
 
 log = logging.getLogger("textgen.engine_process")
 

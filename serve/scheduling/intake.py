@@ -33,7 +33,8 @@ from serve.scheduling.engine_protocol import (
 from serve.scheduling.handles import Outcome
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.planner import NO_STEP, Planner
-from serve.scheduling.request import Event, GenerationRequest, RequestState, RequestTracker, validate_request
+from serve.scheduling.request import Event, GenerationRequest, RequestState, RequestTracker
+from serve.scheduling.request_checks import validate_request
 
 if TYPE_CHECKING:
     from serve.engine.constraints import ConstraintCompiler
