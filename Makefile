@@ -52,16 +52,16 @@ proto: $(STAMP)
 ## The serving benchmark (~12 min on 2 cores; bench-quick ~2 min): server vs naive server vs offline engine
 ## vs HF transformers; rewrites the serving section of docs/benchmarks.md and docs/images/serving_*.png.
 bench: $(STAMP)
-	$(BIN)/python -m bench.serving_bench
+	$(BIN)/textgen-bench serving
 
 bench-quick: $(STAMP)
-	$(BIN)/python -m bench.serving_bench --quick
+	$(BIN)/textgen-bench serving --quick
 
 ## Soak (~8 min, not part of `make test`): rounds of mixed load against a server subprocess; fails when RSS
 ## grows from round to round or the load gauges do not return to idle; then fuzzes the HTTP API with 1000
 ## examples an operation (the suite runs 40). Figures: docs/reliability.md.
 soak: $(STAMP)
-	$(BIN)/python -m bench.soak
+	$(BIN)/textgen-bench soak
 	TEXTGEN_FUZZ_EXAMPLES=1000 $(BIN)/pytest -q tests/api/test_http_fuzz.py
 
 ## The container images (deploy/docker/build.sh; needs Docker and pip): the CPU serving image and the

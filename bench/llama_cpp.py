@@ -1,5 +1,5 @@
 """llama.cpp as the served benchmark's peer: its own server and batched bench, built from source, and GGUFs of
-a Hugging Face folder (bench.served_peers).
+a Hugging Face folder (bench.scenarios.served_peers).
 
 The source is the llama.cpp that the llama-cpp-python sdist vendors (one `pip download` from PyPI, so the
 build needs no other network), compiled with `-DGGML_NATIVE=ON` (the machine's own instruction set, as a
@@ -108,19 +108,6 @@ def ggufs(work: Path, model_dir: Path) -> dict[str, Path]:
             quantize = [str(bin_dir / "llama-quantize"), str(f32), str(out[quant]), quant]
             run_logged([*quantize, str(os.cpu_count() or 1)])
     return out
-
-
-def server_command(
-    bin_dir: Path, gguf: Path, port: int, slots: int, ctx_per_slot: int, threads: int
-) -> list[str]:
-    """llama-server with `slots` parallel sequences of `ctx_per_slot` positions each (its context is shared
-    by the slots), continuous batching (its default), `threads` for both decode and prompt batches."""
-    return [
-        str(bin_dir / "llama-server"),
-        *("-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
-        *("-np", str(slots), "-c", str(slots * ctx_per_slot)),
-        *("-t", str(threads), "-tb", str(threads), "--no-webui"),
-    ]
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ token ids (`--dataset synthetic`, sent as `token_ids`) or text windows from the 
 
 LoRA adapters: `--models a,b,c,d` spreads the requests over adapters the server loaded (`textgen-serve
 --lora`), round-robin, each naming one in the gRPC `adapter` field or the OpenAI `model` field (an empty
-name, as in `a,,b`: the base model). bench.lora_bench drives llama-server's adapters the same way, through its
-per-request `lora` field (LoadConfig.adapter_field).
+name, as in `a,,b`: the base model). The lora scenario drives llama-server's adapters the same way, through
+its per-request `lora` field (LoadConfig.adapter_field).
 """
 
 from __future__ import annotations
@@ -860,7 +860,6 @@ def _no_tokenizer(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="textgen-bench",
         description="Load-test a textgen gRPC server; reports as `vllm bench serve` does.",
     )
     p.add_argument("--target", default="localhost:50051", help="server HOST:PORT")

@@ -21,7 +21,7 @@ float16, except:
   limits stayed finite on the demo model: ONNX Runtime's CPU kernels widen fp16 internally; GPU kernels
   need not, and this was not measurable here.)
 No GPU here: validity is checked on CPU with onnx.checker and strict shape inference; numerics are checked
-by bench/gpu_check.py on a GPU machine.
+by `textgen-bench gpu-check` on a GPU machine.
 """
 
 from __future__ import annotations

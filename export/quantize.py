@@ -17,11 +17,11 @@
   VNNI; past 16 at 4 bits and at no block at 8 bits with AVX2 only). A bundle is exported on one machine
   and served on another, so `export.row_pad.pad_single_rows` makes every MatMulNBits' row count even past
   the largest block every measured CPU computes alike (`INVARIANT_MAX_BLOCK`: 16 at 4 bits, 64 at 8
-  bits), and a row then takes the pair kernel alone as in a batch (bench/batch_invariance.py measures with
-  and without the pad; measured exact for every even count up to 64 at 1 to 16 threads on both CPUs):
-  every MatMulNBits bundle is batch invariant. The pad costs speed where it applies (a lone decode row
-  computed as two, and a Pad and a Slice around each attention; docs/benchmarks.md), so the 8-bit default,
-  which no measured CPU needs it for, goes without.
+  bits), and a row then takes the pair kernel alone as in a batch (`textgen-bench batch-invariance`
+  measures with and without the pad; measured exact for every even count up to 64 at 1 to 16 threads on
+  both CPUs): every MatMulNBits bundle is batch invariant. The pad costs speed where it applies (a lone
+  decode row computed as two, and a Pad and a Slice around each attention; docs/benchmarks.md), so the
+  8-bit default, which no measured CPU needs it for, goes without.
 - `quantize_int8` (`--int8-dynamic`): dynamic INT8 (`quantize_dynamic`, QInt8 weights, activations quantized
   per tensor at run time). Fast at large batches (docs/benchmarks.md, "Quantization (INT8, INT4)"), but one
   activation scale spans the whole batch, so a row's tokens depend on its neighbours: not batch invariant.

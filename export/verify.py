@@ -201,7 +201,7 @@ def logit_scale(reference: Generation) -> float:
 def invariance_judged(report: dict[str, Any], quantization: str) -> list[str]:
     """The graphs whose batch invariance counts: both for float bundles, the serving graph of a quantized one.
     The standard graph left-pads, so a row alone has another padded length and its float rounding differs at
-    1e-5; quantizing activations per row amplifies that to 1e-2 (bench/batch_invariance.py measures the
+    1e-5; quantizing activations per row amplifies that to 1e-2 (`textgen-bench batch-invariance` measures the
     serving graph, whose rows are computed alike whatever the batch): exact there, reported here."""
     graphs: list[str] = [g for g in ("standard", "inplace") if g in report]
     return ["inplace"] if quantization != "none" and "inplace" in graphs else graphs
@@ -310,7 +310,9 @@ def verify_bundle(
         report["inplace"] = check_engine(bundle, reference, prompts)
     elif bundle.inplace_graph is not None:
         # A float16 serving graph targets CUDA; ONNX Runtime's CPU kernels are not what it is checked for.
-        report["notes"] = ["float16 serving graph not run on CPU: check it with bench/gpu_check.py on a GPU"]
+        report["notes"] = [
+            "float16 serving graph not run on CPU: check it with textgen-bench gpu-check on a GPU"
+        ]
     report["batch_invariance_required"] = batch_invariant_scheme(bits, m.quantization_block_size)
     judged = report["batch_invariance_judged"] = invariance_judged(report, m.quantization)
     report["batch_invariant"] = all(report[g]["batch_invariant"] for g in judged)

@@ -11,7 +11,7 @@ takes.
 
 What a pod serving a bundle needs (`pod_memory`; `textgen-serve --print-pod-memory`, docs/deploy.md): its
 weights times a factor, plus the KV cache, plus a fixed part for the front end and the engine process's
-runtime. The factors and the fixed part are fitted to the measurements of bench/served_memory.py
+runtime. The factors and the fixed part are fitted to the measurements of `textgen-bench served-memory`
 (docs/benchmarks.md, "Memory and start-up against llama-server").
 """
 
@@ -47,8 +47,8 @@ class WeightFactor:
 
 # By the bundle's quantization (Manifest.quantization): what C-llama (373M) needed at fp32, int8 and int4,
 # with rows of 256 and of 2,048 positions, with room for other CPUs' packed-weight layouts and for fp32's
-# steady memory, which differed by ~300 MiB from one start to the next (bench/served_memory.py prints what
-# each run needs: fp32 0.95, int8 0.99, int4 1.18 on an idle AVX2 EPYC; docs/benchmarks.md, "Memory and
+# steady memory, which differed by ~300 MiB from one start to the next (`textgen-bench served-memory` prints
+# what each run needs: fp32 0.95, int8 0.99, int4 1.18 on an idle AVX2 EPYC; docs/benchmarks.md, "Memory and
 # start-up against llama-server"). Beside the weights a factor covers ONNX Runtime's buffers for a step's
 # activations. The start-up peak is the steady memory on every path since graphs are read by their structure
 # (serve/engine/graph_file.py), the int4 row-pad strip included (534 MiB ready and peak, forced on AVX2; it

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import engine_bench
 from bench.proc import peak_rss_mib
+from bench.scenarios import engine
 from serve.bundle import Bundle
 from serve.engine.engine import Engine
 from serve.engine.types import EngineSettings
@@ -46,10 +46,10 @@ def test_a_cell_runs_its_engine_spinning_or_not_and_generates_alike(
         return original(cls, bundle, settings)
 
     monkeypatch.setattr(Engine, "from_bundle", classmethod(recording))
-    monkeypatch.setattr(engine_bench, "NEW_TOKENS", 24)  # 32 prompt + 24 new fit the tiny context
-    rows = engine_bench.prompt_rows
-    monkeypatch.setattr(engine_bench, "prompt_rows", lambda b: rows(b) % 300 + 3)  # the tiny vocabulary
-    cell = engine_bench.run_cell(tiny_bundle, 2, threads=1, repeats=1, spinning=spinning)
-    reference = engine_bench.run_cell(tiny_bundle, 2, threads=1, repeats=1)
+    monkeypatch.setattr(engine, "NEW_TOKENS", 24)  # 32 prompt + 24 new fit the tiny context
+    rows = engine.prompt_rows
+    monkeypatch.setattr(engine, "prompt_rows", lambda b: rows(b) % 300 + 3)  # the tiny vocabulary
+    cell = engine.run_cell(tiny_bundle, 2, threads=1, repeats=1, spinning=spinning)
+    reference = engine.run_cell(tiny_bundle, 2, threads=1, repeats=1)
     assert seen == [spinning, True]
     assert cell["first_row_tokens"] == reference["first_row_tokens"]

@@ -1,12 +1,12 @@
-"""bench.lora_bench: how it starts both servers on the same adapters, and what a slot's arrays weigh."""
+"""bench.scenarios.lora: how it starts both servers on the same adapters, and what a slot's arrays weigh."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from bench.lora_bench import lora_flag, peer_servers, slot_bytes
-from bench.served_peers import Workload
+from bench.scenarios.lora import lora_flag, peer_servers, slot_bytes
+from bench.scenarios.served_peers import Workload
 from serve.bundle import LoraBranch, LoraLayout, LoraPart
 from serve.engine.lora import LoraSlots
 

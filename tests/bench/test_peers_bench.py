@@ -18,9 +18,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from bench import engine_bench, peers_bench
-from bench.peers_bench import STACKS, PeerCell, cell_key, peers_env, plan, report, run_peer, weight_bytes
 from bench.proc import CpuMeter, cpu_seconds, descendants, own_cpu_seconds, tree_rss_mib
+from bench.scenarios import engine, peers
+from bench.scenarios.peers import STACKS, PeerCell, cell_key, peers_env, plan, report, run_peer, weight_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,8 +117,8 @@ def test_a_peer_cell_is_run_in_a_work_folder_of_its_own_and_read_from_its_file(
         (out / "llama.cpp__q4_0__B-llama__b4.json").write_text(json.dumps(record))
         return out
 
-    monkeypatch.setattr(peers_bench, "run_anchors", fake_run)
-    cell = run_peer(tmp_path, peers_bench.peer_cell("llama.cpp", "int4", 4), env)
+    monkeypatch.setattr(peers, "run_anchors", fake_run)
+    cell = run_peer(tmp_path, peers.peer_cell("llama.cpp", "int4", 4), env)
     assert calls[0][0] == ["llamacpp B-llama q4_0 b4"]  # the label run_all.py's --only matches
     assert cell["tok_s"] == 500.0 and cell["other_load"] == 0.02 and cell["first_row_tokens"] == [1, 2]
     missing = run_peer(tmp_path, PeerCell("ort-genai", "int4", 1, "ortgenai B-llama int4 b1"), env)
@@ -169,13 +169,13 @@ def test_a_served_cell_streams_the_engine_cells_tokens(
     def rows(batch: int) -> np.ndarray:
         return np.random.default_rng(0).integers(3, 300, size=(max(16, batch), 8))[:batch]
 
-    for module in (engine_bench, peers_bench):
+    for module in (engine, peers):
         monkeypatch.setattr(module, "prompt_rows", rows)
         monkeypatch.setattr(module, "NEW_TOKENS", 60)  # enough steps for CPU time in 10 ms ticks
-    monkeypatch.setattr(peers_bench, "PROMPT_LEN", 8)
+    monkeypatch.setattr(peers, "PROMPT_LEN", 8)
     monkeypatch.chdir(ROOT)
-    served = peers_bench.served_cell(tiny_bundle, 4, 3, ["--threads", "1"], tmp_path / "serve.log")
-    offline = engine_bench.run_cell(tiny_bundle, 4, threads=1, repeats=1)
+    served = peers.served_cell(tiny_bundle, 4, 3, ["--threads", "1"], tmp_path / "serve.log")
+    offline = engine.run_cell(tiny_bundle, 4, threads=1, repeats=1)
     assert served["first_row_tokens"] == offline["first_row_tokens"]
     assert len(served["first_row_tokens"]) == 16
     assert served["tok_s"] > 0 and served["ttft_s"] > 0 and len(served["walls"]) == 3
@@ -187,11 +187,11 @@ def test_a_served_cell_streams_the_engine_cells_tokens(
 def test_a_disturbed_cell_is_measured_again_and_the_least_disturbed_kept() -> None:
     args = argparse.Namespace(idle_wait=0.0, attempts=3, max_other_load=0.2)
     loads = iter([0.6, 0.4, 0.5])
-    cell = peers_bench.least_disturbed(lambda: {"tok_s": 1.0, "other_load": next(loads)}, args)
+    cell = peers.least_disturbed(lambda: {"tok_s": 1.0, "other_load": next(loads)}, args)
     assert cell["other_load"] == 0.4 and cell["attempt"] == 2  # all three tried, the quietest kept
     quiet = iter([0.1, 0.9])
-    assert peers_bench.least_disturbed(lambda: {"other_load": next(quiet)}, args)["attempt"] == 1
-    assert "error" in peers_bench.least_disturbed(lambda: {"error": "import failed"}, args)
+    assert peers.least_disturbed(lambda: {"other_load": next(quiet)}, args)["attempt"] == 1
+    assert "error" in peers.least_disturbed(lambda: {"error": "import failed"}, args)
 
 
 def test_runs_merge_and_a_cell_keeps_its_quietest_fastest_pass() -> None:
@@ -200,7 +200,7 @@ def test_runs_merge_and_a_cell_keeps_its_quietest_fastest_pass() -> None:
 
     runs = [record(10.0, _cell(100, [], other_load=0.5)), record(20.0, _cell(90, [], other_load=0.02))]
     runs.append(record(15.0, _cell(95, [], other_load=0.04)))  # as quiet as the quietest, and faster
-    both = peers_bench.merged(runs)
+    both = peers.merged(runs)
     assert both["machine"]["read_gbps"] == 20.0 and len(both["cells"]["k"]) == 3
-    kept = peers_bench.quietest_cell(both["cells"]["k"])
+    kept = peers.quietest_cell(both["cells"]["k"])
     assert kept is not None and kept["tok_s"] == 95

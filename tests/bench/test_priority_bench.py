@@ -1,4 +1,4 @@
-"""bench.priority_bench: both policies served against the tiny bundle, and what its figures read."""
+"""bench.scenarios.priority: both policies served against the tiny bundle, and what its figures read."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.loadgen import RequestRecord
-from bench.priority_bench import POLICIES, Run, figures, longest_pause, main
+from bench.scenarios.priority import POLICIES, Run, figures, longest_pause, main
 
 
 def record(rid: str, start: float, ttft: float, latency: float, itl: list[float]) -> RequestRecord:

@@ -1,5 +1,5 @@
-"""bench.serve_ab: configurations alternated round by round against servers of the tiny bundle, and how it
-reads a configuration (its environment words, its own client call, the round order)."""
+"""The serve-ab scenario: configurations alternated round by round against servers of the tiny bundle, and
+how it reads a configuration (its environment words, its own client call)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve_ab import CPU_PARTS, Served, client_rpc, main, round_order, served, split_config
+from bench.scenarios.serve_ab import CPU_PARTS, Served, client_rpc, main, served, split_config
 
 
 def test_the_ab_benchmark_alternates_server_configurations(tiny_bundle: Path, tmp_path: Path) -> None:
@@ -43,15 +43,6 @@ def test_an_ab_configuration_may_choose_its_clients_call(rpc: str) -> None:
 def test_an_unknown_client_call_is_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="stream, unary, http"):
         client_rpc(["--bench-rpc=udp"], "stream")
-
-
-def test_each_ab_configuration_goes_first_in_turn() -> None:
-    assert [round_order(["a", "b", "c"], r) for r in (1, 2, 3, 4)] == [
-        ["a", "b", "c"],
-        ["b", "c", "a"],
-        ["c", "a", "b"],
-        ["a", "b", "c"],
-    ]
 
 
 def test_an_ab_configuration_starts_with_the_servers_environment() -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.served_memory import factor_table, predicted, report, run_cell
-from bench.served_peers import Workload, textgen_command
-from bench.serving_bench import free_port
+from bench.scenarios.served_memory import factor_table, predicted, report, run_cell
+from bench.scenarios.served_peers import Workload, textgen_command
+from bench.servers import free_port
 from serve.api.sizing import FIXED_BYTES, MIB
 
 TINY = Workload(slots=4, ctx_per_slot=64, threads=1, prompt_len=6, max_tokens=8, vocab=320)
@@ -47,7 +47,7 @@ def test_the_report_compares_the_servers_and_fits_the_formulas_factors(tiny_bund
     fixed = FIXED_BYTES / MIB
     formula = predicted(tiny_bundle, TINY) | {"weights_mib": 100.0}
     result = {
-        "command": "python -m bench.served_memory",
+        "command": "textgen-bench served-memory",
         "machine": {"cpu": "a CPU", "cores": "2", "onnxruntime": "1"},
         "started": "now",
         "slots": 4,

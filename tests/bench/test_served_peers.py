@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import llama_cpp, served_peers
-from bench.served_peers import Workload, order, prompts, ratio_median, report
-from bench.serving_bench import free_port
+from bench import llama_cpp
+from bench.scenarios import served_peers
+from bench.scenarios.served_peers import Workload, order, prompts, ratio_median, report
+from bench.servers import free_port
 from serve.bundle import load_bundle
 
 BATCHED_BENCH_OUT = """
@@ -40,7 +41,7 @@ def test_batched_bench_rows_and_their_new_token_rate() -> None:
 
 def test_server_commands_share_the_slots_context_and_threads(tmp_path: Path) -> None:
     work = Workload(slots=8, ctx_per_slot=128, threads=3)
-    theirs = llama_cpp.server_command(tmp_path, tmp_path / "m.gguf", 9000, work.slots, work.ctx_per_slot, 3)
+    theirs = served_peers.llama_command(tmp_path, tmp_path / "m.gguf", 9000, work, [])
     assert theirs[theirs.index("-np") + 1] == "8"
     assert theirs[theirs.index("-c") + 1] == str(8 * 128)  # one context shared by the slots
     assert theirs[theirs.index("-t") + 1] == theirs[theirs.index("-tb") + 1] == "3"

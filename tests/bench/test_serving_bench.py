@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench import serving_bench
 from bench.loadgen import BenchmarkOutput, EngineSteps, LoadConfig, RequestRecord, RunResult, summarize
-from bench.serving_bench import Pair, Plan, Results, offline_rate, pinned_engine, save_summary
-from bench.serving_report import DOC_BEGIN, DOC_END, near, plot_all, targets, update_doc
+from bench.scenarios import serving
+from bench.scenarios.serving import Pair, Plan, Results, offline_rate, pinned_engine, save_summary
+from bench.scenarios.serving_report import DOC_BEGIN, DOC_END, near, plot_all, targets, update_doc
 from serve.process import allowed_cpus
 
 PLAN = Plan(levels=(1, 16), requests_per_client=2, naive_requests=4, repeats=1, input_len=4, new_tokens=10)
@@ -104,16 +104,16 @@ def test_the_summary_records_where_the_engine_and_the_load_generator_ran(tmp_pat
 
 def test_a_bad_engine_cpu_list_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
-        serving_bench.main(["--engine-cpus", "x"])
+        serving.main(["--engine-cpus", "x"])
     assert exited.value.code == 2
     assert "'x' is not a CPU list such as 0-3,6" in capsys.readouterr().err
 
 
 def test_the_arrivals_rate_comes_from_a_streamed_closed_loop() -> None:
     streamed = LoadConfig(target="127.0.0.1:1", concurrency=16, num_requests=64)
-    assert serving_bench.streamed_reference(streamed) is None  # its own rate will do
+    assert serving.streamed_reference(streamed) is None  # its own rate will do
     unary = dataclasses.replace(streamed, rpc="unary")
-    assert serving_bench.streamed_reference(unary) == streamed
+    assert serving.streamed_reference(unary) == streamed
 
 
 def test_offline_passes_go_on_until_they_have_run_long_enough(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,7 +123,7 @@ def test_offline_passes_go_on_until_they_have_run_long_enough(monkeypatch: pytes
         batches.append(len(work))
         time.sleep(0.01)
 
-    monkeypatch.setattr(serving_bench, "generate", generate)
+    monkeypatch.setattr(serving, "generate", generate)
     architecture = SimpleNamespace(vocab_size=50)
     bundle = SimpleNamespace(manifest=SimpleNamespace(architecture=architecture, eos_token_id=0))
     engine = SimpleNamespace(max_batch_size=16)

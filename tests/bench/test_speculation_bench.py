@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.c_llama import make_draft
-from bench.speculation_bench import Tally, decode
+from bench.scenarios.c_llama import make_draft
+from bench.scenarios.speculation import Tally, decode
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
 from serve.engine.types import EngineSettings, SessionConfig, SpeculationSettings

@@ -649,15 +649,15 @@ def test_prefix_cache_keeps_the_most_recent_and_nothing_a_failed_step_touched(
 
 
 def test_the_scoring_benchmark_times_prefill_and_scoring_for_each_length(tiny_bundle: Path) -> None:
-    from bench.scoring_bench import main
+    from bench.scenarios.scoring import measure
 
-    results = main(["--bundle", str(tiny_bundle), "--lengths", "4", "16", "--repeats", "2"])
+    results = measure(["--bundle", str(tiny_bundle), "--lengths", "4", "16", "--repeats", "2"])
     assert list(results) == [4, 16]
     assert all(r["prefill_s"] > 0 and r["scoring_s"] > 0 for r in results.values())
 
 
 def test_the_beside_benchmark_runs_both_ways(tiny_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from bench.beside_bench import main
+    from bench.scenarios.beside import main
 
     argv = ["--bundle", str(tiny_bundle), "--rows", "3", "--prompt", "5", "--every", "3", "--steps", "12"]
     assert main(argv) == 0

@@ -132,7 +132,7 @@ def _is_prefix(a: list[int], b: list[int]) -> bool:
 def test_the_prefix_benchmark_runs_every_case_and_reuses_what_it_says(
     tiny_bundle: Path, tmp_path: Path
 ) -> None:
-    from bench.prefix_bench import BURST, main
+    from bench.scenarios.prefix import BURST, main
 
     out = tmp_path / "prefix.json"
     main(

@@ -556,7 +556,7 @@ def test_validate_accepts_the_documented_ranges() -> None:
 
 
 def test_the_sampling_benchmark_times_every_case_it_reports() -> None:
-    from bench.sampling_bench import CASES, REPORTED, logits_like, per_step_ms
+    from bench.scenarios.sampling import CASES, REPORTED, logits_like, per_step_ms
 
     logits = logits_like("peaked", 3, 300, np.random.default_rng(0))
     timings = [per_step_ms(params, logits, steps=2, repeats=1) for params in CASES.values()]

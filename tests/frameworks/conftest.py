@@ -1,4 +1,4 @@
-"""The server every framework test talks to, one per module (support/framework_server.py)."""
+"""The server every framework test talks to, one for the folder (support/framework_server.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ from running_server import RunningServer
 from server_tools import LoopThread
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
+def loop() -> Iterator[LoopThread]:
+    """The folder's event loop thread: the server below outlives each module."""
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+@pytest.fixture(scope="package")
 def server(
     loop: LoopThread, tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:

@@ -1,6 +1,6 @@
 """CPU placement (serve.process, and bench.cpus for the benchmarks): the CPU lists `--engine-cpus` and
-`textgen-bench --cpus` take, and moving a process's threads (the server's own placement is tested with a real
-engine process in test_engine_process)."""
+`textgen-bench load --cpus` take, and moving a process's threads (the server's own placement is tested with
+a real engine process in test_engine_process)."""
 
 from __future__ import annotations
 

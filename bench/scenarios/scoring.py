@@ -5,7 +5,7 @@ a prefill runs the serving graph (the head on the last position only), so a requ
 logprobs pays about one more prefill, plus the head over every position. Prints the median of each for
 prompts of a few lengths and their ratio (scoring ÷ prefill); the first scoring call (the session's
 creation) is timed apart.
-Run: `.venv/bin/python -m bench.scoring_bench [--bundle models/bench/bench-a-fp32] [--lengths 32 128 512]`.
+Run: `.venv/bin/textgen-bench scoring [--bundle models/bench/bench-a-fp32] [--lengths 32 128 512]`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def scoring_seconds(engine: Engine, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
+def measure(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
+    """Prefill and scoring seconds (medians) by prompt length; the table printed as it goes."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", type=Path, default=Path("models/bench/bench-a-fp32"))
     parser.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 512])
@@ -66,5 +67,10 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     return results
 
 
+def main(argv: list[str] | None = None) -> int:
+    measure(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -4,7 +4,7 @@ Needs a machine with a GPU and onnxruntime-gpu (the `gpu` extra, not `cpu`):
 
     textgen-export onnx --checkpoint CKPT --out b32            # or: textgen-export demo --out b32
     textgen-export onnx --checkpoint CKPT --out b16 --fp16
-    python bench/gpu_check.py b32 b16 [--steps 64] [--batches 1 8]
+    textgen-bench gpu-check b32 b16 [--steps 64] [--batches 1 8]
 
 For each bundle and each GPU provider (TensorRT with the bundle's profile, engine cache and precision flags;
 CUDA) it runs the standard graph on the fixed prompt set (export.generation, left-padded, prefill + decode)

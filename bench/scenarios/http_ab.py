@@ -1,6 +1,6 @@
 """HTTP ÷ gRPC: served tokens/s and TTFT of one server through either front end, alternated, in one run.
 
-    .venv/bin/python -m bench.http_ab --bundle models/demo/bundle --clients 1,16 --rounds 3
+    .venv/bin/textgen-bench http-ab --bundle models/demo/bundle --clients 1,16 --rounds 3
 
 One `textgen-serve` (defaults, the HTTP API on a free port) serves both: for each client count, each round
 runs a closed loop of streamed requests through gRPC (GenerateStream) and through the OpenAI API (streamed
@@ -24,7 +24,9 @@ from pathlib import Path
 
 from bench.loadgen import LoadConfig, Rpc, benchmark
 from bench.proc import cpu_seconds, own_cpu_seconds
-from bench.serving_bench import ROOT, free_port, server_process
+from bench.report import RESULTS
+from bench.rounds import in_turn
+from bench.servers import free_port, server_process, textgen_command
 
 
 def run(load: LoadConfig, rpc: Rpc, http_target: str, server_pid: int) -> dict[str, float]:
@@ -49,7 +51,7 @@ def run(load: LoadConfig, rpc: Rpc, http_target: str, server_pid: int) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="http_ab", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", type=Path, required=True)
     p.add_argument("--clients", default="1,16", help="comma-separated closed-loop client counts")
     p.add_argument("--rounds", type=int, default=3)
@@ -60,14 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("serve_flags", nargs="*", help="more textgen-serve flags (after --)")
     args = p.parse_args(argv)
     port, http_port = free_port(), free_port()
-    command = [
-        sys.executable,
-        *("-m", "serve", "--bundle", str(args.bundle.resolve()), "--log-level", "WARNING"),
-        *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"),
+    command = textgen_command(
+        args.bundle.resolve(),
+        *("--log-level", "WARNING", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"),
         *("--http-host", "127.0.0.1", "--http-port", str(http_port)),
         *args.serve_flags,
-    ]
-    log = ROOT / "bench" / "results" / "http_ab.log"
+    )
+    log = RESULTS / "http_ab.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     http_target = f"127.0.0.1:{http_port}"
     figures: dict[str, dict[str, list[dict[str, float]]]] = {}
@@ -88,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             run(warm, "http", http_target, server.pid)
             runs: dict[str, list[dict[str, float]]] = {"stream": [], "http": []}
             for round_ in range(args.rounds):
-                order: list[Rpc] = ["stream", "http"] if round_ % 2 == 0 else ["http", "stream"]
-                for rpc in order:
+                rpcs: tuple[Rpc, ...] = ("stream", "http")
+                for rpc in in_turn(rpcs, round_):
                     runs[rpc].append(run(load, rpc, http_target, server.pid))
                 cells = "  ".join(
                     f"{rpc} {r['tok_s']:.0f} tok/s TTFT p50 {r['ttft_p50_ms']:.1f} ms, CPU/token server "

@@ -18,7 +18,7 @@ round by round (this machine is shared and noisy: compare the two within a round
 Every prompt is fresh random token ids (a round never finds the previous round's answers kept). Greedy;
 both engines must produce the same tokens (checked). Everything runs through the offline API (the
 scheduler's admission and steps). Results print as a table and go to `--json`.
-Run: `.venv/bin/python -m bench.prefix_bench [--bundle models/bench/bench-a-fp32] [--rounds 5]`.
+Run: `.venv/bin/textgen-bench prefix [--bundle models/bench/bench-a-fp32] [--rounds 5]`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.report import RESULTS
+from bench.rounds import in_turn
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
 from serve.engine.types import EngineSettings, NewSequence, SessionConfig
@@ -142,9 +144,8 @@ def compare(
     Returns figure name -> engine name -> one value a round."""
     figures: dict[str, dict[str, list[float]]] = {}
     for r in range(rounds):
-        order = list(engines) if r % 2 == 0 else list(reversed(engines))
         tokens: dict[str, list[list[int]]] = {}
-        for name in order:
+        for name in in_turn(list(engines), r):
             values, tokens[name] = measure(engines[name], np.random.default_rng(seed + r))
             for figure, value in values.items():
                 figures.setdefault(figure, {e: [] for e in engines})[name].append(value)
@@ -153,7 +154,7 @@ def compare(
     return figures
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", type=Path, default=Path("models/bench/bench-a-fp32"))
     parser.add_argument("--rows", type=int, default=4, help="prefix cache rows of the engine that has one")
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--system", type=int, default=256, help="tokens of the shared system prompt")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", type=Path, default=Path("bench/results/prefix.json"))
+    parser.add_argument("--json", type=Path, default=RESULTS / "prefix.json")
     args = parser.parse_args(argv)
     # Each engine goes first in half the rounds: with an odd count, one of them is first once more, and an
     # order effect (demo model: the first run of a round up to 15% slower) lands in its median.
@@ -199,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     summary = {"bundle": str(args.bundle), "rows": args.rows, "rounds": args.rounds, "cases": results}
     args.json.write_text(json.dumps(summary, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -6,10 +6,10 @@ exactly 128 new tokens, greedy, batch 1/4/16, 2 threads; one untimed warm-up, 3 
 tok/s = 128 x batch / wall time of the whole generation (prefill included). Each (variant, batch) cell runs in
 its own process so its peak RSS is its own (`peak_rss_mb`: VmHWM, the peak since the cell's exec).
 
-    python -m bench.engine_bench                 # textgen fp32, int8, int8-dynamic, int4, and the roofline
-    python -m bench.engine_bench --anchors-dir DIR           # and the default peer cells in the same pass
-    python -m bench.engine_bench --anchors-dir DIR --anchors "ortgenai B-llama fp32"   # chosen peer cells
-    python -m bench.engine_bench --cell BUNDLE --batch 1 [--no-spinning]   # one cell of any bundle, as JSON
+    textgen-bench engine                 # textgen fp32, int8, int8-dynamic, int4, and the roofline
+    textgen-bench engine --anchors-dir DIR           # and the default peer cells in the same pass
+    textgen-bench engine --anchors-dir DIR --anchors "ortgenai B-llama fp32"   # chosen peer cells
+    textgen-bench engine --cell BUNDLE --batch 1 [--no-spinning]   # one cell of any bundle, as JSON
 
 A cell's ONNX Runtime threads spin between operators, as GenAI's do by default (and as `textgen-serve`'s
 do within a step); `--no-spinning` lets them sleep, as `textgen-serve --no-spinning` does.
@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bench.proc import CpuMeter, peak_rss_mib
+from bench.report import RESULTS
+from bench.servers import ROOT
 
 if TYPE_CHECKING:  # a cell must not import torch (through export): its peak RSS would count it
     from export.pipeline import PrecisionKind
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPT_LEN, NEW_TOKENS, SEED, VOCAB = 32, 128, 1234, 8192
 BATCHES = (1, 4, 16)
 CHECKED_TOKENS = 16  # the greedy tokens of row 0 a cell reports, compared across stacks
@@ -168,9 +169,9 @@ def ensure_bundle(out: Path, kind: PrecisionKind) -> Path:
 
 
 def cell_in_subprocess(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "bench.engine_bench", "--cell", str(bundle), "--batch", str(batch)]
+    cmd = [sys.executable, "-m", "bench.scenarios.engine", "--cell", str(bundle), "--batch", str(batch)]
     cmd += ["--threads", str(threads), "--repeats", str(repeats)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -214,7 +215,7 @@ def anchor_rows(result_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cell", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
@@ -223,7 +224,7 @@ def main() -> None:
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--bundles", type=Path, default=REPO / "models" / "bench")
+    p.add_argument("--bundles", type=Path, default=ROOT / "models" / "bench")
     p.add_argument(
         "--anchors",
         default=",".join(DEFAULT_ANCHOR_CELLS),
@@ -235,11 +236,11 @@ def main() -> None:
         default=None,
         help="the peer stacks' folder (its run.sh runs a cell); without it, textgen's cells alone",
     )
-    p.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "engine.json")
-    args = p.parse_args()
+    p.add_argument("--output", type=Path, default=RESULTS / "engine.json")
+    args = p.parse_args(argv)
     if args.cell:
         print(json.dumps(run_cell(args.cell, args.batch, args.threads, args.repeats, not args.no_spinning)))
-        return
+        return 0
 
     variants = {
         name: ensure_bundle(args.bundles / f"bench-a-{kind}", kind) for name, kind in VARIANTS.items()
@@ -271,7 +272,8 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(record, indent=2))
     print(f"machine: {machine}; wrote {args.output}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

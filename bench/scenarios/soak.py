@@ -1,7 +1,7 @@
 """Soak: rounds of mixed load against a server subprocess; between rounds the server must return to idle.
 
-    python -m bench.soak                      # `make soak`: 6 rounds of 25 s, ~3 minutes
-    python -m bench.soak --rounds 3 --round-seconds 10 --bundle models/demo/bundle
+    textgen-bench soak                      # `make soak`: 6 rounds of 25 s, ~3 minutes
+    textgen-bench soak --rounds 3 --round-seconds 10 --bundle models/demo/bundle
 
 Each round, `--clients` concurrent clients (more than the server's batch rows plus queue places) send a mix of
 streams, unary calls, streams cancelled after their first message, streams with deadlines too short to finish,
@@ -29,7 +29,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.proc import tree_rss_mib
-from bench.serving_bench import ROOT, free_port, server_process
+from bench.servers import ROOT, free_port, server_process, textgen_command
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 
@@ -158,12 +158,12 @@ def ensure_bundle(bundle: Path | None, scratch: Path) -> Path:
 def soak(args: argparse.Namespace, bundle: Path, log_path: Path) -> list[Round]:
     port, metrics_port = free_port(), free_port()
     target, metrics_url = f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
-    command = [
-        *(sys.executable, "-m", "serve", "--bundle", str(bundle), "--host", "127.0.0.1"),
-        *("--port", str(port), "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port)),
-        *("--http-port", "0"),
+    command = textgen_command(
+        bundle,
+        *("--host", "127.0.0.1", "--port", str(port), "--metrics-host", "127.0.0.1"),
+        *("--metrics-port", str(metrics_port), "--http-port", "0"),
         *("--max-batch-size", str(args.max_batch_size), "--max-queue", str(args.max_queue)),
-    ]
+    )
     rounds: list[Round] = []
     with server_process(command, log_path, target) as process:
         for number in range(args.rounds):
@@ -214,7 +214,7 @@ def failures(rounds: list[Round], tolerance_mib: float) -> list[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bundle", type=Path, help="default: the demo bundle if built, else a random tiny one")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--round-seconds", type=float, default=25.0)

@@ -1,6 +1,6 @@
 """An urgent request on a saturated server, under `--scheduling-policy fcfs` and `priority`, alternated.
 
-    python -m bench.priority_bench --bundle models/demo/bundle --rounds 6 --new-tokens 192 --threads 1
+    textgen-bench priority --bundle models/demo/bundle --rounds 6 --new-tokens 192 --threads 1
 
 Each run starts a server with `--max-batch-size ROWS` and the policy, warms it up, then sends `--streams`
 low-priority streams (priority 5) at once, more than the rows, so the rows decode and the rest wait. After
@@ -10,7 +10,7 @@ resumes once a row frees up. Reported per policy (medians over the rounds): the 
 first token and total time; the preempted stream's total time and longest wait between two tokens (it is
 the stream that waited longest in the round's priority run; under fcfs, the same request, sent in the same
 place, is not preempted); all streams' median total time and when the last one ended; the preemptions the
-server counted (`textgen_preemptions_total`). The policies alternate as `bench/serve_ab.py`'s
+server counted (`textgen_preemptions_total`). The policies alternate as `bench/scenarios/serve_ab.py`'s
 configurations do (this machine's speed drifts).
 """
 
@@ -30,8 +30,9 @@ from typing import NamedTuple
 import grpc
 
 from bench.loadgen import LoadConfig, Prompt, RequestRecord, build_prompts, send
-from bench.serve_ab import round_order
-from bench.serving_bench import ROOT, free_port, server_process
+from bench.report import RESULTS
+from bench.rounds import in_turn
+from bench.servers import free_port, server_process, textgen_command
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 
@@ -121,13 +122,13 @@ def preemptions(metrics_port: int) -> float:
 
 def measure(policy: str, args: argparse.Namespace, log: Path) -> Run:
     port, metrics_port = free_port(), free_port()
-    command = [
-        sys.executable,
-        *("-m", "serve", "--bundle", str(args.bundle.resolve()), "--scheduling-policy", policy),
+    command = textgen_command(
+        args.bundle.resolve(),
+        *("--scheduling-policy", policy),
         *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port)),
         *("--http-port", "0", "--max-batch-size", str(args.rows), "--log-level", "WARNING"),
         *(("--threads", str(args.threads)) if args.threads else ()),
-    ]
+    )
     target = f"127.0.0.1:{port}"
     with server_process(command, log, target):
         asyncio.run(contend(target, args, warm_up=True))
@@ -137,7 +138,7 @@ def measure(policy: str, args: argparse.Namespace, log: Path) -> Run:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="priority_bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", type=Path, required=True, help="model bundle")
     p.add_argument("--rounds", type=int, default=4, help="rounds; each runs both policies")
     p.add_argument("--rows", type=int, default=4, help="the server's --max-batch-size (fewer than streams)")
@@ -151,11 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rows >= args.streams:
         p.error(f"--rows ({args.rows}) must be fewer than --streams ({args.streams}): nothing would wait")
-    log = ROOT / "bench" / "results" / "priority_bench.log"
+    log = RESULTS / "priority_bench.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[Figures]] = {policy: [] for policy in POLICIES}
     for round_ in range(1, args.rounds + 1):
-        done = {policy: measure(policy, args, log) for policy in round_order(list(POLICIES), round_)}
+        done = {policy: measure(policy, args, log) for policy in in_turn(POLICIES, round_ - 1)}
         watched = longest_pause(done["priority"].records)
         for policy in POLICIES:
             runs[policy].append(figures(done[policy], watched))

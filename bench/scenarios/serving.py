@@ -1,7 +1,7 @@
 """Regenerate the serving part of docs/benchmarks.md: the gRPC server against its baselines, with plots.
 
-    .venv/bin/python -m bench.serving_bench            # the full run (`make bench`), ~12 minutes on 2 cores
-    .venv/bin/python -m bench.serving_bench --quick    # 1, 4 and 16 clients, one pass: ~2 minutes
+    .venv/bin/textgen-bench serving            # the full run (`make bench`), ~12 minutes on 2 cores
+    .venv/bin/textgen-bench serving --quick    # 1, 4 and 16 clients, one pass: ~2 minutes
 
 In one run, on one machine, with one workload (prompt of `--input-len` random token ids, exactly
 `--new-tokens` new tokens, greedy):
@@ -20,23 +20,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
-import platform
 import random
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import grpc
 
 from bench.cpus import resolve_engine_cpus
 from bench.loadgen import (
@@ -49,9 +44,9 @@ from bench.loadgen import (
     usage_checked,
     write_json,
 )
-from bench.serving_report import cdf_level, plot_all, update_doc
-from serve._proto.textgen.v1 import textgen_pb2 as pb
-from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
+from bench.report import DOC, RESULTS, machine
+from bench.scenarios.serving_report import cdf_level, plot_all, update_doc
+from bench.servers import BIN, ROOT, free_port, naive_command, server_process
 from serve.api.config import ServerSettings
 from serve.bundle import Bundle, load_bundle
 from serve.engine.engine import Engine
@@ -59,8 +54,6 @@ from serve.engine.types import EngineSettings, SessionConfig
 from serve.process import beside, format_cpu_list
 from serve.scheduling.offline import OFFLINE_LIMITS, generate
 
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 PERCENTILES = (50.0, 90.0, 99.0)
 # The steady-arrivals run: Poisson arrivals at this share of the streamed closed-loop request rate at 16
 # clients, max_new_tokens spread uniformly by this fraction, so requests keep joining a running batch.
@@ -111,40 +104,11 @@ def pinned_engine(flag: str | None) -> tuple[int, ...] | None:
     return None if cpus is None else tuple(sorted(cpus))
 
 
-# --- the machine -------------------------------------------------------------------------------------------
-
-
-def machine() -> dict[str, str]:
-    cpu = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    memory = "unknown"
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                memory = f"{int(line.split()[1]) / 2**20:.1f} GiB"
-    import grpc as grpc_module
-    import onnxruntime
-
-    return {
-        "cpu": cpu,
-        "cores": str(os.cpu_count()),
-        "memory": memory,
-        "os": f"{platform.system()} {platform.release()}",
-        "python": platform.python_version(),
-        "onnxruntime": onnxruntime.__version__,
-        "grpcio": grpc_module.__version__,
-    }
-
-
 # --- the model ---------------------------------------------------------------------------------------------
 
 
 def ensure_bundle(bundle: Path | None) -> Path:
-    """The given bundle, or bench-a fp32 with random weights: the bundle bench/engine_bench.py uses too."""
+    """The given bundle, or bench-a fp32 with random weights: the engine scenario's too."""
     if bundle is not None:
         return bundle
     out = ROOT / "models" / "bench" / "bench-a-fp32"
@@ -240,79 +204,6 @@ def hf_generate(bundle: Bundle, plan: Plan, threads: int, venv: Path) -> dict[st
 # --- servers under load ------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def server_process(
-    command: list[str],
-    log_path: Path,
-    target: str,
-    env: dict[str, str] | None = None,
-    cwd: Path = ROOT,
-    answers: Callable[[], bool] | None = None,
-    interval: float = 0.5,
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A server subprocess (`env`: variables set for it on top of ours; run in `cwd`), yielded once it is
-    ready (`answers()` is true, asked every `interval` seconds; by default, once it answers GetModelInfo on
-    `target`); SIGTERM (then SIGKILL) afterwards."""
-    assignments = [f"{name}={value}" for name, value in (env or {}).items()]
-    print(f"$ {shlex.join(assignments + command)}", flush=True)
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env={**os.environ, **(env or {})}
-        )
-        try:
-            if answers is None:
-                wait_ready(process, target, log_path)
-            else:
-                wait_until(process, log_path, answers, interval=interval)
-            yield process
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def wait_ready(process: subprocess.Popen[bytes], target: str, log_path: Path, timeout: float = 300.0) -> None:
-    """Until the server answers GetModelInfo on `target`."""
-    with grpc.insecure_channel(target) as channel:
-        stub = pb_grpc.TextGenerationStub(channel)
-
-        def answers() -> bool:
-            try:
-                stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)
-            except grpc.RpcError:
-                return False
-            return True
-
-        wait_until(process, log_path, answers, timeout)
-
-
-def wait_until(
-    process: subprocess.Popen[bytes],
-    log_path: Path,
-    answers: Callable[[], bool],
-    timeout: float = 300.0,
-    interval: float = 0.5,
-) -> None:
-    """Until `answers()` is true, asked every `interval` seconds; an error naming the log if the server
-    exits first or `timeout` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while not answers():
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with code {process.returncode}; see {log_path}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server was not ready after {timeout:.0f} s; see {log_path}")
-        time.sleep(interval)
-
-
 def measure(name: str, config: LoadConfig, results: Path, metrics_url: str | None = None) -> BenchmarkOutput:
     """One load-generator run; its records go to `results/name.json`."""
     output = asyncio.run(benchmark(config, metrics_url))
@@ -374,7 +265,7 @@ def shown(command: list[str]) -> str:
 
 
 def as_command(config: LoadConfig, target: str, metrics: bool) -> str:
-    """The textgen-bench command line that runs `config` against `target`."""
+    """The `textgen-bench load` command line that runs `config` against `target`."""
     flags = [
         ("--target", target),
         ("--concurrency", config.concurrency),
@@ -389,7 +280,7 @@ def as_command(config: LoadConfig, target: str, metrics: bool) -> str:
         ("--rpc", None if config.rpc == "stream" else config.rpc),
         ("--cpus", None if config.cpus is None else format_cpu_list(config.cpus)),
     ]
-    words = ["textgen-bench"] + [f"{flag} {value}" for flag, value in flags if value is not None]
+    words = ["textgen-bench", "load"] + [f"{flag} {value}" for flag, value in flags if value is not None]
     return " ".join([*words, "--ignore-eos"] if config.ignore_eos else words)
 
 
@@ -488,11 +379,9 @@ def run(args: argparse.Namespace) -> Results:
         pairs = alternate(engine, bundle, plan, server_loads[reference], results_dir)
 
     naive_port = free_port()
-    naive_cmd = [
-        sys.executable,
-        *("-m", "bench.naive_server", "--bundle", str(bundle_dir), "--host", "127.0.0.1"),
-        *("--port", str(naive_port), "--threads", str(threads), spin_flag),
-    ]
+    naive_cmd = naive_command(
+        bundle_dir, *("--host", "127.0.0.1", "--port", str(naive_port), "--threads", str(threads), spin_flag)
+    )
     naive_loads = {
         c: closed_loop(f"127.0.0.1:{naive_port}", c, max(c, plan.naive_requests), plan) for c in plan.levels
     }
@@ -582,7 +471,7 @@ def save_summary(results: Results, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="serving_bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="1, 4 and 16 clients, one pass: a couple of minutes")
     p.add_argument("--levels", default=None, help="comma-separated client counts (default 1,2,4,8,16,32)")
     p.add_argument(
@@ -669,8 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--hf-venv", type=Path, default=ROOT / "bench" / ".venv-hf", help="venv for HF transformers"
     )
-    p.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "serving", help="raw records")
-    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md", help="markdown to update")
+    p.add_argument("--results", type=Path, default=RESULTS / "serving", help="raw records")
+    p.add_argument("--doc", type=Path, default=DOC, help="markdown to update")
     p.add_argument("--images", type=Path, default=ROOT / "docs" / "images", help="where the plots go")
     args = p.parse_args(argv)
     results = run(args)

@@ -5,7 +5,7 @@ A: the standard (traced) graph, left-padded batch, the graph concatenates past a
 B: the serving graph, GroupQueryAttention writing into preallocated slots in place (serve.engine.engine).
 Same bundle, same prompts (32 tokens), greedy, 2 threads; tok/s of the whole generation, median of 3.
 
-    python -m bench.kv_design_bench --bundle models/bench/bench-a-fp32
+    textgen-bench kv-design --bundle models/bench/bench-a-fp32
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.engine_bench import PROMPT_LEN, prompt_rows
+from bench.scenarios.engine import PROMPT_LEN, prompt_rows
 from export.generation import Shape, greedy, session_step
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
@@ -35,13 +35,13 @@ def median_tok_s(run: Callable[[], None], tokens: int, repeats: int) -> float:
     return tokens / statistics.median(walls)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", type=Path, required=True)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cases", default="1:128,16:128,16:512", help="batch:new_tokens pairs")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     bundle = load_bundle(args.bundle)
     arch = bundle.manifest.architecture
@@ -69,7 +69,8 @@ def main() -> None:
         a = median_tok_s(run_a, batch * new, args.repeats)
         b = median_tok_s(run_b, batch * new, args.repeats)
         print(f"{f'b{batch}/{new}':>12} {a:15.0f} {b:17.0f} {b / a:6.2f}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -11,7 +11,7 @@ greedy tokens each way: tokens the two caches agree on position by position, pro
 and the largest logit difference over the steps both ran on the same tokens (up to and at the first token
 they part at), also as a fraction of the largest logit.
 
-    python -m bench.kv_dtype_bench --bundle BUNDLE [--cases 1:128,16:128,1:1920,16:1920] [--rounds 5]
+    textgen-bench kv-dtype --bundle BUNDLE [--cases 1:128,16:128,1:1920,16:1920] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from bench.loadgen import stdlib_texts
+from bench.rounds import in_turn
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
 from serve.engine.sampling import SamplingParams
@@ -66,8 +67,7 @@ def speed(engines: dict[str, Engine], rows: int, context: int, rounds: int, step
         engine.decode()  # a first step at this shape, untimed
     times: dict[str, list[float]] = {dtype: [] for dtype in DTYPES}
     for round_no in range(rounds):
-        order = DTYPES if round_no % 2 == 0 else DTYPES[::-1]  # what runs first in a round may fare otherwise
-        for dtype in order:
+        for dtype in in_turn(DTYPES, round_no):
             times[dtype].append(step_ms(engines[dtype], steps))
     for engine in engines.values():
         engine.release(engine.running_ids)
@@ -118,7 +118,7 @@ def accuracy(engines: dict[str, Engine], prompts: int, tokens: int) -> dict[str,
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", type=Path, required=True, help="a float32 bundle")
     p.add_argument("--threads", type=int, default=2)
@@ -130,7 +130,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--output", type=Path, help="write the figures here as JSON")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     bundle = load_bundle(args.bundle)
     # The server's defaults: spinning within a step, not between steps (two engines share the cores here).
@@ -167,7 +167,8 @@ def main() -> None:
         )
     if args.output is not None:
         args.output.write_text(json.dumps(result, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

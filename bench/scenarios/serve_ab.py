@@ -1,6 +1,6 @@
 """Served throughput of textgen-serve configurations, alternated round by round under one load.
 
-    .venv/bin/python -m bench.serve_ab --bundle models/demo/bundle --threads 1 --rpc stream --rounds 6 \\
+    .venv/bin/textgen-bench serve-ab --bundle models/demo/bundle --threads 1 --rpc stream --rounds 6 \\
         --config=--no-engine-process --config=--engine-process
 
 A configuration's leading `NAME=value` words are set in its server's environment, so code can be compared
@@ -44,7 +44,9 @@ from pathlib import Path
 from bench.cpus import engine_cpus_flag
 from bench.loadgen import RPC_NAMES, LoadConfig, Rpc, benchmark, model_names
 from bench.proc import CpuMeter, descendants, main_thread_cpu_seconds
-from bench.serving_bench import ROOT, free_port, server_process
+from bench.report import RESULTS
+from bench.rounds import in_turn
+from bench.servers import ROOT, free_port, server_process, textgen_command
 from serve.process import beside
 
 ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
@@ -122,12 +124,6 @@ def split_config(config: str) -> tuple[dict[str, str], list[str]]:
     return env, words
 
 
-def round_order(configs: list[str], round_: int) -> list[str]:
-    """The configurations in the order round `round_` (from 1) runs them: each round starts one further on."""
-    shift = (round_ - 1) % len(configs)
-    return configs[shift:] + configs[:shift]
-
-
 def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
     port = free_port()
     env, words = split_config(config)
@@ -135,14 +131,13 @@ def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
     rpc, flags = setup.rpc, setup.flags
     http_port = free_port() if rpc == "http" else 0  # the HTTP API only where the clients call it
     engine_cpus = engine_cpus_flag(flags)
-    command = [
-        sys.executable,
-        *("-m", "serve", "--bundle", str(setup.bundle.resolve())),
+    command = textgen_command(
+        setup.bundle.resolve(),
         *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--http-port", str(http_port)),
         *("--max-batch-size", str(args.clients), "--log-level", "WARNING"),
         *(("--threads", str(args.threads)) if args.threads else ()),
         *flags,
-    ]
+    )
     load = LoadConfig(
         target=f"127.0.0.1:{port}",
         concurrency=args.clients,
@@ -179,7 +174,7 @@ def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="serve_ab", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", type=Path, required=True, help="model bundle (a --bench-bundle= replaces it)")
     p.add_argument(
         "--config",
@@ -211,11 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if len(args.config) < 2:
         p.error("give at least two --config")
-    log = ROOT / "bench" / "results" / "serve_ab.log"
+    log = RESULTS / "serve_ab.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[Figures]] = {config: [] for config in args.config}
     for round_ in range(1, args.rounds + 1):
-        for config in round_order(args.config, round_):
+        for config in in_turn(args.config, round_ - 1):
             runs[config].append(measure(config, args, log))
         cells = "  ".join(f"[{c or 'defaults'}] {runs[c][-1].tokens_per_second:.0f}" for c in args.config)
         print(f"round {round_}: {cells} tok/s", flush=True)

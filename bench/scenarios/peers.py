@@ -1,7 +1,7 @@
 """Same weights as the peers: textgen, offline and served over gRPC, beside ONNX Runtime GenAI and llama.cpp
 on one Llama folder, cell by cell in one run.
 
-    python -m bench.peers_bench --anchors-dir DIR [--anchors-work WORK] [--model-dir FOLDER] \\
+    textgen-bench peers --anchors-dir DIR [--anchors-work WORK] [--model-dir FOLDER] \\
         [--precisions fp32,int8,int4] [--batches 1,4,16] [--passes 1]
 
 DIR holds the peer stacks' scripts (run.sh), WORK the folder they were prepared in (venv, models, ONNX and
@@ -13,7 +13,7 @@ Every cell runs the peers' workload: their 32 prompt token ids per row, exactly 
 ignored, 2 threads, one untimed warm-up, then 3 timed runs, median; tok/s = 128 x batch / wall of the
 whole generation, prefill included. For each batch and precision, in turn (the first of the four rotating
 from group to group, so none always runs first):
-- textgen engine: `bench.engine_bench --cell` on the bundle (the engine offline, no server);
+- textgen engine: `bench.scenarios.engine --cell` on the bundle (the engine offline, no server);
 - textgen served: `textgen-serve` on the bundle (`--max-batch-size` = batch, prefix cache off so the
   repeated prompts are prefilled each time, defaults otherwise, plus `--serve-flags`) and `batch`
   concurrent GenerateStream calls of the same prompts: wall from sending them to the last token of all,
@@ -49,11 +49,13 @@ import grpc
 import onnx
 from onnx import numpy_helper
 
-from bench.engine_bench import (
+from bench.loadgen import LoadConfig, Prompt, RequestRecord, send
+from bench.proc import CpuMeter, descendants, main_thread_cpu_seconds, peak_rss_mib
+from bench.report import RESULTS
+from bench.scenarios.engine import (
     CHECKED_TOKENS,
     NEW_TOKENS,
     PROMPT_LEN,
-    REPO,
     cell_in_subprocess,
     machine_roofline,
     prepared_anchors,
@@ -61,9 +63,7 @@ from bench.engine_bench import (
     rates,
     run_anchors,
 )
-from bench.loadgen import LoadConfig, Prompt, RequestRecord, send
-from bench.proc import CpuMeter, descendants, main_thread_cpu_seconds, peak_rss_mib
-from bench.serving_bench import free_port, server_process
+from bench.servers import ROOT, free_port, server_process, textgen_command
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 
 MODEL = "B-llama"  # the peers' name of the folder's model
@@ -197,14 +197,14 @@ def _tensor_bytes(tensor: onnx.TensorProto) -> int:
 
 
 def serve_command(bundle: Path, batch: int, port: int, flags: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        *("-m", "serve", "--bundle", str(bundle.resolve()), "--log-level", "WARNING"),
+    return textgen_command(
+        bundle.resolve(),
+        *("--log-level", "WARNING"),
         *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--http-port", "0"),
         *("--max-batch-size", str(batch), "--max-model-len", str(PROMPT_LEN + NEW_TOKENS)),
         *("--prefix-cache-rows", "0"),
         *flags,
-    ]
+    )
 
 
 async def concurrent_streams(stub: pb_grpc.TextGenerationStub, batch: int, run: int) -> Cell:
@@ -267,9 +267,9 @@ def served_cell(bundle: Path, batch: int, repeats: int, flags: list[str], log: P
 
 
 def served_in_subprocess(bundle: Path, batch: int, args: argparse.Namespace) -> Cell:
-    cmd = [sys.executable, "-m", "bench.peers_bench", "--served-cell", str(bundle), "--batch", str(batch)]
+    cmd = [sys.executable, "-m", "bench.scenarios.peers", "--served-cell", str(bundle), "--batch", str(batch)]
     cmd += ["--repeats", str(args.repeats), "--serve-flags", args.serve_flags]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -352,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max-other-load", type=float, default=0.25, help="share of the cores other processes may take"
     )
     p.add_argument("--serve-flags", default="", help="more textgen-serve flags for the served cells")
-    p.add_argument("--bundles", type=Path, default=REPO / "models" / "peers")
-    p.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "peers.json")
+    p.add_argument("--bundles", type=Path, default=ROOT / "models" / "peers")
+    p.add_argument("--output", type=Path, default=RESULTS / "peers.json")
     p.add_argument("--report", type=Path, nargs="+", help="only report these runs' --output files, merged")
     p.add_argument("--served-cell", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)

@@ -1,10 +1,10 @@
 """LoRA adapters served: what slots cost a base request, what adapters cost, how fast an adapter loads, and
 textgen against llama-server on the same adapters.
 
-    python -m bench.lora_bench adapters MODEL_DIR OUT_DIR [--count 4 --rank 16]
-    python -m bench.lora_bench load LORA_BUNDLE ADAPTER_DIR... [--repeats 3 --starts 3]
-    python -m bench.lora_bench steps --plain BUNDLE --lora LORA_BUNDLE ADAPTER_DIR... [--batches 1,16]
-    python -m bench.lora_bench peers --bundle LORA_BUNDLE --gguf MODEL.gguf --llama-cpp LLAMA_CPP_DIR \\
+    textgen-bench lora adapters MODEL_DIR OUT_DIR [--count 4 --rank 16]
+    textgen-bench lora load LORA_BUNDLE ADAPTER_DIR... [--repeats 3 --starts 3]
+    textgen-bench lora steps --plain BUNDLE --lora LORA_BUNDLE ADAPTER_DIR... [--batches 1,16]
+    textgen-bench lora peers --bundle LORA_BUNDLE --gguf MODEL.gguf --llama-cpp LLAMA_CPP_DIR \\
         --model-dir MODEL_DIR ADAPTER_DIR... [--clients 16 --rounds 2]
 
 `adapters` makes peft adapters of a Hugging Face model: rank R on all seven projections of a Llama (q, k, v,
@@ -23,11 +23,11 @@ where a served difference comes from.
 `peers` serves the same adapters from textgen (`--lora`, the OpenAI `model` field) and from llama.cpp's
 llama-server (each adapter converted with its convert_lora_to_gguf.py, loaded at start with scale 0 by
 `--lora-scaled`, picked by the per-request `lora` field), one server at a time, the first flipping every
-round, as bench.served_peers runs them; C clients over HTTP with requests spread round-robin over the
-adapters, and the same clients on the base model.
+round, as the served-peers scenario runs them; C clients over HTTP with requests spread round-robin over
+the adapters, and the same clients on the base model.
 
 The served figures of textgen alone (tok/s through `textgen-serve`, bundle against bundle) come from
-bench.serve_ab with `--models` and a configuration's own `--bench-bundle=` (docs/benchmarks.md).
+bench.scenarios.serve_ab with `--models` and a configuration's own `--bench-bundle=` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ import numpy as np
 
 from bench import llama_cpp
 from bench.loadgen import AdapterField
-from bench.served_peers import Workload, http_answers, load, served_cell, textgen_command
-from bench.serving_bench import free_port, server_process
+from bench.report import RESULTS
+from bench.rounds import in_turn, median_ratio
+from bench.scenarios.served_peers import Workload, llama_command, load, served_cell, textgen_command
+from bench.servers import free_port, http_answers, server_process
 from serve.bundle import LoraLayout
 from serve.engine.lora import LoraSlots, read_adapter
 
@@ -149,8 +151,7 @@ def server_starts(bundle: Path, adapters: list[Path], starts: int, log: Path) ->
     kinds = {"without": [], "with": lora_flag(adapters)}
     seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     for round_no in range(starts):
-        order = list(kinds) if round_no % 2 == 0 else list(reversed(kinds))
-        for kind in order:
+        for kind in in_turn(list(kinds), round_no):
             seconds[kind].append(server_start(bundle, kinds[kind], log))
     return {f"start_{kind}_s": statistics.median(values) for kind, values in seconds.items()}
 
@@ -158,7 +159,7 @@ def server_starts(bundle: Path, adapters: list[Path], starts: int, log: Path) ->
 def bytes_a_step(plain: Path, lora: Path) -> dict[str, int]:
     """What a decode step reads: the base weights (of the bundle without slots) and, with slots, every slot's
     LoRA arrays (a step whose rows use every slot reads them all)."""
-    from bench.peers_bench import weight_bytes
+    from bench.scenarios.peers import weight_bytes
 
     slots = LoraSlots(bundle_layout(lora))
     return {
@@ -229,8 +230,7 @@ def step_times(
     engines = step_engines(cases, adapters, max(batches), PROMPT_LEN + steps + 8)
     times: dict[str, dict[int, list[float]]] = {c.name: {b: [] for b in batches} for c in cases}
     for round_no in range(rounds):
-        shift = round_no % len(cases)
-        for case in cases[shift:] + cases[:shift]:
+        for case in in_turn(cases, round_no):
             for batch in batches:
                 times[case.name][batch].append(decode_ms(engines[case.bundle], case, batch, steps))
         latest = {name: {b: ms[-1] for b, ms in cells.items()} for name, cells in times.items()}
@@ -270,10 +270,9 @@ def peer_servers(
     args: argparse.Namespace, port: int, work: Workload, ggufs: list[Path]
 ) -> dict[str, PeerServer]:
     textgen = textgen_command(args.bundle.resolve(), port, work, lora_flag(args.adapters))
-    bin_dir = args.llama_cpp / "build" / "bin"
-    llama = llama_cpp.server_command(bin_dir, args.gguf, port, work.slots, work.ctx_per_slot, work.threads)
     # scale 0 by default: a request that lists no adapter gets none (with `--lora` it would get all of them)
-    llama += ["--lora-scaled", ",".join(f"{g}:0" for g in ggufs)]
+    scaled = ["--lora-scaled", ",".join(f"{g}:0" for g in ggufs)]
+    llama = llama_command(args.llama_cpp / "build" / "bin", args.gguf, port, work, scaled)
     return {
         "textgen": PeerServer("textgen", textgen, tuple(adapter_names(args.adapters)), "model"),
         "llama-server": PeerServer("llama-server", llama, tuple(str(i) for i in range(len(ggufs))), "lora"),
@@ -298,8 +297,7 @@ def peers(args: argparse.Namespace) -> list[Cell]:
     work = Workload(max_tokens=args.new_tokens, requests=args.requests)
     records = []
     for round_no in range(args.rounds):
-        names = ["textgen", "llama-server"] if round_no % 2 == 0 else ["llama-server", "textgen"]
-        for name in names:
+        for name in in_turn(("textgen", "llama-server"), round_no):
             port = free_port()
             server = peer_servers(args, port, work, ggufs)[name]
             log = args.out / f"{name}-{round_no}.log"
@@ -319,7 +317,8 @@ def peers_summary(records: list[Cell]) -> str:
             if r["spread"] == spread:
                 rates[r["server"]][r["round"]] = r["tok_s"]
         ours, theirs = rates["textgen"], rates["llama-server"]
-        ratio = statistics.median(ours[k] / theirs[k] for k in ours.keys() & theirs.keys())
+        paired = sorted(ours.keys() & theirs.keys())
+        ratio = median_ratio([ours[k] for k in paired], [theirs[k] for k in paired])
         lines.append(
             f"{spread}: textgen {statistics.median(ours.values()):.1f} tok/s, llama-server "
             f"{statistics.median(theirs.values()):.1f} tok/s, textgen ÷ llama-server {ratio:.2f}"
@@ -331,9 +330,7 @@ def peers_summary(records: list[Cell]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="lora_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     csv_ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("adapters", help="make peft adapters of a Hugging Face model")
@@ -363,7 +360,7 @@ def parser() -> argparse.ArgumentParser:
     pe.add_argument("--requests", type=int, default=1, help="per client and cell")
     pe.add_argument("--new-tokens", type=int, default=128)
     pe.add_argument("--rounds", type=int, default=2)
-    pe.add_argument("--out", type=Path, default=Path("bench/results/lora-peers"), help="GGUFs and logs")
+    pe.add_argument("--out", type=Path, default=RESULTS / "lora-peers", help="GGUFs and logs")
     return p
 
 
@@ -372,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "adapters":
         make_adapters(args.model, args.out, args.count, args.rank)
     elif args.command == "load":
-        log = Path("bench/results/lora-load.log")
+        log = RESULTS / "lora-load.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         cell = adapter_load(args.bundle, args.adapters, args.repeats)
         if args.starts:

@@ -1,11 +1,11 @@
 """Served against served: `textgen-serve` against llama.cpp's `llama-server` on the same weights of a model of
 real size, at every precision (fp32 / int8 / int4 against f32 / q8_0 / q4_0), with the engines offline beside.
 
-    python -m bench.served_peers [--work DIR] [--rounds 4] [--clients 1,4,16] [--precisions fp32,int8,int4]
-    python -m bench.served_peers --report bench/results/served-peers-*.json   # the tables of saved runs
+    textgen-bench served-peers [--work DIR] [--rounds 4] [--clients 1,4,16] [--precisions fp32,int8,int4]
+    textgen-bench served-peers --report bench/results/served-peers-*.json   # the tables of saved runs
 
 What it prepares in WORK (default models/served-peers; each step only when its output is missing):
-1. C-llama (bench.c_llama): a 373M-parameter Llama with random weights, or `--model-dir` a Llama folder
+1. C-llama (the c-llama scenario): a 373M-parameter Llama with random weights, or `--model-dir` a Llama folder
    of your own;
 2. llama.cpp's llama-server, llama-batched-bench and llama-quantize, built from the source in the
    llama-cpp-python sdist (bench.llama_cpp; one pip download, ~25 minutes of compile on 2 cores);
@@ -24,7 +24,7 @@ One warm-up of C short requests before each client count. Per round and precisio
 after the other, the first flipping every round. A cell: output tok/s over the run, TTFT p50/p90, ITL p50.
 The summary is the median over rounds, and textgen ÷ llama-server as the median of the rounds' ratios.
 
-Offline (`--offline`, once before the served rounds): textgen's engine (`bench.engine_bench --cell`) and
+Offline (`--offline`, once before the served rounds): textgen's engine (`bench.scenarios.engine --cell`) and
 `llama-batched-bench -npp 32 -ntg 128 -npl 1,4,16` on the same model, both as 128 x batch new tokens over
 the whole run's wall, prefill included; and the weights a textgen decode step reads against the machine's
 read bandwidth (the b1 tok/s that memory allows).
@@ -41,15 +41,11 @@ import shutil
 import statistics
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench import llama_cpp
-from bench.engine_bench import REPO, cell_in_subprocess, machine_roofline
+from bench import llama_cpp, servers
 from bench.loadgen import (
     AdapterField,
     LoadConfig,
@@ -60,8 +56,11 @@ from bench.loadgen import (
     summarize,
     synthetic_ids,
 )
-from bench.peers_bench import PRECISIONS, import_bundle, weight_bytes
-from bench.serving_bench import free_port, server_process
+from bench.report import add_record_options, finish_record, print_reports, record_path
+from bench.rounds import in_turn, median_ratio
+from bench.scenarios.engine import cell_in_subprocess, machine_roofline
+from bench.scenarios.peers import PRECISIONS, import_bundle, weight_bytes
+from bench.servers import ROOT, free_port, http_answers, server_process
 
 SERVERS = ("textgen", "llama-server")
 Cell = dict[str, Any]
@@ -81,28 +80,25 @@ class Workload:
     # bundle's) and sent as token ids, so both servers get the same ids; "synthetic": random ids
     dataset: str = "synthetic"
     tokenizer: str | None = None
-    # LoRA adapters the requests name in turn, and where (bench.loadgen.LoadConfig's fields; bench.lora_bench)
+    # LoRA adapters the requests name in turn, and where (bench.loadgen.LoadConfig's fields; lora scenario)
     models: tuple[str, ...] = ()
     adapter_field: AdapterField = "model"
 
 
 def textgen_command(bundle: Path, port: int, work: Workload, flags: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        *("-m", "serve", "--bundle", str(bundle)),
+    """textgen-serve over HTTP only, with `work`'s rows, positions and threads (as llama-server gets them)."""
+    return servers.textgen_command(
+        bundle,
         *("--http-host", "127.0.0.1", "--http-port", str(port), "--port", "0", "--metrics-port", "0"),
         *("--max-batch-size", str(work.slots), "--max-model-len", str(work.ctx_per_slot)),
         *("--threads", str(work.threads), *flags),
-    ]
+    )
 
 
-def http_answers(port: int, path: str = "/v1/models") -> bool:
-    """Whether GET `path` answers 200 (llama-server answers 503 while it loads)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as reply:
-            return bool(reply.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
+def llama_command(bin_dir: Path, gguf: Path, port: int, work: Workload, flags: list[str]) -> list[str]:
+    """llama-server with `work`'s slots, positions and threads."""
+    command = servers.llama_server_command(bin_dir, gguf, port, work.slots, work.ctx_per_slot, work.threads)
+    return [*command, *flags]
 
 
 def prompts(work: Workload, count: int, seed: int) -> list[Prompt]:
@@ -177,7 +173,8 @@ def serve_and_load(
 
 def order(round_no: int, index: int) -> tuple[str, str]:
     """Which server runs first: flips every round, and from precision to precision within one."""
-    return SERVERS if (round_no + index) % 2 == 0 else (SERVERS[1], SERVERS[0])
+    first, second = in_turn(SERVERS, round_no + index)
+    return first, second
 
 
 # --- preparation -------------------------------------------------------------------------------------------
@@ -197,7 +194,7 @@ def prepare(work_dir: Path, model_dir: Path | None, precisions: list[str]) -> Pr
         model_dir = work_dir / "c-llama"
         if not (model_dir / "model.safetensors").is_file():
             shutil.rmtree(model_dir, ignore_errors=True)
-            llama_cpp.run_logged([sys.executable, "-m", "bench.c_llama", str(model_dir)])
+            llama_cpp.run_logged([sys.executable, "-m", "bench.scenarios.c_llama", str(model_dir)])
     bin_dir = llama_cpp.binaries(work_dir)
     ggufs = llama_cpp.ggufs(work_dir, model_dir)
     bundles = {}
@@ -243,10 +240,7 @@ def served(ready: Prepared, args: argparse.Namespace, work: Workload, logs: Path
                     command = textgen_command(ready.bundles[precision], port, work, args.textgen_flag)
                 else:
                     gguf = ready.ggufs[PRECISIONS[precision].llamacpp]
-                    command = llama_cpp.server_command(
-                        ready.bin_dir, gguf, port, work.slots, work.ctx_per_slot, work.threads
-                    )
-                    command += args.llama_flag
+                    command = llama_command(ready.bin_dir, gguf, port, work, args.llama_flag)
                 cells = serve_and_load(command, port, log, args.clients, work, seed=1000 * (round_no + 1))
                 for clients, cell in cells.items():
                     record = {"round": round_no, "precision": precision, "server": server, "clients": clients}
@@ -276,10 +270,8 @@ def ratio_median(records: list[Cell], precision: str, clients: int) -> float:
         _pick(records, "textgen", precision, clients),
         _pick(records, "llama-server", precision, clients),
     )
-    ratios = [
-        ours[r]["tok_s"] / theirs[r]["tok_s"] for r in ours.keys() & theirs.keys() if theirs[r]["tok_s"]
-    ]
-    return _median(ratios)
+    paired = sorted(ours.keys() & theirs.keys())
+    return median_ratio([ours[r]["tok_s"] for r in paired], [theirs[r]["tok_s"] for r in paired])
 
 
 def median_of(records: list[Cell], server: str, precision: str, clients: int, key: str) -> float:
@@ -427,7 +419,7 @@ def report(result: Cell) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     csv_ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    p.add_argument("--work", type=Path, default=REPO / "models" / "served-peers")
+    p.add_argument("--work", type=Path, default=ROOT / "models" / "served-peers")
     p.add_argument("--model-dir", type=Path, help="a Llama folder (default: C-llama, made in WORK)")
     p.add_argument("--precisions", type=lambda t: t.split(","), default=list(PRECISIONS))
     p.add_argument("--clients", type=csv_ints, default=[1, 4, 16])
@@ -441,30 +433,15 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--served", action=argparse.BooleanOptionalAction, default=True)
-    add_record_options(p, "served-peers")
+    add_server_options(p, "served-peers")
     return p
 
 
-def add_record_options(p: argparse.ArgumentParser, record: str) -> None:
+def add_server_options(p: argparse.ArgumentParser, record: str) -> None:
     """What every served-against-served benchmark takes: flags for each server, its record, its reports."""
     p.add_argument("--textgen-flag", action="append", default=[], help="a textgen-serve flag (repeatable)")
     p.add_argument("--llama-flag", action="append", default=[], help="a llama-server flag (repeatable)")
-    p.add_argument("--output", type=Path, help=f"the JSON record (default bench/results/{record}-TIME.json)")
-    p.add_argument("--report", type=Path, nargs="+", help="print the tables of saved records and exit")
-
-
-def print_reports(paths: list[Path], report: Callable[[Cell], str]) -> None:
-    for path in paths:
-        print(f"## {path}\n\n{report(json.loads(path.read_text()))}\n")
-
-
-def finish_record(result: Cell, output: Path, report: Callable[[Cell], str]) -> int:
-    """Write the record with its end time, print its tables; the exit status."""
-    result["finished"] = time.strftime("%Y-%m-%d %H:%M")
-    output.write_text(json.dumps(result, indent=1))
-    print(report(result))
-    print(f"record: {output}")
-    return 0
+    add_record_options(p, record)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -475,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.precisions) - set(PRECISIONS))
     if unknown:
         raise SystemExit(f"unknown precisions {unknown}; choose from {sorted(PRECISIONS)}")
-    output = args.output or REPO / "bench" / "results" / f"served-peers-{time.strftime('%Y%m%d-%H%M')}.json"
+    output = record_path(args.output, "served-peers")
     logs = output.with_suffix("")
     logs.mkdir(parents=True, exist_ok=True)
     ready = prepare(args.work, args.model_dir, args.precisions)
@@ -483,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Workload(requests=args.requests, dataset=args.dataset, tokenizer=tokenizer)
     result: Cell = {
         "started": time.strftime("%Y-%m-%d %H:%M"),
-        "command": " ".join(["python -m bench.served_peers", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["textgen-bench served-peers", *(argv if argv is not None else sys.argv[1:])]),
         "workload": asdict(work),
         "precisions": args.precisions,
         "clients": args.clients,

@@ -1,4 +1,5 @@
-"""C-llama: a Llama of a real small model's size, made locally for the served benchmark (bench.served_peers).
+"""C-llama: a Llama of a real small model's size, made locally for the served benchmarks
+(served-peers, served-memory, lora).
 
 Qwen2.5-0.5B's transformer shape as a Llama: hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
 vocab 8192, untied head; 373M parameters, 1.49 GB in fp32. Its weights are far larger than a CPU's
@@ -7,8 +8,8 @@ Random weights (seed 1234), saved as transformers writes them, with a SentencePi
 the Python standard library's sources: llama.cpp's GGUF converter and `textgen-export hf` both need one; the
 benchmark itself sends token ids.
 
-    python -m bench.c_llama OUT_DIR
-    python -m bench.c_llama DRAFT_DIR --draft-of OUT_DIR --draft-layers 2   # its first 2 layers, a draft
+    textgen-bench c-llama OUT_DIR
+    textgen-bench c-llama DRAFT_DIR --draft-of OUT_DIR --draft-layers 2   # its first 2 layers, a draft
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def make_draft(source: Path, out: Path, layers: int) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
         make_draft(args.draft_of, args.out, args.draft_layers)
     else:
         make_c_llama(args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

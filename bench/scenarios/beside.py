@@ -1,6 +1,6 @@
 """Prefill between decode steps against beside them, on the engine alone (no server), alternated by round.
 
-    .venv/bin/python -m bench.beside_bench --bundle models/bench/bench-a-fp32 --threads 2 --steps 120
+    .venv/bin/textgen-bench beside --bundle models/bench/bench-a-fp32 --threads 2 --steps 120
 
 `--rows` sequences decode; every `--every` steps the oldest leaves and a `--prompt`-token prompt arrives,
 which is prefilled either between two decode steps (`Engine.prefill`) or beside them (`Engine.begin_prefill`,

@@ -1,17 +1,17 @@
 """Memory and start-up, served against served: `textgen-serve` against llama.cpp's `llama-server` on the same
 weights (fp32 / int8 / int4 against GGUF f32 / q8_0 / q4_0) and the same KV capacity, each server alone.
 
-    python -m bench.served_memory --work DIR [--model-dir DIR] [--contexts 256,2048] [--rounds 1]
-    python -m bench.served_memory --bundle fp32=DIR --gguf f32=FILE --bin-dir DIR ...  # assets of your own
-    python -m bench.served_memory --report bench/results/served-memory-*.json  # the table of saved runs
+    textgen-bench served-memory --work DIR [--model-dir DIR] [--contexts 256,2048] [--rounds 1]
+    textgen-bench served-memory --bundle fp32=DIR --gguf f32=FILE --bin-dir DIR ...  # assets of your own
+    textgen-bench served-memory --report bench/results/served-memory-*.json  # the table of saved runs
 
-The assets are bench.served_peers' (prepared in WORK, each only when missing), unless `--bundle
+The assets are bench.scenarios.served_peers' (prepared in WORK, each only when missing), unless `--bundle
 PRECISION=DIR`, `--gguf QUANT=FILE` and `--bin-dir` (llama-server's folder) name them all.
 
-A cell: one server started alone with 16 rows of C positions each (bench.served_peers' Workload), C one of
+A cell: one server started alone with 16 rows of C positions each (served_peers.Workload), C one of
 `--contexts` (textgen: `--max-batch-size 16 --max-model-len C --prefix-cache-rows 0`; llama-server: `-np 16
 -c 16 x C`, its KV cache in its default f16), then `--requests` requests at once over HTTP
-(bench.served_peers' client, random 32-token prompts, `--new-tokens` each). It reports:
+(bench.scenarios.served_peers' client, random 32-token prompts, `--new-tokens` each). It reports:
 - ready: seconds from starting the process to GET /health answering 200 (asked every 50 ms; both servers
   answer 503 while they load). Noisy on a shared machine: the table shows the median over `--rounds`;
 - steady: VmRSS of every process of the server (textgen: the front end and the engine process it starts)
@@ -41,22 +41,19 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench import llama_cpp
-from bench.engine_bench import REPO
-from bench.peers_bench import PRECISIONS
 from bench.proc import tree_status_mib
-from bench.served_peers import (
+from bench.report import finish_record, machine, print_reports, record_path
+from bench.scenarios.peers import PRECISIONS
+from bench.scenarios.served_peers import (
     Prepared,
     Workload,
-    add_record_options,
-    finish_record,
-    http_answers,
+    add_server_options,
+    llama_command,
     load,
     prepare,
-    print_reports,
     textgen_command,
 )
-from bench.serving_bench import free_port, machine, server_process
+from bench.servers import ROOT, free_port, http_answers, server_process
 from serve.api.sizing import FIXED_BYTES, ITEMSIZE, WEIGHT_FACTORS, PodMemory, pod_memory, size_kv_cache
 from serve.bundle import read_manifest
 
@@ -153,8 +150,7 @@ def command_of(
         flags = ["--prefix-cache-rows", "0", *args.textgen_flag]
         return textgen_command(ready.bundles[precision], port, work, flags)
     gguf = ready.ggufs[PRECISIONS[precision].llamacpp]
-    command = llama_cpp.server_command(ready.bin_dir, gguf, port, work.slots, work.ctx_per_slot, work.threads)
-    return command + args.llama_flag
+    return llama_command(ready.bin_dir, gguf, port, work, args.llama_flag)
 
 
 def measure(ready: Prepared, args: argparse.Namespace, base: Workload, result: Cell, output: Path) -> None:
@@ -178,7 +174,7 @@ def measure(ready: Prepared, args: argparse.Namespace, base: Workload, result: C
 
 
 def assets(args: argparse.Namespace) -> Prepared:
-    """The bundles, GGUFs and llama-server named on the command line, else bench.served_peers' (prepared)."""
+    """The bundles, GGUFs and llama-server named on the command line, else the served-peers scenario's."""
     quants = [PRECISIONS[p].llamacpp for p in args.precisions]
     named = dict(args.bundle)
     if (
@@ -303,7 +299,7 @@ def named_path(text: str) -> tuple[str, Path]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     csv_ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    p.add_argument("--work", type=Path, default=REPO / "models" / "served-peers")
+    p.add_argument("--work", type=Path, default=ROOT / "models" / "served-peers")
     p.add_argument("--model-dir", type=Path, help="a Llama folder (default: C-llama, made in WORK)")
     p.add_argument(
         "--bundle", type=named_path, action="append", default=[], help="PRECISION=DIR (repeatable)"
@@ -317,7 +313,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=4, help="sent at once before memory is read")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1)
-    add_record_options(p, "served-memory")
+    add_server_options(p, "served-memory")
     return p
 
 
@@ -326,13 +322,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         print_reports(args.report, report)
         return 0
-    output = args.output or REPO / "bench" / "results" / f"served-memory-{time.strftime('%Y%m%d-%H%M')}.json"
+    output = record_path(args.output, "served-memory")
     output.with_suffix("").mkdir(parents=True, exist_ok=True)  # the servers' logs
     ready = assets(args)
     work = Workload(max_tokens=args.new_tokens)
     result: Cell = {
         "started": time.strftime("%Y-%m-%d %H:%M"),
-        "command": " ".join(["python -m bench.served_memory", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["textgen-bench served-memory", *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine(),
         "slots": work.slots,
         "contexts": args.contexts,

@@ -2,7 +2,7 @@
 
 Not a test: prints the best of several repeats for greedy decoding and for top-p sampling, on
 model-like (peaked) logits and on flat logits (the worst case for top-p, whose nucleus is then wide).
-Run: `.venv/bin/python -m bench.sampling_bench [--rows 16] [--vocab 8192] [--steps 200]`.
+Run: `.venv/bin/textgen-bench sampling [--rows 16] [--vocab 8192] [--steps 200]`.
 """
 
 from __future__ import annotations
@@ -61,13 +61,13 @@ def per_step_ms(
     return min(wall), min(cpu)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     print(
         f"SamplingBatch.sample, n={args.rows}, vocab={args.vocab}: "
@@ -82,7 +82,8 @@ def main() -> None:
         for name, top in REPORTED.items():
             wall, cpu = per_step_ms(SamplingParams(), logits, args.steps, args.repeats, top_logprobs=top)
             print(f"  {kind:6} {name:36} {wall:8.3f} {cpu:8.3f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -7,7 +7,7 @@ sampling picked), the tokens a speculating step emits, the share of steps that s
 n-gram match, or in backoff, is a plain decode step), and a speculating step's time over a plain step's. The
 speed-up is about (tokens per step) / (step cost) over the steps that speculate.
 
-    .venv/bin/python -m bench.speculation_bench --bundle models/demo/bundle --prompts 8 --new-tokens 128
+    .venv/bin/textgen-bench speculation --bundle models/demo/bundle --prompts 8 --new-tokens 128
 
 Datasets: `corpus`, windows of the Python standard library's sources (code repeats its own names), and
 `synthetic`, uniform random token ids (nothing to look up). The tokens of both engines are compared: a
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.loadgen import corpus_window, cut_to_tokens, stdlib_texts, synthetic_ids
+from bench.rounds import in_turn
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
 from serve.engine.sampling import SamplingParams
@@ -133,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         decode(spec, prompts[0], 8, Tally())
         tallies = Tally(), Tally()
         for i, prompt in enumerate(prompts):
-            order = (0, 1) if i % 2 == 0 else (1, 0)
-            for which in order:
+            for which in in_turn((0, 1), i):
                 decode((plain, spec)[which], prompt, args.new_tokens, tallies[which])
         report(dataset, *tallies)
     return 0

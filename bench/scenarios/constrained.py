@@ -14,8 +14,8 @@ fill took on the masks' thread, per row-token (it runs beside ONNX Runtime's ste
 the engine thread then still waited for it, per step (the part of the fill the step's run did not hide);
 `consume` is advancing the matchers by the sampled tokens, per row-token.
 
-    python -m bench.constrained_bench                    # the demo model and bench-a, under $TEXTGEN_HOME
-    python -m bench.constrained_bench --bundle models/bench/bench-a-fp32 --rounds 5 --threads 2
+    textgen-bench constrained                    # the demo model and bench-a, under $TEXTGEN_HOME
+    textgen-bench constrained --bundle models/bench/bench-a-fp32 --rounds 5 --threads 2
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.rounds import in_turn, median_ratio
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
 from serve.engine.types import Constraint, EngineSettings, SessionConfig
@@ -78,7 +79,7 @@ def bench(
     seconds: dict[bool, list[float]] = {False: [], True: []}
     cpu: dict[bool, list[float]] = {False: [], True: []}
     for round_ in range(rounds):
-        for constrained in (bool(round_ % 2), not round_ % 2):
+        for constrained in in_turn((False, True), round_):
             wall, used = _run(engine, batch, new_tokens, constrained)
             seconds[constrained].append(wall)
             cpu[constrained].append(used)
@@ -97,11 +98,11 @@ def bench(
         "rounds": rounds,
         "plain_tok_s": statistics.median(plain),
         "constrained_tok_s": statistics.median(masked),
-        "ratio": statistics.median(m / p for m, p in zip(masked, plain, strict=True)),
+        "ratio": median_ratio(masked, plain),
         "ratios": [round(m / p, 3) for m, p in zip(masked, plain, strict=True)],
         # CPU seconds per token, unconstrained / constrained: what the masks cost in work, whatever else
         # the machine runs (on 2 cores the fill takes CPU the step's run would have used anyway)
-        "cpu_ratio": statistics.median(p / m for p, m in zip(cpu[False], cpu[True], strict=True)),
+        "cpu_ratio": median_ratio(cpu[False], cpu[True]),
         "fill_us_per_row_token": 1e6 * delta["fill_seconds"] / max(delta["rows"], 1),
         "exposed_us_per_step": 1e6 * delta["wait_seconds"] / max(delta["fills"], 1),
         "consume_us_per_row_token": 1e6 * delta["consume_seconds"] / max(delta["rows"], 1),

@@ -10,7 +10,7 @@ for the graph as exported, and for the MatMulNBits formats export.quantize pads 
 pad (ONNX Runtime's one-row kernel on its own, the reason for the pad; which blocks it differs at depends
 on the CPU).
 
-    python -m bench.batch_invariance --bundle models/demo/bundle
+    textgen-bench batch-invariance --bundle models/demo/bundle
 """
 
 from __future__ import annotations
@@ -83,11 +83,11 @@ def measure(engine: Engine, prompts: list[list[int]]) -> tuple[float, int]:
     return worst, differing
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", type=Path, required=True, help="a float32 bundle")
     p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     bundle = load_bundle(args.bundle)
     assert bundle.inplace_graph is not None, "the bundle has no serving graph"
     arch = bundle.manifest.architecture
@@ -109,7 +109,8 @@ def main() -> None:
         padded = bits is not None and block is not None and pads_rows(bits, block)
         raw = measure_format(bundle, fp32, settings, prompts, fmt, pad_rows=False) if padded else "-"
         print(f"| {fmt[0]} | {block or '-'} | {exported} | {raw} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """HF transformers + PyTorch `generate`, offline: the baseline most users would try first.
 
-Runs in the benchmark's own venv (bench/.venv-hf, made by bench/serving_bench.py), never in the project's: it
+Runs in the benchmark's own venv (bench/.venv-hf, made by the serving scenario), never in the project's: it
 imports only torch and transformers. The model is a GPT2LMHeadModel with random weights (seeded) in the shape
 given on the command line; speed does not depend on the weights. Greedy, KV cache on, exactly `--new-tokens`
 per row (EOS cannot stop it: min_new_tokens), one untimed warm-up per batch size, median of `--repeats`.

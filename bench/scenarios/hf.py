@@ -1,6 +1,6 @@
 """A Qwen2.5-0.5B-shaped model from Hugging Face folder to served tokens: export time and memory, serving.
 
-    python -m bench.hf_bench --workdir /tmp/hf-bench [--concurrency 1,16] [--requests 32] [--output F.json]
+    textgen-bench hf --workdir /tmp/hf-bench [--concurrency 1,16] [--requests 32] [--output F.json]
 
 Nothing is downloaded: the model is Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads,
 intermediate 4864, vocabulary 151,936, tied embeddings, 32k context, rope theta 1e6) with random weights
@@ -21,8 +21,6 @@ import argparse
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.proc import tree_rss_mib
+from bench.servers import ROOT, free_port, server_process, textgen_command
 
-ROOT = Path(__file__).resolve().parent.parent
 QWEN25_05B = {
     "vocab_size": 151936,
     "hidden_size": 896,
@@ -112,49 +110,33 @@ def timed(command: list[str], log: Path) -> dict[str, float]:
     return {"seconds": float(seconds), "peak_rss_mib": int(kib) / 1024}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_serving(port: int, process: subprocess.Popen[bytes], timeout: float = 600) -> dict[str, Any]:
+def model_info(port: int) -> dict[str, Any]:
     import grpc
 
     from serve._proto.textgen.v1 import textgen_pb2 as pb
     from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 
-    deadline = time.monotonic() + timeout
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = pb_grpc.TextGenerationStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise SystemExit(f"the server exited ({process.returncode})")
-            try:
-                info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
-            except grpc.RpcError:
-                time.sleep(1)
-                continue
-            return {
-                "max_model_len": info.max_model_len,
-                "max_batch_size": info.max_batch_size,
-                "kv_cache_mib": info.kv_cache_bytes / 2**20,
-                "eos_token_ids": list(info.eos_token_ids),
-            }
-    raise SystemExit("the server did not start serving in time")
+        info = pb_grpc.TextGenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+    return {
+        "max_model_len": info.max_model_len,
+        "max_batch_size": info.max_batch_size,
+        "kv_cache_mib": info.kv_cache_bytes / 2**20,
+        "eos_token_ids": list(info.eos_token_ids),
+    }
 
 
 def serve_and_load(bundle: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     port, metrics = free_port(), free_port()
-    command = [sys.executable, "-m", "serve", "--bundle", str(bundle), "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics)]
-    command += args.serve_args.split()
-    log = (work / "serve.log").open("w")
+    command = textgen_command(
+        bundle,
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--metrics-host", "127.0.0.1", "--metrics-port", str(metrics)),
+        *args.serve_args.split(),
+    )
     started = time.perf_counter()
-    server = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        info = wait_serving(port, server)
-        result: dict[str, Any] = {"start_seconds": time.perf_counter() - started, "info": info}
+    with server_process(command, work / "serve.log", f"127.0.0.1:{port}", timeout=600) as server:
+        result: dict[str, Any] = {"start_seconds": time.perf_counter() - started, "info": model_info(port)}
         result["rss_idle_mib"] = tree_rss_mib(server.pid)
         runs = {}
         for concurrency in (int(c) for c in args.concurrency.split(",")):
@@ -178,19 +160,12 @@ def serve_and_load(bundle: Path, work: Path, args: argparse.Namespace) -> dict[s
         result["load"] = runs
         result["rss_after_load_mib"] = tree_rss_mib(server.pid)
         return result
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
 
 
 def sampling_costs() -> dict[str, dict[str, float]]:
     import numpy as np
 
-    from bench.sampling_bench import logits_like, per_step_ms
+    from bench.scenarios.sampling import logits_like, per_step_ms
     from serve.engine.sampling import SamplingParams
 
     cases = {
@@ -232,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     folder, bundle = work / "model", work / "bundle"
     figures: dict[str, Any] = {"load_average_before": os.getloadavg()}
     if not args.skip_make:
-        make_command = [sys.executable, "-m", "bench.hf_bench", "make", str(folder)]
+        make_command = [sys.executable, "-m", "bench.scenarios.hf", "make", str(folder)]
         figures["make"] = timed(make_command, work / "make.log")
         print(f"make: {figures['make']}")
     if not args.skip_export:
