@@ -24,7 +24,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from export.model import Decoder, rotary_tables, sinusoidal_table
-from serve.bundle import (
+from serve.lora_layout import (
     LORA_POSITIONS_INPUT,
     LORA_ROUTING_INPUTS,
     LORA_ROWS_INPUT,

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from serve.bundle import LoraLayout
 from serve.engine.constraints import ConstraintCompiler, ConstraintRows, MaskStats, MaskWorker
 from serve.engine.kv_cache import KvCache
 from serve.engine.kv_dtype import fp16_cache_graph, needs_rewrite
@@ -55,6 +54,7 @@ from serve.engine.types import (
 )
 from serve.engine.verify_graph import verification_graph
 from serve.errors import BundleError
+from serve.lora_layout import LoraLayout
 from serve.process import trim_heap
 
 if TYPE_CHECKING:

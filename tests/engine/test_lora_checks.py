@@ -19,11 +19,12 @@ from lora_adapters import MAX_RANK, copied, expected, save_adapter
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from serve.bundle import LoraLayout, load_bundle
+from serve.bundle import load_bundle
 from serve.engine.engine import Engine
 from serve.engine.lora import WEIGHTS_FILE, AdapterError, model_names, read_adapter, reading
 from serve.engine.sampling import SamplingParams
 from serve.engine.types import EngineSettings, NewSequence
+from serve.lora_layout import LoraLayout
 
 HEADER_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16"}
 

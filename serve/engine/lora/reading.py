@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from serve.bundle import LoraBranch, LoraLayout, Manifest
+from serve.bundle import Manifest
+from serve.lora_layout import LoraBranch, LoraLayout
 
 CONFIG_FILE = "adapter_config.json"
 

@@ -1,17 +1,18 @@
 """Routing a run's tokens to their LoRA slots: which tokens of a run take which slot, given per run as the
-serving graph's routing inputs (serve/bundle.py: LORA_ROWS_INPUT, LORA_POSITIONS_INPUT, LORA_TOKENS_INPUT).
+serving graph's routing inputs (serve/lora_layout.py: LORA_ROWS_INPUT, LORA_POSITIONS_INPUT,
+LORA_TOKENS_INPUT).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from serve.bundle import LORA_POSITIONS_INPUT, LORA_ROWS_INPUT, LORA_TOKENS_INPUT
+from serve.lora_layout import LORA_POSITIONS_INPUT, LORA_ROWS_INPUT, LORA_TOKENS_INPUT
 
 
 def token_slots(row_slots: np.ndarray, tokens: int, span: tuple[int, int]) -> dict[str, np.ndarray]:
-    """The graph's inputs that route a run's tokens to their slots (serve/bundle.py, LORA_ROWS_INPUT and the
-    rest), for rows whose slots are `row_slots` (0: none; the others within `span`, the slots the run is
+    """The graph's inputs that route a run's tokens to their slots (serve/lora_layout.py, LORA_ROWS_INPUT and
+    the rest), for rows whose slots are `row_slots` (0: none; the others within `span`, the slots the run is
     given, first to last), `tokens` positions each: the tokens of each slot of the span in a row of their
     own (in token order, padded with token (0, 0) to the longest), and each token with an adapter, where it
     is there. A token is its (row, position)."""

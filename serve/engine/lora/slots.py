@@ -1,7 +1,7 @@
 """The bundle's LoRA slots: every slot's adapter weights, in the arrays the serving graph reads them from.
 
 A bundle exported with `--lora-slots N --max-lora-rank R` (export/lora.py) has, per targeted projection,
-weight inputs (its a, and a b per part) that hold every slot's adapter side by side (serve/bundle.py's
+weight inputs (its a, and a b per part) that hold every slot's adapter side by side (serve/lora_layout.py's
 LoraBranch has the layout). `LoraSlots` owns those arrays: the engine binds them once (ONNX Runtime reads them
 in place), and writing an adapter into a slot between two steps is a copy into its columns; no session is
 rebuilt and no other slot changes.
@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from serve.bundle import LoraLayout
 from serve.engine.lora.reading import Adapter
 from serve.errors import BundleError
+from serve.lora_layout import LoraLayout
 
 
 def check_graph_inputs(
