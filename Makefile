@@ -22,9 +22,9 @@ serve: $(STAMP)
 	$(BIN)/textgen-export demo --out $(BUNDLE)
 	$(BIN)/textgen-serve --bundle $(BUNDLE)
 
-## What CI runs: system packages the tests need, lint and types (ruff, mypy over serve/ and export/), the fast
-## test suite. The shared demo checkpoint is built before pytest (first run only, with a progress bar), so no
-## single test's timeout absorbs it.
+## What CI runs: system packages the tests need, lint and types (ruff, mypy over serve/, export/ and bench/),
+## the fast test suite. The shared demo checkpoint is built before pytest (first run only, with a progress
+## bar), so no single test's timeout absorbs it.
 test: $(STAMP)
 	if [ -f .ci/system-deps.sh ]; then bash .ci/system-deps.sh; fi
 	$(BIN)/ruff check .

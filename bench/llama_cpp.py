@@ -20,6 +20,8 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.proc import run_logged
+
 SDIST = "llama-cpp-python==0.3.36"
 TARGETS = ("llama-server", "llama-batched-bench", "llama-quantize")
 QUANTS = ("q8_0", "q4_0")  # llama-quantize's names; f32 is the converter's output
@@ -37,11 +39,6 @@ CMAKE_FLAGS = (
     "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
     "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
 )
-
-
-def run_logged(command: list[str], env: dict[str, str] | None = None) -> None:
-    print(f"$ {shlex.join(command)}", flush=True)
-    subprocess.run(command, check=True, env=None if env is None else {**os.environ, **env})
 
 
 def source(work: Path) -> Path:

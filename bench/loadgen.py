@@ -51,6 +51,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from bench.cpus import pinned
+from bench.report import write_json
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.process import check_cpus, parse_cpu_list
@@ -975,11 +976,6 @@ def model_names(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(","))
 
 
-def write_json(output: BenchmarkOutput, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(output.to_json(), indent=1) + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -1002,7 +998,7 @@ def main(argv: list[str] | None = None) -> int:
     if output.steps is not None:
         print(format_steps(output.steps))
     if args.output is not None:
-        write_json(output, args.output)
+        write_json(args.output, output.to_json())
         print(f"records written to {args.output}")
     # Failed requests are a result (an overload test expects some); nothing served or a mismatch is not.
     broken = output.summary["successful_requests"] == 0 or not all(c.ok for c in output.checks)

@@ -1,5 +1,5 @@
 """What the benchmarks read of processes from /proc (Linux): CPU time, memory, children, and the CPU other
-processes took meanwhile.
+processes took meanwhile; and the commands they run to prepare a measurement, printed as they run.
 
 Peak memory is VmHWM, the resident high-water mark of a process's own address space. `ru_maxrss` is not: the
 kernel keeps it across `exec`, so a child started by a large benchmark process reports its parent's peak
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import resource
+import shlex
+import subprocess
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -115,3 +117,10 @@ class CpuMeter:
         self.cpu = {p: cpu_seconds(p) - before for p, before in zip(self.pids, cpus, strict=True)}
         others = machine_busy_seconds() - busy - sum(self.cpu.values())
         self.other_load = max(0.0, others / (self.wall * (os.cpu_count() or 1)))
+
+
+def run_logged(command: list[str], env: dict[str, str] | None = None) -> None:
+    """Run `command` to its end (an error if it fails), printed first as it would be typed; `env`: variables
+    set for it on top of ours."""
+    print(f"$ {shlex.join(command)}", flush=True)
+    subprocess.run(command, check=True, env=None if env is None else {**os.environ, **env})

@@ -47,10 +47,18 @@ def machine() -> dict[str, str]:
     }
 
 
+def table_head(header: Sequence[str]) -> list[str]:
+    """A Markdown table's header and rule; its rows follow (table_row), printed as they are measured."""
+    return [table_row(header), "|" + "---|" * len(header)]
+
+
+def table_row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     """A Markdown table's lines."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+    return [*table_head(header), *map(table_row, rows)]
 
 
 def section_markers(name: str) -> tuple[str, str]:
@@ -76,6 +84,12 @@ def write_section(doc: Path, name: str, text: str) -> None:
     doc.write_text(new)
 
 
+def write_json(path: Path, data: object) -> None:
+    """A record as JSON (its folder made where missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
 def add_record_options(p: argparse.ArgumentParser, record: str) -> None:
     """A scenario's JSON record (`--output`) and the tables of saved ones (`--report`)."""
     p.add_argument("--output", type=Path, help=f"the JSON record (default bench/results/{record}-TIME.json)")
@@ -95,8 +109,7 @@ def print_reports(paths: list[Path], report: Callable[[Record], str]) -> None:
 def finish_record(result: Record, output: Path, report: Callable[[Record], str]) -> int:
     """Write the record with its end time, print its tables; the exit status."""
     result["finished"] = time.strftime("%Y-%m-%d %H:%M")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=1))
+    write_json(output, result)
     print(report(result))
     print(f"record: {output}")
     return 0

@@ -10,7 +10,11 @@ Families (`SUPPORTED_ARCHITECTURES`):
   attention; Llama's attention_bias / mlp_bias, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm and own
   head_dim, Mistral's sliding window;
 - GPT-2: learned positions, LayerNorm with bias, tanh-approximated GELU, Conv1D weights ([in, out], so
-  transposed here).
+  transposed here);
+- mixtures of experts (export/moe.py), Llama-like attention with sparse SwiGLU feed-forward layers:
+  Qwen3-MoE (Qwen3's attention; norm_topk_prob; dense layers by mlp_only_layers and decoder_sparse_step),
+  OLMoE (q/k RMSNorm over the whole projection, not per head; norm_topk_prob), Mixtral (Mistral's
+  attention; top-k weights renormalized).
 config.json may be in transformers 4 form (rope_theta and rope_scaling at the top level, torch_dtype) or 5
 (rope_parameters with rope_theta inside, dtype). RoPE types whose tables depend on the sequence length
 (dynamic, yarn, longrope, ...) are refused by name: the graphs precompute one cos/sin table.
@@ -35,9 +39,24 @@ from tokenizers import Tokenizer
 
 from export.lora import PROJECTIONS, projection_features
 from export.model import Decoder, DecoderConfig
+from export.moe import ExpertsConfig, Routing
 
-LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "OlmoeForCausalLM", "MixtralForCausalLM")
+LLAMA_LIKE = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    *MOE_ARCHITECTURES,
+)
 SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, "GPT2LMHeadModel")
+# Families whose attention is that of another one here.
+ATTENTION_OF = {
+    "Qwen3MoeForCausalLM": "Qwen3ForCausalLM",
+    "MixtralForCausalLM": "MistralForCausalLM",
+    "OlmoeForCausalLM": "LlamaForCausalLM",
+}
+QK_NORM = ("Qwen3ForCausalLM", "OlmoeForCausalLM")  # of the attention families (OLMoE: whole projections)
 ROPE_TYPES = ("default", "linear", "llama3")
 # Scalings whose cos/sin depend on the current sequence length (or switch tables past a length).
 LENGTH_DEPENDENT_ROPE = ("dynamic", "yarn", "longrope", "su", "ntk")
@@ -230,8 +249,10 @@ def _rope_fields(f: _Fields, context_length: int) -> dict[str, Any]:
 
 
 def _sliding_window(f: _Fields, architecture: str, n_layers: int) -> int:
-    """Mistral: every layer attends within sliding_window (null: no window). Qwen2/3: only when
-    use_sliding_window, and then only if every layer slides (mixed layer types are refused)."""
+    """Mistral (and Mixtral): every layer attends within sliding_window (null: no window). Qwen2/3 (and
+    Qwen3-MoE): only when use_sliding_window, and then only if every layer slides (mixed layer types are
+    refused)."""
+    architecture = ATTENTION_OF.get(architecture, architecture)
     if architecture == "MistralForCausalLM":
         return f.integer("sliding_window") if f.has("sliding_window") else 0
     if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not f.flag(
@@ -260,14 +281,17 @@ def _llama_like_config(f: _Fields, architecture: str) -> DecoderConfig:
     act = f.config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise f.refuse(f"hidden_act {act!r} is not supported for {architecture} (silu only: SwiGLU)")
+    if f.has("clip_qkv"):
+        raise f.refuse(f"clip_qkv {f.config['clip_qkv']!r} is not supported (q, k and v unclipped only)")
+    family = ATTENTION_OF.get(architecture, architecture)
     d_model, n_heads = f.integer("hidden_size"), f.integer("num_attention_heads")
     n_layers, context = f.integer("num_hidden_layers"), f.integer("max_position_embeddings")
     head_dim = f.integer("head_dim") if f.has("head_dim") else d_model // n_heads
-    if architecture == "Qwen2ForCausalLM":  # q/k/v with biases, o_proj without, always
+    if family == "Qwen2ForCausalLM":  # q/k/v with biases, o_proj without, always
         qkv_bias, out_bias, mlp_bias = True, False, False
-    elif architecture == "MistralForCausalLM":
+    elif family == "MistralForCausalLM":
         qkv_bias = out_bias = mlp_bias = False
-    else:  # Llama, Qwen3
+    else:  # Llama, Qwen3, OLMoE, Qwen3-MoE
         qkv_bias = out_bias = f.flag("attention_bias", False)
         mlp_bias = architecture == "LlamaForCausalLM" and f.flag("mlp_bias", False)
     return DecoderConfig(
@@ -287,9 +311,36 @@ def _llama_like_config(f: _Fields, architecture: str) -> DecoderConfig:
         qkv_bias=qkv_bias,
         out_bias=out_bias,
         mlp_bias=mlp_bias,
-        qk_norm=architecture == "Qwen3ForCausalLM",
+        qk_norm=architecture in QK_NORM or family in QK_NORM,
+        qk_norm_whole=architecture == "OlmoeForCausalLM",
         sliding_window=_sliding_window(f, architecture, n_layers),
+        experts=_experts_config(f, architecture, n_layers) if architecture in MOE_ARCHITECTURES else None,
         **_rope_fields(f, context),
+    )
+
+
+def _experts_config(f: _Fields, architecture: str, n_layers: int) -> ExpertsConfig:
+    """The experts of a MoE family: how many (num_experts, or num_local_experts as Mixtral and transformers 5
+    write it), top-k, each one's width, how the top-k weights are normalized, and which layers stay dense."""
+    n_experts = f.integer("num_experts") if f.has("num_experts") else f.integer("num_local_experts")
+    routing: Routing = "softmax_topk"
+    if architecture == "MixtralForCausalLM" or f.flag("norm_topk_prob", False):
+        routing = "softmax_topk_norm"
+    dense: set[int] = set()
+    width = "intermediate_size"
+    if architecture == "Qwen3MoeForCausalLM":  # as Qwen3MoeDecoderLayer chooses its MLP
+        width = "moe_intermediate_size"
+        only = f.config.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+            raise f.refuse(f"'mlp_only_layers' must be a list of layer indices, found {only!r}")
+        step = f.integer("decoder_sparse_step", 1)
+        dense = {i for i in range(n_layers) if i in only or (i + 1) % step}
+    return ExpertsConfig(
+        n_experts=n_experts,
+        top_k=f.integer("num_experts_per_tok"),
+        d_ff=f.integer(width),
+        routing=routing,
+        dense_layers=tuple(sorted(dense)),
     )
 
 
@@ -372,9 +423,14 @@ def _llama_like_sources(cfg: DecoderConfig, architecture: str) -> dict[str, _Sou
             f"{ours}.attn.qkv.weight": _concat(*(f"{attn}.{p}_proj.weight" for p in "qkv")),
             f"{ours}.attn.out.weight": _one(f"{attn}.o_proj.weight"),
             f"{ours}.ln_ffn.weight": _one(f"{hf}.post_attention_layernorm.weight"),
-            f"{ours}.ffn.up.weight": _concat(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"),
-            f"{ours}.ffn.down.weight": _one(f"{mlp}.down_proj.weight"),
         }
+        if cfg.sparse(i):
+            sources |= _experts_sources(cfg, architecture, hf, f"{ours}.ffn")
+        else:
+            sources |= {
+                f"{ours}.ffn.up.weight": _concat(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"),
+                f"{ours}.ffn.down.weight": _one(f"{mlp}.down_proj.weight"),
+            }
         if cfg.qkv_bias:
             sources[f"{ours}.attn.qkv.bias"] = _concat(*(f"{attn}.{p}_proj.bias" for p in "qkv"))
         if cfg.out_bias:
@@ -386,6 +442,27 @@ def _llama_like_sources(cfg: DecoderConfig, architecture: str) -> dict[str, _Sou
             sources[f"{ours}.attn.q_norm.weight"] = _one(f"{attn}.q_norm.weight")
             sources[f"{ours}.attn.k_norm.weight"] = _one(f"{attn}.k_norm.weight")
     return sources
+
+
+def _experts_sources(cfg: DecoderConfig, architecture: str, hf: str, ours: str) -> dict[str, _Source]:
+    """One sparse layer's router and experts: the checkpoint's per-expert [F, D] gate and up stacked as our
+    [E, 2F, D] up ([gate; up] per expert), its [D, F] downs as our [E, D, F] down."""
+    assert cfg.experts is not None
+    n = cfg.experts.n_experts
+    if architecture == "MixtralForCausalLM":
+        moe = f"{hf}.block_sparse_moe"
+        gate, up, down = (f"{moe}.experts.{{}}.{w}.weight" for w in ("w1", "w3", "w2"))
+    else:  # Qwen3-MoE, OLMoE
+        moe = f"{hf}.mlp"
+        gate, up, down = (f"{moe}.experts.{{}}.{w}_proj.weight" for w in ("gate", "up", "down"))
+    pairs = tuple(name for e in range(n) for name in (gate.format(e), up.format(e)))
+    return {
+        f"{ours}.router.weight": _one(f"{moe}.gate.weight"),
+        f"{ours}.up": _Source(
+            pairs, lambda ts: torch.stack([torch.cat(ts[j : j + 2]) for j in range(0, len(ts), 2)])
+        ),
+        f"{ours}.down": _Source(tuple(down.format(e) for e in range(n)), torch.stack),
+    }
 
 
 def _gpt2_sources(cfg: DecoderConfig, prefix: str) -> dict[str, _Source]:
@@ -424,9 +501,11 @@ def checkpoint_modules(cfg: DecoderConfig, architecture: str) -> dict[str, list[
         sources = _gpt2_sources(cfg, "transformer.")
     else:
         sources = _llama_like_sources(cfg, architecture)
-    modules = {}
+    modules: dict[str, list[tuple[str, int]]] = {}
     for i in range(cfg.n_layers):
         for projection in PROJECTIONS:
+            if cfg.sparse(i) and projection.startswith("ffn."):  # the experts take no LoRA branch
+                continue
             names = [n.removesuffix(".weight") for n in sources[f"blocks.{i}.{projection}.weight"].names]
             total = projection_features(cfg, projection)
             sizes = {3: [cfg.q_dim, cfg.kv_dim, cfg.kv_dim], 2: [total // 2] * 2}.get(len(names), [total])

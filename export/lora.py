@@ -57,6 +57,7 @@ def own_modules(cfg: DecoderConfig) -> dict[str, list[tuple[str, int]]]:
         f"blocks.{i}.{p}": [(f"blocks.{i}.{p}", projection_features(cfg, p))]
         for i in range(cfg.n_layers)
         for p in PROJECTIONS
+        if not (cfg.sparse(i) and p.startswith("ffn."))  # the experts take no LoRA branch
     }
 
 

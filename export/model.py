@@ -8,7 +8,8 @@ The defaults are the GPT-style decoder this project trains (LayerNorm, GELU MLP,
 everywhere). The other options are the blocks of the Hugging Face families export/hf_import.py reads: RMSNorm,
 SwiGLU, tanh-approximated GELU, grouped-query attention (fewer key/value heads, each shared by a group of
 query heads; the cache holds the key/value heads only), an explicit head dim, per-head RMSNorm of q and k,
-scaled RoPE (linear, llama3) and a sliding window.
+scaled RoPE (linear, llama3), a sliding window, and sparse mixture-of-experts feed-forward layers
+(export/moe.py).
 
 Shapes in comments: B batch, S new tokens, P past tokens, T = P + S, H heads, Hkv key/value heads, Dh head
 dim, D d_model, F d_ff, V vocab.
@@ -23,6 +24,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from export.moe import Experts, ExpertsConfig
 
 Positions = Literal["learned", "sinusoidal", "rotary"]
 Activation = Literal["gelu", "relu", "gelu_tanh", "swiglu"]
@@ -58,12 +61,14 @@ class DecoderConfig:
     out_bias: bool = True
     mlp_bias: bool = True
     qk_norm: bool = False  # a norm over each head of q and of k, before RoPE (Qwen3)
+    qk_norm_whole: bool = False  # with qk_norm: over the whole q and k projections instead (OLMoE)
     sliding_window: int = 0  # W > 0: a query sees the last W keys, itself included (Mistral); 0: all
     rope_scaling: RopeScaling = "none"  # of the rotary frequencies; see rope_frequencies
     rope_factor: float = 1.0  # linear, llama3
     rope_low_freq_factor: float = 1.0  # llama3
     rope_high_freq_factor: float = 4.0  # llama3
     rope_original_context: int = 0  # llama3: the context the model was pretrained with; 0: context_length
+    experts: ExpertsConfig | None = None  # sparse feed-forward layers (export/moe.py); None: dense
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
@@ -117,6 +122,10 @@ class DecoderConfig:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    def sparse(self, layer: int) -> bool:
+        """Whether the layer's feed-forward is the experts (export/moe.py)."""
+        return self.experts is not None and self.experts.sparse(layer)
+
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
@@ -126,6 +135,9 @@ class DecoderConfig:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown decoder config keys: {sorted(unknown)}")
+        experts = data.get("experts")
+        if isinstance(experts, dict):
+            data = {**data, "experts": ExpertsConfig.from_dict(experts)}
         return cls(**data)  # type: ignore[arg-type]
 
 
@@ -219,8 +231,10 @@ class Attention(nn.Module):
         # One projection for q, k and v: rows [0, H*Dh) are q, then Hkv*Dh of k, then Hkv*Dh of v.
         self.qkv = nn.Linear(cfg.d_model, self.q_dim + 2 * self.kv_dim, bias=cfg.qkv_bias)
         self.out = nn.Linear(self.q_dim, cfg.d_model, bias=cfg.out_bias)
-        self.q_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
-        self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.qk_norm_whole = cfg.qk_norm_whole
+        q_norm_dim, k_norm_dim = (cfg.q_dim, cfg.kv_dim) if cfg.qk_norm_whole else (cfg.head_dim,) * 2
+        self.q_norm = make_norm(cfg, q_norm_dim) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, k_norm_dim) if cfg.qk_norm else None
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
         # Inspection only: when set, the weights are computed explicitly and kept in `recorded`.
@@ -234,9 +248,12 @@ class Attention(nn.Module):
         self, x: Tensor, bias: Tensor, past: KV, rotary: tuple[Tensor, Tensor] | None
     ) -> tuple[Tensor, KV]:
         q, k, v = self.qkv(x).split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
+        whole = self.q_norm is not None and self.k_norm is not None and self.qk_norm_whole
+        if whole and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over all heads together
         q = self.split_heads(q, self.n_heads)  # [B,H,S,Dh]
         k, v = self.split_heads(k, self.kv_heads), self.split_heads(v, self.kv_heads)  # [B,Hkv,S,Dh]
-        if self.q_norm is not None and self.k_norm is not None:
+        if not whole and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # over Dh, each head on its own
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
@@ -285,14 +302,19 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)); the ffn is the experts in a sparse
+    layer."""
 
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
         super().__init__()
         self.ln_attn = make_norm(cfg, cfg.d_model)
         self.attn = Attention(cfg)
         self.ln_ffn = make_norm(cfg, cfg.d_model)
-        self.ffn = FeedForward(cfg)
+        self.ffn: FeedForward | Experts = (
+            Experts(cfg.d_model, cfg.experts)
+            if cfg.experts is not None and cfg.sparse(layer)
+            else FeedForward(cfg)
+        )
 
     def forward(
         self, x: Tensor, bias: Tensor, past: KV, rotary: tuple[Tensor, Tensor] | None
@@ -311,7 +333,7 @@ class Decoder(nn.Module):
             self.pos_emb = nn.Embedding(cfg.context_length, cfg.d_model)
         self.make_tables()
         self.emb_dropout = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.ln_f = make_norm(cfg, cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -396,3 +418,10 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def count_active_parameters(model: Decoder) -> int:
+    """The weights one token reads: all but the experts it is not routed to (count_parameters when dense)."""
+    experts = [b.ffn for b in model.block_list() if isinstance(b.ffn, Experts)]
+    total = sum(p.numel() for e in experts for p in e.parameters())
+    return count_parameters(model) - total + sum(e.active_parameters() for e in experts)

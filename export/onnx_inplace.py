@@ -24,6 +24,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from export.model import Decoder, rotary_tables, sinusoidal_table
+from export.moe import Experts, experts_graph
 from serve.lora_layout import (
     LORA_POSITIONS_INPUT,
     LORA_ROUTING_INPUTS,
@@ -129,6 +130,19 @@ class _GraphBuilder:
         (d,) = self.node("GatherND", [d, LORA_POSITIONS_INPUT], f"{name}/own")  # [m,out]
         return self.node("ScatterND", [y, LORA_TOKENS_INPUT, d], f"{name}/add", reduction="add")[0]
 
+    def swiglu(self, h: str, d_ff: int, name: str) -> str:
+        """silu(gate) * up of h [..., 2F] = [gate; up]."""
+        gate, up = self.node(
+            "Split",
+            [h, self.const_i64(f"{name}.gate_up_sizes", [d_ff, d_ff])],
+            f"{name}.gate_up",
+            outputs=[f"{name}.gate", f"{name}.up_half"],
+            axis=-1,
+        )
+        (sig,) = self.node("Sigmoid", [gate], f"{name}.sigmoid")
+        (silu,) = self.node("Mul", [gate, sig], f"{name}.silu")
+        return self.node("Mul", [silu, up], f"{name}.act")[0]
+
     def norm(self, x: str, module: torch.nn.Module, name: str) -> str:
         """LayerNormalization, or RMSNorm as x / sqrt(mean(x^2) + eps) * weight over the last axis: the
         primitive ops ONNX Runtime's SimplifiedLayerNormFusion turns into one kernel."""
@@ -208,8 +222,12 @@ def build_inplace_graph(model: Decoder, lora: LoraLayout | None = None) -> onnx.
                 outputs=[f"{p}.attn.q", f"{p}.attn.k", f"{p}.attn.v"],
                 axis=-1,
             )
-            q = g.head_norm(q, attn.q_norm, cfg.n_heads, cfg.head_dim, f"{p}.attn.q_norm")
-            k = g.head_norm(k, attn.k_norm, cfg.kv_heads, cfg.head_dim, f"{p}.attn.k_norm")
+            if cfg.qk_norm_whole:
+                q = g.norm(q, attn.q_norm, f"{p}.attn.q_norm")
+                k = g.norm(k, attn.k_norm, f"{p}.attn.k_norm")
+            else:
+                q = g.head_norm(q, attn.q_norm, cfg.n_heads, cfg.head_dim, f"{p}.attn.q_norm")
+                k = g.head_norm(k, attn.k_norm, cfg.kv_heads, cfg.head_dim, f"{p}.attn.k_norm")
             qkv_inputs = [q, k, v]
         else:
             qkv_inputs = [qkv, "", ""]  # packed
@@ -238,9 +256,12 @@ def build_inplace_graph(model: Decoder, lora: LoraLayout | None = None) -> onnx.
         a = g.linear(y, attn.out.weight, attn.out.bias, f"{p}.attn.out")
         (x,) = g.node("Add", [x, a], f"{p}.attn_residual")
         h = g.norm(x, block.ln_ffn, f"{p}.ln_ffn")
-        h = g.linear(h, block.ffn.up.weight, block.ffn.up.bias, f"{p}.ffn.up")
-        h = _activation(g, h, cfg.activation, cfg.d_ff, f"{p}.ffn")
-        h = g.linear(h, block.ffn.down.weight, block.ffn.down.bias, f"{p}.ffn.down")
+        if isinstance(block.ffn, Experts):
+            h = experts_graph(g, h, block.ffn, cfg.d_model, f"{p}.ffn")
+        else:
+            h = g.linear(h, block.ffn.up.weight, block.ffn.up.bias, f"{p}.ffn.up")
+            h = _activation(g, h, cfg.activation, cfg.d_ff, f"{p}.ffn")
+            h = g.linear(h, block.ffn.down.weight, block.ffn.down.bias, f"{p}.ffn.down")
         (x,) = g.node("Add", [x, h], f"{p}.ffn_residual")
 
     # Only the last_index position of each row reaches the final norm and the vocabulary projection.
@@ -255,16 +276,7 @@ def build_inplace_graph(model: Decoder, lora: LoraLayout | None = None) -> onnx.
 def _activation(g: _GraphBuilder, h: str, activation: str, d_ff: int, name: str) -> str:
     """The MLP's activation of h [B,S,F] (SwiGLU: of h [B,S,2F] = [gate; up], giving silu(gate) * up)."""
     if activation == "swiglu":
-        gate, up = g.node(
-            "Split",
-            [h, g.const_i64(f"{name}.gate_up_sizes", [d_ff, d_ff])],
-            f"{name}.gate_up",
-            outputs=[f"{name}.gate", f"{name}.up_half"],
-            axis=-1,
-        )
-        (sig,) = g.node("Sigmoid", [gate], f"{name}.sigmoid")
-        (silu,) = g.node("Mul", [gate, sig], f"{name}.silu")
-        return g.node("Mul", [silu, up], f"{name}.act")[0]
+        return g.swiglu(h, d_ff, name)
     if activation == "gelu_tanh":
         return g.node("Gelu", [h], f"{name}.act", approximate="tanh")[0]
     return g.node("Gelu" if activation == "gelu" else "Relu", [h], f"{name}.act")[0]

@@ -185,24 +185,43 @@ def _providers(options: ExportOptions) -> list[str]:
     return gpu if options.precision.fp16 else [*gpu, "CPUExecutionProvider"]
 
 
+def architecture_fields(cfg: DecoderConfig) -> dict[str, Any]:
+    """The manifest's architecture (serve/bundle.py's Architecture) of a decoder."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "context_length": cfg.context_length,
+        "d_model": cfg.d_model,
+        "n_layers": cfg.n_layers,
+        "n_heads": cfg.n_heads,
+        "n_kv_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "d_ff": cfg.d_ff,
+        "positions": cfg.positions,
+        "activation": cfg.activation,
+        "norm": cfg.norm,
+        "sliding_window": cfg.sliding_window,
+        **_experts_fields(cfg),
+    }
+
+
+def _experts_fields(cfg: DecoderConfig) -> dict[str, int]:
+    """A mixture of experts' part of the manifest's architecture (none for a dense model)."""
+    experts = cfg.experts
+    if experts is None:
+        return {}
+    return {
+        "n_experts": experts.n_experts,
+        "experts_top_k": experts.top_k,
+        "expert_d_ff": experts.d_ff,
+        "sparse_layers": sum(cfg.sparse(i) for i in range(cfg.n_layers)),
+    }
+
+
 def _manifest_fields(cfg: DecoderConfig, options: ExportOptions, graphs: dict[str, Any]) -> dict[str, Any]:
     return {
         "format_version": FORMAT_VERSION,
         "model_name": options.model_name,
-        "architecture": {
-            "vocab_size": cfg.vocab_size,
-            "context_length": cfg.context_length,
-            "d_model": cfg.d_model,
-            "n_layers": cfg.n_layers,
-            "n_heads": cfg.n_heads,
-            "n_kv_heads": cfg.kv_heads,
-            "head_dim": cfg.head_dim,
-            "d_ff": cfg.d_ff,
-            "positions": cfg.positions,
-            "activation": cfg.activation,
-            "norm": cfg.norm,
-            "sliding_window": cfg.sliding_window,
-        },
+        "architecture": architecture_fields(cfg),
         "graphs": graphs,
         "dtype": "float16" if options.precision.fp16 else "float32",
         "quantization": options.precision.quantization,

@@ -57,6 +57,7 @@ from tokenizers import Tokenizer
 
 from export.fp16 import copy_model
 from export.generation import PROMPTS, Shape, StepFn, agreement_prefix, encode_prompts, greedy
+from export.moe import pad_expert_rows, routers
 from export.row_pad import TOKEN_IDS_INPUT, pad_single_rows
 from export.train import encode_stream, load_corpus
 
@@ -104,10 +105,14 @@ def fold_weight_transposes(model: onnx.ModelProto) -> int:
 
 
 def count_weight_matmuls(model: onnx.ModelProto) -> dict[str, int]:
-    """MatMuls with a constant weight left in float, and quantized MatMul ops."""
+    """MatMuls with a constant weight left in float (the experts' routers, float on purpose, not counted),
+    and quantized MatMul ops."""
     inits = {t.name for t in model.graph.initializer}
     ops = Counter(n.op_type for n in model.graph.node)
-    float_weight = sum(1 for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits)
+    kept = set(routers(model))
+    float_weight = sum(
+        1 for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits and n.name not in kept
+    )
     return {"float": float_weight, "quantized": sum(ops[o] for o in QUANTIZED_MATMUL_OPS)}
 
 
@@ -144,6 +149,7 @@ def quantize_int8(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, in
             out,
             weight_type=QuantType.QInt8,
             op_types_to_quantize=["MatMul"],
+            nodes_to_exclude=routers(model),
             # Shape inference cannot type the outputs of com.microsoft ops (GroupQueryAttention).
             extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT},
             use_external_data_format=large,  # past protobuf's 2 GB the graph cannot be one file
@@ -258,7 +264,7 @@ def quantize_nbits(
         block_size=block_size,
         is_symmetric=True,
         accuracy_level=ACCURACY_LEVEL_INT8,
-        nodes_to_exclude=_non_token_gathers(model),
+        nodes_to_exclude=[*_non_token_gathers(model), *routers(model)],
         quant_format=QuantFormat.QOperator,
         op_types_to_quantize=("MatMul", "Gather") if bits == 4 else ("MatMul",),
     )
@@ -267,7 +273,8 @@ def quantize_nbits(
     quantized: onnx.ModelProto = quantizer.model.model
     if bits == 8:
         _gather_8bit(quantized, block_size)
-    padded = pad_single_rows(quantized) if pad_rows and pads_rows(bits, block_size) else 0
+    pad = pad_rows and pads_rows(bits, block_size)
+    padded = pad_expert_rows(quantized) + pad_single_rows(quantized) if pad else 0
     counts = count_weight_matmuls(quantized)
     gathers = count_quantized_gathers(quantized)
     return quantized, {

@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from export.moe import is_expert_tensor
 from serve.bundle import ROW_PAD_PREFIX  # names of the nodes and constants pad_single_rows adds
 
 TOKEN_IDS_INPUT = "input_ids"  # [batch, seq]: its shape gives the pads (both graphs)
@@ -110,7 +111,7 @@ class _Rewrite:
 
     def _padded_layout(self, node: onnx.NodeProto) -> str | None:
         rows = self._rows(node)
-        if node.op_type == "MatMulNBits":
+        if node.op_type == "MatMulNBits" and rows[0] in self._matmul_layouts:
             return self._padded.get(rows[0], self._matmul_layouts[rows[0]])
         # A real tensor padded already (for a MatMulNBits) is read padded: a branch beside the projection
         # (a LoRA bundle's, export/lora.py) then runs on the same padded rows.
@@ -229,7 +230,7 @@ def _matmul_layouts(model: onnx.ModelProto) -> dict[str, str]:
     ranks = {
         n.input[0]: declared.get(n.input[0], outputs.get(n.output[0], 3))
         for n in model.graph.node
-        if n.op_type == "MatMulNBits"
+        if n.op_type == "MatMulNBits" and not is_expert_tensor(n.input[0])  # export.moe pads those
     }
     if not set(ranks.values()) <= {2, 3}:
         raise ValueError(f"MatMulNBits inputs of rank {sorted(set(ranks.values()))}: expected 2 or 3")

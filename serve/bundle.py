@@ -93,6 +93,12 @@ class Architecture(_Strict):
     activation: Literal["gelu", "relu", "gelu_tanh", "swiglu"]
     norm: Literal["layer", "rms"] = "layer"
     sliding_window: NonNegativeInt = 0  # a query sees the last W keys; 0: all of them
+    # A mixture of experts (export/moe.py): `sparse_layers` of the layers route each token to `experts_top_k`
+    # of `n_experts` SwiGLU experts of width `expert_d_ff`; the others keep the dense d_ff MLP. 0: dense.
+    n_experts: NonNegativeInt = 0
+    experts_top_k: NonNegativeInt = 0
+    expert_d_ff: NonNegativeInt = 0
+    sparse_layers: NonNegativeInt = 0
 
     @model_validator(mode="before")
     @classmethod
@@ -106,6 +112,25 @@ class Architecture(_Strict):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
         return self
+
+    @model_validator(mode="after")
+    def _experts_fit(self) -> Architecture:
+        if self.n_experts and not 0 < self.experts_top_k <= self.n_experts:
+            raise ValueError(
+                f"experts_top_k ({self.experts_top_k}) must be in 1..n_experts ({self.n_experts})"
+            )
+        if self.sparse_layers > self.n_layers:
+            raise ValueError(f"sparse_layers ({self.sparse_layers}) exceeds n_layers ({self.n_layers})")
+        return self
+
+    @property
+    def token_ffn_width(self) -> int:
+        """The widest feed-forward activation one token computes in a layer: its top-k experts' (and the
+        router's logits) in a sparse layer, d_ff in a dense one. A step's activations follow the experts a
+        token takes, not the total parameters."""
+        sparse = self.experts_top_k * self.expert_d_ff + self.n_experts if self.sparse_layers else 0
+        dense = self.d_ff if self.sparse_layers < self.n_layers else 0
+        return max(sparse, dense)
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """KV cache bytes one token takes: K and V of every layer's key/value heads."""

@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from bench.report import table_head, table_row
 from export.fp16 import convert_fp16
 from export.quantize import heldout_windows, pads_rows, quantize_int8, quantize_nbits
 from export.verify import engine_greedy
@@ -101,14 +102,19 @@ def main(argv: list[str] | None = None) -> int:
         f"{bundle.manifest.model_name}: {ROWS} rows, prefill + {STEPS} decode steps through the engine, "
         f"onnxruntime {ort.__version__}, {args.threads} threads\n"
     )
-    print("| weights | block | as exported: max abs logit diff, rows with other tokens | without the pad |")
-    print("|---|---|---|---|")
+    header = [
+        "weights",
+        "block",
+        "as exported: max abs logit diff, rows with other tokens",
+        "without the pad",
+    ]
+    print("\n".join(table_head(header)))
     for fmt in FORMATS:
         _, bits, block = fmt
         exported = measure_format(bundle, fp32, settings, prompts, fmt, pad_rows=True)
         padded = bits is not None and block is not None and pads_rows(bits, block)
         raw = measure_format(bundle, fp32, settings, prompts, fmt, pad_rows=False) if padded else "-"
-        print(f"| {fmt[0]} | {block or '-'} | {exported} | {raw} |")
+        print(table_row([fmt[0], str(block or "-"), str(exported), str(raw)]))
     return 0
 
 

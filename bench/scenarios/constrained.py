@@ -21,8 +21,6 @@ the engine thread then still waited for it, per step (the part of the fill the s
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -31,13 +29,14 @@ from typing import Any
 
 import numpy as np
 
+from bench.bundles import bench_a, demo_bundle
+from bench.report import write_json
 from bench.rounds import in_turn, median_ratio
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
 from serve.engine.types import Constraint, EngineSettings, SessionConfig
 from serve.scheduling.offline import generate
 
-DEFAULT_BUNDLES = ("demo/bundle", "bench/bench-a-fp32")  # under $TEXTGEN_HOME (default ./models)
 SCHEMA = {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 8}, "minItems": 1000}
 SEED = 1234
 
@@ -121,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
-    home = Path(os.environ.get("TEXTGEN_HOME", "models"))
-    bundles = args.bundle or [home / b for b in DEFAULT_BUNDLES]
+    bundles = args.bundle or [demo_bundle(), bench_a()]
     results: list[dict[str, Any]] = []
     for bundle in bundles:
         result = bench(bundle, args.rows, args.prompt_tokens, args.new_tokens, args.rounds, args.threads)
@@ -139,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_json(args.json, results)
     return 0
 
 

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from bench.bundles import bench_a
 from bench.proc import CpuMeter, peak_rss_mib
-from bench.report import RESULTS
+from bench.report import RESULTS, write_json
 from bench.servers import ROOT
 
 if TYPE_CHECKING:  # a cell must not import torch (through export): its peak RSS would count it
@@ -149,25 +150,6 @@ VARIANTS: dict[str, PrecisionKind] = {
 }
 
 
-def ensure_bundle(out: Path, kind: PrecisionKind) -> Path:
-    """The bench-a bundle of `kind` at `out`, exported unless one of that precision is there (an INT8 bundle
-    written before MatMulNBits was dynamic INT8: it is replaced, not measured under the wrong name)."""
-    from export.pipeline import Precision
-    from serve.bundle import load_bundle
-    from serve.errors import BundleError
-
-    want = Precision(kind)
-    try:
-        m = load_bundle(out).manifest
-        if (m.quantization, m.quantization_block_size) == (want.quantization, want.block):
-            return out
-    except BundleError:
-        pass
-    cmd = [sys.executable, "-m", "export", "random", "--preset", "bench-a", "--out", str(out)]
-    subprocess.run(cmd + ([f"--{kind}"] if kind != "fp32" else []), check=True)
-    return out
-
-
 def cell_in_subprocess(bundle: Path, batch: int, threads: int, repeats: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.scenarios.engine", "--cell", str(bundle), "--batch", str(batch)]
     cmd += ["--threads", str(threads), "--repeats", str(repeats)]
@@ -242,9 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_cell(args.cell, args.batch, args.threads, args.repeats, not args.no_spinning)))
         return 0
 
-    variants = {
-        name: ensure_bundle(args.bundles / f"bench-a-{kind}", kind) for name, kind in VARIANTS.items()
-    }
+    variants = {name: bench_a(kind, args.bundles / f"bench-a-{kind}") for name, kind in VARIANTS.items()}
     record: dict[str, Any] = {"machine": machine_roofline(args.threads), "cells": {}}
     cells: dict[str, dict[str, Any]] = record["cells"]
     for name, bundle in variants.items():
@@ -269,8 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     for cell in cells.values():
         flops = cell["tok_s"] * 2 * PARAMS_BENCH_A / 1e9
         cell["gemm_fraction"] = flops / machine["gemm_gflops"]
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(record, indent=2))
+    write_json(args.output, record)
     print(f"machine: {machine}; wrote {args.output}")
     return 0
 

@@ -30,7 +30,7 @@ from typing import Any
 from bench.proc import tree_rss_mib
 from bench.servers import ROOT, free_port, server_process, textgen_command
 
-QWEN25_05B = {
+QWEN25_05B: dict[str, Any] = {
     "vocab_size": 151936,
     "hidden_size": 896,
     "intermediate_size": 4864,
@@ -84,7 +84,7 @@ def make_model(folder: Path) -> None:
 
     torch.manual_seed(0)
     started = time.perf_counter()
-    model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B)).to(torch.bfloat16).eval()
+    model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B)).bfloat16().eval()
     model.save_pretrained(folder)
     del model
     hf = PreTrainedTokenizerFast(

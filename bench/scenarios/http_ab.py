@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 from dataclasses import replace
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from bench.loadgen import LoadConfig, Rpc, benchmark
 from bench.proc import cpu_seconds, own_cpu_seconds
-from bench.report import RESULTS
+from bench.report import RESULTS, table, write_json
 from bench.rounds import in_turn
 from bench.servers import free_port, server_process, textgen_command
 
@@ -102,23 +101,26 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{args.bundle}, {args.input_len} prompt + {args.new_tokens} new tokens, medians of {args.rounds}:"
     )
-    print(
-        "| clients | gRPC tok/s | HTTP tok/s | HTTP ÷ gRPC tok/s | gRPC TTFT p50 | HTTP TTFT p50 "
-        "| HTTP ÷ gRPC TTFT | server CPU µs/token gRPC, HTTP | client CPU µs/token gRPC, HTTP |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for clients, runs in figures.items():
+    header = [
+        *("clients", "gRPC tok/s", "HTTP tok/s", "HTTP ÷ gRPC tok/s", "gRPC TTFT p50", "HTTP TTFT p50"),
+        *("HTTP ÷ gRPC TTFT", "server CPU µs/token gRPC, HTTP", "client CPU µs/token gRPC, HTTP"),
+    ]
+    rows = []
+    for level, runs in figures.items():
         med = {rpc: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for rpc, rs in runs.items()}
         g, h = med["stream"], med["http"]
-        print(
-            f"| {clients} | {g['tok_s']:.0f} | {h['tok_s']:.0f} | {h['tok_s'] / g['tok_s']:.2f} "
-            f"| {g['ttft_p50_ms']:.1f} ms | {h['ttft_p50_ms']:.1f} ms "
-            f"| {h['ttft_p50_ms'] / g['ttft_p50_ms']:.2f} "
-            f"| {g['server_us_per_token']:.0f}, {h['server_us_per_token']:.0f} "
-            f"| {g['client_us_per_token']:.0f}, {h['client_us_per_token']:.0f} |"
+        rows.append(
+            [
+                *(level, f"{g['tok_s']:.0f}", f"{h['tok_s']:.0f}", f"{h['tok_s'] / g['tok_s']:.2f}"),
+                *(f"{g['ttft_p50_ms']:.1f} ms", f"{h['ttft_p50_ms']:.1f} ms"),
+                f"{h['ttft_p50_ms'] / g['ttft_p50_ms']:.2f}",
+                f"{g['server_us_per_token']:.0f}, {h['server_us_per_token']:.0f}",
+                f"{g['client_us_per_token']:.0f}, {h['client_us_per_token']:.0f}",
+            ]
         )
+    print("\n".join(table(header, rows)))
     if args.json is not None:
-        args.json.write_text(json.dumps(figures, indent=1))
+        write_json(args.json, figures)
     return 0
 
 

@@ -27,13 +27,14 @@ from typing import Any
 import numpy as np
 
 from bench.loadgen import stdlib_texts
+from bench.report import write_json
 from bench.rounds import in_turn
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
 from serve.engine.sampling import SamplingParams
-from serve.engine.types import EngineSettings, NewSequence, SessionConfig
+from serve.engine.types import EngineSettings, KvCacheDtype, NewSequence, SessionConfig
 
-DTYPES = ("fp32", "fp16")
+DTYPES: tuple[KvCacheDtype, ...] = ("fp32", "fp16")
 GREEDY = SamplingParams()
 
 
@@ -136,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     # The server's defaults: spinning within a step, not between steps (two engines share the cores here).
     session = SessionConfig(threads=args.threads, spin_between_runs=False)
     settings = EngineSettings(max_batch_size=args.rows, capacity=args.capacity, session=session)
-    engines = {dtype: Engine.from_bundle(bundle, replace(settings, kv_cache_dtype=dtype)) for dtype in DTYPES}
+    engines: dict[str, Engine] = {
+        dtype: Engine.from_bundle(bundle, replace(settings, kv_cache_dtype=dtype)) for dtype in DTYPES
+    }
     for engine in engines.values():
         engine.warm_up()
     result: dict[str, Any] = {
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.output is not None:
-        args.output.write_text(json.dumps(result, indent=2))
+        write_json(args.output, result)
     return 0
 
 

@@ -44,9 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from bench import llama_cpp
 from bench.loadgen import AdapterField
-from bench.report import RESULTS
+from bench.proc import run_logged
+from bench.report import RESULTS, write_json
 from bench.rounds import in_turn, median_ratio
 from bench.scenarios.served_peers import Workload, llama_command, load, served_cell, textgen_command
 from bench.servers import free_port, http_answers, server_process
@@ -250,7 +250,7 @@ def lora_ggufs(llama_cpp_dir: Path, model_dir: Path, adapters: list[Path], out: 
         if not gguf.is_file():
             out.mkdir(parents=True, exist_ok=True)
             command = [sys.executable, str(converter), str(adapter), "--base", str(model_dir)]
-            llama_cpp.run_logged(
+            run_logged(
                 [*command, "--outtype", "f32", "--outfile", str(gguf)],
                 env={"PYTHONPATH": str(llama_cpp_dir / "gguf-py")},
             )
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         records = peers(args)
-        (args.out / "records.json").write_text(json.dumps(records, indent=1))
+        write_json(args.out / "records.json", records)
         print(peers_summary(records))
     return 0
 

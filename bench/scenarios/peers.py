@@ -51,7 +51,7 @@ from onnx import numpy_helper
 
 from bench.loadgen import LoadConfig, Prompt, RequestRecord, send
 from bench.proc import CpuMeter, descendants, main_thread_cpu_seconds, peak_rss_mib
-from bench.report import RESULTS
+from bench.report import RESULTS, table, write_json
 from bench.scenarios.engine import (
     CHECKED_TOKENS,
     NEW_TOKENS,
@@ -375,8 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model_dir or prepared / "models" / "llama-30m"
     check_same_weights(model_dir, prepared / "models" / "llama-30m")
     record = run(args, prepared, model_dir, precisions, batches)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(record, indent=1))
+    write_json(args.output, record)
     print(report(record, precisions, batches))
     print(f"wrote {args.output}")
     return 0
@@ -415,8 +414,7 @@ def run(
             cell["pass"] = pass_no
             cells.setdefault(cell_key(stack, precision, batch), []).append(cell)
             print(cell_line(stack, precision, batch, cell), flush=True)
-            args.output.parent.mkdir(parents=True, exist_ok=True)
-            args.output.write_text(json.dumps(record, indent=1))  # kept as it goes: a long run
+            write_json(args.output, record)  # kept as it goes: a long run
     record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     record["load_average_after"] = os.getloadavg()
     return record
@@ -510,12 +508,11 @@ def report(record: Cell, precisions: list[str], batches: list[int]) -> str:
     cells: dict[str, list[Cell]] = record["cells"]
     medians = {key: quietest_cell(runs) for key, runs in cells.items()}  # a cell's figures: its quietest pass
     reference = record["reference"].get("first_row_tokens")
-    head = " | ".join(f"b{b} tok/s" for b in batches) + " | " + " | ".join(f"b{b} TTFT ms" for b in batches)
-    lines = [
-        f"| stack | precision | {head} | peak RSS MB b{batches[0]} / b{batches[-1]} | other load | "
-        "tokens = transformers' |",
-        "|---|---|" + "---|" * (2 * len(batches) + 3),
+    header = [
+        *("stack", "precision", *(f"b{b} tok/s" for b in batches), *(f"b{b} TTFT ms" for b in batches)),
+        *(f"peak RSS MB b{batches[0]} / b{batches[-1]}", "other load", "tokens = transformers'"),
     ]
+    rows = []
     for precision in precisions:
         for stack in STACKS:
             row = [medians.get(cell_key(stack, precision, b)) for b in batches]
@@ -526,8 +523,14 @@ def report(record: Cell, precisions: list[str], batches: list[int]) -> str:
             loads = [float(c["other_load"] or 0) for c in row if c]
             other = f"≤ {100 * max(loads):.0f}%" if loads else "—"
             same = agreement(row[0]["first_row_tokens"] if row[0] else None, reference)
-            lines.append(f"| {stack} | {variant} | {' | '.join(rates + ttfts)} | {rss} | {other} | {same} |")
-    lines += ["", *ratios(medians, precisions, batches), "", *tax(medians, precisions, batches)]
+            rows.append([stack, variant, *rates, *ttfts, rss, other, same])
+    lines = [
+        *table(header, rows),
+        "",
+        *ratios(medians, precisions, batches),
+        "",
+        *tax(medians, precisions, batches),
+    ]
     lines += ["", *roofline(record, precisions)]
     return "\n".join(lines)
 
@@ -543,10 +546,7 @@ def _rate(medians: dict[str, Cell | None], key: str) -> float | None:
 
 def ratios(medians: dict[str, Cell | None], precisions: list[str], batches: list[int]) -> list[str]:
     """textgen (engine, served) over the faster peer at each precision and batch."""
-    lines = [
-        "| textgen ÷ best peer | " + " | ".join(f"b{b}" for b in batches) + " |",
-        "|---|" + "---|" * len(batches),
-    ]
+    rows = []
     for precision in precisions:
         for stack in ("textgen engine", "textgen served"):
             cells = []
@@ -555,19 +555,17 @@ def ratios(medians: dict[str, Cell | None], precisions: list[str], batches: list
                 peers = [r for s in STACKS[2:] if (r := _rate(medians, cell_key(s, precision, batch)))]
                 best = max(peers, default=None)
                 cells.append(f"{ours / best:.2f}" if ours and best else "—")
-            lines.append(f"| {stack.removeprefix('textgen ')} {precision} | {' | '.join(cells)} |")
-    return lines
+            rows.append([f"{stack.removeprefix('textgen ')} {precision}", *cells])
+    return table(["textgen ÷ best peer", *(f"b{b}" for b in batches)], rows)
 
 
 def tax(medians: dict[str, Cell | None], precisions: list[str], batches: list[int]) -> list[str]:
     """Served ÷ engine at each batch, and where a served token's CPU went."""
-    lines = [
-        "| served | "
-        + " | ".join(f"÷ engine b{b}" for b in batches)
-        + " | CPU µs/token: front end (its event "
-        "loop), engine, load generator (smallest; largest batch) |",
-        "|---|" + "---|" * (len(batches) + 1),
+    header = [
+        *("served", *(f"÷ engine b{b}" for b in batches)),
+        "CPU µs/token: front end (its event loop), engine, load generator (smallest; largest batch)",
     ]
+    rows = []
     for precision in precisions:
         cells = []
         for batch in batches:
@@ -581,8 +579,8 @@ def tax(medians: dict[str, Cell | None], precisions: list[str], batches: list[in
                 us: dict[str, float] = cell["us_per_token"]
                 front = f"{us['front_end']:.0f} ({us['event_loop']:.0f})"
                 cpu.append(f"{front}, {us['engine']:.0f}, {us['load_generator']:.0f}")
-        lines.append(f"| {precision} | {' | '.join(cells)} | {'; '.join(cpu) or '—'} |")
-    return lines
+        rows.append([precision, *cells, "; ".join(cpu) or "—"])
+    return table(header, rows)
 
 
 def roofline(record: Cell, precisions: list[str]) -> list[str]:
@@ -592,13 +590,7 @@ def roofline(record: Cell, precisions: list[str]) -> list[str]:
     cells: dict[str, list[Cell]] = record["cells"]
     threads = machine.get("read_gbps_threads", 0.0)
     bandwidth = max(machine["read_gbps"], threads)  # the faster of the two reads
-    lines = [
-        f"read bandwidth {bandwidth:.1f} GB/s (numpy sums over 256 MB, best of 5: {machine['read_gbps']:.1f} "
-        f"on one thread, {threads:.1f} on all the cell's)",
-        "",
-        "| textgen | weights read a step | lookup-only | b1 ceiling tok/s | b1 measured (engine) |",
-        "|---|---|---|---|---|",
-    ]
+    rows = []
     for precision in precisions:
         if precision not in weights:
             continue
@@ -606,11 +598,17 @@ def roofline(record: Cell, precisions: list[str]) -> list[str]:
         ceiling = bandwidth * 1e9 / streamed
         engine = quietest_cell(cells.get(cell_key("textgen engine", precision, 1), []))
         measured = f"{engine['tok_s']:.0f} ({float(engine['tok_s']) / ceiling:.2f} of it)" if engine else "—"
-        lines.append(
-            f"| {precision} | {streamed / 1e6:.1f} MB | {weights[precision]['lookup'] / 1e6:.1f} MB "
-            f"| {ceiling:.0f} | {measured} |"
+        lookup = weights[precision]["lookup"]
+        rows.append(
+            [precision, f"{streamed / 1e6:.1f} MB", f"{lookup / 1e6:.1f} MB", f"{ceiling:.0f}", measured]
         )
-    return lines
+    header = ["textgen", "weights read a step", "lookup-only", "b1 ceiling tok/s", "b1 measured (engine)"]
+    return [
+        f"read bandwidth {bandwidth:.1f} GB/s (numpy sums over 256 MB, best of 5: {machine['read_gbps']:.1f} "
+        f"on one thread, {threads:.1f} on all the cell's)",
+        "",
+        *table(header, rows),
+    ]
 
 
 if __name__ == "__main__":

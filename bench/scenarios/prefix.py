@@ -24,7 +24,6 @@ Run: `.venv/bin/textgen-bench prefix [--bundle models/bench/bench-a-fp32] [--rou
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -32,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.report import RESULTS
+from bench.bundles import bench_a
+from bench.report import RESULTS, table_head, table_row, write_json
 from bench.rounds import in_turn
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
@@ -156,7 +156,7 @@ def compare(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bundle", type=Path, default=Path("models/bench/bench-a-fp32"))
+    parser.add_argument("--bundle", type=Path, help="default: bench-a fp32, exported on first use")
     parser.add_argument("--rows", type=int, default=4, help="prefix cache rows of the engine that has one")
     parser.add_argument("--history", type=int, default=512, help="chat: tokens of the previous prompt")
     parser.add_argument("--system", type=int, default=256, help="tokens of the shared system prompt")
@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=RESULTS / "prefix.json")
     args = parser.parse_args(argv)
+    args.bundle = args.bundle or bench_a()
     # Each engine goes first in half the rounds: with an odd count, one of them is first once more, and an
     # order effect (demo model: the first run of a round up to 15% slower) lands in its median.
     args.rounds += args.rounds % 2
@@ -189,17 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     generate(engines["0 rows"], [[5] * 8], max_new_tokens=4)
     results: dict[str, object] = {}
     print(f"bundle {args.bundle}, {args.threads} threads, {args.rounds} alternated rounds, medians")
-    print(f"| case | figure | {args.rows} rows | 0 rows | with ÷ without |")
-    print("|---|---|---|---|---|")
+    print("\n".join(table_head(["case", "figure", f"{args.rows} rows", "0 rows", "with ÷ without"])))
     for seed, (case, measure) in enumerate(cases.items()):
         results[case] = figures = compare(engines, measure, args.rounds, seed * 1000)
         for figure, by_engine in figures.items():
             with_cache, without = (statistics.median(v) for v in by_engine.values())
             ratio = f"{with_cache / without:.3f}" if without else "-"
-            print(f"| {case} | {figure} | {with_cache:.4g} | {without:.4g} | {ratio} |")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
+            print(table_row([case, figure, f"{with_cache:.4g}", f"{without:.4g}", ratio]))
     summary = {"bundle": str(args.bundle), "rows": args.rows, "rounds": args.rounds, "cases": results}
-    args.json.write_text(json.dumps(summary, indent=1))
+    write_json(args.json, summary)
     return 0
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from typing import NamedTuple
 import grpc
 
 from bench.loadgen import LoadConfig, Prompt, RequestRecord, build_prompts, send
-from bench.report import RESULTS
+from bench.report import RESULTS, write_json
 from bench.rounds import in_turn
 from bench.servers import free_port, server_process, textgen_command
 from serve._proto.textgen.v1 import textgen_pb2 as pb
@@ -174,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             f"preemptions {med['preemptions']:.0f}"
         )
     if args.json is not None:
-        args.json.write_text(json.dumps({p: [asdict(f) for f in fs] for p, fs in runs.items()}, indent=1))
+        write_json(args.json, {p: [asdict(f) for f in fs] for p, fs in runs.items()})
     return 0
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.bundles import bench_a
+from bench.report import table_head, table_row
 from serve.bundle import load_bundle
 from serve.engine.engine import Engine
 from serve.engine.types import EngineSettings, NewSequence, SessionConfig
@@ -40,18 +42,18 @@ def scoring_seconds(engine: Engine, prompt: list[int]) -> float:
 def measure(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     """Prefill and scoring seconds (medians) by prompt length; the table printed as it goes."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bundle", type=Path, default=Path("models/bench/bench-a-fp32"))
+    parser.add_argument("--bundle", type=Path, help="default: bench-a fp32, exported on first use")
     parser.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 512])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
+    args.bundle = args.bundle or bench_a()
     settings = EngineSettings(max_batch_size=1, session=SessionConfig(threads=args.threads))
     engine = Engine.from_bundle(load_bundle(args.bundle), settings)
     rng = np.random.default_rng(0)
     first = scoring_seconds(engine, rng.integers(3, engine.vocab_size, 8).tolist())
     print(f"bundle {args.bundle}, {args.threads} threads; first call (makes the session): {first:.2f} s")
-    print("| prompt tokens | prefill ms | prompt logprobs ms | scoring ÷ prefill |")
-    print("|---|---|---|---|")
+    print("\n".join(table_head(["prompt tokens", "prefill ms", "prompt logprobs ms", "scoring ÷ prefill"])))
     results: dict[int, dict[str, float]] = {}
     for length in args.lengths:
         prompt = rng.integers(3, engine.vocab_size, length).tolist()
@@ -63,7 +65,7 @@ def measure(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
             scoring.append(scoring_seconds(engine, prompt))
         p, s = statistics.median(prefill), statistics.median(scoring)
         results[length] = {"prefill_s": p, "scoring_s": s}
-        print(f"| {length} | {1e3 * p:.1f} | {1e3 * s:.1f} | {s / p:.2f} |")
+        print(table_row([str(length), f"{1e3 * p:.1f}", f"{1e3 * s:.1f}", f"{s / p:.2f}"]))
     return results
 
 

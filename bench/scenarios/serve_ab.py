@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import shlex
@@ -44,7 +43,7 @@ from pathlib import Path
 from bench.cpus import engine_cpus_flag
 from bench.loadgen import RPC_NAMES, LoadConfig, Rpc, benchmark, model_names
 from bench.proc import CpuMeter, descendants, main_thread_cpu_seconds
-from bench.report import RESULTS
+from bench.report import RESULTS, write_json
 from bench.rounds import in_turn
 from bench.servers import ROOT, free_port, server_process, textgen_command
 from serve.process import beside
@@ -228,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             f"engine {cpu['engine']:.0f}, load generator {cpu['load_generator']:.0f}"
         )
     if args.json is not None:
-        args.json.write_text(json.dumps({c: [asdict(f) for f in fs] for c, fs in runs.items()}, indent=1))
+        write_json(args.json, {c: [asdict(f) for f in fs] for c, fs in runs.items()})
     return 0
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.proc import tree_status_mib
-from bench.report import finish_record, machine, print_reports, record_path
+from bench.report import finish_record, machine, print_reports, record_path, table, write_json
 from bench.scenarios.peers import PRECISIONS
 from bench.scenarios.served_peers import (
     Prepared,
@@ -53,7 +53,7 @@ from bench.scenarios.served_peers import (
     prepare,
     textgen_command,
 )
-from bench.servers import ROOT, free_port, http_answers, server_process
+from bench.servers import free_port, http_answers, server_process
 from serve.api.sizing import FIXED_BYTES, ITEMSIZE, WEIGHT_FACTORS, PodMemory, pod_memory, size_kv_cache
 from serve.bundle import read_manifest
 
@@ -169,7 +169,7 @@ def measure(ready: Prepared, args: argparse.Namespace, base: Workload, result: C
                     cell = run_cell(command, port, log, work, args.requests, seed=1000 * (round_no + 1))
                     record = {"round": round_no, "context": context, "precision": precision, "server": server}
                     records.append(record | cell)
-                    output.write_text(json.dumps(result, indent=1))
+                    write_json(output, result)
                     print(json.dumps(records[-1]), flush=True)
 
 
@@ -218,15 +218,20 @@ def _span(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
     return low if low == high else f"{low}–{high}"
 
 
-def table(result: Cell) -> list[str]:
+def memory_table(result: Cell) -> list[str]:
     slots, records = result["slots"], result["records"]
-    lines = [
-        "| model | KV capacity (textgen fp32; llama-server f16 cache) | textgen steady (front end + engine) "
-        "| textgen peak | llama-server steady / peak | textgen ÷ llama-server steady "
-        "| of steady, mapped files (textgen; llama-server) | ready after start, median (textgen; "
-        "llama-server) | sizing formula request / limit |",
-        "|---|---|---|---|---|---|---|---|---|",
+    header = [
+        *(
+            "model",
+            "KV capacity (textgen fp32; llama-server f16 cache)",
+            "textgen steady (front end + engine)",
+        ),
+        *("textgen peak", "llama-server steady / peak", "textgen ÷ llama-server steady"),
+        "of steady, mapped files (textgen; llama-server)",
+        "ready after start, median (textgen; llama-server)",
+        "sizing formula request / limit",
     ]
+    rows = []
     for context in result["contexts"]:
         for precision in result["precisions"]:
             ours, theirs = (_pick(records, s, precision, context) for s in SERVERS)
@@ -237,28 +242,31 @@ def table(result: Cell) -> list[str]:
             their_steady = [r["steady_mib"] for r in theirs]
             kv = result["kv_mib"][precision][str(context)]
             pod = formula(result, precision, context)
-            lines.append(
-                f"| {precision} / {PRECISIONS[precision].llamacpp} "
-                f"| {slots} x {context} ({kv['textgen']:,.0f}; {kv['llama-server']:,.0f} MiB) "
-                f"| {_span(front)} + {_span(engine)} MiB | {_span([r['peak_mib'] for r in ours])} MiB "
-                f"| {_span(their_steady)} / {_span([r['peak_mib'] for r in theirs])} MiB "
-                f"| **{_span(steady, statistics.median(their_steady), 2)}** "
-                f"| {_median(ours, 'file_mib'):,.0f}; {_median(theirs, 'file_mib'):,.0f} MiB "
-                f"| {_median(ours, 'ready_s'):.1f} s; {_median(theirs, 'ready_s'):.1f} s "
-                f"| {pod.request_mib:,} / {pod.limit_mib:,} MiB |"
+            rows.append(
+                [
+                    f"{precision} / {PRECISIONS[precision].llamacpp}",
+                    f"{slots} x {context} ({kv['textgen']:,.0f}; {kv['llama-server']:,.0f} MiB)",
+                    f"{_span(front)} + {_span(engine)} MiB",
+                    f"{_span([r['peak_mib'] for r in ours])} MiB",
+                    f"{_span(their_steady)} / {_span([r['peak_mib'] for r in theirs])} MiB",
+                    f"**{_span(steady, statistics.median(their_steady), 2)}**",
+                    f"{_median(ours, 'file_mib'):,.0f}; {_median(theirs, 'file_mib'):,.0f} MiB",
+                    f"{_median(ours, 'ready_s'):.1f} s; {_median(theirs, 'ready_s'):.1f} s",
+                    f"{pod.request_mib:,} / {pod.limit_mib:,} MiB",
+                ]
             )
-    return lines
+    return table(header, rows)
 
 
 def factor_table(result: Cell) -> list[str]:
     """The weight factors these cells ask of the sizing formula: (textgen's memory - its KV cache - the
     formula's fixed part) / the serving graph's bytes, the largest over the contexts and rounds, beside the
     formula's."""
-    lines = [
-        f"| precision | weights | factor measured, steady / peak (fixed part {FIXED_BYTES // MIB} MiB) "
-        "| the formula's (serve/api/sizing.py) |",
-        "|---|---|---|---|",
+    header = [
+        *("precision", "weights", f"factor measured, steady / peak (fixed part {FIXED_BYTES // MIB} MiB)"),
+        "the formula's (serve/api/sizing.py)",
     ]
+    rows = []
     for precision in result["precisions"]:
         fits: dict[str, list[float]] = {"steady_mib": [], "peak_mib": []}
         for context in result["contexts"]:
@@ -268,18 +276,21 @@ def factor_table(result: Cell) -> list[str]:
             for key, fit in fits.items():
                 fit += [(r[key] - kv - FIXED_BYTES / MIB) / given["weights_mib"] for r in ours]
         factor = WEIGHT_FACTORS[given["quantization"]]
-        lines.append(
-            f"| {precision} | {given['weights_mib']:,.1f} MiB | {max(fits['steady_mib']):.2f} / "
-            f"{max(fits['peak_mib']):.2f} | {factor.steady:.2f} / {factor.peak:.2f} |"
+        rows.append(
+            [
+                *(precision, f"{given['weights_mib']:,.1f} MiB"),
+                f"{max(fits['steady_mib']):.2f} / {max(fits['peak_mib']):.2f}",
+                f"{factor.steady:.2f} / {factor.peak:.2f}",
+            ]
         )
-    return lines
+    return table(header, rows)
 
 
 def report(result: Cell) -> str:
     lost = [r for r in result["records"] if r["failed"]]
     m = result["machine"]
     machine_line = f"{m['cpu']}, {m['cores']} cores, onnxruntime {m['onnxruntime']}; {result['started']}"
-    lines = [f"`{result['command']}` ({machine_line})", "", *table(result), "", *factor_table(result)]
+    lines = [f"`{result['command']}` ({machine_line})", "", *memory_table(result), "", *factor_table(result)]
     if lost:
         lines += ["", f"{len(lost)} cells lost requests: {lost}"]
     return "\n".join(lines)
@@ -299,8 +310,6 @@ def named_path(text: str) -> tuple[str, Path]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     csv_ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    p.add_argument("--work", type=Path, default=ROOT / "models" / "served-peers")
-    p.add_argument("--model-dir", type=Path, help="a Llama folder (default: C-llama, made in WORK)")
     p.add_argument(
         "--bundle", type=named_path, action="append", default=[], help="PRECISION=DIR (repeatable)"
     )

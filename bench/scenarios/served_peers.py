@@ -56,7 +56,8 @@ from bench.loadgen import (
     summarize,
     synthetic_ids,
 )
-from bench.report import add_record_options, finish_record, print_reports, record_path
+from bench.proc import run_logged
+from bench.report import add_record_options, finish_record, print_reports, record_path, table, write_json
 from bench.rounds import in_turn, median_ratio
 from bench.scenarios.engine import cell_in_subprocess, machine_roofline
 from bench.scenarios.peers import PRECISIONS, import_bundle, weight_bytes
@@ -194,7 +195,7 @@ def prepare(work_dir: Path, model_dir: Path | None, precisions: list[str]) -> Pr
         model_dir = work_dir / "c-llama"
         if not (model_dir / "model.safetensors").is_file():
             shutil.rmtree(model_dir, ignore_errors=True)
-            llama_cpp.run_logged([sys.executable, "-m", "bench.scenarios.c_llama", str(model_dir)])
+            run_logged([sys.executable, "-m", "bench.scenarios.c_llama", str(model_dir)])
     bin_dir = llama_cpp.binaries(work_dir)
     ggufs = llama_cpp.ggufs(work_dir, model_dir)
     bundles = {}
@@ -279,11 +280,11 @@ def median_of(records: list[Cell], server: str, precision: str, clients: int, ke
 
 
 def served_table(records: list[Cell], precisions: list[str], clients: list[int]) -> list[str]:
-    lines = [
-        "| precision | clients | textgen tok/s | llama-server tok/s | textgen ÷ llama-server "
-        "| TTFT p50 / p90 ms (textgen; llama-server) | ITL p50 ms (textgen; llama-server) |",
-        "|---|---|---|---|---|---|---|",
+    header = [
+        *("precision", "clients", "textgen tok/s", "llama-server tok/s", "textgen ÷ llama-server"),
+        *("TTFT p50 / p90 ms (textgen; llama-server)", "ITL p50 ms (textgen; llama-server)"),
     ]
+    rows = []
     for precision in precisions:
         theirs = PRECISIONS[precision].llamacpp
         for count in clients:
@@ -291,67 +292,72 @@ def served_table(records: list[Cell], precisions: list[str], clients: list[int])
             def fig(server: str, key: str, count: int = count, precision: str = precision) -> float:
                 return median_of(records, server, precision, count, key)
 
-            lines.append(
-                f"| {precision} ÷ {theirs} | {count} | {fig('textgen', 'tok_s'):.1f} "
-                f"| {fig('llama-server', 'tok_s'):.1f} | **{ratio_median(records, precision, count):.2f}** "
-                f"| {fig('textgen', 'ttft_p50_ms'):.0f} / {fig('textgen', 'ttft_p90_ms'):.0f}; "
-                f"{fig('llama-server', 'ttft_p50_ms'):.0f} / {fig('llama-server', 'ttft_p90_ms'):.0f} "
-                f"| {fig('textgen', 'itl_p50_ms'):.1f}; {fig('llama-server', 'itl_p50_ms'):.1f} |"
+            rows.append(
+                [
+                    *(f"{precision} ÷ {theirs}", str(count)),
+                    *(f"{fig('textgen', 'tok_s'):.1f}", f"{fig('llama-server', 'tok_s'):.1f}"),
+                    f"**{ratio_median(records, precision, count):.2f}**",
+                    f"{fig('textgen', 'ttft_p50_ms'):.0f} / {fig('textgen', 'ttft_p90_ms'):.0f}; "
+                    f"{fig('llama-server', 'ttft_p50_ms'):.0f} / {fig('llama-server', 'ttft_p90_ms'):.0f}",
+                    f"{fig('textgen', 'itl_p50_ms'):.1f}; {fig('llama-server', 'itl_p50_ms'):.1f}",
+                ]
             )
-    return lines
+    return table(header, rows)
 
 
 def fastest_table(records: list[Cell], precisions: list[str], clients: list[int]) -> list[str]:
     """Each server's fastest precision (by median tok/s) per client count, and the ratio of the two."""
-    lines = ["| clients | textgen fastest | llama-server fastest | ratio |", "|---|---|---|---|"]
+    rows = []
     for count in clients:
         best = {}
         for server in SERVERS:
             rates = {p: median_of(records, server, p, count, "tok_s") for p in precisions}
             best[server] = max(rates.items(), key=lambda item: item[1])
         (ours, ours_rate), (theirs, theirs_rate) = best["textgen"], best["llama-server"]
-        lines.append(
-            f"| {count} | {ours} {ours_rate:.1f} | {PRECISIONS[theirs].llamacpp} {theirs_rate:.1f} "
-            f"| **{ours_rate / theirs_rate:.2f}** |"
+        rows.append(
+            [
+                *(str(count), f"{ours} {ours_rate:.1f}", f"{PRECISIONS[theirs].llamacpp} {theirs_rate:.1f}"),
+                f"**{ours_rate / theirs_rate:.2f}**",
+            ]
         )
-    return lines
+    return table(["clients", "textgen fastest", "llama-server fastest", "ratio"], rows)
 
 
 def offline_table(cells: Cell, precisions: list[str]) -> list[str]:
     batches = list(next(iter(cells["textgen"].values())))
-    head = " | ".join(f"b{b} textgen / llama.cpp (ratio)" for b in batches)
-    lines = [f"| precision | {head} |", "|---|" + "---|" * len(batches)]
+    rows = []
     for precision in precisions:
         ours, theirs = cells["textgen"][precision], cells["llama"][precision]
-        row = " | ".join(
+        row = [
             f"{ours[b]:.1f} / {theirs[b]:.1f} ({ours[b] / theirs[b]:.2f})" if theirs.get(b) else "—"
             for b in batches
-        )
-        lines.append(f"| {precision} ÷ {PRECISIONS[precision].llamacpp} | {row} |")
-    return lines
+        ]
+        rows.append([f"{precision} ÷ {PRECISIONS[precision].llamacpp}", *row])
+    return table(["precision", *(f"b{b} textgen / llama.cpp (ratio)" for b in batches)], rows)
 
 
 def memory_table(cells: Cell, precisions: list[str]) -> list[str]:
     """The bytes a textgen decode step reads ÷ the read bandwidth: the b1 ceiling, and how near b1 comes."""
     machine = cells["machine"]
     bandwidth = max(machine["read_gbps"], machine["read_gbps_threads"])
-    lines = [
-        f"read bandwidth {bandwidth:.1f} GB/s (numpy sums over 256 MB, best of 5)",
-        "",
-        "| precision | textgen weights a step reads | GGUF file | b1 ceiling tok/s | textgen b1 (of ceiling) "
-        "| llama.cpp b1 (of ceiling) |",
-        "|---|---|---|---|---|---|",
+    header = [
+        *("precision", "textgen weights a step reads", "GGUF file", "b1 ceiling tok/s"),
+        *("textgen b1 (of ceiling)", "llama.cpp b1 (of ceiling)"),
     ]
+    rows = []
     for precision in precisions:
         weights = cells["weights"][precision]
         ceiling = bandwidth * 1e9 / weights["textgen"]["streamed"]
         ours, theirs = cells["textgen"][precision].get("1"), cells["llama"][precision].get("1")
         streamed, gguf = weights["textgen"]["streamed"] / 1e6, weights["gguf_file"] / 1e6
-        lines.append(
-            f"| {precision} | {streamed:.0f} MB | {gguf:.0f} MB "
-            f"| {ceiling:.1f} | {_of(ours, ceiling)} | {_of(theirs, ceiling)} |"
+        rows.append(
+            [
+                *(precision, f"{streamed:.0f} MB", f"{gguf:.0f} MB", f"{ceiling:.1f}"),
+                *(_of(ours, ceiling), _of(theirs, ceiling)),
+            ]
         )
-    return lines
+    bandwidth_line = f"read bandwidth {bandwidth:.1f} GB/s (numpy sums over 256 MB, best of 5)"
+    return [bandwidth_line, "", *table(header, rows)]
 
 
 def accuracy(bundles: dict[str, Path]) -> Cell:
@@ -371,19 +377,21 @@ def accuracy(bundles: dict[str, Path]) -> Cell:
 
 
 def accuracy_table(cells: Cell) -> list[str]:
-    lines = [
-        "| precision | verified | serving graph max abs logit diff | batch invariant | perplexity ÷ fp32 "
-        "| top-1 agreement with fp32 |",
-        "|---|---|---|---|---|---|",
+    header = [
+        *("precision", "verified", "serving graph max abs logit diff", "batch invariant"),
+        *("perplexity ÷ fp32", "top-1 agreement with fp32"),
     ]
+    rows = []
     for precision, a in cells.items():
         ratio, top1 = a["perplexity_ratio"], a["top1_agreement"]
-        lines.append(
-            f"| {precision} | {'passed' if a['passed'] else 'FAILED'} | {a['max_abs_logits_diff']:.2g} "
-            f"| {a['batch_invariant']} | {'—' if ratio is None else f'{ratio:.3f}'} "
-            f"| {'—' if top1 is None else f'{top1:.2f}'} |"
+        rows.append(
+            [
+                *(precision, "passed" if a["passed"] else "FAILED", f"{a['max_abs_logits_diff']:.2g}"),
+                *(str(a["batch_invariant"]), "—" if ratio is None else f"{ratio:.3f}"),
+                "—" if top1 is None else f"{top1:.2f}",
+            ]
         )
-    return lines
+    return table(header, rows)
 
 
 def _of(rate: float | None, ceiling: float) -> str:
@@ -419,8 +427,6 @@ def report(result: Cell) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     csv_ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    p.add_argument("--work", type=Path, default=ROOT / "models" / "served-peers")
-    p.add_argument("--model-dir", type=Path, help="a Llama folder (default: C-llama, made in WORK)")
     p.add_argument("--precisions", type=lambda t: t.split(","), default=list(PRECISIONS))
     p.add_argument("--clients", type=csv_ints, default=[1, 4, 16])
     p.add_argument("--rounds", type=int, default=4)
@@ -438,7 +444,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def add_server_options(p: argparse.ArgumentParser, record: str) -> None:
-    """What every served-against-served benchmark takes: flags for each server, its record, its reports."""
+    """What every served-against-served benchmark takes: where its assets are prepared, flags for each
+    server, its record, its reports."""
+    p.add_argument("--work", type=Path, default=ROOT / "models" / "served-peers")
+    p.add_argument("--model-dir", type=Path, help="a Llama folder (default: C-llama, made in WORK)")
     p.add_argument("--textgen-flag", action="append", default=[], help="a textgen-serve flag (repeatable)")
     p.add_argument("--llama-flag", action="append", default=[], help="a llama-server flag (repeatable)")
     add_record_options(p, record)
@@ -468,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.offline:
         result["offline"] = offline(ready, args.precisions, args.clients, work)
-        output.write_text(json.dumps(result, indent=1))
+        write_json(output, result)
     if args.served:
         result["served"] = served(ready, args, work, logs)
     return finish_record(result, output, report)

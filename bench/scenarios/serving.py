@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.bundles import bench_a
 from bench.cpus import resolve_engine_cpus
 from bench.loadgen import (
     RPC_NAMES,
@@ -42,9 +43,9 @@ from bench.loadgen import (
     benchmark,
     synthetic_ids,
     usage_checked,
-    write_json,
 )
-from bench.report import DOC, RESULTS, machine
+from bench.proc import run_logged
+from bench.report import DOC, RESULTS, machine, write_json
 from bench.scenarios.serving_report import cdf_level, plot_all, update_doc
 from bench.servers import BIN, ROOT, free_port, naive_command, server_process
 from serve.api.config import ServerSettings
@@ -105,21 +106,6 @@ def pinned_engine(flag: str | None) -> tuple[int, ...] | None:
 
 
 # --- the model ---------------------------------------------------------------------------------------------
-
-
-def ensure_bundle(bundle: Path | None) -> Path:
-    """The given bundle, or bench-a fp32 with random weights: the engine scenario's too."""
-    if bundle is not None:
-        return bundle
-    out = ROOT / "models" / "bench" / "bench-a-fp32"
-    if not (out / "manifest.json").exists():
-        run_logged([str(BIN / "textgen-export"), "random", "--preset", "bench-a", "--out", str(out)])
-    return out
-
-
-def run_logged(command: list[str]) -> None:
-    print(f"$ {shlex.join(command)}", flush=True)
-    subprocess.run(command, check=True)
 
 
 # --- offline measurements ----------------------------------------------------------------------------------
@@ -207,7 +193,7 @@ def hf_generate(bundle: Bundle, plan: Plan, threads: int, venv: Path) -> dict[st
 def measure(name: str, config: LoadConfig, results: Path, metrics_url: str | None = None) -> BenchmarkOutput:
     """One load-generator run; its records go to `results/name.json`."""
     output = asyncio.run(benchmark(config, metrics_url))
-    write_json(output, results / f"{name}.json")
+    write_json(results / f"{name}.json", output.to_json())
     s = output.summary
     print(
         f"{name}: {s['output_throughput']:.0f} tok/s, {s['successful_requests']} ok, "
@@ -330,7 +316,7 @@ def run(args: argparse.Namespace) -> Results:
     plan = plan_from_args(args)
     results_dir: Path = args.results
     results_dir.mkdir(parents=True, exist_ok=True)
-    bundle_dir = ensure_bundle(args.bundle)
+    bundle_dir = args.bundle or bench_a()
     bundle = load_bundle(bundle_dir)
     threads = args.threads or os.cpu_count() or 1
     max_batch = max(plan.levels)
@@ -467,7 +453,7 @@ def save_summary(results: Results, path: Path) -> None:
         "seconds": results.seconds,
         "pairs": [dataclasses.asdict(pair) for pair in results.pairs],
     }
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    write_json(path, data)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,12 +28,12 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.bundles import demo_bundle
 from bench.proc import tree_rss_mib
-from bench.servers import ROOT, free_port, server_process, textgen_command
+from bench.servers import free_port, server_process, textgen_command
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 
-DEMO_BUNDLE = ROOT / "models" / "demo" / "bundle"
 GAUGES = ("textgen_requests_running", "textgen_requests_waiting", "textgen_kv_cache_slots_used")
 # What a correct server answers this mix with; anything else (INTERNAL, UNKNOWN, UNAVAILABLE) is a failure.
 EXPECTED_CODES = frozenset({"OK", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED", "INVALID_ARGUMENT"})
@@ -148,8 +148,8 @@ def ensure_bundle(bundle: Path | None, scratch: Path) -> Path:
     """The given bundle, else the demo bundle when it has been built, else a random tiny one (seconds)."""
     if bundle is not None:
         return bundle
-    if (DEMO_BUNDLE / "manifest.json").exists():
-        return DEMO_BUNDLE
+    if (demo_bundle() / "manifest.json").exists():
+        return demo_bundle()
     from export.pipeline import random_bundle  # torch: only when no bundle is at hand
 
     return random_bundle("tiny", scratch / "tiny", seed=0, progress=False).root

@@ -11,7 +11,9 @@ takes.
 
 What a pod serving a bundle needs (`pod_memory`; `textgen-serve --print-pod-memory`, docs/deploy.md): its
 weights times a factor, plus the KV cache, plus a fixed part for the front end and the engine process's
-runtime. The factors and the fixed part are fitted to the measurements of `textgen-bench served-memory`
+runtime. Of a mixture of experts every expert's weights are resident (any token may take any expert), but a
+position's activations are those of the experts it takes (`Architecture.token_ffn_width`), not of all.
+The factors and the fixed part are fitted to the measurements of `textgen-bench served-memory`
 (docs/benchmarks.md, "Memory and start-up against llama-server").
 """
 
@@ -157,7 +159,7 @@ SESSION_BYTES = 8 * MIB
 def scoring_bytes_per_position(arch: Architecture, max_model_len: int) -> int:
     """The memory a scored prompt takes a position (above the scoring session's weights)."""
     kv_elements = arch.kv_bytes_per_token(1)
-    layer = 4 * arch.d_ff + 8 * arch.d_model + 2 * arch.n_heads * max_model_len
+    layer = 4 * arch.token_ffn_width + 8 * arch.d_model + 2 * arch.n_heads * max_model_len
     return 4 * (SCORING_LOGITS_COPIES * arch.vocab_size + 4 * kv_elements + layer)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,11 @@ from hf_models import (
     llama_config,
     max_diff,
     mistral_config,
+    mixtral_config,
+    olmoe_config,
     qwen2_config,
     qwen3_config,
+    qwen3_moe_config,
     rewrite_config,
     run_inplace,
     save_tokenizer,
@@ -51,6 +55,7 @@ from export.hf_import import (
     load_tokenizer,
 )
 from export.model import Decoder, DecoderConfig, rope_frequencies
+from export.moe import ExpertsConfig
 from export.onnx_inplace import build_inplace_graph
 
 TOL = 1e-4
@@ -77,6 +82,9 @@ CASES: dict[str, Callable[[], PretrainedConfig]] = {
     ),
     "qwen3-qk-norm-head-dim32-kv1": lambda: qwen3_config(),
     "gpt2": lambda: gpt2_config(),
+    "qwen3-moe-norm-topk-dense-layer1": lambda: qwen3_moe_config(mlp_only_layers=[1]),
+    "olmoe-whole-qk-norm": lambda: olmoe_config(),
+    "mixtral-window8": lambda: mixtral_config(sliding_window=8),
 }
 
 
@@ -148,6 +156,14 @@ def test_imported_configs_have_the_families_blocks(
     assert qwen3.qk_norm and (qwen3.head_dim, qwen3.q_dim, qwen3.d_model) == (32, 128, 64)
     gpt2 = cfg["gpt2"]
     assert (gpt2.norm, gpt2.activation, gpt2.positions) == ("layer", "gelu_tanh", "learned")
+    qwen3_moe = cfg["qwen3-moe-norm-topk-dense-layer1"]
+    assert qwen3_moe.experts == ExpertsConfig(8, 2, 32, "softmax_topk_norm", (1,))
+    assert qwen3_moe.qk_norm and not qwen3_moe.qk_norm_whole and qwen3_moe.d_ff == 96
+    olmoe = cfg["olmoe-whole-qk-norm"]
+    assert olmoe.experts == ExpertsConfig(8, 2, 32, "softmax_topk") and olmoe.qk_norm_whole
+    mixtral = cfg["mixtral-window8"]
+    assert mixtral.experts == ExpertsConfig(8, 2, 32, "softmax_topk_norm") and mixtral.sliding_window == 8
+    assert DecoderConfig.from_dict(json.loads(json.dumps(qwen3_moe.to_dict()))) == qwen3_moe
     # The KV cache of a grouped-query model holds the key/value heads only.
     _, model, _ = generated["qwen3-qk-norm-head-dim32-kv1"]
     ids = torch.tensor([PROMPTS[0]])
@@ -166,6 +182,24 @@ def test_the_sliding_window_and_rope_scaling_are_what_the_tokens_depend_on(
     ):
         _, model, ref = generated[case]
         other = Decoder(DecoderConfig(**{**model.cfg.to_dict(), **plain})).eval()
+        other.load_state_dict(model.state_dict())
+        assert not np.array_equal(torch_forced(other, PROMPTS, ref.tokens).tokens, ref.tokens), case
+
+
+def test_the_experts_routing_is_what_the_tokens_depend_on(
+    generated: dict[str, tuple[PreTrainedModel, Decoder, Run]],
+) -> None:
+    """The controls of the mixtures of experts: the top-k weights normalized the other way, or one expert
+    fewer per token, give other tokens."""
+    for case, change in (
+        ("qwen3-moe-norm-topk-dense-layer1", {"routing": "softmax_topk"}),
+        ("olmoe-whole-qk-norm", {"routing": "softmax_topk_norm"}),
+        ("mixtral-window8", {"top_k": 1}),
+    ):
+        _, model, ref = generated[case]
+        assert model.cfg.experts is not None
+        experts = replace(model.cfg.experts, **change)
+        other = Decoder(replace(model.cfg, experts=experts)).eval()
         other.load_state_dict(model.state_dict())
         assert not np.array_equal(torch_forced(other, PROMPTS, ref.tokens).tokens, ref.tokens), case
 

@@ -46,6 +46,7 @@ CASES: dict[str, tuple[Family, dict[str, Any]]] = {
     "qwen2": (FAMILIES["qwen2"], {}),
     "qwen3": (FAMILIES["qwen3"], {}),
     "gpt2": (FAMILIES["gpt2"], {}),
+    "qwen3-moe": (FAMILIES["qwen3-moe"], {}),
 }
 
 

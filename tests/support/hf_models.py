@@ -29,6 +29,10 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -36,6 +40,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from export.model import Decoder, DecoderConfig
@@ -82,6 +88,23 @@ def qwen3_config(**changes: Any) -> Qwen3Config:
     return Qwen3Config(**{**_COMMON, **_LLAMA_SHAPE, "head_dim": 32, "num_key_value_heads": 1, **changes})
 
 
+# Mixtures of experts: 8 experts of width 32, top 2 (Qwen3-MoE: a dense layer too, of width 96).
+_MOE_SHAPE = {**_LLAMA_SHAPE, "num_experts_per_tok": 2, "intermediate_size": 32}
+
+
+def qwen3_moe_config(**changes: Any) -> Qwen3MoeConfig:
+    shape = {**_MOE_SHAPE, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 8}
+    return Qwen3MoeConfig(**{**_COMMON, **shape, "head_dim": 32, "norm_topk_prob": True, **changes})
+
+
+def olmoe_config(**changes: Any) -> OlmoeConfig:
+    return OlmoeConfig(**{**_COMMON, **_MOE_SHAPE, "num_experts": 8, "pad_token_id": 0, **changes})
+
+
+def mixtral_config(**changes: Any) -> MixtralConfig:
+    return MixtralConfig(**{**_COMMON, **_MOE_SHAPE, "num_local_experts": 8, "rope_theta": 5000.0, **changes})
+
+
 def gpt2_config(**changes: Any) -> GPT2Config:
     base = {
         "vocab_size": VOCAB,
@@ -102,6 +125,9 @@ MODEL_CLASSES: dict[type[PretrainedConfig], type[PreTrainedModel]] = {
     Qwen2Config: Qwen2ForCausalLM,
     Qwen3Config: Qwen3ForCausalLM,
     GPT2Config: GPT2LMHeadModel,
+    Qwen3MoeConfig: Qwen3MoeForCausalLM,
+    OlmoeConfig: OlmoeForCausalLM,
+    MixtralConfig: MixtralForCausalLM,
 }
 
 
@@ -300,6 +326,17 @@ FAMILIES = {
         ),
         Family(
             "qwen3", qwen3_config, _QWEN_SPECIALS, None, "<|im_end|>", "<|endoftext|>", None, False, _CHATML
+        ),
+        Family(
+            "qwen3-moe",
+            qwen3_moe_config,
+            _QWEN_SPECIALS,
+            None,
+            "<|im_end|>",
+            "<|endoftext|>",
+            None,
+            False,
+            _CHATML,
         ),
         Family(
             "gpt2",

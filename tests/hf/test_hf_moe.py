@@ -1,0 +1,127 @@
+"""Mixtures of experts beyond fp32 parity (which tests/hf/test_hf_import.py checks for every family): the
+experts at 8 and 4 bits stay batch invariant, their row pads are those the engine can take out, the router
+stays float, and the active-parameter count is what a token reads; gpt-oss's MXFP4 expert weights read as
+transformers reads them.
+
+One tiny random Qwen3-MoE (8 experts of width 32, top 2, one dense layer) built once for the module.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from hf_models import PROMPTS, STEPS, build, qwen3_moe_config, run_inplace, train_bpe
+
+from export.checkpoint import load_checkpoint, save_checkpoint
+from export.hf_import import import_checkpoint
+from export.model import Decoder, count_active_parameters, count_parameters
+from export.moe import ROUTER_SUFFIX, is_expert_tensor
+from export.mxfp4 import dequantize_mxfp4
+from export.onnx_inplace import build_inplace_graph
+from export.pipeline import architecture_fields
+from export.quantize import quantize_nbits
+from export.tokenizer import SPECIAL_TOKENS
+from serve.api.sizing import scoring_bytes_per_position
+from serve.bundle import Architecture
+from serve.engine.row_pad import strip_row_pads
+
+# Five rows of three lengths, two of them alone-sized: each expert sees odd and even row counts.
+BATCH = (*PROMPTS, (9,), (77, 78))
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Decoder, onnx.ModelProto]:
+    folder = tmp_path_factory.mktemp("qwen3-moe")
+    build(qwen3_moe_config(mlp_only_layers=[1]), folder)
+    model = import_checkpoint(folder).model
+    return model, build_inplace_graph(model)
+
+
+@pytest.mark.parametrize(("bits", "block"), [(4, 32), (8, 64)])
+def test_quantized_experts_are_batch_invariant(
+    moe: tuple[Decoder, onnx.ModelProto], bits: int, block: int
+) -> None:
+    """Every row's logits at every step, bit for bit, alone and in the batch (where a kernel rounds a lone
+    row otherwise, the experts' even row counts keep it on the batch's kernel)."""
+    model, graph = moe
+    quantized, _ = quantize_nbits(graph, bits, block)
+    batched = run_inplace(quantized, model.cfg, BATCH)
+    for row, prompt in enumerate(BATCH):
+        alone = run_inplace(quantized, model.cfg, [prompt])
+        for t in range(STEPS):
+            assert np.array_equal(batched.logits[t][row], alone.logits[t][0]), (bits, row, t)
+
+
+def test_expert_row_pads_come_out_with_the_dense_ones(moe: tuple[Decoder, onnx.ModelProto]) -> None:
+    """int4 at block 32 pads: every expert's MatMulNBits reads an even row count, and the engine's strip
+    leaves exactly the graph quantized without pads; the routers are float MatMuls either way."""
+    _, graph = moe
+    padded, counts = quantize_nbits(graph, 4, 32)
+    plain, _ = quantize_nbits(graph, 4, 32, pad_rows=False)
+    experts = [n for n in padded.graph.node if n.op_type == "MatMulNBits" and is_expert_tensor(n.input[0])]
+    assert len(experts) == 2 * 8  # up and down of the one sparse layer's 8 experts
+    assert all(n.input[0].endswith("_single_row_pad") for n in experts)
+    assert counts["single_row_padded"] > len(experts)  # and the dense projections' MatMulNBits
+    routers = [n for n in padded.graph.node if n.name.endswith(ROUTER_SUFFIX)]
+    assert [n.op_type for n in routers] == ["MatMul"]
+    stripped = copy.deepcopy(padded)
+    strip_row_pads(stripped)
+
+    def structure(m: onnx.ModelProto) -> list[tuple[str, list[str], list[str]]]:
+        return [(n.op_type, list(n.input), list(n.output)) for n in m.graph.node]
+
+    assert structure(stripped) == structure(plain)
+
+
+def test_active_parameters_count_a_tokens_experts(moe: tuple[Decoder, onnx.ModelProto]) -> None:
+    model, _ = moe
+    cfg = model.cfg
+    assert cfg.experts is not None
+    per_expert = 3 * cfg.d_model * cfg.experts.d_ff
+    unused = cfg.experts.n_experts - cfg.experts.top_k
+    assert count_parameters(model) - count_active_parameters(model) == unused * per_expert
+
+
+def test_a_moe_checkpoint_reads_back(moe: tuple[Decoder, onnx.ModelProto], tmp_path: Path) -> None:
+    model, _ = moe
+    path = save_checkpoint(tmp_path / "model.pt", model, train_bpe(specials=SPECIAL_TOKENS))
+    loaded = load_checkpoint(path)
+    assert loaded.config == model.cfg and loaded.config.experts is not None
+    ids = torch.tensor([PROMPTS[0]])
+    args = (ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None])
+    with torch.no_grad():
+        assert torch.equal(loaded.model(*args)[0], model(*args)[0])
+
+
+def test_a_positions_activations_follow_the_experts_it_takes(moe: tuple[Decoder, onnx.ModelProto]) -> None:
+    """The manifest's experts fields: a position's feed-forward activations are its top-k experts' (or the
+    dense layer's d_ff, the wider here), and the prompt-scoring memory a position takes is below what the
+    same model would take with all its experts' width computed."""
+    model, _ = moe
+    cfg = model.cfg
+    assert cfg.experts is not None
+    fields = architecture_fields(cfg)
+    sparse = Architecture(**fields)
+    assert (sparse.n_experts, sparse.experts_top_k, sparse.sparse_layers) == (8, 2, 1)
+    assert sparse.token_ffn_width == max(cfg.d_ff, 2 * cfg.experts.d_ff + 8)
+    dense = {k: v for k, v in fields.items() if not k.startswith(("n_experts", "expert", "sparse"))}
+    all_experts = Architecture(**{**dense, "d_ff": cfg.experts.n_experts * cfg.experts.d_ff})
+    assert scoring_bytes_per_position(sparse, 128) < scoring_bytes_per_position(all_experts, 128)
+    only_sparse = Architecture(**{**fields, "sparse_layers": cfg.n_layers})
+    assert only_sparse.token_ffn_width == 2 * cfg.experts.d_ff + 8
+
+
+def test_mxfp4_blocks_read_as_transformers_converts_them() -> None:
+    from transformers.integrations import mxfp4
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 4, 16), generator=gen, dtype=torch.uint8)  # [E, rows, K/32, 16]
+    scales = torch.randint(127 - 20, 127 + 20, (3, 8, 4), generator=gen, dtype=torch.uint8)
+    ours = dequantize_mxfp4(blocks, scales)  # [E, rows, K]
+    theirs = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, K, rows]
+    assert torch.equal(ours, theirs.transpose(1, 2))
