@@ -324,12 +324,6 @@ class Engine(Prefills):
         """Tokens in each running sequence's cache."""
         return {seq_id: int(self._lengths[r]) for r, seq_id in enumerate(self._ids)}
 
-    # -- steps -------------------------------------------------------------------------------------------
-
-    # -- preemption ----------------------------------------------------------------------------------------
-
-    # -- internals ---------------------------------------------------------------------------------------
-
 
 def _draft_engine(bundle: Bundle, settings: EngineSettings) -> Engine:
     """The draft model's engine (one row, kept by speculation.DraftModel between two proposals), warmed

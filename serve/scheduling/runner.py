@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 class BatchRunner(TokenDelivery):
     """Admission and engine steps; every method but `enqueue`, `reject_waiting`, `wake` runs on one thread."""
 
-    # -- the engine thread ---------------------------------------------------------------------------------
     def step(self) -> list[Delivery]:
         """Drop cancelled/expired requests, join a prefill beside the decode steps once due, then run the
         step's plan: one prefill (admission) or one decode step."""
