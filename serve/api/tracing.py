@@ -13,12 +13,12 @@ from __future__ import annotations
 import contextvars
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from serve.api.common import CallRecord
+    from serve.scheduling.request import FinishEvent
 
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C Trace Context
 # The caller's trace context, set by each front end where a call starts (a task of its own).
@@ -36,6 +36,28 @@ def take_trace_context(headers: Iterable[tuple[str, str]]) -> None:
 def trace_context() -> dict[str, str] | None:
     """The trace headers the current call came with, if any."""
     return _carrier.get()
+
+
+class TracedCall(Protocol):
+    """What a span tells of a finished call (serve/api/common.py `CallRecord` is one): tracing needs no more
+    of the front ends, which import it."""
+
+    @property
+    def rpc(self) -> str: ...
+    @property
+    def started(self) -> float: ...  # time.perf_counter() at its arrival
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def code(self) -> str: ...
+    @property
+    def status(self) -> int | None: ...
+    @property
+    def error(self) -> str: ...
+    @property
+    def finish(self) -> FinishEvent | None: ...
+    @property
+    def trace(self) -> dict[str, str] | None: ...
 
 
 class RequestTracer:
@@ -63,7 +85,7 @@ class RequestTracer:
 
         return cls(OTLPSpanExporter(endpoint=endpoint))
 
-    def record(self, record: CallRecord) -> None:
+    def record(self, record: TracedCall) -> None:
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
         now = time.time_ns()
@@ -84,7 +106,7 @@ class RequestTracer:
         self._provider.shutdown()
 
 
-def attributes(record: CallRecord) -> dict[str, Any]:
+def attributes(record: TracedCall) -> dict[str, Any]:
     out: dict[str, Any] = {
         "textgen.rpc": record.rpc,
         "textgen.request_id": record.request_id,

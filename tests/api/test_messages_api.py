@@ -26,7 +26,7 @@ from running_server import RunningServer
 from server_tools import LoopThread
 from test_http_tools import WEATHER, serve_with_template
 
-from serve.api.openai.messages import MessagesRenderer
+from serve.api.anthropic.messages import MessagesRenderer
 
 TOKEN = "s3cret"
 SYSTEM = "You answer briefly."

@@ -17,13 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread
 
-from serve.api.metrics import (
-    GATEWAY_ALIASES,
-    INTER_TOKEN_BUCKETS,
-    QUEUEING_LATENCY_BUCKETS,
-    TOKEN_COUNT_BUCKETS,
-    Metrics,
-)
+from serve.api.metrics import GATEWAY_ALIASES, Metrics
+from serve.api.metrics.shapes import INTER_TOKEN_BUCKETS, QUEUEING_LATENCY_BUCKETS, TOKEN_COUNT_BUCKETS
 
 # The families issue 7 asks for (the parser names counters without `_total` and info metrics with `_info`).
 EXPECTED_FAMILIES = {

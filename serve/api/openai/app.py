@@ -4,7 +4,7 @@
     POST /v1/completions         prompt(s) as text or token ids; echo, logprobs, n, stream, ...
     POST /v1/chat/completions    messages rendered with the bundle's chat template (serve/api/chat.py)
     POST /v1/responses           OpenAI's Responses API, stateless: served as the chat it means (responses.py)
-    POST /v1/messages            Anthropic's Messages API, served as the chat it means (messages.py)
+    POST /v1/messages            Anthropic's Messages API, served as the chat it means (serve/api/anthropic/)
     POST /v1/messages/count_tokens  the tokens of a Messages request's prompt
     POST /tokenize, /detokenize  a prompt's or a chat's token ids, and back
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter  vLLM's, with --lora-runtime-updates (else 404)
@@ -17,8 +17,9 @@ Handlers submit to the same scheduler directly, on the event loop. `X-Request-Id
 echoed; it is the request id of the log line and of an INTERNAL error's message. A client that goes away
 cancels its request at the next engine step, streamed or not.
 
-The generation routes share one handler (`_generate`): the body's translation (translate.py) and its
-route's renderer (completions.py, chat.py, responses.py, messages.py), run by serving.py's skeleton.
+The generation routes share one handler (`_generate`): the body's translation (translate_*.py) and its
+route's renderer (completions.py, chat.py, responses.py, anthropic/messages.py), run by serving.py's
+skeleton.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from serve.api.adapters import load_adapter, unload_adapter
+from serve.api.anthropic.messages import MessagesRenderer
+from serve.api.anthropic.protocol import (
+    AnthropicError,
+    MessageObject,
+    MessagesInput,
+    MessagesRequest,
+    TokenCount,
+)
+from serve.api.anthropic.translate import messages_plan, messages_prompt
 from serve.api.common import CallRecord, LoadedModel
 from serve.api.config import ServerSettings
 from serve.api.metrics import Metrics
@@ -39,14 +49,6 @@ from serve.api.openai.completions import CompletionRenderer
 from serve.api.openai.errors import Accounting
 from serve.api.openai.front_door import FrontDoor
 from serve.api.openai.logprobs import Vocabulary
-from serve.api.openai.messages import MessagesRenderer
-from serve.api.openai.messages_protocol import (
-    AnthropicError,
-    MessageObject,
-    MessagesInput,
-    MessagesRequest,
-    TokenCount,
-)
 from serve.api.openai.paths import (
     CHAT,
     COMPLETIONS,
@@ -79,23 +81,13 @@ from serve.api.openai.protocol import (
 )
 from serve.api.openai.responses import ResponsesRenderer
 from serve.api.openai.serving import Renderer, Serving
-from serve.api.openai.translate import (
-    chat_messages,
-    chat_plan,
-    completion_plan,
-    messages_plan,
-    messages_prompt,
-    named_model,
-    responses_plan,
-    with_adapter,
-)
+from serve.api.openai.translate import named_model, with_adapter
+from serve.api.openai.translate_chat import chat_messages, chat_plan
+from serve.api.openai.translate_completions import completion_plan
+from serve.api.openai.translate_responses import responses_plan
 from serve.api.state import ServingState
 from serve.api.tracing import RequestTracer
-from serve.api.validation import (
-    PRIORITY_HEADER,
-    header_priority,
-    token_ids,
-)
+from serve.api.validation import PRIORITY_HEADER, header_priority, token_ids
 from serve.errors import Draining, InvalidRequest
 
 # The error statuses a route may answer with, each in OpenAI's error shape (/openapi.json says so).

@@ -9,7 +9,7 @@ from typing import Any
 
 from serve.api.openai.logprobs import Vocabulary, chat_logprobs
 from serve.api.openai.serving import ChunkRenderer, finish_reason
-from serve.api.openai.translate import ChatPlan
+from serve.api.openai.translate_chat import ChatPlan
 from serve.api.tool_calls import Reply
 from serve.engine.sampling import Alternatives
 from serve.scheduling.request import Completion, FinishEvent, TokenEvent

@@ -31,8 +31,8 @@ from serve.engine.sampling import MAX_TOP_LOGPROBS
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each takes n rows)
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
-# What /openapi.json says of lengths the routes check themselves (translate.py, validation.py), so a client or
-# a fuzzer generated from the schema knows them. Said in the schema only: pydantic would refuse them first
+# What /openapi.json says of lengths the routes check themselves (translate_*.py, validation.py), so a client
+# or a fuzzer generated from the schema knows them. Said in the schema only: pydantic would refuse them first
 # in its own words (for the prompt, once per member of its union), not with the routes' messages, which name
 # the empty field.
 NOT_EMPTY = Field(json_schema_extra={"minLength": 1})

@@ -1,7 +1,7 @@
 """/v1/responses' answers: OpenAI's `response` object, whole or as the Responses API's typed events.
 
-The request is served as the chat it means (translate.py `responses_plan`), and its text is read as its
-tools say (serve/api/tool_calls.py `Reply`) into output items: a message of output_text (with its tokens'
+The request is served as the chat it means (translate_responses.py `responses_plan`), and its text is read as
+its tools say (serve/api/tool_calls.py `Reply`) into output items: a message of output_text (with its tokens'
 logprobs when `include` asks for them), function_call items. A stream opens with response.created and
 response.in_progress as soon as the request is submitted, before its first token; then each item in turn is
 added (response.output_item.added), grows (response.output_text.delta, response.function_call_arguments.delta)
@@ -19,7 +19,7 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from serve.api.http_status import HttpError
 from serve.api.openai.logprobs import Vocabulary, chat_logprobs
@@ -37,12 +37,11 @@ from serve.api.openai.protocol import (
 )
 from serve.api.openai.request_events import plan_usage
 from serve.api.openai.serving import Renderer, context_filled, finish_reason
-from serve.api.openai.translate import ResponsesPlan
-from serve.api.tool_calls import Reply, ToolPlan
+from serve.api.openai.translate_responses import ResponsesPlan
+from serve.api.reply_blocks import ApiEvent, Ended, ReplyBlocks
+from serve.api.tool_calls import ToolPlan
 from serve.engine.sampling import Alternatives
 from serve.scheduling.request import Completion, Event, FinishEvent
-
-Ended = Literal["completed", "incomplete"]
 
 
 @dataclass
@@ -83,57 +82,42 @@ class _Call:
         }
 
 
-class _Output:
-    """A response's output items as its text comes, in the order they begin (an item's place is its
-    output_index), and the events each piece of text makes (numbered when sent). One item is open at a
-    time: adding the next one ends the one before, completed."""
+class _Output(ReplyBlocks[_Message, _Call]):
+    """A response's output items as its text comes (ReplyBlocks: an item's place is its output_index), and
+    the events each piece of text makes (numbered when sent). The text is one message's, its item added at
+    its first text; adding the next item ends the one before, completed."""
 
     def __init__(self, tools: ToolPlan) -> None:
-        self._reply = Reply(tools)
+        super().__init__(tools)
         self._message = _Message(f"msg_{uuid.uuid4().hex}")
-        self._calls: dict[int, _Call] = {}  # by the call's index in the reply
         self._places: dict[str, int] = {}  # an item's id -> its output_index
         self._ended: dict[str, Ended] = {}  # the items done, by id -> how they ended
-        self.items: list[_Message | _Call] = []
 
-    def feed(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> list[dict[str, Any]]:
+    def feed(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> list[ApiEvent]:
         """The events of this piece of text; `logprobs`: its tokens' (they are the message's: logprobs are
-        served without tools, whose output is all message)."""
-        content, pieces = self._reply.read(text)
-        events = self._text(content, logprobs)
-        for piece in pieces:
-            if piece.name is not None:
-                assert piece.id is not None  # a call's first piece names it
-                self._calls[piece.index] = _Call(piece.id, piece.name)
-                events += self._open(self._calls[piece.index])
-            events += self._arguments(self._calls[piece.index], piece.arguments)
-        return events
+        served without tools, whose output is all message). Tokens of no text yet keep theirs for the next
+        delta, or the done events."""
+        self._message.logprobs += logprobs
+        return super().feed(text)
 
-    def finish(self, reason: str, status: Ended) -> list[dict[str, Any]]:
+    def finish(self, reason: str, status: Ended) -> list[ApiEvent]:
         """The events that end the output: what was held to the end (auto's content and calls), then the
         last item done with `status`."""
-        content, calls, _ = self._reply.end(reason)
-        events = self._text(content)
-        for index, whole in enumerate(calls):
-            if index not in self._calls:  # auto's calls are read at the end
-                call = self._calls[index] = _Call(whole.id, whole.name)
-                events += self._open(call) + self._arguments(call, whole.arguments)
-        if not self.items:  # an answer of nothing is an empty message
-            events += self._open(self._message)
+        events, _ = self._end(reason)
+        if not self.blocks:  # an answer of nothing is an empty message
+            events += self._begin(self._message)
         return events + self._close(status)
 
     def output(self, status: ItemStatus) -> list[OutputMessage | FunctionCallOut]:
         """The items: those done as they ended, the open one with `status`."""
-        return [item.item(self._ended.get(item.id, status)) for item in self.items]
+        return [item.item(self._ended.get(item.id, status)) for item in self.blocks]
 
-    def _text(self, text: str, logprobs: Sequence[TokenLogprob] = ()) -> list[dict[str, Any]]:
+    def _text(self, text: str) -> list[ApiEvent]:
         message = self._message
-        if not text:  # tokens of no text yet: their logprobs go with the next delta, or the done events
-            message.logprobs += logprobs
+        if not text:
             return []
-        events = [] if message.id in self._places else self._open(message)
+        events = [] if message.id in self._places else self._begin(message)
         message.text += text
-        message.logprobs += logprobs
         delta = {
             "type": "response.output_text.delta",
             **self._where(message),
@@ -144,19 +128,17 @@ class _Output:
         message.sent = len(message.logprobs)
         return [*events, delta]
 
-    def _arguments(self, call: _Call, piece: str) -> list[dict[str, Any]]:
-        if not piece:
-            return []
-        call.arguments += piece
+    def _call(self, call_id: str, name: str) -> _Call:
+        return _Call(call_id, name)
+
+    def _grown(self, call: _Call, piece: str) -> list[ApiEvent]:
         return [{"type": "response.function_call_arguments.delta", **self._where(call), "delta": piece}]
 
-    def _open(self, item: _Message | _Call) -> list[dict[str, Any]]:
-        events = self._close("completed")  # items do not overlap: the one before is done first
-        place = self._places[item.id] = len(self.items)
-        self.items.append(item)
-        events.append(
+    def _opened(self, item: _Message | _Call) -> list[ApiEvent]:
+        place = self._places[item.id] = len(self.blocks) - 1
+        events: list[ApiEvent] = [
             {"type": "response.output_item.added", "output_index": place, "item": item.item("in_progress")}
-        )
+        ]
         if isinstance(item, _Message):
             events.append(
                 {
@@ -168,17 +150,13 @@ class _Output:
             )
         return events
 
-    def _close(self, status: Ended) -> list[dict[str, Any]]:
-        """The events that end the open item with `status` (none if no item is open)."""
-        if not self.items or self.items[-1].id in self._ended:
-            return []
-        item = self.items[-1]
-        self._ended[item.id] = status
+    def _closed(self, item: _Message | _Call, ended: Ended) -> list[ApiEvent]:
+        self._ended[item.id] = ended
         where = self._where(item)
         done = {
             "type": "response.output_item.done",
             "output_index": where["output_index"],
-            "item": item.item(status),
+            "item": item.item(ended),
         }
         if isinstance(item, _Call):
             arguments = {

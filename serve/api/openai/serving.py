@@ -1,11 +1,11 @@
 """The one serving skeleton of /v1/completions, /v1/chat/completions, /v1/responses and /v1/messages.
 
-A route's translation (translate.py) makes a `Plan`; its `Renderer` (completions.py, chat.py, responses.py,
-messages.py) says what the answer looks like; `Serving.run` submits the plan's requests and answers when they
-are done, with the whole body, or as they go, with a stream of server-sent events. A stream begins with its
-first event, so a request refused before it (a constraint llguidance rejects, a drain, a failed prefill)
-gets its HTTP status and one whose client leaves while queued is cancelled, unless its renderer opens the
-stream at once (/v1/responses' response.created); an error after the stream began is the route's failure
+A route's translation (translate_*.py) makes a `Plan`; its `Renderer` (completions.py, chat.py, responses.py,
+anthropic/messages.py) says what the answer looks like; `Serving.run` submits the plan's requests and answers
+when they are done, with the whole body, or as they go, with a stream of server-sent events. A stream begins
+with its first event, so a request refused before it (a constraint llguidance rejects, a drain, a failed
+prefill) gets its HTTP status and one whose client leaves while queued is cancelled, unless its renderer opens
+the stream at once (/v1/responses' response.created); an error after the stream began is the route's failure
 events, then the end of the stream. Either way the call is accounted once, when it ends. A route may keep a
 quiet stream alive (/v1/messages pings while its request waits for the engine): its stream begins with the
 first event, or once it has waited that long for one.

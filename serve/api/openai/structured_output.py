@@ -1,5 +1,6 @@
 """What a generation request's output must match: OpenAI's response_format (a Responses request's
-text.format, a Messages request's output_config.format), vLLM's structured-output fields, or the call a
+text.format; serve/api/anthropic/translate.py reads a Messages request's output_config.format with
+`constraint_of`), vLLM's structured-output fields, or the call a
 tool_choice forces, as the neutral `Constraint` the engine enforces token by token
 (serve/engine/constraints.py)."""
 
@@ -8,14 +9,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from serve.api.openai.messages_protocol import OutputConfig
 from serve.api.openai.protocol import ChatCompletionRequest, SamplingRequest
 from serve.api.tool_calls import ToolPlan
 from serve.engine.types import Constraint
 from serve.errors import InvalidRequest
 
 
-def _constraint_of(kind: str, value: Any, where: str) -> Constraint:
+def constraint_of(kind: str, value: Any, where: str) -> Constraint:
     """vLLM's structured-output kinds (guided_* and structured_outputs.*) as a neutral constraint, whose
     errors name the field `where`."""
     return replace(_constraint_kind(kind, value, where), source=where)
@@ -56,7 +56,7 @@ def _response_format(value: Any) -> Constraint | None:
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or "schema" not in spec:
         raise InvalidRequest('response_format.json_schema needs a schema: {"name": ..., "schema": {...}}')
-    return _constraint_of("json", spec["schema"], "response_format.json_schema.schema")
+    return constraint_of("json", spec["schema"], "response_format.json_schema.schema")
 
 
 def text_format(text: dict[str, Any] | None) -> Constraint | None:
@@ -72,14 +72,7 @@ def text_format(text: dict[str, Any] | None) -> Constraint | None:
         raise InvalidRequest(
             'text.format needs a schema: {"type": "json_schema", "name": ..., "schema": {...}}'
         )
-    return _constraint_of("json", value["schema"], "text.format.schema")
-
-
-def output_format(config: OutputConfig | None) -> Constraint | None:
-    """A Messages request's `output_config.format`: its JSON schema, as text.format's."""
-    if config is None or config.format is None:
-        return None
-    return _constraint_of("json", config.format.json_schema, "output_config.format.schema")
+    return constraint_of("json", value["schema"], "text.format.schema")
 
 
 def structured_output(body: SamplingRequest) -> Constraint | None:
@@ -94,7 +87,7 @@ def structured_output(body: SamplingRequest) -> Constraint | None:
             found.append(("response_format", constraint))
     for kind in ("json", "regex", "choice", "grammar"):
         if extra.get(f"guided_{kind}") is not None:
-            found.append((f"guided_{kind}", _constraint_of(kind, extra[f"guided_{kind}"], f"guided_{kind}")))
+            found.append((f"guided_{kind}", constraint_of(kind, extra[f"guided_{kind}"], f"guided_{kind}")))
     outputs = extra.get("structured_outputs")
     if outputs is not None:
         if not isinstance(outputs, dict):
@@ -102,7 +95,7 @@ def structured_output(body: SamplingRequest) -> Constraint | None:
         for kind in ("json", "regex", "choice", "grammar"):
             if outputs.get(kind) is not None:
                 where = f"structured_outputs.{kind}"
-                found.append((where, _constraint_of(kind, outputs[kind], where)))
+                found.append((where, constraint_of(kind, outputs[kind], where)))
     if len(found) > 1:
         raise InvalidRequest(
             f"give one structured-output constraint, not {len(found)}: {[w for w, _ in found]}"

@@ -18,12 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from serve.api.anthropic.protocol import MessageObject, MessagesUsage, StopReason, TextOut, ToolUseOut
+from serve.api.anthropic.translate import MessagesPlan
 from serve.api.http_status import HttpError, anthropic_error
 from serve.api.openai.logprobs import Vocabulary
-from serve.api.openai.messages_protocol import MessageObject, MessagesUsage, StopReason, TextOut, ToolUseOut
 from serve.api.openai.serving import Renderer, context_filled, finish_reason
-from serve.api.openai.translate import MessagesPlan
-from serve.api.tool_calls import Reply, ToolPlan
+from serve.api.reply_blocks import ApiEvent, Ended, ReplyBlocks
+from serve.api.tool_calls import ToolPlan
 from serve.scheduling.request import Completion, Event, FinishEvent
 
 # Reply's finish reasons (OpenAI's) as Anthropic's stop reasons; a stop string is told apart by its finish.
@@ -64,54 +65,35 @@ def _tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-class _Content:
-    """A message's content blocks as its text comes, in the order they begin (a block's place is its
-    index), at most one open at a time, and the events (type, data) each piece of text makes.
+class _Content(ReplyBlocks[_Text, _ToolUse]):
+    """A message's content blocks as its text comes (ReplyBlocks), and the events (type, data) each piece
+    of text makes.
 
     Whitespace alone opens no text block: it is held until text follows, and dropped if a tool_use comes
     first or the message ends with blocks (a model writes a newline before its call); a message of nothing
     but whitespace keeps it."""
 
     def __init__(self, tools: ToolPlan) -> None:
-        self._reply = Reply(tools)
-        self._calls: dict[int, _ToolUse] = {}  # by the call's index in the reply
-        self._open = False  # the last block has not been stopped
+        super().__init__(tools)
         self._blank = ""  # whitespace held until a text block begins
-        self.blocks: list[_Text | _ToolUse] = []
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        content, pieces = self._reply.read(text)
-        events = self._text(content)
-        for piece in pieces:
-            if piece.name is not None:
-                assert piece.id is not None  # a call's first piece names it
-                self._calls[piece.index] = _ToolUse(_tool_use_id(piece.id), piece.name)
-                events += self._start(self._calls[piece.index])
-            events += self._arguments(self._calls[piece.index], piece.arguments)
-        return events
-
-    def finish(self, reason: str) -> tuple[list[dict[str, Any]], str]:
+    def finish(self, reason: str) -> tuple[list[ApiEvent], str]:
         """The events that end the content (what was held to the end: auto's text and calls, then the last
         block stopped) and Reply's finish reason."""
-        content, calls, reason = self._reply.end(reason)
-        events = self._text(content)
-        for index, whole in enumerate(calls):
-            if index not in self._calls:  # auto's calls are read at the end
-                call = self._calls[index] = _ToolUse(_tool_use_id(whole.id), whole.name)
-                events += self._start(call) + self._arguments(call, whole.arguments)
+        events, reason = self._end(reason)
         blank, self._blank = self._blank, ""
         if blank and not self.blocks:
             events += self._text(blank, blank=True)
-        return events + self._stop(), reason
+        return events + self._close("completed"), reason
 
     def content(self) -> list[Block]:
         return [block.block(whole=True) for block in self.blocks]
 
-    def _text(self, text: str, blank: bool = False) -> list[dict[str, Any]]:
+    def _text(self, text: str, blank: bool = False) -> list[ApiEvent]:
         """The events of more text: a text block's delta, the block started first unless one is open."""
         if not text:
             return []
-        last = self.blocks[-1] if self._open else None
+        last = self.blocks[-1] if self._is_open else None
         events = []
         if not isinstance(last, _Text):
             text, self._blank = self._blank + text, ""
@@ -119,31 +101,25 @@ class _Content:
                 self._blank = text
                 return []
             last = _Text()
-            events = self._start(last)
+            events = self._begin(last)
         last.text += text
         return [*events, self._delta({"type": "text_delta", "text": text})]
 
-    def _arguments(self, call: _ToolUse, piece: str) -> list[dict[str, Any]]:
-        if not piece:
-            return []
-        call.arguments += piece
-        return [self._delta({"type": "input_json_delta", "partial_json": piece})]
+    def _call(self, call_id: str, name: str) -> _ToolUse:
+        return _ToolUse(_tool_use_id(call_id), name)
 
-    def _start(self, block: _Text | _ToolUse) -> list[dict[str, Any]]:
-        events, self._blank = self._stop(), ""
-        self.blocks.append(block)
-        self._open = True
+    def _opened(self, block: _Text | _ToolUse) -> list[ApiEvent]:
+        self._blank = ""
         index = len(self.blocks) - 1
-        start = {"type": "content_block_start", "index": index, "content_block": block.block(whole=False)}
-        return [*events, start]
+        return [{"type": "content_block_start", "index": index, "content_block": block.block(whole=False)}]
 
-    def _stop(self) -> list[dict[str, Any]]:
-        if not self._open:
-            return []
-        self._open = False
+    def _closed(self, block: _Text | _ToolUse, ended: Ended) -> list[ApiEvent]:
         return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
 
-    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+    def _grown(self, call: _ToolUse, piece: str) -> list[ApiEvent]:
+        return [self._delta({"type": "input_json_delta", "partial_json": piece})]
+
+    def _delta(self, delta: dict[str, Any]) -> ApiEvent:
         return {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
 
 

@@ -1,5 +1,5 @@
 """Anthropic's Messages API on the wire: its request bodies (pydantic) and its answer (typed dicts), as
-protocol.py has OpenAI's.
+serve/api/openai/protocol.py has OpenAI's.
 
 A request takes Anthropic's fields (`system`, `messages` of text, tool_use and tool_result blocks,
 `max_tokens`, required, `stop_sequences`, `tools` with an `input_schema`, `tool_choice` auto / any / tool /
