@@ -30,11 +30,13 @@ from export.moe import Experts, ExpertsConfig
 Positions = Literal["learned", "sinusoidal", "rotary"]
 Activation = Literal["gelu", "relu", "gelu_tanh", "swiglu"]
 Norm = Literal["layer", "rms"]
+QKNormScope = Literal["head", "projection"]
 RopeScaling = Literal["none", "linear", "llama3", "yarn"]
 KV = tuple[Tensor, Tensor]
 
 ACTIVATIONS = ("gelu", "relu", "gelu_tanh", "swiglu")
 NORMS = ("layer", "rms")
+QK_NORM_SCOPES = ("head", "projection")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 
 
@@ -61,7 +63,7 @@ class DecoderConfig:
     out_bias: bool = True
     mlp_bias: bool = True
     qk_norm: bool = False  # a norm over each head of q and of k, before RoPE (Qwen3)
-    qk_norm_whole: bool = False  # with qk_norm: over the whole q and k projections instead (OLMoE)
+    qk_norm_scope: QKNormScope = "head"  # "projection": one norm over all heads of q, one of k (OLMoE)
     sliding_window: int = 0  # W > 0: a query sees the last W keys, itself included (Mistral); 0: all
     rope_scaling: RopeScaling = "none"  # of the rotary frequencies; see rope_frequencies
     rope_factor: float = 1.0  # linear, llama3
@@ -98,6 +100,8 @@ class DecoderConfig:
             raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, not {self.activation!r}")
         if self.norm not in NORMS:
             raise ValueError(f"norm must be layer or rms, not {self.norm!r}")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"qk_norm_scope must be head or projection, not {self.qk_norm_scope!r}")
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
         if self.rope_scaling not in ROPE_SCALINGS:
@@ -255,8 +259,8 @@ class Attention(nn.Module):
         # One projection for q, k and v: rows [0, H*Dh) are q, then Hkv*Dh of k, then Hkv*Dh of v.
         self.qkv = nn.Linear(cfg.d_model, self.q_dim + 2 * self.kv_dim, bias=cfg.qkv_bias)
         self.out = nn.Linear(self.q_dim, cfg.d_model, bias=cfg.out_bias)
-        self.qk_norm_whole = cfg.qk_norm_whole
-        q_norm_dim, k_norm_dim = (cfg.q_dim, cfg.kv_dim) if cfg.qk_norm_whole else (cfg.head_dim,) * 2
+        self.per_head_norm = cfg.qk_norm_scope == "head"
+        q_norm_dim, k_norm_dim = (cfg.head_dim,) * 2 if self.per_head_norm else (cfg.q_dim, cfg.kv_dim)
         self.q_norm = make_norm(cfg, q_norm_dim) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, k_norm_dim) if cfg.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sinks else None
@@ -273,12 +277,11 @@ class Attention(nn.Module):
         self, x: Tensor, bias: Tensor, past: KV, rotary: tuple[Tensor, Tensor] | None
     ) -> tuple[Tensor, KV]:
         q, k, v = self.qkv(x).split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
-        whole = self.q_norm is not None and self.k_norm is not None and self.qk_norm_whole
-        if whole and self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # over all heads together
+        if self.q_norm is not None and self.k_norm is not None and not self.per_head_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # over all heads at once
         q = self.split_heads(q, self.n_heads)  # [B,H,S,Dh]
         k, v = self.split_heads(k, self.kv_heads), self.split_heads(v, self.kv_heads)  # [B,Hkv,S,Dh]
-        if not whole and self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # over Dh, each head on its own
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)

@@ -229,7 +229,7 @@ def build_inplace_graph(model: Decoder, lora: LoraLayout | None = None) -> onnx.
                 outputs=[f"{p}.attn.q", f"{p}.attn.k", f"{p}.attn.v"],
                 axis=-1,
             )
-            if cfg.qk_norm_whole:
+            if cfg.qk_norm_scope == "projection":
                 q = g.norm(q, attn.q_norm, f"{p}.attn.q_norm")
                 k = g.norm(k, attn.k_norm, f"{p}.attn.k_norm")
             else:
