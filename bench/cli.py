@@ -37,6 +37,7 @@ SCENARIOS: dict[str, str] = {
     "batch-invariance": "which weight formats a row computes alone as batched",
     "hf": "a Qwen2.5-0.5B-shaped Hugging Face folder, exported and served",
     "c-llama": "make C-llama (373M, random weights), the served benchmarks' model",
+    "c-moe": "make C-moe (Qwen3-MoE, 0.60B of which 0.10B active, random weights), for served-peers",
     "gpu-check": "TensorRT and CUDA sessions against CPU (needs a GPU)",
 }
 

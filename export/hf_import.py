@@ -14,10 +14,12 @@ Families (`SUPPORTED_ARCHITECTURES`):
 - mixtures of experts (export/moe.py), Llama-like attention with sparse SwiGLU feed-forward layers:
   Qwen3-MoE (Qwen3's attention; norm_topk_prob; dense layers by mlp_only_layers and decoder_sparse_step),
   OLMoE (q/k RMSNorm over the whole projection, not per head; norm_topk_prob), Mixtral (Mistral's
-  attention; top-k weights renormalized).
+  attention; top-k weights renormalized), gpt-oss (attention sinks and biases, YaRN, every layer sliding or
+  every layer full; softmax over the top-k logits, clamped SwiGLU, expert biases; experts dense or MXFP4).
 config.json may be in transformers 4 form (rope_theta and rope_scaling at the top level, torch_dtype) or 5
-(rope_parameters with rope_theta inside, dtype). RoPE types whose tables depend on the sequence length
-(dynamic, yarn, longrope, ...) are refused by name: the graphs precompute one cos/sin table.
+(rope_parameters with rope_theta inside, dtype). RoPE: default, linear, llama3 and YaRN (fixed tables, scaled
+by its attention factor); types whose tables depend on the sequence length (dynamic, longrope, ...) are
+refused by name: the graphs precompute one cos/sin table.
 
 Every problem with the folder is an `HFImportError`: one line naming the file, the problem and what to do.
 """
@@ -40,8 +42,9 @@ from tokenizers import Tokenizer
 from export.lora import PROJECTIONS, projection_features
 from export.model import Decoder, DecoderConfig
 from export.moe import ExpertsConfig, Routing
+from export.mxfp4 import dequantize_mxfp4
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "OlmoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "OlmoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 LLAMA_LIKE = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -55,12 +58,14 @@ ATTENTION_OF = {
     "Qwen3MoeForCausalLM": "Qwen3ForCausalLM",
     "MixtralForCausalLM": "MistralForCausalLM",
     "OlmoeForCausalLM": "LlamaForCausalLM",
+    "GptOssForCausalLM": "LlamaForCausalLM",
 }
 QK_NORM = ("Qwen3ForCausalLM", "OlmoeForCausalLM")  # of the attention families (OLMoE: whole projections)
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Scalings whose cos/sin depend on the current sequence length (or switch tables past a length).
-LENGTH_DEPENDENT_ROPE = ("dynamic", "yarn", "longrope", "su", "ntk")
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope", "su", "ntk")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MXFP4_SUFFIXES = ("_blocks", "_scales")  # gpt-oss's MXFP4 expert weights (export/mxfp4.py)
 
 CONFIG_FILE = "config.json"
 MISMATCH = "the config does not match the weights; use the config.json that came with them"
@@ -245,13 +250,44 @@ def _rope_fields(f: _Fields, context_length: int) -> dict[str, Any]:
             "rope_high_freq_factor": p.number("high_freq_factor", 4.0),
             "rope_original_context": p.integer("original_max_position_embeddings", context_length),
         }
+    elif kind == "yarn":
+        original = p.integer("original_max_position_embeddings", context_length)
+        factor = p.number("factor", context_length / original)
+        truncate = params.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise f.refuse(f"RoPE 'truncate' must be true or false, found {truncate!r}")
+        fields |= {
+            "rope_scaling": "yarn",
+            "rope_factor": factor,
+            "rope_original_context": original,
+            "rope_beta_fast": p.number("beta_fast", 32.0) or 32.0,
+            "rope_beta_slow": p.number("beta_slow", 1.0) or 1.0,
+            "rope_truncate": truncate,
+            "rope_attention_factor": _yarn_attention_factor(p, factor),
+        }
     return fields
+
+
+def _yarn_attention_factor(p: _Fields, factor: float) -> float:
+    """The scale of YaRN's cos and sin: attention_factor if given, else from the factor (and mscale /
+    mscale_all_dim where both are), as transformers' _compute_yarn_parameters."""
+    if p.has("attention_factor"):
+        return p.number("attention_factor", 1.0)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if p.config.get("mscale") and p.config.get("mscale_all_dim"):
+        return mscale(factor, p.number("mscale", 1.0)) / mscale(factor, p.number("mscale_all_dim", 1.0))
+    return mscale(factor)
 
 
 def _sliding_window(f: _Fields, architecture: str, n_layers: int) -> int:
     """Mistral (and Mixtral): every layer attends within sliding_window (null: no window). Qwen2/3 (and
     Qwen3-MoE): only when use_sliding_window, and then only if every layer slides (mixed layer types are
     refused)."""
+    if architecture == "GptOssForCausalLM":
+        return _uniform_layer_types(f, n_layers)
     architecture = ATTENTION_OF.get(architecture, architecture)
     if architecture == "MistralForCausalLM":
         return f.integer("sliding_window") if f.has("sliding_window") else 0
@@ -275,6 +311,20 @@ def _sliding_window(f: _Fields, architecture: str, n_layers: int) -> int:
             f"{f.config.get('max_window_layers')}) are not supported"
         )
     return window
+
+
+def _uniform_layer_types(f: _Fields, n_layers: int) -> int:
+    """gpt-oss's layer_types: every layer sliding (the window), or every one full (0). Its published
+    checkpoints alternate the two, which needs a window per layer: refused."""
+    types = f.config.get("layer_types") or ["full_attention"] * n_layers
+    if set(types) == {"full_attention"}:
+        return 0
+    if set(types) == {"sliding_attention"}:
+        return f.integer("sliding_window")
+    raise f.refuse(
+        f"layer_types alternating {sorted(set(types))} are not supported yet: every layer sliding or every "
+        "layer full only"
+    )
 
 
 def _llama_like_config(f: _Fields, architecture: str) -> DecoderConfig:
@@ -312,9 +362,10 @@ def _llama_like_config(f: _Fields, architecture: str) -> DecoderConfig:
         out_bias=out_bias,
         mlp_bias=mlp_bias,
         qk_norm=architecture in QK_NORM or family in QK_NORM,
-        qk_norm_whole=architecture == "OlmoeForCausalLM",
+        qk_norm_scope="projection" if architecture == "OlmoeForCausalLM" else "head",
         sliding_window=_sliding_window(f, architecture, n_layers),
         experts=_experts_config(f, architecture, n_layers) if architecture in MOE_ARCHITECTURES else None,
+        attention_sinks=architecture == "GptOssForCausalLM",
         **_rope_fields(f, context),
     )
 
@@ -326,6 +377,17 @@ def _experts_config(f: _Fields, architecture: str, n_layers: int) -> ExpertsConf
     routing: Routing = "softmax_topk"
     if architecture == "MixtralForCausalLM" or f.flag("norm_topk_prob", False):
         routing = "softmax_topk_norm"
+    if architecture == "GptOssForCausalLM":  # softmax over the top-k logits; clamped SwiGLU; biases
+        return ExpertsConfig(
+            n_experts=n_experts,
+            top_k=f.integer("num_experts_per_tok"),
+            d_ff=f.integer("intermediate_size"),
+            routing="topk_softmax",
+            activation="swiglu_clamped",
+            swiglu_alpha=f.number("swiglu_alpha", 1.702),
+            swiglu_limit=f.number("swiglu_limit", 7.0),
+            bias=True,
+        )
     dense: set[int] = set()
     width = "intermediate_size"
     if architecture == "Qwen3MoeForCausalLM":  # as Qwen3MoeDecoderLayer chooses its MLP
@@ -410,7 +472,7 @@ def _transposed(name: str) -> _Source:  # GPT-2's Conv1D keeps [in, out]; nn.Lin
     return _Source((name,), lambda ts: ts[0].t().contiguous())
 
 
-def _llama_like_sources(cfg: DecoderConfig, architecture: str) -> dict[str, _Source]:
+def _llama_like_sources(cfg: DecoderConfig, architecture: str, mxfp4: bool = False) -> dict[str, _Source]:
     sources = {"tok_emb.weight": _one("model.embed_tokens.weight"), "ln_f.weight": _one("model.norm.weight")}
     if not cfg.tie_embeddings:
         sources["lm_head.weight"] = _one("lm_head.weight")
@@ -424,7 +486,11 @@ def _llama_like_sources(cfg: DecoderConfig, architecture: str) -> dict[str, _Sou
             f"{ours}.attn.out.weight": _one(f"{attn}.o_proj.weight"),
             f"{ours}.ln_ffn.weight": _one(f"{hf}.post_attention_layernorm.weight"),
         }
-        if cfg.sparse(i):
+        if cfg.attention_sinks:
+            sources[f"{ours}.attn.sinks"] = _one(f"{attn}.sinks")
+        if architecture == "GptOssForCausalLM":
+            sources |= _gpt_oss_experts_sources(f"{hf}.mlp", f"{ours}.ffn", mxfp4)
+        elif cfg.sparse(i):
             sources |= _experts_sources(cfg, architecture, hf, f"{ours}.ffn")
         else:
             sources |= {
@@ -463,6 +529,37 @@ def _experts_sources(cfg: DecoderConfig, architecture: str, hf: str, ours: str) 
         ),
         f"{ours}.down": _Source(tuple(down.format(e) for e in range(n)), torch.stack),
     }
+
+
+def _deinterleaved(t: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's fused gate/up alternate along dim 1 (gate, up, gate, ...): ours are [gate; up]."""
+    return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
+
+
+def _gpt_oss_experts_sources(mlp: str, ours: str, mxfp4: bool) -> dict[str, _Source]:
+    """gpt-oss's router (with a bias) and its experts, fused in the checkpoint: gate_up_proj [E, D, 2F] and
+    down_proj [E, F, D] with biases, or, in its published MXFP4 form, *_blocks / *_scales holding the
+    weights as [E, 2F, D] and [E, D, F] (export/mxfp4.py), read exactly."""
+    experts = f"{mlp}.experts"
+    sources = {
+        f"{ours}.router.weight": _one(f"{mlp}.router.weight"),
+        f"{ours}.router.bias": _one(f"{mlp}.router.bias"),
+        f"{ours}.up_bias": _Source((f"{experts}.gate_up_proj_bias",), lambda ts: _deinterleaved(ts[0])),
+        f"{ours}.down_bias": _one(f"{experts}.down_proj_bias"),
+    }
+    if mxfp4:
+        gate_up = tuple(f"{experts}.gate_up_proj_{part}" for part in ("blocks", "scales"))
+        down = tuple(f"{experts}.down_proj_{part}" for part in ("blocks", "scales"))
+        sources[f"{ours}.up"] = _Source(gate_up, lambda ts: _deinterleaved(dequantize_mxfp4(*ts)))
+        sources[f"{ours}.down"] = _Source(down, lambda ts: dequantize_mxfp4(*ts))
+    else:
+        sources[f"{ours}.up"] = _Source(
+            (f"{experts}.gate_up_proj",), lambda ts: _deinterleaved(ts[0].transpose(1, 2))
+        )
+        sources[f"{ours}.down"] = _Source(
+            (f"{experts}.down_proj",), lambda ts: ts[0].transpose(1, 2).contiguous()
+        )
+    return sources
 
 
 def _gpt2_sources(cfg: DecoderConfig, prefix: str) -> dict[str, _Source]:
@@ -568,6 +665,9 @@ def _read_shard(path: Path, names: list[str] | None) -> Iterator[tuple[str, torc
                     listed = f"tensor {name!r} listed in {WEIGHTS_INDEX_FILE}"
                     raise HFImportError(path, f"{listed} is not in this shard; download it again")
                 tensor = f.get_tensor(name)
+                if tensor.dtype == torch.uint8 and name.endswith(MXFP4_SUFFIXES):
+                    yield name, tensor  # MXFP4 codes and scales, dequantized when combined
+                    continue
                 if tensor.dtype not in FLOAT_DTYPES:
                     raise HFImportError(
                         path,
@@ -583,22 +683,39 @@ def _read_shard(path: Path, names: list[str] | None) -> Iterator[tuple[str, torc
         ) from exc
 
 
+# Families whose tensor names decide the mapping: GPT-2's prefix, gpt-oss's dense or MXFP4 experts.
+NAMES_DECIDE = ("GPT2LMHeadModel", "GptOssForCausalLM")
+
+
+def _tensor_names(files: dict[Path, list[str] | None]) -> list[str]:
+    """The checkpoint's tensor names: the index's, or the single file's."""
+    names = [n for listed in files.values() if listed is not None for n in listed]
+    if names:
+        return names
+    path = next(iter(files))
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except Exception as exc:  # as _read_shard says it
+        raise HFImportError(
+            path, f"not a readable safetensors file ({type(exc).__name__}: {exc}); download it again"
+        ) from exc
+
+
 def load_state_dict(folder: Path | str, architecture: str, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     """The decoder's state dict from the folder's safetensors, shard by shard: each tensor of ours is built
     (and its sources dropped) as soon as the shards read so far hold all its sources."""
     folder = Path(folder)
     files = weight_files(folder)
     config_path = folder / CONFIG_FILE
+    all_names = _tensor_names(files) if architecture in NAMES_DECIDE else []
     if architecture == "GPT2LMHeadModel":
         # GPT-2 checkpoints exist with and without the base model's "transformer." prefix.
-        all_names = [n for names in files.values() if names is not None for n in names]
-        if not all_names:
-            with safe_open(str(next(iter(files))), framework="pt") as f:
-                all_names = list(f.keys())
         prefix = "transformer." if any(n.startswith("transformer.") for n in all_names) else ""
         sources = _gpt2_sources(cfg, prefix)
     else:
-        sources = _llama_like_sources(cfg, architecture)
+        mxfp4 = any(n.endswith(MXFP4_SUFFIXES) for n in all_names)
+        sources = _llama_like_sources(cfg, architecture, mxfp4)
     with torch.device("meta"):
         expected = {k: v.shape for k, v in Decoder(cfg).state_dict().items()}
     wanted = {name for src in sources.values() for name in src.names}

@@ -30,12 +30,14 @@ from export.moe import Experts, ExpertsConfig
 Positions = Literal["learned", "sinusoidal", "rotary"]
 Activation = Literal["gelu", "relu", "gelu_tanh", "swiglu"]
 Norm = Literal["layer", "rms"]
-RopeScaling = Literal["none", "linear", "llama3"]
+QKNormScope = Literal["head", "projection"]
+RopeScaling = Literal["none", "linear", "llama3", "yarn"]
 KV = tuple[Tensor, Tensor]
 
 ACTIVATIONS = ("gelu", "relu", "gelu_tanh", "swiglu")
 NORMS = ("layer", "rms")
-ROPE_SCALINGS = ("none", "linear", "llama3")
+QK_NORM_SCOPES = ("head", "projection")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -61,13 +63,20 @@ class DecoderConfig:
     out_bias: bool = True
     mlp_bias: bool = True
     qk_norm: bool = False  # a norm over each head of q and of k, before RoPE (Qwen3)
-    qk_norm_whole: bool = False  # with qk_norm: over the whole q and k projections instead (OLMoE)
+    qk_norm_scope: QKNormScope = "head"  # "projection": one norm over all heads of q, one of k (OLMoE)
     sliding_window: int = 0  # W > 0: a query sees the last W keys, itself included (Mistral); 0: all
     rope_scaling: RopeScaling = "none"  # of the rotary frequencies; see rope_frequencies
     rope_factor: float = 1.0  # linear, llama3
     rope_low_freq_factor: float = 1.0  # llama3
     rope_high_freq_factor: float = 4.0  # llama3
-    rope_original_context: int = 0  # llama3: the context the model was pretrained with; 0: context_length
+    rope_original_context: int = (
+        0  # llama3, yarn: the context the model was pretrained with; 0: context_length
+    )
+    rope_beta_fast: float = 32.0  # yarn: rotations per original context above which frequencies stay
+    rope_beta_slow: float = 1.0  # yarn: ... below which they are interpolated
+    rope_truncate: bool = True  # yarn: the ramp between them on whole dims
+    rope_attention_factor: float = 1.0  # cos and sin scaled by it (yarn's mscale); 1: unscaled
+    attention_sinks: bool = False  # a learned logit per head beside the keys in the softmax (gpt-oss)
     experts: ExpertsConfig | None = None  # sparse feed-forward layers (export/moe.py); None: dense
 
     def __post_init__(self) -> None:
@@ -91,6 +100,8 @@ class DecoderConfig:
             raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, not {self.activation!r}")
         if self.norm not in NORMS:
             raise ValueError(f"norm must be layer or rms, not {self.norm!r}")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"qk_norm_scope must be head or projection, not {self.qk_norm_scope!r}")
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
         if self.rope_scaling not in ROPE_SCALINGS:
@@ -154,11 +165,14 @@ def sinusoidal_table(length: int, dim: int) -> Tensor:
 def rope_frequencies(cfg: DecoderConfig) -> Tensor:
     """The rotary angle per position of each pair of the head dim, [Dh/2], scaled as cfg says.
 
-    Both scalings are of the frequencies, so the tables do not depend on the sequence length:
+    The scalings are of the frequencies, so the tables do not depend on the sequence length:
     - linear: every frequency / factor (positions interpolated by the factor);
     - llama3: wavelengths shorter than original / high_freq_factor unchanged, longer than
       original / low_freq_factor divided by the factor, and those between interpolated smoothly
-      (transformers' _compute_llama3_parameters).
+      (transformers' _compute_llama3_parameters);
+    - yarn: dims that turn more than beta_fast times over the original context unchanged, fewer than
+      beta_slow times divided by the factor, a linear ramp between (transformers' _compute_yarn_parameters;
+      the attention factor scales the tables, rotary_tables).
     """
     dim = cfg.head_dim
     inv = 1.0 / cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
@@ -174,13 +188,27 @@ def rope_frequencies(cfg: DecoderConfig) -> Tensor:
         smoothed = (1 - smooth) * long_scaled / factor + smooth * long_scaled
         medium = (wavelength >= original / high) & (wavelength <= original / low)
         return torch.where(medium, smoothed, long_scaled)
+    if cfg.rope_scaling == "yarn":
+        original = cfg.rope_original_context or cfg.context_length
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+        low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+        if cfg.rope_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+        extrapolated = 1 - ramp
+        return inv / factor * (1 - extrapolated) + inv * extrapolated
     return inv
 
 
 def rotary_tables(cfg: DecoderConfig) -> tuple[Tensor, Tensor]:
     """cos and sin of the rotary angles, [context_length, Dh/2] each (GPT-NeoX, non-interleaved halves)."""
     angles = torch.arange(cfg.context_length, dtype=torch.float32)[:, None] * rope_frequencies(cfg)[None, :]
-    return torch.cos(angles), torch.sin(angles)
+    scale = cfg.rope_attention_factor
+    return torch.cos(angles) * scale, torch.sin(angles) * scale
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -231,10 +259,11 @@ class Attention(nn.Module):
         # One projection for q, k and v: rows [0, H*Dh) are q, then Hkv*Dh of k, then Hkv*Dh of v.
         self.qkv = nn.Linear(cfg.d_model, self.q_dim + 2 * self.kv_dim, bias=cfg.qkv_bias)
         self.out = nn.Linear(self.q_dim, cfg.d_model, bias=cfg.out_bias)
-        self.qk_norm_whole = cfg.qk_norm_whole
-        q_norm_dim, k_norm_dim = (cfg.q_dim, cfg.kv_dim) if cfg.qk_norm_whole else (cfg.head_dim,) * 2
+        self.per_head_norm = cfg.qk_norm_scope == "head"
+        q_norm_dim, k_norm_dim = (cfg.head_dim,) * 2 if self.per_head_norm else (cfg.q_dim, cfg.kv_dim)
         self.q_norm = make_norm(cfg, q_norm_dim) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, k_norm_dim) if cfg.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sinks else None
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
         # Inspection only: when set, the weights are computed explicitly and kept in `recorded`.
@@ -248,12 +277,11 @@ class Attention(nn.Module):
         self, x: Tensor, bias: Tensor, past: KV, rotary: tuple[Tensor, Tensor] | None
     ) -> tuple[Tensor, KV]:
         q, k, v = self.qkv(x).split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
-        whole = self.q_norm is not None and self.k_norm is not None and self.qk_norm_whole
-        if whole and self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # over all heads together
+        if self.q_norm is not None and self.k_norm is not None and not self.per_head_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # over all heads at once
         q = self.split_heads(q, self.n_heads)  # [B,H,S,Dh]
         k, v = self.split_heads(k, self.kv_heads), self.split_heads(v, self.kv_heads)  # [B,Hkv,S,Dh]
-        if not whole and self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # over Dh, each head on its own
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
@@ -263,10 +291,15 @@ class Attention(nn.Module):
         if self.kv_heads != self.n_heads:  # each key/value head serves H / Hkv consecutive query heads
             k = k.repeat_interleave(self.n_heads // self.kv_heads, dim=1)  # [B,H,T,Dh]
             v = v.repeat_interleave(self.n_heads // self.kv_heads, dim=1)
-        if self.record:
+        if self.record or self.sinks is not None:
             scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim) + bias  # [B,H,S,T]
-            weights = scores.softmax(dim=-1)
-            self.recorded = weights.detach()
+            if self.sinks is None:
+                weights = scores.softmax(dim=-1)
+            else:  # each head's sink takes its share of the softmax and is dropped
+                sink = self.sinks[None, :, None, None].expand(*scores.shape[:-1], 1)
+                weights = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+            if self.record:
+                self.recorded = weights.detach()
             y = weights @ v
         else:
             drop = self.dropout if self.training else 0.0

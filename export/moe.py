@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 
 Routing = Literal["softmax_topk", "softmax_topk_norm", "topk_softmax"]
 ROUTINGS = ("softmax_topk", "softmax_topk_norm", "topk_softmax")
+# swiglu: silu(gate) * up. swiglu_clamped (gpt-oss): gate clamped above at `limit`, up to [-limit, limit],
+# then gate * sigmoid(alpha * gate) * (up + 1).
+ExpertActivation = Literal["swiglu", "swiglu_clamped"]
+EXPERT_ACTIVATIONS = ("swiglu", "swiglu_clamped")
 EXPERTS_NAME = "experts"  # in the names of the serving graph's expert nodes: blocks.{i}.ffn.experts.{e}/...
 ROUTER_SUFFIX = "/router"  # of the router's MatMul: blocks.{i}.ffn/router
 
@@ -51,6 +55,10 @@ class ExpertsConfig:
     d_ff: int  # each expert's hidden width
     routing: Routing = "softmax_topk"
     dense_layers: tuple[int, ...] = ()
+    activation: ExpertActivation = "swiglu"
+    swiglu_alpha: float = 1.702  # swiglu_clamped
+    swiglu_limit: float = 7.0  # swiglu_clamped
+    bias: bool = False  # biases on the router and on each expert's projections (gpt-oss)
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "top_k", "d_ff"):
@@ -61,6 +69,10 @@ class ExpertsConfig:
             raise ValueError(f"experts' top_k ({self.top_k}) exceeds n_experts ({self.n_experts})")
         if self.routing not in ROUTINGS:
             raise ValueError(f"experts' routing must be one of {', '.join(ROUTINGS)}, not {self.routing!r}")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(
+                f"experts' activation must be one of {', '.join(EXPERT_ACTIVATIONS)}, not {self.activation!r}"
+            )
         # A config read back from JSON gives a list: kept as a sorted tuple, so configs compare equal.
         object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in self.dense_layers)))
 
@@ -94,11 +106,13 @@ class Experts(nn.Module):
         super().__init__()
         self.cfg = cfg
         e, f = cfg.n_experts, cfg.d_ff
-        self.router = nn.Linear(d_model, e, bias=False)
+        self.router = nn.Linear(d_model, e, bias=cfg.bias)
         self.up = nn.Parameter(torch.empty(e, 2 * f, d_model))
         self.down = nn.Parameter(torch.empty(e, d_model, f))
         nn.init.normal_(self.up, std=0.02)
         nn.init.normal_(self.down, std=0.02)
+        self.up_bias = nn.Parameter(torch.zeros(e, 2 * f)) if cfg.bias else None
+        self.down_bias = nn.Parameter(torch.zeros(e, d_model)) if cfg.bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [N,D]
@@ -112,8 +126,16 @@ class Experts(nn.Module):
         return out.reshape(x.shape)
 
     def _expert(self, x: Tensor, e: int) -> Tensor:
-        gate, up = F.linear(x, self.up[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down[e])
+        up_bias = None if self.up_bias is None else self.up_bias[e]
+        down_bias = None if self.down_bias is None else self.down_bias[e]
+        gate, up = F.linear(x, self.up[e], up_bias).chunk(2, dim=-1)
+        if self.cfg.activation == "swiglu_clamped":
+            limit = self.cfg.swiglu_limit
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            h = gate * torch.sigmoid(gate * self.cfg.swiglu_alpha) * (up + 1)
+        else:
+            h = F.silu(gate) * up
+        return F.linear(h, self.down[e], down_bias)
 
     def _dense(self, flat: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """Every expert on every token, weighted by 0 where not chosen: the same sums (adding an exact zero
@@ -127,8 +149,11 @@ class Experts(nn.Module):
 
     def active_parameters(self) -> int:
         """Weights one token reads: the router and its top-k experts."""
-        per_expert = self.up[0].numel() + self.down[0].numel()
-        return self.router.weight.numel() + self.cfg.top_k * per_expert
+        per_expert = sum(
+            p[0].numel() for p in (self.up, self.down, self.up_bias, self.down_bias) if p is not None
+        )
+        router = sum(p.numel() for p in self.router.parameters())
+        return router + self.cfg.top_k * per_expert
 
 
 def experts_graph(g: _GraphBuilder, x: str, module: Experts, d_model: int, name: str) -> str:
@@ -141,6 +166,9 @@ def experts_graph(g: _GraphBuilder, x: str, module: Experts, d_model: int, name:
     (logits,) = g.node(
         "MatMul", [flat, g.weight(f"{name}.router.weight_t", router)], f"{name}{ROUTER_SUFFIX}"
     )
+    if module.router.bias is not None:
+        bias = g.weight(f"{name}.router.bias", module.router.bias.detach().numpy())
+        (logits,) = g.node("Add", [logits, bias], f"{name}/router_bias")
     weights, chosen = _routing(g, logits, cfg, name)  # [N,k] each
     (shape,) = g.node("Shape", [flat], f"{name}/shape")
     (acc,) = g.node("ConstantOfShape", [shape], f"{name}/zeros")  # float zeros [N,D]
@@ -154,8 +182,18 @@ def experts_graph(g: _GraphBuilder, x: str, module: Experts, d_model: int, name:
         (rows,) = g.node("Squeeze", [rows, g.const_i64("experts.zero", [0])], f"{p}/rows_1d")  # [m]
         (tokens,) = g.node("Gather", [flat, rows], f"{p}/tokens", axis=0)  # [m,D]
         (h,) = g.node("MatMul", [tokens, g.weight(f"{p}.up.weight_t", up[e].T)], f"{p}/up")  # [m,2F]
-        h = g.swiglu(h, cfg.d_ff, f"{p}/swiglu")
-        (h,) = g.node("MatMul", [h, g.weight(f"{p}.down.weight_t", down[e].T)], f"{p}/out")  # [m,D]
+        if module.up_bias is not None:
+            bias = g.weight(f"{p}.up.bias", module.up_bias[e].detach().numpy())
+            (h,) = g.node("Add", [h, bias], f"{p}/up_bias")
+        h = _activation(g, h, cfg, f"{p}/act")
+        down_bias = None if module.down_bias is None else module.down_bias[e].detach().numpy()
+        (h,) = g.node(
+            "MatMul",
+            [h, g.weight(f"{p}.down.weight_t", down[e].T)],
+            f"{p}/out" if down_bias is None else f"{p}/down",
+        )  # [m,D]
+        if down_bias is not None:  # the expert's output is named {p}/out either way (pad_expert_rows)
+            (h,) = g.node("Add", [h, g.weight(f"{p}.down.bias", down_bias)], f"{p}/out")
         (w,) = g.node("GatherND", [weights, pairs], f"{p}/weight")  # [m]
         (w,) = g.node("Unsqueeze", [w, g.const_i64("experts.one", [1])], f"{p}/weight_col")  # [m,1]
         (h,) = g.node("Mul", [h, w], f"{p}/weighted")
@@ -163,6 +201,30 @@ def experts_graph(g: _GraphBuilder, x: str, module: Experts, d_model: int, name:
         (acc,) = g.node("ScatterND", [acc, idx, h], f"{p}/add", reduction="add")
     (x_shape,) = g.node("Shape", [x], f"{name}/x_shape")
     return g.node("Reshape", [acc, x_shape], f"{name}/out")[0]
+
+
+def _activation(g: _GraphBuilder, h: str, cfg: ExpertsConfig, name: str) -> str:
+    """The experts' activation of h [m, 2F] = [gate; up]."""
+    if cfg.activation == "swiglu":
+        return g.swiglu(h, cfg.d_ff, name)
+    gate, up = g.node(
+        "Split",
+        [h, g.const_i64(f"experts.gate_up_{cfg.d_ff}", [cfg.d_ff, cfg.d_ff])],
+        f"{name}.gate_up",
+        outputs=[f"{name}.gate", f"{name}.up_half"],
+        axis=-1,
+    )
+    limit = cfg.swiglu_limit
+    (gate,) = g.node("Min", [gate, g.scalar(f"experts.limit_{limit}", limit)], f"{name}.gate_clamped")
+    low, high = g.scalar(f"experts.limit_{-limit}", -limit), g.scalar(f"experts.limit_{limit}", limit)
+    (up,) = g.node("Clip", [up, low, high], f"{name}.up_clamped")
+    (scaled,) = g.node(
+        "Mul", [gate, g.scalar(f"experts.alpha_{cfg.swiglu_alpha}", cfg.swiglu_alpha)], f"{name}.scaled"
+    )
+    (sig,) = g.node("Sigmoid", [scaled], f"{name}.sigmoid")
+    (glu,) = g.node("Mul", [gate, sig], f"{name}.glu")
+    (up,) = g.node("Add", [up, g.scalar("experts.one_f", 1.0)], f"{name}.up_plus_one")
+    return g.node("Mul", [glu, up], f"{name}.act")[0]
 
 
 def _routing(g: _GraphBuilder, logits: str, cfg: ExpertsConfig, name: str) -> tuple[str, str]:

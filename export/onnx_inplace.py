@@ -25,7 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from export.model import Decoder, rotary_tables, sinusoidal_table
 from export.moe import Experts, experts_graph
-from serve.bundle import (
+from serve.lora_layout import (
     LORA_POSITIONS_INPUT,
     LORA_ROUTING_INPUTS,
     LORA_ROWS_INPUT,
@@ -43,7 +43,7 @@ class _GraphBuilder:
         self.nodes: list[onnx.NodeProto] = []
         self.lora = lora
         self._lora_branches = {} if lora is None else {b.projection: b for b in lora.branches}
-        self._consts: dict[str, list[int]] = {}
+        self._consts: dict[str, list[int] | float] = {}
         # The weights go straight into the model they end in: helper.make_graph and helper.make_model would
         # each copy every initializer (three copies of the weights alive at once at the peak).
         self.model = onnx.ModelProto()
@@ -58,12 +58,19 @@ class _GraphBuilder:
 
     def const_i64(self, name: str, values: list[int]) -> str:
         """An int64 initializer; asked for again by name, the same one (the LoRA branches share theirs)."""
+        return self._constant(name, values, np.int64)
+
+    def scalar(self, name: str, value: float) -> str:
+        """A float32 scalar initializer; asked for again by name, the same one."""
+        return self._constant(name, value, np.float32)
+
+    def _constant(self, name: str, value: list[int] | float, dtype: type[np.generic]) -> str:
         known = self._consts.get(name)
         if known is None:
-            self._consts[name] = values
-            self.initializers.append(numpy_helper.from_array(np.asarray(values, dtype=np.int64), name))
-        elif known != values:
-            raise ValueError(f"constant {name!r} asked for as {values}, already {known}")
+            self._consts[name] = value
+            self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+        elif known != value:
+            raise ValueError(f"constant {name!r} asked for as {value}, already {known}")
         return name
 
     def node(
@@ -222,7 +229,7 @@ def build_inplace_graph(model: Decoder, lora: LoraLayout | None = None) -> onnx.
                 outputs=[f"{p}.attn.q", f"{p}.attn.k", f"{p}.attn.v"],
                 axis=-1,
             )
-            if cfg.qk_norm_whole:
+            if cfg.qk_norm_scope == "projection":
                 q = g.norm(q, attn.q_norm, f"{p}.attn.q_norm")
                 k = g.norm(k, attn.k_norm, f"{p}.attn.k_norm")
             else:
@@ -239,6 +246,9 @@ def build_inplace_graph(model: Decoder, lora: LoraLayout | None = None) -> onnx.
             "total_sequence_length",
             *rotary_inputs,
         ]
+        if attn.sinks is not None:  # inputs 7-10 (cos, sin, position_ids, attention_bias) before head_sink
+            sinks = g.weight(f"{p}.attn.sinks", attn.sinks.detach().numpy())
+            attn_inputs += [""] * (11 - len(attn_inputs)) + [sinks]
         # The presents are graph outputs directly (no Identity), so a buffer bound to both past and present is
         # written in place rather than copied.
         (y, _, _) = g.node(

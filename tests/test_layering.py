@@ -106,7 +106,52 @@ def test_only_the_http_package_knows_the_web_framework() -> None:
     assert outside == {}
 
 
-@pytest.mark.parametrize("module", ["protocol", "translate", "structured_output", "logprobs"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "openai/protocol",
+        "openai/translate",
+        "openai/translate_completions",
+        "openai/translate_chat",
+        "openai/translate_responses",
+        "openai/structured_output",
+        "openai/logprobs",
+        "anthropic/protocol",
+        "anthropic/translate",
+    ],
+)
 def test_the_http_translation_is_free_of_the_web_framework(module: str) -> None:
-    imported = imports_of((SERVE / "api" / "openai" / f"{module}.py").read_text())
+    imported = imports_of((SERVE / "api" / f"{module}.py").read_text())
     assert sorted(m for m in imported if is_under(m, WEB)) == []
+
+
+def circles(imports: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of a module graph (module -> the modules it imports): each set of two or more
+    modules that reach one another, sorted."""
+    reach: dict[str, set[str]] = {}
+    for start in imports:
+        seen: set[str] = set()
+        todo = list(imports[start])
+        while todo:
+            module = todo.pop()
+            if module in imports and module not in seen:
+                seen.add(module)
+                todo += imports[module]
+        reach[start] = seen
+    found = {tuple(sorted(n for n in reach[m] if m in reach[n])) for m in imports if m in reach[m]}
+    return sorted(list(circle) for circle in found)
+
+
+def test_the_circle_finder_sees_a_circle_through_a_third_module() -> None:
+    graph = {"a": {"b"}, "b": {"c", "os"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("room", ["api"])
+def test_a_room_has_no_import_circle(room: str) -> None:
+    graph = {
+        path.removesuffix(".py").removesuffix("/__init__").replace("/", "."): imported
+        for path, imported in modules(room).items()
+    }
+    assert circles(graph) == []

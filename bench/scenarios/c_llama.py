@@ -79,13 +79,20 @@ def make_tokenizer(out: Path) -> None:
 
 def make_c_llama(out: Path) -> Path:
     """Write C-llama to `out` (created); returns `out`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return save_random(out, lambda: LlamaForCausalLM(LlamaConfig(**SHAPE, **SPECIALS)))
+
+
+def save_random(out: Path, make: Any) -> Path:
+    """`make()`'s model (seeded), its generation config and the stdlib tokenizer, saved in `out` as
+    transformers writes them; returns `out`."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(LlamaConfig(**SHAPE, **SPECIALS)).eval()
-    model.save_pretrained(out, safe_serialization=True)
+    make().eval().save_pretrained(out, safe_serialization=True)
     GenerationConfig(**SPECIALS).save_pretrained(out)
     make_tokenizer(out)
     return out

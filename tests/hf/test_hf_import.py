@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -22,11 +23,13 @@ import numpy as np
 import pytest
 import torch
 from hf_models import (
+    GPT_OSS_YARN,
     PROMPTS,
     WORDS,
     Run,
     build,
     gpt2_config,
+    gpt_oss_config,
     hf_greedy_batch,
     llama_config,
     max_diff,
@@ -85,6 +88,9 @@ CASES: dict[str, Callable[[], PretrainedConfig]] = {
     "qwen3-moe-norm-topk-dense-layer1": lambda: qwen3_moe_config(mlp_only_layers=[1]),
     "olmoe-whole-qk-norm": lambda: olmoe_config(),
     "mixtral-window8": lambda: mixtral_config(sliding_window=8),
+    "gpt-oss-yarn-sinks-window8": lambda: gpt_oss_config(
+        layer_types=["sliding_attention"] * 2, sliding_window=8
+    ),
 }
 
 
@@ -158,12 +164,18 @@ def test_imported_configs_have_the_families_blocks(
     assert (gpt2.norm, gpt2.activation, gpt2.positions) == ("layer", "gelu_tanh", "learned")
     qwen3_moe = cfg["qwen3-moe-norm-topk-dense-layer1"]
     assert qwen3_moe.experts == ExpertsConfig(8, 2, 32, "softmax_topk_norm", (1,))
-    assert qwen3_moe.qk_norm and not qwen3_moe.qk_norm_whole and qwen3_moe.d_ff == 96
+    assert qwen3_moe.qk_norm and qwen3_moe.qk_norm_scope == "head" and qwen3_moe.d_ff == 96
     olmoe = cfg["olmoe-whole-qk-norm"]
-    assert olmoe.experts == ExpertsConfig(8, 2, 32, "softmax_topk") and olmoe.qk_norm_whole
+    assert olmoe.experts == ExpertsConfig(8, 2, 32, "softmax_topk") and olmoe.qk_norm_scope == "projection"
     mixtral = cfg["mixtral-window8"]
     assert mixtral.experts == ExpertsConfig(8, 2, 32, "softmax_topk_norm") and mixtral.sliding_window == 8
     assert DecoderConfig.from_dict(json.loads(json.dumps(qwen3_moe.to_dict()))) == qwen3_moe
+    gpt_oss = cfg["gpt-oss-yarn-sinks-window8"]
+    assert gpt_oss.experts == ExpertsConfig(
+        8, 2, 32, "topk_softmax", activation="swiglu_clamped", swiglu_limit=1.5, bias=True
+    )
+    assert gpt_oss.attention_sinks and gpt_oss.sliding_window == 8 and gpt_oss.qkv_bias and gpt_oss.out_bias
+    assert (gpt_oss.rope_scaling, gpt_oss.rope_factor, gpt_oss.rope_original_context) == ("yarn", 4.0, 32)
     # The KV cache of a grouped-query model holds the key/value heads only.
     _, model, _ = generated["qwen3-qk-norm-head-dim32-kv1"]
     ids = torch.tensor([PROMPTS[0]])
@@ -189,12 +201,14 @@ def test_the_sliding_window_and_rope_scaling_are_what_the_tokens_depend_on(
 def test_the_experts_routing_is_what_the_tokens_depend_on(
     generated: dict[str, tuple[PreTrainedModel, Decoder, Run]],
 ) -> None:
-    """The controls of the mixtures of experts: the top-k weights normalized the other way, or one expert
-    fewer per token, give other tokens."""
+    """The controls of the mixtures of experts: the top-k weights normalized the other way, one expert fewer
+    per token, or gpt-oss's SwiGLU unclamped give other tokens; so do gpt-oss without its attention sinks or
+    without YaRN."""
     for case, change in (
         ("qwen3-moe-norm-topk-dense-layer1", {"routing": "softmax_topk"}),
         ("olmoe-whole-qk-norm", {"routing": "softmax_topk_norm"}),
         ("mixtral-window8", {"top_k": 1}),
+        ("gpt-oss-yarn-sinks-window8", {"swiglu_limit": 100.0}),
     ):
         _, model, ref = generated[case]
         assert model.cfg.experts is not None
@@ -202,6 +216,11 @@ def test_the_experts_routing_is_what_the_tokens_depend_on(
         other = Decoder(replace(model.cfg, experts=experts)).eval()
         other.load_state_dict(model.state_dict())
         assert not np.array_equal(torch_forced(other, PROMPTS, ref.tokens).tokens, ref.tokens), case
+    _, model, ref = generated["gpt-oss-yarn-sinks-window8"]
+    for plain in ({"attention_sinks": False}, {"rope_scaling": "none", "rope_attention_factor": 1.0}):
+        other = Decoder(replace(model.cfg, **plain)).eval()
+        other.load_state_dict(model.state_dict(), strict=False)  # without sinks: no sinks to load
+        assert not np.array_equal(torch_forced(other, PROMPTS, ref.tokens).tokens, ref.tokens), plain
 
 
 @pytest.mark.parametrize(
@@ -212,8 +231,29 @@ def test_the_experts_routing_is_what_the_tokens_depend_on(
             {"rope_type": "linear", "factor": 4.0, "rope_theta": 5000.0},
             {"rope_scaling": "linear", "rope_factor": 4.0},
         ),
+        (
+            GPT_OSS_YARN,
+            {
+                "rope_scaling": "yarn",
+                "rope_factor": 4.0,
+                "rope_original_context": 32,
+                "rope_truncate": False,
+                "rope_attention_factor": 0.1 * math.log(4.0) + 1,
+            },
+        ),
+        (
+            {**GPT_OSS_YARN, "truncate": True, "beta_fast": 16.0, "beta_slow": 2.0},
+            {
+                "rope_scaling": "yarn",
+                "rope_factor": 4.0,
+                "rope_original_context": 32,
+                "rope_beta_fast": 16.0,
+                "rope_beta_slow": 2.0,
+                "rope_attention_factor": 0.1 * math.log(4.0) + 1,
+            },
+        ),
     ],
-    ids=["llama3", "linear"],
+    ids=["llama3", "linear", "yarn", "yarn-truncated"],
 )
 def test_rope_frequencies_equal_transformers(rope: dict[str, Any], fields: dict[str, Any]) -> None:
     hf_config = llama_config(rope_parameters=dict(rope))
@@ -229,7 +269,7 @@ def test_rope_frequencies_equal_transformers(rope: dict[str, Any], fields: dict[
         rope_theta=5000.0,
         **fields,
     )
-    assert scaling == 1.0
+    assert scaling == pytest.approx(cfg.rope_attention_factor, rel=1e-12)
     assert torch.allclose(rope_frequencies(cfg), hf_inv, rtol=1e-6, atol=0)
 
 
@@ -411,7 +451,7 @@ def test_unsupported_architecture(llama_folder: Path) -> None:
     assert all(name in message for name in SUPPORTED_ARCHITECTURES)
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "yarn", "longrope"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
 def test_sequence_length_dependent_rope_is_refused(llama_folder: Path, rope_type: str) -> None:
     rope = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 5000.0}
     rewrite_config(llama_folder, lambda c: {**c, "rope_parameters": rope})

@@ -9,16 +9,19 @@ One tiny random Qwen3-MoE (8 experts of width 32, top 2, one dense layer) built 
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 import torch
-from hf_models import PROMPTS, STEPS, build, qwen3_moe_config, run_inplace, train_bpe
+from hf_models import PROMPTS, STEPS, build, gpt_oss_config, qwen3_moe_config, run_inplace, train_bpe
+from safetensors.torch import load_file, save_file
+from transformers import GptOssForCausalLM
 
 from export.checkpoint import load_checkpoint, save_checkpoint
-from export.hf_import import import_checkpoint
+from export.hf_import import HFImportError, import_checkpoint
 from export.model import Decoder, count_active_parameters, count_parameters
 from export.moe import ROUTER_SUFFIX, is_expert_tensor
 from export.mxfp4 import dequantize_mxfp4
@@ -42,14 +45,14 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Decoder, onnx.ModelPr
     return model, build_inplace_graph(model)
 
 
-@pytest.mark.parametrize(("bits", "block"), [(4, 32), (8, 64)])
-def test_quantized_experts_are_batch_invariant(
-    moe: tuple[Decoder, onnx.ModelProto], bits: int, block: int
+@pytest.mark.parametrize(("bits", "block"), [(None, None), (4, 32), (8, 64)])
+def test_experts_are_batch_invariant(
+    moe: tuple[Decoder, onnx.ModelProto], bits: int | None, block: int | None
 ) -> None:
-    """Every row's logits at every step, bit for bit, alone and in the batch (where a kernel rounds a lone
-    row otherwise, the experts' even row counts keep it on the batch's kernel)."""
+    """Every row's logits at every step, bit for bit, alone and in the batch, at fp32 and quantized (where a
+    kernel rounds a lone row otherwise, the experts' even row counts keep it on the batch's kernel)."""
     model, graph = moe
-    quantized, _ = quantize_nbits(graph, bits, block)
+    quantized = graph if bits is None or block is None else quantize_nbits(graph, bits, block)[0]
     batched = run_inplace(quantized, model.cfg, BATCH)
     for row, prompt in enumerate(BATCH):
         alone = run_inplace(quantized, model.cfg, [prompt])
@@ -125,3 +128,42 @@ def test_mxfp4_blocks_read_as_transformers_converts_them() -> None:
     ours = dequantize_mxfp4(blocks, scales)  # [E, rows, K]
     theirs = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, K, rows]
     assert torch.equal(ours, theirs.transpose(1, 2))
+
+
+def test_gpt_oss_mxfp4_experts_read_exactly(tmp_path: Path) -> None:
+    """gpt-oss's experts stored as MXFP4 blocks and scales (as its published checkpoints hold them) import to
+    exactly the weights of the same experts stored dense, whose model transformers runs as ours does."""
+    dense, packed = tmp_path / "dense", tmp_path / "mxfp4"
+    build(gpt_oss_config(), dense)
+    tensors = load_file(str(dense / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    blocks: dict[str, torch.Tensor] = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, k, n = tensors[name].shape  # [E, in, out]: the blocks hold [E, out, in / 32, 16]
+        codes = torch.randint(0, 256, (experts, n, k // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(120, 125, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
+        tensors[name] = dequantize_mxfp4(codes, scales).transpose(1, 2).contiguous()
+        blocks |= {f"{name}_blocks": codes, f"{name}_scales": scales}
+    save_file(tensors, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copytree(dense, packed)
+    kept = {k: v for k, v in tensors.items() if f"{k}_blocks" not in blocks}
+    save_file(kept | blocks, str(packed / "model.safetensors"), metadata={"format": "pt"})
+    ours = import_checkpoint(packed).model
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            ours.state_dict().values(), import_checkpoint(dense).model.state_dict().values(), strict=True
+        )
+    )
+    hf = GptOssForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        theirs = hf(ids).logits
+        mine, _ = ours(ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None])
+    assert float((theirs - mine).abs().max()) <= 1e-4
+
+
+def test_alternating_sliding_and_full_layers_are_refused(tmp_path: Path) -> None:
+    build(gpt_oss_config(layer_types=["sliding_attention", "full_attention"], sliding_window=8), tmp_path)
+    with pytest.raises(HFImportError, match=r"config\.json: layer_types alternating .* not supported yet"):
+        import_checkpoint(tmp_path)

@@ -1,8 +1,8 @@
 """Tiny random Hugging Face checkpoints built in the test (no downloads), and the loops that run them.
 
 Each family's model is built from a config object with a fixed seed and initializer_range 0.2 (0.02 gives
-near-flat logits, so greedy would flip on rounding noise), its norm weights and biases moved away from 1 and
-0 (a mapping that dropped them would still pass otherwise), and saved with `save_pretrained`.
+near-flat logits, so greedy would flip on rounding noise), its norm weights, biases and attention sinks moved
+away from 1 and 0 (a mapping that dropped them would still pass otherwise), and saved with `save_pretrained`.
 
 `run_inplace` drives the in-place serving graph the way serve/engine.py does: one [B, Hkv, capacity, Dh]
 OrtValue per layer and kind, bound as both the past input and the present output; right-padded prefill,
@@ -25,6 +25,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -105,6 +107,25 @@ def mixtral_config(**changes: Any) -> MixtralConfig:
     return MixtralConfig(**{**_COMMON, **_MOE_SHAPE, "num_local_experts": 8, "rope_theta": 5000.0, **changes})
 
 
+# gpt-oss: YaRN over an original context of 32 (factor 4), every layer full attention (its checkpoints
+# alternate sliding and full layers, which is refused), head_dim 16.
+GPT_OSS_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "rope_theta": 5000.0,
+}
+
+
+def gpt_oss_config(**changes: Any) -> GptOssConfig:
+    shape = {**_MOE_SHAPE, "num_local_experts": 8, "head_dim": 16, "swiglu_limit": 1.5}
+    full = {"layer_types": ["full_attention"] * 2, "rope_parameters": dict(GPT_OSS_YARN)}
+    return GptOssConfig(**{**_COMMON, **shape, **full, **changes})
+
+
 def gpt2_config(**changes: Any) -> GPT2Config:
     base = {
         "vocab_size": VOCAB,
@@ -128,6 +149,7 @@ MODEL_CLASSES: dict[type[PretrainedConfig], type[PreTrainedModel]] = {
     Qwen3MoeConfig: Qwen3MoeForCausalLM,
     OlmoeConfig: OlmoeForCausalLM,
     MixtralConfig: MixtralForCausalLM,
+    GptOssConfig: GptOssForCausalLM,
 }
 
 
@@ -135,7 +157,7 @@ MODEL_CLASSES: dict[type[PretrainedConfig], type[PreTrainedModel]] = {
 def perturb_norms_and_biases(model: torch.nn.Module, seed: int = SEED) -> None:
     gen = torch.Generator().manual_seed(seed + 1)
     for name, p in model.named_parameters():
-        if name.endswith(".bias"):
+        if name.endswith((".bias", "_bias", ".sinks")):  # gpt-oss: its experts' biases, its sinks
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
         elif p.ndim == 1 and ("norm" in name or "ln_" in name):
             p.copy_(0.6 + 0.8 * torch.rand(p.shape, generator=gen))
