@@ -25,7 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from export.model import Decoder, rotary_tables, sinusoidal_table
 from export.moe import Experts, experts_graph
-from serve.bundle import (
+from serve.lora_layout import (
     LORA_POSITIONS_INPUT,
     LORA_ROUTING_INPUTS,
     LORA_ROWS_INPUT,

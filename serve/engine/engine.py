@@ -27,17 +27,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from serve.bundle import LoraLayout
 from serve.engine.constraints import ConstraintCompiler, ConstraintRows, MaskStats, MaskWorker
 from serve.engine.kv_cache import KvCache
 from serve.engine.kv_dtype import fp16_cache_graph, needs_rewrite
-from serve.engine.lora import (
-    LoraSlots,
-    Residency,
-    check_graph_inputs,
-    model_names,
-    read_adapter,
-)
+from serve.engine.lora.reading import model_names, read_adapter
+from serve.engine.lora.residency import Residency
+from serve.engine.lora.slots import LoraSlots, check_graph_inputs
 from serve.engine.prefill import Prefills
 from serve.engine.prefix_cache import PrefixCache
 from serve.engine.prompt_scoring import PromptScorer, scoring_session
@@ -59,6 +54,7 @@ from serve.engine.types import (
 )
 from serve.engine.verify_graph import verification_graph
 from serve.errors import BundleError
+from serve.lora_layout import LoraLayout
 from serve.process import trim_heap
 
 if TYPE_CHECKING:
@@ -88,7 +84,7 @@ class Engine(Prefills):
         # with speculation: the graph that scores a proposal (serve/engine/verify_graph.py), for as many
         # positions as speculation.num_tokens + 1
         verifier: str | InMemoryGraph | None = None,
-        lora: LoraLayout | None = None,  # the graph's LoRA branches (serve/engine/lora.py); None: none
+        lora: LoraLayout | None = None,  # the graph's LoRA branches (serve/engine/lora/); None: none
     ) -> None:
         if settings.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {settings.max_batch_size}")
@@ -327,12 +323,6 @@ class Engine(Prefills):
     def lengths(self) -> dict[str, int]:
         """Tokens in each running sequence's cache."""
         return {seq_id: int(self._lengths[r]) for r, seq_id in enumerate(self._ids)}
-
-    # -- steps -------------------------------------------------------------------------------------------
-
-    # -- preemption ----------------------------------------------------------------------------------------
-
-    # -- internals ---------------------------------------------------------------------------------------
 
 
 def _draft_engine(bundle: Bundle, settings: EngineSettings) -> Engine:
