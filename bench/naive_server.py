@@ -33,7 +33,8 @@ from serve.bundle import Bundle, load_bundle
 from serve.engine.engine import Engine, open_engine
 from serve.engine.types import EngineSettings
 from serve.errors import TextgenError
-from serve.scheduling.request import Completion, Event, GenerationRequest, RequestTracker, validate_request
+from serve.scheduling.request import Completion, Event, GenerationRequest, RequestTracker
+from serve.scheduling.request_checks import validate_request
 
 log = logging.getLogger("textgen.naive")
 

@@ -407,7 +407,7 @@ def _llama_like_config(f: _Fields, architecture: str) -> DecoderConfig:
         out_bias=out_bias,
         mlp_bias=mlp_bias,
         qk_norm=architecture in QK_NORM or family in QK_NORM,
-        qk_norm_whole=architecture == "OlmoeForCausalLM",
+        qk_norm_scope="projection" if architecture == "OlmoeForCausalLM" else "head",
         sliding_window=_sliding_window(f, architecture, n_layers),
         experts=_experts_config(f, architecture, n_layers) if architecture in MOE_ARCHITECTURES else None,
         attention_sinks=architecture == "GptOssForCausalLM",
@@ -605,7 +605,7 @@ def _olmo2_config(f: _Fields) -> DecoderConfig:
         qkv_bias=bias,
         out_bias=bias,
         qk_norm=True,
-        qk_norm_whole=True,
+        qk_norm_scope="projection",
         norm_placement="post",
         **_rope_fields(f, fields["context_length"]),
     )

@@ -1,7 +1,7 @@
 """LoRA slots in the serving graph: any mix of adapters in one batch, each token on its own adapter.
 
 `textgen-export ... --lora-slots N --max-lora-rank R` gives every targeted projection y = x @ W (+ bias) a
-branch over the slots a run is given (a span of k of the N, serve/bundle.py's LoraBranch has the layout):
+branch over the slots a run is given (a span of k of the N, serve/lora_layout.py's LoraBranch has the layout):
 
     xs  = Gather(x, lora_rows)                 [k,n,in]   each slot's tokens in a row of their own
     d   = (xs @ lora_a) @ lora_b               [k,n,out]  each slot's tokens by that slot's a and b only
@@ -9,8 +9,8 @@ branch over the slots a run is given (a span of k of the N, serve/bundle.py's Lo
 
 with lora_a [k*groups, in, group] (groups of at most 16 columns) and lora_b one [k, max_rank, features] per
 part: products that sum a token's terms in the same blocks alone and in any batch, on any number of threads
-(serve/bundle.py's LoraLayout says why). The engine computes the three routing inputs per run
-(serve/engine/lora.py, token_slots).
+(serve/lora_layout.py's LoraLayout says why). The engine computes the three routing inputs per run
+(serve/engine/lora/routing.py, token_slots).
 
 Why this form: each token multiplies its own adapter's weights only (16 rows over 4 adapters do the
 arithmetic of 16 rows of one), each slot's weights are read once per step whatever its tokens, and a token
@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from export.model import GATED_ACTIVATIONS, DecoderConfig
-from serve.bundle import LORA_GEMM_TERMS, LoraBranch, LoraLayout, LoraPart
+from serve.lora_layout import LORA_GEMM_TERMS, LoraBranch, LoraLayout, LoraPart
 
 # Our projection -> the checkpoint modules it is made of, in order, each with its output features.
 ModuleMap = Mapping[str, Sequence[tuple[str, int]]]

@@ -34,6 +34,7 @@ Positions = Literal["learned", "sinusoidal", "rotary"]
 Activation = Literal["gelu", "relu", "gelu_tanh", "swiglu", "geglu"]
 Norm = Literal["layer", "rms"]
 NormPlacement = Literal["pre", "post", "sandwich"]
+QKNormScope = Literal["head", "projection"]
 RopeScaling = Literal["none", "linear", "llama3", "longrope", "yarn"]
 KV = tuple[Tensor, Tensor]
 
@@ -41,6 +42,7 @@ ACTIVATIONS = ("gelu", "relu", "gelu_tanh", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")  # `up` computes [gate; up]: act(gate) * up
 NORMS = ("layer", "rms")
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
+QK_NORM_SCOPES = ("head", "projection")
 ROPE_SCALINGS = ("none", "linear", "llama3", "longrope", "yarn")
 
 
@@ -86,7 +88,9 @@ class DecoderConfig:
     out_bias: bool = True
     mlp_bias: bool = True
     qk_norm: bool = False  # a norm over each head of q and of k, before RoPE (Qwen3)
-    qk_norm_whole: bool = False  # with qk_norm: over the whole q and k projections instead (OLMoE, OLMo 2)
+    qk_norm_scope: QKNormScope = (
+        "head"  # "projection": one norm over all heads of q, one of k (OLMoE, OLMo 2)
+    )
     sliding_window: int = 0  # W > 0: a query sees the last W keys, itself included (Mistral); 0: all
     rope_scaling: RopeScaling = "none"  # of the rotary frequencies; see rope_frequencies
     rope_factor: float = 1.0  # linear, llama3
@@ -168,6 +172,8 @@ class DecoderConfig:
         for name in ("attn_scale", "attn_softcap", "logit_softcap"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be positive (or 0: none), got {getattr(self, name)}")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"qk_norm_scope must be head or projection, not {self.qk_norm_scope!r}")
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ValueError(
                 f"rope_scaling must be one of {', '.join(ROPE_SCALINGS)}, not {self.rope_scaling!r}"
@@ -359,7 +365,7 @@ class Attention(nn.Module):
         # One projection for q, k and v: rows [0, H*Dh) are q, then Hkv*Dh of k, then Hkv*Dh of v.
         self.qkv = nn.Linear(cfg.d_model, self.q_dim + 2 * self.kv_dim, bias=cfg.qkv_bias)
         self.out = nn.Linear(self.q_dim, cfg.d_model, bias=cfg.out_bias)
-        self.per_head_norm = not cfg.qk_norm_whole
+        self.per_head_norm = cfg.qk_norm_scope == "head"
         q_features, k_features = (cfg.head_dim,) * 2 if self.per_head_norm else (cfg.q_dim, cfg.kv_dim)
         self.q_norm = make_norm(cfg, q_features) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, k_features) if cfg.qk_norm else None

@@ -33,7 +33,7 @@ from export.model import (
     sinusoidal_table,
 )
 from export.moe import Experts, experts_graph
-from serve.bundle import (
+from serve.lora_layout import (
     LORA_POSITIONS_INPUT,
     LORA_ROUTING_INPUTS,
     LORA_ROWS_INPUT,

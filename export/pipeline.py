@@ -56,7 +56,6 @@ from serve.bundle import (
     FORMAT_VERSION,
     Bundle,
     GraphSpec,
-    LoraLayout,
     ShapeRange,
     TensorRTProfile,
     TensorRTSettings,
@@ -64,6 +63,7 @@ from serve.bundle import (
     sha256_file,
 )
 from serve.errors import BundleError
+from serve.lora_layout import LoraLayout
 
 STANDARD_FILE = "model.onnx"
 INPLACE_FILE = "model_inplace.onnx"

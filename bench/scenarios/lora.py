@@ -50,8 +50,8 @@ from bench.report import RESULTS, write_json
 from bench.rounds import in_turn, median_ratio
 from bench.scenarios.served_peers import Workload, llama_command, load, served_cell, textgen_command
 from bench.servers import free_port, http_answers, server_process
-from serve.bundle import LoraLayout
 from serve.engine.lora import LoraSlots, read_adapter
+from serve.lora_layout import LoraLayout
 
 SEED = 4321
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

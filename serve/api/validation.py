@@ -263,7 +263,7 @@ def build_request(
 ) -> GenerationRequest:
     """The scheduler's request for an already tokenized prompt; raises InvalidRequest on a bad value. What
     relates fields to each other or to the model (min_new_tokens <= max_new_tokens, top_logprobs, token id
-    ranges) is checked once for every caller by `serve.scheduling.request.validate_request`, which
+    ranges) is checked once for every caller by `serve.scheduling.request_checks.validate_request`, which
     `Scheduler.submit` runs."""
     prompt = truncated(prompt, options.truncate_prompt_tokens, limits, fields.truncate_prompt_tokens)
     if options.prompt_logprobs and not limits.prompt_logprobs:

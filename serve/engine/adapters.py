@@ -1,5 +1,5 @@
-"""The engine's LoRA adapters: which one is in which slot (residency: serve/engine/lora.py's `Residency`), and
-the slot weights and token routes bound to a run (`LoraSlots`, `token_slots`).
+"""The engine's LoRA adapters: which one is in which slot (serve/engine/lora/residency.py), and the slots'
+weights and the token routes bound to a run (lora/slots.py, lora/routing.py).
 
 A running sequence's slot is its KV row's `_row_adapter` (0: the base model). An adapter is written into a
 slot when a sequence about to run needs it, evicting the least recently used idle one; a slot rewritten
@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from serve.engine.lora import Adapter, token_slots
+from serve.engine.lora.reading import Adapter
+from serve.engine.lora.routing import token_slots
 from serve.engine.runtime import ortvalue
 from serve.engine.state import EngineState
 

@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 import llguidance
@@ -36,7 +36,14 @@ import numpy as np
 import tokenizers
 from llguidance.numpy import fill_next_token_bitmask_par
 
-from serve.engine.types import COMPACT_JSON, Constraint, ConstraintKind, ConstraintState, closed_schema
+from serve.engine.types import (
+    COMPACT_JSON,
+    CompiledConstraint,
+    Constraint,
+    ConstraintKind,
+    ConstraintState,
+    closed_schema,
+)
 from serve.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -55,19 +62,6 @@ MAX_UNREAD_COMPILE_TIMES = 1_024  # compile times kept for the metrics between t
 class _Refused(Exception):
     """llguidance's verdict on a constraint, before it names a request field: one cached compile serves
     requests whose constraint came from different fields, and each refusal names its own."""
-
-
-@dataclass(frozen=True, eq=False)
-class CompiledConstraint:
-    """A compiled constraint: a matcher at its start state that is never advanced; each sequence gets its
-    own copy (`matcher()`, a few microseconds)."""
-
-    constraint: Constraint
-    template: llguidance.LLMatcher
-    seconds: float  # the compile's
-
-    def matcher(self) -> llguidance.LLMatcher:
-        return self.template.deep_copy()
 
 
 def grammar_of(constraint: Constraint) -> str:

@@ -26,7 +26,8 @@ from tokenizers import Tokenizer
 
 from serve.engine.constraints import ConstraintCompiler, ConstraintRows, MaskWorker, PendingMasks
 from serve.engine.kv_cache import KvCache
-from serve.engine.lora import LoraSlots, Residency
+from serve.engine.lora.residency import Residency
+from serve.engine.lora.slots import LoraSlots
 from serve.engine.prefix_cache import PrefixCache
 from serve.engine.prompt_scoring import PromptScorer
 from serve.engine.runtime import Device

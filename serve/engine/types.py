@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from serve.engine.sampling import Alternatives, PromptScores, SamplingParams
@@ -17,7 +19,7 @@ from serve.engine.sampling import Alternatives, PromptScores, SamplingParams
 DEFAULT_MAX_CPU_LORAS = 16
 
 if TYPE_CHECKING:
-    from serve.engine.constraints import CompiledConstraint
+    import llguidance
 
 
 # --kv-cache-dtype (serve/engine/kv_dtype.py): auto keeps the bundle's own; the others as manifests name them
@@ -109,6 +111,12 @@ class SpeculationSettings:
         return self.num_tokens > 0
 
 
+def default_compiled_cache() -> Path:
+    """Where prepared serving graphs are cached unless told (serve/engine/prepared.py):
+    $TEXTGEN_HOME/compiled, or ./models/compiled (where the demo's bundle lives by default)."""
+    return Path(os.environ.get("TEXTGEN_HOME") or "models") / "compiled"
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     max_batch_size: int = 16
@@ -118,11 +126,14 @@ class EngineSettings:
     prefix_cache_rows: int = 0
     prefix_cache_min_tokens: int = 16  # the shortest prefix kept or reused
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)  # off by default
-    # LoRA adapters loaded at start, (name, peft folder), into a LoRA bundle's slots (serve/engine/lora.py).
+    # LoRA adapters loaded at start, (name, peft folder), into a LoRA bundle's slots (serve/engine/lora/).
     adapters: tuple[tuple[str, str], ...] = ()
     max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS  # the most adapters registered at once (Residency)
     # The KV cache's element type (serve/engine/kv_dtype.py); auto: the bundle's own.
     kv_cache_dtype: KvCacheDtype = "auto"
+    # Where prepared serving graphs are cached (serve/engine/prepared.py); None: sessions are built from the
+    # bundle's graph, packing the weights in memory.
+    compiled_cache: Path | None = None
 
 
 class ConstraintKind(enum.Enum):
@@ -232,6 +243,19 @@ class ConstraintState(enum.Enum):
     PARTIAL = "partial"  # not a match yet: more tokens are needed
     ACCEPTING = "accepting"  # a match: it may end here (EOS is allowed) or go on
     COMPLETE = "complete"  # a match that nothing may extend: the sequence ends here
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledConstraint:
+    """A compiled constraint (serve/engine/constraints.py's ConstraintCompiler makes them): a matcher at its
+    start state that is never advanced; each sequence gets its own copy (`matcher()`, a few microseconds)."""
+
+    constraint: Constraint
+    template: llguidance.LLMatcher
+    seconds: float  # the compile's
+
+    def matcher(self) -> llguidance.LLMatcher:
+        return self.template.deep_copy()
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from serve.bundle import LoraLayout, Manifest
+from serve.bundle import Manifest
 from serve.engine.lora import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -30,6 +30,7 @@ from serve.engine.lora import (
     read_adapter,
 )
 from serve.errors import InvalidRequest, NotFound, TextgenError
+from serve.lora_layout import LoraLayout
 
 # An adapter's name: what a request gives as its `model`, and a value in Prometheus labels, where the
 # adapters of running requests are listed comma-separated (vllm:lora_requests_info). Letters, digits and

@@ -29,6 +29,7 @@ from serve.errors import EngineFailure
 from serve.scheduling.adapters import AdapterUpdate, UpdateResult
 from serve.scheduling.engine_protocol import EngineMetrics, SchedulerMetrics
 from serve.scheduling.handles import HandleTable, RequestHandle
+from serve.scheduling.intake import SchedulerSnapshot, StepRecord, draining, queue_full
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.messages import (
     AdaptersUpdated,
@@ -44,8 +45,8 @@ from serve.scheduling.messages import (
     Submit,
     UpdateAdapters,
 )
-from serve.scheduling.request import GenerationRequest, validate_request
-from serve.scheduling.runner import SchedulerSnapshot, StepRecord, draining, queue_full
+from serve.scheduling.request import GenerationRequest
+from serve.scheduling.request_checks import validate_request
 
 log = logging.getLogger("textgen.engine_process")
 

@@ -24,8 +24,9 @@ from serve.engine.engine import open_engine
 from serve.errors import TextgenError
 from serve.process import configure_logging, freeze_startup_objects, pin_process
 from serve.scheduling.adapters import UpdateResult
-from serve.scheduling.engine_protocol import PriorityCounts
+from serve.scheduling.engine_protocol import PriorityCounts, StepKind
 from serve.scheduling.handles import Outcome
+from serve.scheduling.intake import Delivery, StepRecord, draining_error, outcomes
 from serve.scheduling.messages import (
     AdaptersUpdated,
     Cancel,
@@ -40,8 +41,7 @@ from serve.scheduling.messages import (
     Submit,
     UpdateAdapters,
 )
-from serve.scheduling.planner import StepKind
-from serve.scheduling.runner import BatchRunner, Delivery, StepRecord, draining_error, outcomes
+from serve.scheduling.runner import BatchRunner
 
 log = logging.getLogger("textgen.engine_process")
 

@@ -4,6 +4,7 @@ model. The planner reads only `EngineView`, so the admission policy is tested wi
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -13,7 +14,18 @@ import tokenizers
 if TYPE_CHECKING:
     from serve.engine.constraints import ConstraintCompiler, MaskStats
     from serve.engine.types import NewSequence, TokenOut
-    from serve.scheduling.planner import StepKind
+
+
+class StepKind(enum.StrEnum):
+    """What a planned step asks of the engine; PREFILL and DECODE also name the phase of a step run (its
+    record, its metrics label)."""
+
+    IDLE = "idle"  # nothing: no row decodes and nobody may be admitted
+    DECODE = "decode"  # one token for every row past its prefill
+    PREFILL = "prefill"  # admit a group, prefill it between decode steps (a lone long prompt: its 1st piece)
+    CONTINUE_PREFILL = "continue_prefill"  # the next piece of the prompt the engine prefills in chunks
+    BEGIN_BACKGROUND = "begin_background"  # admit a group, prefill it beside the decode steps, and decode
+    END_BACKGROUND = "end_background"  # join the group prefilled beside the decode steps
 
 
 @runtime_checkable  # so tests can check that fakes and stand-ins honour it

@@ -21,9 +21,9 @@ from serve.errors import TextgenError
 from serve.scheduling.adapters import AdapterUpdate, UpdateResult
 from serve.scheduling.engine_protocol import BatchEngine
 from serve.scheduling.handles import Outcome
+from serve.scheduling.intake import SchedulerSnapshot, StepRecord
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.request import GenerationRequest
-from serve.scheduling.runner import SchedulerSnapshot, StepRecord
 
 if TYPE_CHECKING:
     from serve.engine.engine import Engine

@@ -50,7 +50,6 @@ Admission policy, evaluated between every two engine steps:
 
 from __future__ import annotations
 
-import enum
 import itertools
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -58,21 +57,9 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from serve.engine.types import next_piece
-from serve.scheduling.engine_protocol import EngineView
+from serve.scheduling.engine_protocol import EngineView, StepKind
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.request import RequestState, RequestTracker
-
-
-class StepKind(enum.StrEnum):
-    """What a planned step asks of the engine; PREFILL and DECODE also name the phase of a step run (its
-    record, its metrics label)."""
-
-    IDLE = "idle"  # nothing: no row decodes and nobody may be admitted
-    DECODE = "decode"  # one token for every row past its prefill
-    PREFILL = "prefill"  # admit a group, prefill it between decode steps (a lone long prompt: its 1st piece)
-    CONTINUE_PREFILL = "continue_prefill"  # the next piece of the prompt the engine prefills in chunks
-    BEGIN_BACKGROUND = "begin_background"  # admit a group, prefill it beside the decode steps, and decode
-    END_BACKGROUND = "end_background"  # join the group prefilled beside the decode steps
 
 
 class StepShape(NamedTuple):

@@ -21,11 +21,7 @@ from serve.engine.types import EngineInfo
 from serve.scheduling.adapters import AdapterUpdate, UpdateResult
 from serve.scheduling.engine_protocol import BatchEngine, SchedulerMetrics
 from serve.scheduling.handles import HandleTable, RequestHandle
-from serve.scheduling.limits import SchedulerLimits
-from serve.scheduling.messages import EngineSpec
-from serve.scheduling.request import GenerationRequest
-from serve.scheduling.runner import (
-    BatchRunner,
+from serve.scheduling.intake import (
     Delivery,
     SchedulerSnapshot,
     StepRecord,
@@ -33,6 +29,10 @@ from serve.scheduling.runner import (
     draining_error,
     outcomes,
 )
+from serve.scheduling.limits import SchedulerLimits
+from serve.scheduling.messages import EngineSpec
+from serve.scheduling.request import GenerationRequest
+from serve.scheduling.runner import BatchRunner
 
 log = logging.getLogger(__name__)
 

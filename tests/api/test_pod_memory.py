@@ -17,8 +17,9 @@ from server_process import served_memory_mib
 from serve.api.config import ServerSettings
 from serve.api.loading import kv_rows, served_features
 from serve.api.sizing import PodMemory, pod_memory
-from serve.bundle import LoraLayout, read_manifest
+from serve.bundle import read_manifest
 from serve.engine.lora import LoraSlots
+from serve.lora_layout import LoraLayout
 
 MAX_MODEL_LEN = 256
 COMMON = {"max_model_len": MAX_MODEL_LEN, "max_batch_size": 4, "threads": 2, "prompt_logprobs": False}

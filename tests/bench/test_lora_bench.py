@@ -7,8 +7,8 @@ from pathlib import Path
 
 from bench.scenarios.lora import lora_flag, peer_servers, slot_bytes
 from bench.scenarios.served_peers import Workload
-from serve.bundle import LoraBranch, LoraLayout, LoraPart
 from serve.engine.lora import LoraSlots
+from serve.lora_layout import LoraBranch, LoraLayout, LoraPart
 
 
 def test_both_servers_serve_the_adapters_and_name_them_each_its_own_way(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from server_tools import LoopThread, rpc_error
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
-from serve.scheduling.runner import SchedulerSnapshot
+from serve.scheduling.intake import SchedulerSnapshot
 
 PROMPTS = ("the quick brown fox", "once upon a time", "import numpy as np", "def main():", "hello world")
 NEW_TOKENS = 8

@@ -22,15 +22,7 @@ from quantized_bundles import quantized_graphs
 from export.lora import LoraOptions
 from export.model import Decoder, DecoderConfig
 from export.pipeline import ExportOptions, Precision, export_bundle, write_verified_bundle
-from serve.bundle import (
-    LORA_POSITIONS_INPUT,
-    LORA_ROWS_INPUT,
-    LORA_TOKENS_INPUT,
-    MANIFEST_FILE,
-    ROW_PAD_PREFIX,
-    load_bundle,
-    sha256_file,
-)
+from serve.bundle import MANIFEST_FILE, ROW_PAD_PREFIX, load_bundle, sha256_file
 from serve.engine.engine import Engine
 from serve.engine.lora import (
     AdapterError,
@@ -42,6 +34,7 @@ from serve.engine.runtime import SessionConfig
 from serve.engine.sampling import SamplingParams
 from serve.engine.types import Constraint, EngineSettings, NewSequence, SpeculationSettings, TokenOut
 from serve.errors import BundleError
+from serve.lora_layout import LORA_POSITIONS_INPUT, LORA_ROWS_INPUT, LORA_TOKENS_INPUT
 
 CONFIG = DecoderConfig(
     vocab_size=320, context_length=128, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=1024,

@@ -19,12 +19,12 @@ from lora_adapters import MAX_RANK, copied, expected, save_adapter
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from serve.bundle import LoraLayout, load_bundle
-from serve.engine import lora
+from serve.bundle import load_bundle
 from serve.engine.engine import Engine
-from serve.engine.lora import WEIGHTS_FILE, AdapterError, model_names, read_adapter
+from serve.engine.lora import WEIGHTS_FILE, AdapterError, model_names, read_adapter, reading
 from serve.engine.sampling import SamplingParams
 from serve.engine.types import EngineSettings, NewSequence
+from serve.lora_layout import LoraLayout
 
 HEADER_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -39,13 +39,13 @@ def layout_of(root: Path) -> LoraLayout:
 def counted_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the tensors read from now on."""
     reads: list[str] = []
-    read = lora._read_tensor
+    read = reading._read_tensor
 
     def counting(path: Path, file: object, name: str) -> np.ndarray:
         reads.append(name)
         return read(path, file, name)
 
-    monkeypatch.setattr(lora, "_read_tensor", counting)
+    monkeypatch.setattr(reading, "_read_tensor", counting)
     return reads
 
 

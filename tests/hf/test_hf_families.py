@@ -175,7 +175,7 @@ def test_imported_configs_have_the_families_blocks(generated: Generated) -> None
         0.5,
     )
     olmo2 = cfg["olmo2-post-norms-untied"]
-    assert (olmo2.norm_placement, olmo2.qk_norm, olmo2.qk_norm_whole) == ("post", True, True)
+    assert (olmo2.norm_placement, olmo2.qk_norm, olmo2.qk_norm_scope) == ("post", True, "projection")
 
 
 def _gemma3_transformers4(config: dict[str, Any]) -> dict[str, Any]:

@@ -164,9 +164,9 @@ def test_imported_configs_have_the_families_blocks(
     assert (gpt2.norm, gpt2.activation, gpt2.positions) == ("layer", "gelu_tanh", "learned")
     qwen3_moe = cfg["qwen3-moe-norm-topk-dense-layer1"]
     assert qwen3_moe.experts == ExpertsConfig(8, 2, 32, "softmax_topk_norm", (1,))
-    assert qwen3_moe.qk_norm and not qwen3_moe.qk_norm_whole and qwen3_moe.d_ff == 96
+    assert qwen3_moe.qk_norm and qwen3_moe.qk_norm_scope == "head" and qwen3_moe.d_ff == 96
     olmoe = cfg["olmoe-whole-qk-norm"]
-    assert olmoe.experts == ExpertsConfig(8, 2, 32, "softmax_topk") and olmoe.qk_norm_whole
+    assert olmoe.experts == ExpertsConfig(8, 2, 32, "softmax_topk") and olmoe.qk_norm_scope == "projection"
     mixtral = cfg["mixtral-window8"]
     assert mixtral.experts == ExpertsConfig(8, 2, 32, "softmax_topk_norm") and mixtral.sliding_window == 8
     assert DecoderConfig.from_dict(json.loads(json.dumps(qwen3_moe.to_dict()))) == qwen3_moe

@@ -45,14 +45,14 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Decoder, onnx.ModelPr
     return model, build_inplace_graph(model)
 
 
-@pytest.mark.parametrize(("bits", "block"), [(4, 32), (8, 64)])
-def test_quantized_experts_are_batch_invariant(
-    moe: tuple[Decoder, onnx.ModelProto], bits: int, block: int
+@pytest.mark.parametrize(("bits", "block"), [(None, None), (4, 32), (8, 64)])
+def test_experts_are_batch_invariant(
+    moe: tuple[Decoder, onnx.ModelProto], bits: int | None, block: int | None
 ) -> None:
-    """Every row's logits at every step, bit for bit, alone and in the batch (where a kernel rounds a lone
-    row otherwise, the experts' even row counts keep it on the batch's kernel)."""
+    """Every row's logits at every step, bit for bit, alone and in the batch, at fp32 and quantized (where a
+    kernel rounds a lone row otherwise, the experts' even row counts keep it on the batch's kernel)."""
     model, graph = moe
-    quantized, _ = quantize_nbits(graph, bits, block)
+    quantized = graph if bits is None or block is None else quantize_nbits(graph, bits, block)[0]
     batched = run_inplace(quantized, model.cfg, BATCH)
     for row, prompt in enumerate(BATCH):
         alone = run_inplace(quantized, model.cfg, [prompt])

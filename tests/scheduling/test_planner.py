@@ -17,9 +17,9 @@ from scheduler_fakes import EOS_ID, FakeEngine, fake, letter_tokenizer
 from tokenizers import Tokenizer
 
 from serve.engine.sampling import SamplingParams
-from serve.scheduling.engine_protocol import BatchEngine, EngineView
+from serve.scheduling.engine_protocol import BatchEngine, EngineView, StepKind
 from serve.scheduling.limits import SchedulerLimits
-from serve.scheduling.planner import Planner, RunnerState, StepKind, StepPlan, StepShape
+from serve.scheduling.planner import Planner, RunnerState, StepPlan, StepShape
 from serve.scheduling.request import GenerationRequest, RequestState, RequestTracker
 
 

@@ -19,9 +19,10 @@ from serve.engine.sampling import SamplingParams
 from serve.engine.types import EngineSettings
 from serve.errors import Draining, TextgenError
 from serve.scheduling.engine_protocol import BatchEngine
+from serve.scheduling.intake import draining_error
 from serve.scheduling.limits import DEFAULT_SWAP_SPACE, SchedulerLimits
 from serve.scheduling.request import Completion, FinishEvent, GenerationRequest
-from serve.scheduling.runner import BatchRunner, draining_error
+from serve.scheduling.runner import BatchRunner
 
 # Greedy, and seeded sampling with a penalty: both carry state across the pause.
 LOW = {

@@ -20,9 +20,9 @@ from scheduler_runs import (
 from tokenizers import Tokenizer
 
 from serve.errors import Cancelled, EngineFailure
+from serve.scheduling.intake import StepRecord
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.request import Completion
-from serve.scheduling.runner import StepRecord
 from serve.scheduling.scheduler import Scheduler
 
 

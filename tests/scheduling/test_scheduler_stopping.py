@@ -14,7 +14,8 @@ from serve.engine.sampling import SamplingParams
 from serve.engine.types import NewSequence
 from serve.errors import InvalidRequest
 from serve.scheduling.limits import SchedulerLimits
-from serve.scheduling.request import Completion, GenerationRequest, RequestTracker, validate_request
+from serve.scheduling.request import Completion, GenerationRequest, RequestTracker
+from serve.scheduling.request_checks import validate_request
 from serve.scheduling.scheduler import Scheduler
 
 

@@ -17,8 +17,8 @@ from serve.api.config import ServerSettings
 from serve.api.lifecycle import TextgenServer
 from serve.api.metrics import Metrics
 from serve.api.tracing import RequestTracer
+from serve.scheduling.intake import SchedulerSnapshot
 from serve.scheduling.messages import EngineWrap
-from serve.scheduling.runner import SchedulerSnapshot
 
 
 def loopback_settings(bundle: Path, **overrides: Any) -> ServerSettings:

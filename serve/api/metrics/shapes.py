@@ -20,7 +20,7 @@ finite bucket is reported as that bucket's bound, so the largest bucket must exc
   computing them, seconds a step waited for them): their ratio is the mask cost per constrained token.
 - Speculation is counted as vLLM's spec-decode metrics are (drafts, proposed tokens, accepted tokens) plus
   the tokens its steps emitted, as far as the request kept them: a step cut by its stop, EOS or token
-  limit counts the tokens before the cut (serve/scheduling/runner.py `_speculated`); a request's acceptance
+  limit counts the tokens before the cut (serve/scheduling/delivery.py `_speculated`); a request's acceptance
   rate (accepted over proposed) is a fraction in 0.1 buckets.
 """
 

@@ -1,18 +1,12 @@
-"""LoRA adapters in a bundle's slots: peft folders read, checked against the bundle, written into its inputs.
-
-A bundle exported with `--lora-slots N --max-lora-rank R` (export/lora.py) has, per targeted projection,
-weight inputs (its a, and a b per part) that hold every slot's adapter side by side (serve/bundle.py's
-LoraBranch has the layout).
-`LoraSlots` owns those arrays: the engine binds them once (ONNX Runtime reads them in place), and writing an
-adapter into a slot between two steps is a copy into its columns; no session is rebuilt and no other slot
-changes. Which tokens of a run take which slot, the engine says per run (`token_slots`).
+"""Reading and checking a peft adapter folder against a bundle's LoRA layout: an `Adapter`, or an
+`AdapterError` naming the file and what differs.
 
 An adapter is what `peft` saves: adapter_config.json (r, lora_alpha, use_rslora, target_modules, ...) and
 adapter_model.safetensors with `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight`
 [out, r]. Each module's update is scale * B @ A with scale = lora_alpha / r (lora_alpha / sqrt(r) with
 rsLoRA; alpha_pattern and rank_pattern per module as peft reads them); the scale is folded into B here.
 A registered adapter (`Adapter`) holds its modules at their own ranks, in float32 (fp16 and bf16 widened
-exactly), so it costs its own size; it takes the slots' dense layout only when written into one.
+exactly), so it costs its own size; it takes the slots' dense layout only when written into one (slots.py).
 """
 
 from __future__ import annotations
@@ -21,29 +15,26 @@ import json
 import logging
 import math
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from serve.bundle import (
-    LORA_POSITIONS_INPUT,
-    LORA_ROWS_INPUT,
-    LORA_TOKENS_INPUT,
-    LoraBranch,
-    LoraLayout,
-    Manifest,
-)
-from serve.engine.types import DEFAULT_MAX_CPU_LORAS
-from serve.errors import BundleError
+from serve.bundle import Manifest
+from serve.lora_layout import LoraBranch, LoraLayout
 
 CONFIG_FILE = "adapter_config.json"
+
 WEIGHTS_FILE = "adapter_model.safetensors"
+
 PEFT_PREFIX = "base_model.model."
+
 log = logging.getLogger("textgen.lora")
+
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<side>[AB])(?:\.[^.]+)?\.weight$")
+
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # as a safetensors header names them
 
 
@@ -150,94 +141,6 @@ def _check_base(path: Path, config: Mapping[str, Any], base_names: Collection[st
             base,
             ", ".join(sorted(base_names)),
         )
-
-
-def check_graph_inputs(
-    layout: LoraLayout, inputs: Mapping[str, Sequence[int | str | None]], graph: str
-) -> None:
-    """BundleError naming the first LoRA input of `graph` whose rank or fixed sizes are not what the engine
-    binds for `layout` (LoraLayout.input_shapes): a bundle exported with an earlier LoRA layout, which ONNX
-    Runtime would otherwise refuse only at the first run, with a bare shape error."""
-    for name, expected in layout.input_shapes().items():
-        found = inputs.get(name)
-        fits = found is not None and len(found) == len(expected)
-        if fits and all(isinstance(e, str) or f == e for e, f in zip(expected, found or [], strict=True)):
-            continue
-        what = "missing from" if found is None else f"{list(found)} in"
-        raise BundleError(
-            f"{graph}: LoRA input {name} is {what} the serving graph, where this textgen binds "
-            f"{expected} (named axes change from run to run): the bundle was exported with an earlier LoRA "
-            "layout; "
-            "re-export it with this textgen's `textgen-export ... "
-            f"--lora-slots {layout.slots} --max-lora-rank {layout.max_rank}`"
-        )
-
-
-class LoraSlots:
-    """Every slot's adapter weights, as the graph's LoRA inputs read them (one array per input), and the
-    inputs over a span of slots: a run is given those of the slots its rows use, first to last, so it reads
-    no other slot's weights (with no slot, none at all: each branch multiplies no token)."""
-
-    def __init__(self, layout: LoraLayout) -> None:
-        self.layout = layout
-        self._branches = {b.projection: b for b in layout.branches}
-        self.arrays: dict[str, np.ndarray] = {}  # every slot's A and B, by input name
-        for b in layout.branches:
-            self.arrays[b.a_input] = np.zeros(layout.a_shape(b, layout.slots), np.float32)
-            for j in range(len(b.parts)):
-                self.arrays[b.b_input(j)] = np.zeros(layout.b_shape(b, j, layout.slots), np.float32)
-
-    def span(self, first: int, last: int) -> dict[str, np.ndarray]:
-        """The inputs of slots first..last (1-based; (0, 0): no slot, inputs of no length): views of the
-        slots' arrays, so an adapter written later is read."""
-        return {name: array[max(first - 1, 0) : last] for name, array in self.arrays.items()}
-
-    @property
-    def weight_bytes(self) -> int:
-        """The bytes of every slot's A and B."""
-        return sum(array.nbytes for array in self.arrays.values())
-
-    def write(self, slot: int, adapter: Adapter | None) -> None:
-        """Put `adapter` in `slot` (1-based), replacing what it held; None empties it. Each module's a fills
-        its part's first r columns of the slot's a, its b the first r rows of the part's b; the rest is 0."""
-        if not 1 <= slot <= self.layout.slots:
-            raise ValueError(f"slot {slot} is not one of the bundle's 1..{self.layout.slots}")
-        for array in self.arrays.values():
-            array[slot - 1] = 0.0
-        for module in adapter.modules if adapter is not None else ():
-            branch = self._branches[module.projection]
-            rank, group = module.a.shape[0], self.layout.group
-            # Column c of the slot's [in, width] a is [c // group, :, c % group] of its grouped form.
-            columns = module.part * self.layout.max_rank + np.arange(rank)
-            self.arrays[branch.a_input][slot - 1][columns // group, :, columns % group] = module.a
-            part, offset = branch.parts[module.part], self.layout.features(branch, module.part)[0]
-            b = self.arrays[branch.b_input(module.part)][slot - 1]
-            b[:rank, part.start - offset : part.stop - offset] = module.b.T
-
-
-def token_slots(row_slots: np.ndarray, tokens: int, span: tuple[int, int]) -> dict[str, np.ndarray]:
-    """The graph's inputs that route a run's tokens to their slots (serve/bundle.py, LORA_ROWS_INPUT and the
-    rest), for rows whose slots are `row_slots` (0: none; the others within `span`, the slots the run is
-    given, first to last), `tokens` positions each: the tokens of each slot of the span in a row of their
-    own (in token order, padded with token (0, 0) to the longest), and each token with an adapter, where it
-    is there. A token is its (row, position)."""
-    slot = np.repeat(row_slots.astype(np.int64), tokens)  # by token, flat
-    token = np.flatnonzero(slot)  # the tokens with an adapter, in order
-    span_slot = slot[token] - span[0]  # each one's slot counted in the span
-    k = span[1] - span[0] + 1 if token.size else 0
-    counts = np.bincount(span_slot, minlength=k)
-    n = int(counts.max()) if token.size else 0
-    order = np.argsort(span_slot, kind="stable")  # the tokens grouped by slot, in order within each
-    place = np.empty(token.size, np.int64)
-    place[order] = np.arange(token.size) - (np.cumsum(counts) - counts)[span_slot[order]]
-    at = np.stack(np.divmod(token, tokens), axis=-1)  # [m, 2]: (row, position)
-    rows = np.zeros((k, 1, n, 2), np.int64)
-    rows[span_slot, 0, place] = at
-    return {
-        LORA_ROWS_INPUT: rows,
-        LORA_POSITIONS_INPUT: np.stack([span_slot, place], axis=-1),
-        LORA_TOKENS_INPUT: at,
-    }
 
 
 def _config(path: Path) -> dict[str, Any]:
@@ -393,77 +296,3 @@ def _scale(config: Mapping[str, Any], module: str, rank: int) -> float:
         if re.match(rf"(.*\.)?({pattern})$", module):  # as peft matches a pattern key
             alpha = float(value)
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-
-
-def adapters_full(loaded: int) -> str:
-    """Why a load is refused when `loaded` adapters are registered, as many as --max-cpu-loras allows."""
-    return f"{loaded} adapters are loaded, as many as --max-cpu-loras allows: unload one first"
-
-
-class Residency:
-    """Which of the registered adapters sit in which slots. An adapter not resident is written into a free
-    slot when a sequence needs it, else into the slot of the least recently used adapter no sequence holds
-    (the scheduler admits no more distinct adapters than there are slots)."""
-
-    def __init__(self, slots: int, limit: int = DEFAULT_MAX_CPU_LORAS) -> None:
-        self.slots = slots
-        self.limit = limit  # the most adapters registered at once (--max-cpu-loras)
-        self.registered: dict[str, Adapter] = {}
-        self.retiring: set[str] = set()  # registered, unloaded once no request uses them; none may name them
-        self.resident: dict[str, int] = {}  # name -> slot
-        self._used: dict[str, int] = {}  # name -> the clock when a sequence last took it
-        self._clock = 0
-        self.loads = 0  # adapters written into a slot, ever
-        self.evictions = 0  # of them, those that replaced another adapter
-
-    @property
-    def served(self) -> tuple[str, ...]:
-        """The adapters a new request may name, in the order they were registered."""
-        return tuple(name for name in self.registered if name not in self.retiring)
-
-    def register(self, name: str, adapter: Adapter) -> None:
-        if name in self.retiring:
-            raise ValueError(
-                f"adapter {name!r} is being unloaded once its running requests finish: load it again then"
-            )
-        if name in self.registered:
-            raise ValueError(f"an adapter named {name!r} is already loaded")
-        if len(self.registered) >= self.limit:
-            raise ValueError(adapters_full(len(self.registered)))
-        self.registered[name] = adapter
-
-    def unregister(self, name: str, busy: Collection[str]) -> int | None:
-        """Forget `name`; returns the slot it leaves empty (None: it was not resident). ValueError while a
-        sequence runs with it."""
-        if name not in self.registered:
-            raise ValueError(f"no adapter named {name!r} is loaded")
-        if name in busy:
-            raise ValueError(f"adapter {name!r} is in use by running requests; unload it once they finish")
-        del self.registered[name]
-        self.retiring.discard(name)
-        self._used.pop(name, None)
-        return self.resident.pop(name, None)
-
-    def free_slot(self) -> int | None:
-        taken = set(self.resident.values())
-        return next((s for s in range(1, self.slots + 1) if s not in taken), None)
-
-    def place(self, name: str, busy: Collection[str]) -> int:
-        """The slot `name` is written into: a free one, else the least recently used adapter's that no
-        sequence in `busy` holds (it is evicted). ValueError when every slot is held."""
-        slot = self.free_slot()
-        if slot is None:
-            idle = [n for n in self.resident if n not in busy]
-            if not idle:
-                raise ValueError(
-                    f"every one of the {self.slots} LoRA slots holds an adapter a running request uses"
-                )
-            slot = self.resident.pop(min(idle, key=lambda n: self._used.get(n, 0)))
-            self.evictions += 1
-        self.resident[name] = slot
-        self.loads += 1
-        return slot
-
-    def touch(self, name: str) -> None:
-        self._clock += 1
-        self._used[name] = self._clock
