@@ -110,7 +110,7 @@ def test_a_config_saved_before_the_new_fields_loads_as_it_was() -> None:
     [
         ({"n_kv_heads": 3}, "must divide n_heads"),
         ({"norm": "batch"}, "norm must be"),
-        ({"rope_scaling": "yarn"}, "rope_scaling must be"),
+        ({"rope_scaling": "dynamic"}, "rope_scaling must be"),
         ({"rope_scaling": "llama3", "rope_low_freq_factor": 4.0}, "above rope_low_freq_factor"),
         ({"rope_factor": 0.0}, "rope_factor must be positive"),
         ({"sliding_window": -1}, "sliding_window must be a non-negative integer"),
