@@ -22,6 +22,7 @@ SCENARIOS: dict[str, str] = {
     "priority": "an urgent request on a saturated server: fcfs against priority",
     "served-peers": "textgen-serve against llama-server on the same weights",
     "served-memory": "memory and start-up against llama-server",
+    "prepared-memory": "the engine's memory and start with and without the prepared graph",
     "peers": "same weights as ONNX Runtime GenAI and llama.cpp, offline and served",
     "engine": "the engine offline on bench-a, beside the peer stacks",
     "kv-design": "the in-place KV-cache graph against the concatenating one",

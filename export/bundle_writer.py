@@ -29,23 +29,18 @@ import onnx
 from export.quantize import fold_weight_transposes
 from serve.bundle import MANIFEST_FILE, Bundle, GraphSpec, Manifest, load_bundle, sha256_file
 
-# Protobuf cannot serialize a message over 2 GiB; stay well under it so the graph itself still fits.
-EXTERNAL_DATA_THRESHOLD = 1_800_000_000
 TOKENIZER_FILE = "tokenizer.json"
-# Graphs over the threshold keep their weights here, one file for both: a tensor the serving graph shares
-# byte for byte with the standard graph (every weight matrix: both store [in, out]; the embedding; the head)
-# is written once and referenced by both graphs at the same offset.
+# Both graphs keep their weights here: a tensor the serving graph shares byte for byte with the standard
+# graph (every weight matrix: both store [in, out]; the embedding; the head) is written once and referenced
+# by both graphs at the same offset, so the bundle holds each weight once (and no graph nears protobuf's
+# 2 GB limit).
 SHARED_DATA_FILE = "weights.data"
 EXTERNAL_MIN_BYTES = 1024  # smaller tensors (shapes, axes, eps) stay inside the graph
 ALIGNMENT = 4096  # each tensor starts on a page, as onnx's own writer aligns them for memory mapping
 
 
-def _weights_bytes(model: onnx.ModelProto) -> int:
-    return sum(len(t.raw_data) for t in model.graph.initializer)
-
-
 class SharedWeights:
-    """The one external data file of a bundle's large graphs: each distinct tensor's bytes once."""
+    """The one external data file of a bundle's graphs: each distinct tensor's bytes once."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -123,22 +118,18 @@ class BundleStage:
         return 0 if self._shared is None else self._shared.shared_bytes
 
     def add_graph(self, file: str, model: onnx.ModelProto, opset: int) -> GraphSpec:
-        """Save `model` as `file`; when its weights exceed the 2 GB protobuf limit (or an earlier graph's
-        did), its weights go into the bundle's one SHARED_DATA_FILE instead, each distinct tensor once.
-        The weights leave `model` (it keeps references into the file)."""
-        external = None
-        if self._shared is not None or _weights_bytes(model) > EXTERNAL_DATA_THRESHOLD:
-            if self._shared is None:
-                self._shared = SharedWeights(self.dir / SHARED_DATA_FILE)
-            # A tied head traced as MatMul(x, Transpose(embedding)) stored as the serving graph stores it,
-            # [d, vocab], so the two graphs share it too (ONNX Runtime folds the Transpose at load anyway).
-            fold_weight_transposes(model)
-            self._shared.externalize(model)
-            external = SHARED_DATA_FILE
+        """Save `model` as `file`, its weights in the bundle's one SHARED_DATA_FILE, each distinct tensor
+        once across the graphs. The weights leave `model` (it keeps references into the file)."""
+        if self._shared is None:
+            self._shared = SharedWeights(self.dir / SHARED_DATA_FILE)
+        # A tied head traced as MatMul(x, Transpose(embedding)) stored as the serving graph stores it,
+        # [d, vocab], so the two graphs share it too (ONNX Runtime folds the Transpose at load anyway).
+        fold_weight_transposes(model)
+        self._shared.externalize(model)
         onnx.save_model(model, str(self.dir / file))
         return GraphSpec(
             file=file,
-            external_data=external,
+            external_data=SHARED_DATA_FILE,
             inputs=[i.name for i in model.graph.input],
             outputs=[o.name for o in model.graph.output],
             opset=opset,

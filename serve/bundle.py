@@ -2,8 +2,10 @@
 
 Layout (written by `export.bundle_writer`):
     manifest.json          this module's `Manifest`
-    model.onnx             the standard graph (portable ops; the TensorRT graph) [+ external data if > 2 GB]
-    model_inplace.onnx     the in-place GroupQueryAttention serving graph (ONNX Runtime CPU/CUDA)
+    model.onnx             the standard graph (portable ops; the TensorRT graph), without its weights
+    model_inplace.onnx     the in-place GroupQueryAttention serving graph (ONNX Runtime CPU/CUDA), the same
+    weights.data           both graphs' weights, each distinct tensor once (older bundles have no such
+                           file: each graph embeds its own weights)
     tokenizer.json         the `tokenizers` tokenizer (its post-processor adds what encoding a text adds)
 
 Format versions: 2 (written now) adds grouped-query attention (`n_kv_heads`), a head_dim not tied to
@@ -146,7 +148,7 @@ def _plain_file_name(name: str) -> str:
 
 class GraphSpec(_Strict):
     file: str
-    external_data: str | None = None  # only for graphs over protobuf's 2 GB limit
+    external_data: str | None = None  # the weights' file; None: embedded in `file` (older bundles)
     inputs: list[str] = Field(min_length=1)
     outputs: list[str] = Field(min_length=1)
     opset: PositiveInt

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,20 @@ def tiny_config(request: pytest.FixtureRequest) -> DecoderConfig:
         d_ff=64,
         positions=request.param,
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Where the servers the tests start keep their prepared graphs (textgen-serve --compiled-cache), rather
+    than under $TEXTGEN_HOME."""
+    path = tmp_path_factory.mktemp("compiled")
+    before = os.environ.get("TEXTGEN_COMPILED_CACHE")
+    os.environ["TEXTGEN_COMPILED_CACHE"] = str(path)
+    yield path
+    if before is None:
+        del os.environ["TEXTGEN_COMPILED_CACHE"]
+    else:
+        os.environ["TEXTGEN_COMPILED_CACHE"] = before
 
 
 @pytest.fixture(scope="session")

@@ -109,6 +109,19 @@ class ServerSettings(BaseSettings, BatchingKnobs):
         "bundle); fp16 halves a float32 bundle's cache (its attention then computes in float16: see "
         "docs/benchmarks.md, 'KV cache dtype', for the cost in speed and accuracy)",
     )
+    compiled_cache: Path | None = Field(
+        None,
+        description="where the serving graph prepared for this CPU and ONNX Runtime is kept: its weights in "
+        "the layout the kernels read, in a file every session and every replica on the machine maps rather "
+        "than packing its own copy; prepared at the first start (or by `textgen-export prepare BUNDLE`), "
+        "never in the bundle, which may be read-only (default: $TEXTGEN_HOME/compiled, else "
+        "./models/compiled)",
+    )
+    prepared_graph: bool = Field(
+        True,
+        description="build the sessions from the prepared graph (--compiled-cache); off: from the bundle's "
+        "graph, each session packing the weights into memory of its own at every start",
+    )
     prefix_cache_rows: int = Field(
         4,
         ge=0,

@@ -16,7 +16,13 @@ from serve.api.metrics import Metrics
 from serve.api.sizing import DraftCost, KvSizing, ServedFeatures, kv_itemsize, pod_memory, size_kv_cache
 from serve.api.validation import RequestLimits
 from serve.bundle import Bundle, Manifest, load_bundle, read_manifest, serving_weight_bytes
-from serve.engine.types import EngineInfo, EngineSettings, SessionConfig, SpeculationSettings
+from serve.engine.types import (
+    EngineInfo,
+    EngineSettings,
+    SessionConfig,
+    SpeculationSettings,
+    default_compiled_cache,
+)
 from serve.errors import BundleError
 from serve.process import (
     allowed_cpus,
@@ -76,7 +82,15 @@ def engine_settings(settings: ServerSettings, sizing: KvSizing | None = None) ->
         adapters=tuple((name, str(folder)) for name, folder in settings.lora),
         max_cpu_loras=settings.max_cpu_loras,
         kv_cache_dtype=settings.kv_cache_dtype,
+        compiled_cache=compiled_cache(settings),
     )
+
+
+def compiled_cache(settings: ServerSettings) -> Path | None:
+    """Where the engine keeps its prepared graph; None: it builds its sessions from the bundle's graph."""
+    if not settings.prepared_graph:
+        return None
+    return settings.compiled_cache or default_compiled_cache()
 
 
 def speculation_settings(settings: ServerSettings) -> SpeculationSettings:

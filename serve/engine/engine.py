@@ -29,14 +29,13 @@ from tokenizers import Tokenizer
 
 from serve.engine.constraints import ConstraintCompiler, ConstraintRows, MaskStats, MaskWorker
 from serve.engine.kv_cache import KvCache
-from serve.engine.kv_dtype import fp16_cache_graph, needs_rewrite
 from serve.engine.lora.reading import model_names, read_adapter
 from serve.engine.lora.residency import Residency
 from serve.engine.lora.slots import LoraSlots, check_graph_inputs
 from serve.engine.prefill import Prefills
 from serve.engine.prefix_cache import PrefixCache
+from serve.engine.prepared import engine_graphs
 from serve.engine.prompt_scoring import PromptScorer, scoring_session
-from serve.engine.row_pad import unpadded_graph
 from serve.engine.runtime import (
     Device,
     InMemoryGraph,
@@ -153,7 +152,8 @@ class Engine(Prefills):
             raise ValueError(
                 "speculation needs the verification graph (serve/engine/verify_graph.py); only it does"
             )
-        # A second session over the same weights: ONNX Runtime packs a copy of its own (docs/benchmarks.md).
+        # A second session over the same weights: from a prepared graph it maps the same packed weights, from
+        # the bundle's graph ONNX Runtime packs a copy of its own (docs/benchmarks.md).
         self._verifier = None if verifier is None else create_session(verifier, settings.session)
         self._positions = self.speculation.num_tokens + 1  # the most the verification graph scores a run
         self._verify_bindings: dict[int, Any] = {}  # by the run's tokens
@@ -178,9 +178,6 @@ class Engine(Prefills):
                 f"{bundle.root}: the bundle has no in-place serving graph (graphs.inplace); "
                 "re-export it with this version's `textgen-export`"
             )
-        # Hashed before ONNX Runtime reads it, not beside: creating a session holds the GIL most of the time,
-        # so a hashing thread gained nothing (docs/benchmarks.md, "Ready").
-        graph_file = bundle.checked_graph(m.graphs.inplace)
         arch = m.architecture
         spec = ModelSpec(
             n_layers=arch.n_layers,
@@ -200,12 +197,9 @@ class Engine(Prefills):
         if settings.speculation.enabled:  # sessions take turns: one's threads spinning on would slow the next
             session = replace(session, spin_between_runs=False)
         settings = replace(settings, session=session)
-        graph: str | InMemoryGraph = str(graph_file)
-        if m.odd_rows_padded:  # only such a graph has pads to take out: no other is probed
-            unpadded = unpadded_graph(graph_file, session)
-            graph = graph if unpadded is None else unpadded[0]
-        if needs_rewrite(settings.kv_cache_dtype, m.dtype, bundle.root):
-            graph = fp16_cache_graph(Path(graph) if isinstance(graph, str) else graph)
+        # The prepared graphs (their packed weights mapped) where a cache is set, else the bundle's.
+        graphs = engine_graphs(bundle, settings)
+        graph = graphs.graph if isinstance(graphs.graph, InMemoryGraph) else str(graphs.graph)
         proposer: Proposer | None = None
         verifier = None
         if settings.speculation.enabled:
@@ -213,9 +207,7 @@ class Engine(Prefills):
             verifier = verification_graph(Path(graph) if isinstance(graph, str) else graph, positions)
             if settings.speculation.draft_bundle is not None:
                 proposer = DraftModel(_draft_engine(bundle, settings))
-        engine = cls(
-            graph, bundle.tokenizer, spec, settings, lambda: bundle.standard_graph, proposer, verifier, m.lora
-        )
+        engine = cls(graph, bundle.tokenizer, spec, settings, graphs.scoring, proposer, verifier, m.lora)
         for name, path in settings.adapters:
             if m.lora is None:
                 raise BundleError(
@@ -347,7 +339,12 @@ def _draft_engine(bundle: Bundle, settings: EngineSettings) -> Engine:
         )
     engine = Engine.from_bundle(
         draft,
-        EngineSettings(max_batch_size=1, capacity=capacity, session=settings.session),
+        EngineSettings(
+            max_batch_size=1,
+            capacity=capacity,
+            session=settings.session,
+            compiled_cache=settings.compiled_cache,
+        ),
     )
     engine.warm_up()
     return engine

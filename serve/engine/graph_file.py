@@ -138,6 +138,11 @@ def inline_small_external_tensors(model: onnx.ModelProto, folder: Path) -> None:
         if uses_external_data(tensor):
             length = next((int(e.value) for e in tensor.external_data if e.key == "length"), None)
             if length is not None and length <= INLINE_BYTES:
+                # A prepared graph's packed copy (serve/engine/prepared.py) goes with the reference: so small
+                # a tensor is packed again in memory.
+                kept = [e for e in tensor.external_data if not e.key.startswith("prepacked")]
+                del tensor.external_data[:]
+                tensor.external_data.extend(kept)
                 load_external_data_for_tensor(tensor, str(folder))
                 tensor.data_location = TensorProto.DEFAULT
                 del tensor.external_data[:]

@@ -4,7 +4,8 @@ prompt token after the ones before it, what evaluation harnesses score texts wit
 The serving graph returns one position's logits per row (its head runs on the last position only: see
 export/onnx_inplace.py), so a prompt is scored by the bundle's standard graph, which returns every
 position's logits, run on the prompt alone with an empty past. Its session is created on first use, with the
-serving session's providers and threads: it holds a second copy of the weights, which a server that is never
+serving session's providers and threads: built from the prepared graph (serve/engine/prepared.py) it maps the
+serving session's packed weights, from the bundle's graph it packs a second copy, which a server that is never
 asked for prompt logprobs does not pay for, nor for hashing the graph's file (the bundle checks it when it is
 first asked for: a changed file fails each request for prompt logprobs with a BundleError naming it). On an
 INT8 bundle the two graphs are quantized separately, so the scores can differ from the serving graph's

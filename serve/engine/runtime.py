@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,9 +91,16 @@ def editable_graph(graph: Path | InMemoryGraph) -> tuple[onnx.ModelProto, Path]:
     return read_structure(graph), graph.parent
 
 
-def create_session(model: Path | str | InMemoryGraph, config: SessionConfig) -> ort.InferenceSession:
+def create_session(
+    model: Path | str | InMemoryGraph,
+    config: SessionConfig,
+    optimized_path: Path | None = None,
+    entries: Mapping[str, str] | None = None,
+) -> ort.InferenceSession:
     """A session of `model` for `config`. A graph given by its path is read for its structure alone on the CPU
-    (`structure_only`); a GPU provider gets the path (TensorRT reads the graph from it)."""
+    (`structure_only`); a GPU provider gets the path (TensorRT reads the graph from it). With
+    `optimized_path`, ONNX Runtime writes the optimized graph there, as the config `entries` say
+    (serve/engine/prepared.py)."""
     rt = onnxruntime()
     providers = resolve_providers(config.providers)
     options = rt.SessionOptions()
@@ -103,6 +110,10 @@ def create_session(model: Path | str | InMemoryGraph, config: SessionConfig) -> 
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.spinning else "0")
     if config.spinning and not config.spin_between_runs:
         options.add_session_config_entry("session.force_spinning_stop", "1")
+    if optimized_path is not None:
+        options.optimized_model_filepath = str(optimized_path)
+    for key, value in (entries or {}).items():
+        options.add_session_config_entry(key, value)
     provider_args: list[str | tuple[str, dict[str, Any]]] = [
         (p, config.tensorrt_options) if p == "TensorrtExecutionProvider" else p for p in providers
     ]

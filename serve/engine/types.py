@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from serve.engine.sampling import Alternatives, PromptScores, SamplingParams
@@ -109,6 +111,12 @@ class SpeculationSettings:
         return self.num_tokens > 0
 
 
+def default_compiled_cache() -> Path:
+    """Where prepared serving graphs are cached unless told (serve/engine/prepared.py):
+    $TEXTGEN_HOME/compiled, or ./models/compiled (where the demo's bundle lives by default)."""
+    return Path(os.environ.get("TEXTGEN_HOME") or "models") / "compiled"
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     max_batch_size: int = 16
@@ -123,6 +131,9 @@ class EngineSettings:
     max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS  # the most adapters registered at once (Residency)
     # The KV cache's element type (serve/engine/kv_dtype.py); auto: the bundle's own.
     kv_cache_dtype: KvCacheDtype = "auto"
+    # Where prepared serving graphs are cached (serve/engine/prepared.py); None: sessions are built from the
+    # bundle's graph, packing the weights in memory.
+    compiled_cache: Path | None = None
 
 
 class ConstraintKind(enum.Enum):

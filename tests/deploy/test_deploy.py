@@ -530,6 +530,11 @@ def test_configuration_is_what_the_server_reads(overlay: str) -> None:
     assert token["valueFrom"]["secretKeyRef"]["name"] == "textgen-auth"
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     assert mounts[config["TEXTGEN_BUNDLE"]]["readOnly"] is True
+    # The prepared graph is written beside the read-only bundle, on a volume the replicas share.
+    assert not mounts[config["TEXTGEN_COMPILED_CACHE"]].get("readOnly")
+    volumes = {v["name"]: v for v in one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    claim = volumes[mounts[config["TEXTGEN_COMPILED_CACHE"]]["name"]]["persistentVolumeClaim"]["claimName"]
+    assert any(o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == claim for o in objects)
 
 
 @pytest.mark.parametrize("overlay", ["overlays/cpu", "overlays/gpu"])

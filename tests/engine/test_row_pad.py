@@ -242,7 +242,7 @@ def test_only_a_bundle_marked_padded_is_read_for_its_pads(
     from dataclasses import replace
 
     from serve.bundle import load_bundle
-    from serve.engine import engine as engine_module
+    from serve.engine import prepared
     from serve.engine.engine import Engine
     from serve.engine.types import EngineSettings
 
@@ -251,7 +251,7 @@ def test_only_a_bundle_marked_padded_is_read_for_its_pads(
     def spy(path: Path, config: SessionConfig) -> None:
         asked.append(path)
 
-    monkeypatch.setattr(engine_module, "unpadded_graph", spy)
+    monkeypatch.setattr(prepared, "unpadded_graph", spy)
     bundle = load_bundle(tiny_bundle)
     settings = EngineSettings(max_batch_size=2, session=SessionConfig(providers=("cpu",), threads=1))
     assert not bundle.manifest.odd_rows_padded

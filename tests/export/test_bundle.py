@@ -50,7 +50,7 @@ def test_round_trip(tiny_bundle: Path) -> None:
     assert bundle.inplace_graph is not None and bundle.inplace_graph.is_file()
     assert m.graphs.standard.inputs[:3] == ["input_ids", "attention_mask", "position_ids"]
     assert m.graphs.standard.outputs[0] == "logits"
-    assert set(m.checksums) == {"model.onnx", "model_inplace.onnx", "tokenizer.json"}
+    assert set(m.checksums) == {"model.onnx", "model_inplace.onnx", "weights.data", "tokenizer.json"}
     assert all(sha256_file(tiny_bundle / f) == digest for f, digest in m.checksums.items())
     assert bundle.tokenizer.token_to_id("<|endoftext|>") == m.eos_token_id
     assert m.eos_token_ids == [m.eos_token_id] and m.bos_token_id is None
@@ -209,9 +209,9 @@ def test_each_file_is_hashed_once_when_first_opened(
     assert hashed == ["tokenizer.json"]
     for _ in range(2):
         assert bundle.inplace_graph == tiny_bundle / "model_inplace.onnx"
-    assert hashed == ["tokenizer.json", "model_inplace.onnx"]
-    assert bundle.standard_graph == tiny_bundle / "model.onnx"
-    assert hashed == ["tokenizer.json", "model_inplace.onnx", "model.onnx"]
+    assert hashed == ["tokenizer.json", "model_inplace.onnx", "weights.data"]
+    assert bundle.standard_graph == tiny_bundle / "model.onnx"  # the weights both graphs read: hashed once
+    assert hashed == ["tokenizer.json", "model_inplace.onnx", "weights.data", "model.onnx"]
 
 
 def test_missing_file(bundle_copy: Path) -> None:

@@ -89,7 +89,7 @@ def test_export_report_of_tiny_bundle(tiny_bundle: Path) -> None:
         assert report[graph]["greedy_identical"] and report[graph]["finite"]
     assert report["standard"]["batch_invariant"]
     assert report["opset"] == 23 and report["decode_steps"] == 20
-    assert set(report["files"]) == {"model.onnx", "model_inplace.onnx", "tokenizer.json"}
+    assert set(report["files"]) == {"model.onnx", "model_inplace.onnx", "weights.data", "tokenizer.json"}
     assert {"torch", "onnx", "onnxruntime"} <= set(report["versions"])
 
 
@@ -368,32 +368,42 @@ def _tiny_graphs(tiny_bundle: Path, kind: str) -> tuple[onnx.ModelProto, onnx.Mo
     return graphs.standard, graphs.inplace
 
 
-@pytest.mark.parametrize("kind", ["fp32", "int4"])
-def test_writer_uses_external_data_only_when_needed(
-    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
-) -> None:
-    """Over the threshold, both graphs keep their weights in one file, each shared tensor written once: the
-    quantized weights too (both graphs quantize the same [in, out] matrices to the same bytes)."""
-    import export.bundle_writer as writer
+def _embedded(root: Path, out: Path) -> Path:
+    """The bundle at `root` in the layout of bundles written before weights.data: each graph's weights
+    inside its own .onnx file, the manifest naming no external data."""
+    out.mkdir()
+    manifest = json.loads((root / MANIFEST_FILE).read_text())
+    for spec in manifest["graphs"].values():
+        onnx.save(onnx.load(str(root / spec["file"])), str(out / spec["file"]))
+        spec["external_data"] = None
+    shutil.copy(root / "tokenizer.json", out / "tokenizer.json")
+    manifest["checksums"] = {p.name: sha256_file(p) for p in out.iterdir()}
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return out
 
-    reference, _, _, _ = _staged(tiny_bundle, _tiny_graphs(tiny_bundle, kind), tmp_path / "inside")
+
+@pytest.mark.parametrize("kind", ["fp32", "int4"])
+def test_writer_stores_each_weight_once(tiny_bundle: Path, tmp_path: Path, kind: str) -> None:
+    """Both graphs keep their weights in one file, each shared tensor written once: the quantized weights too
+    (both graphs quantize the same [in, out] matrices to the same bytes). A bundle in the older layout (each
+    graph's weights embedded) serves the same logits."""
     standard, inplace = _tiny_graphs(tiny_bundle, kind)
     inplace_bytes = sum(len(t.raw_data) for t in inplace.graph.initializer if len(t.raw_data) >= 1024)
-    monkeypatch.setattr(writer, "EXTERNAL_DATA_THRESHOLD", 0)
     root, specs, written, shared = _staged(tiny_bundle, (standard, inplace), tmp_path / "ext")
     bundle = load_bundle(root)
     assert specs["standard"].external_data == specs["inplace"].external_data == "weights.data"
     assert "weights.data" in bundle.manifest.checksums
-    sizes = {p.name: p.stat().st_size for p in root.iterdir()}
-    # The graphs keep only tensors under 1 KB (int4 scales of the tiny model among them).
-    assert sizes["model.onnx"] < (reference / "model.onnx").stat().st_size - written // 2
-    assert sizes["model_inplace.onnx"] < 20_000
+    for name in ("model.onnx", "model_inplace.onnx"):  # the graphs keep only tensors under 1 KB
+        graph = onnx.load(str(root / name), load_external_data=False)
+        assert all(len(t.raw_data) < 1024 for t in graph.graph.initializer)
     # Every weight of the serving graph is one the standard graph wrote: nothing was added for it. (Shared can
     # be more: a 4-bit tied embedding's gather and head have the same scales, stored once for both.)
-    assert shared >= inplace_bytes and sizes["weights.data"] == written
+    assert shared >= inplace_bytes and (root / "weights.data").stat().st_size == written
     assert len(session(bundle.standard_graph).get_outputs()) == 5
+    older = load_bundle(_embedded(root, tmp_path / "older"))
+    assert older.manifest.graphs.standard.external_data is None
     engine = Engine.from_bundle(bundle, EngineSettings(max_batch_size=1))
-    inside = Engine.from_bundle(load_bundle(reference), EngineSettings(max_batch_size=1))
+    inside = Engine.from_bundle(older, EngineSettings(max_batch_size=1))
     for e in (engine, inside):
         e.prefill([NewSequence("s", [5, 6, 7], SamplingParams())])
     np.testing.assert_array_equal(engine.last_logits, inside.last_logits)
