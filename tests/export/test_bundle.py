@@ -104,7 +104,16 @@ def as_format_1(data: dict[str, Any]) -> None:
     """A format 2 manifest of this project's decoder rewritten as format 1 wrote it (with the optional chat
     template that format 1 bundles of the demo carry)."""
     data["format_version"] = 1
-    for key in ("n_kv_heads", "norm", "sliding_window"):
+    added = (
+        "n_kv_heads",
+        "norm",
+        "sliding_window",
+        "n_experts",
+        "experts_top_k",
+        "expert_d_ff",
+        "sparse_layers",
+    )
+    for key in added:
         del data["architecture"][key]
     data["eos_token_id"] = data.pop("eos_token_ids")[0]
     for key in ("bos_token_id", "lora", *FIELDS_ADDED_WITH_INT4):
