@@ -331,8 +331,6 @@ def _sliding_window(f: _Fields, architecture: str, n_layers: int) -> int:
     """Mistral (and Mixtral): every layer attends within sliding_window (null: no window). Qwen2/3 (and
     Qwen3-MoE): only when use_sliding_window, and then only if every layer slides (mixed layer types are
     refused)."""
-    if architecture == "GptOssForCausalLM":
-        return _uniform_layer_types(f, n_layers)
     architecture = ATTENTION_OF.get(architecture, architecture)
     if architecture == "MistralForCausalLM":
         return f.integer("sliding_window") if f.has("sliding_window") else 0
@@ -358,17 +356,13 @@ def _sliding_window(f: _Fields, architecture: str, n_layers: int) -> int:
     return window
 
 
-def _uniform_layer_types(f: _Fields, n_layers: int) -> int:
-    """gpt-oss's layer_types: every layer sliding (the window), or every one full (0). Its published
-    checkpoints alternate the two, which needs a window per layer: refused."""
-    types = f.config.get("layer_types") or ["full_attention"] * n_layers
-    if set(types) == {"full_attention"}:
-        return 0
-    if set(types) == {"sliding_attention"}:
-        return f.integer("sliding_window")
-    raise f.refuse(
-        f"layer_types alternating {sorted(set(types))} are not supported yet: every layer sliding or every "
-        "layer full only"
+def _gpt_oss_layers(f: _Fields, n_layers: int) -> tuple[LayerAttention, ...]:
+    """gpt-oss's layer_types: sliding-window layers (of sliding_window keys) and full ones, which its
+    checkpoints alternate."""
+    types = _layer_types(f, n_layers, ["full_attention"] * n_layers)
+    window = f.integer("sliding_window") if "sliding_attention" in types else 0
+    return tuple(
+        LayerAttention(window=window) if t == "sliding_attention" else LayerAttention() for t in types
     )
 
 
@@ -379,6 +373,7 @@ def _llama_like_config(f: _Fields, architecture: str) -> DecoderConfig:
     if f.has("clip_qkv"):
         raise f.refuse(f"clip_qkv {f.config['clip_qkv']!r} is not supported (q, k and v unclipped only)")
     family = ATTENTION_OF.get(architecture, architecture)
+    gpt_oss = architecture == "GptOssForCausalLM"
     d_model, n_heads = f.integer("hidden_size"), f.integer("num_attention_heads")
     n_layers, context = f.integer("num_hidden_layers"), f.integer("max_position_embeddings")
     head_dim = f.integer("head_dim") if f.has("head_dim") else d_model // n_heads
@@ -408,9 +403,10 @@ def _llama_like_config(f: _Fields, architecture: str) -> DecoderConfig:
         mlp_bias=mlp_bias,
         qk_norm=architecture in QK_NORM or family in QK_NORM,
         qk_norm_scope="projection" if architecture == "OlmoeForCausalLM" else "head",
-        sliding_window=_sliding_window(f, architecture, n_layers),
+        sliding_window=0 if gpt_oss else _sliding_window(f, architecture, n_layers),
+        layer_attention=_gpt_oss_layers(f, n_layers) if gpt_oss else (),
         experts=_experts_config(f, architecture, n_layers) if architecture in MOE_ARCHITECTURES else None,
-        attention_sinks=architecture == "GptOssForCausalLM",
+        attention_sinks=gpt_oss,
         **_rope_fields(f, context),
     )
 

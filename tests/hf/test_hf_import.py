@@ -89,7 +89,7 @@ CASES: dict[str, Callable[[], PretrainedConfig]] = {
     "olmoe-whole-qk-norm": lambda: olmoe_config(),
     "mixtral-window8": lambda: mixtral_config(sliding_window=8),
     "gpt-oss-yarn-sinks-window8": lambda: gpt_oss_config(
-        layer_types=["sliding_attention"] * 2, sliding_window=8
+        layer_types=["sliding_attention", "full_attention"], sliding_window=8
     ),
 }
 
@@ -174,7 +174,8 @@ def test_imported_configs_have_the_families_blocks(
     assert gpt_oss.experts == ExpertsConfig(
         8, 2, 32, "topk_softmax", activation="swiglu_clamped", swiglu_limit=1.5, bias=True
     )
-    assert gpt_oss.attention_sinks and gpt_oss.sliding_window == 8 and gpt_oss.qkv_bias and gpt_oss.out_bias
+    assert gpt_oss.attention_sinks and gpt_oss.qkv_bias and gpt_oss.out_bias
+    assert [layer.window for layer in gpt_oss.layer_attention] == [8, 0]
     assert (gpt_oss.rope_scaling, gpt_oss.rope_factor, gpt_oss.rope_original_context) == ("yarn", 4.0, 32)
     # The KV cache of a grouped-query model holds the key/value heads only.
     _, model, _ = generated["qwen3-qk-norm-head-dim32-kv1"]

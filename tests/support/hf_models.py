@@ -119,8 +119,8 @@ def mixtral_config(**changes: Any) -> MixtralConfig:
     return MixtralConfig(**{**_COMMON, **_MOE_SHAPE, "num_local_experts": 8, "rope_theta": 5000.0, **changes})
 
 
-# gpt-oss: YaRN over an original context of 32 (factor 4), every layer full attention (its checkpoints
-# alternate sliding and full layers, which is refused), head_dim 16.
+# gpt-oss: YaRN over an original context of 32 (factor 4), head_dim 16; every layer full attention unless
+# the test gives layer_types (its checkpoints alternate sliding and full layers).
 GPT_OSS_YARN = {
     "rope_type": "yarn",
     "factor": 4.0,
