@@ -93,12 +93,14 @@ def test_a_draft_model_is_paid_from_the_budget_first(tiny_bundle: Path, tmp_path
     assert "after 0.2 MiB for the draft model's weights and KV row" in sizing.describe()
     with pytest.raises(ConfigError, match=r"holds no KV row after the draft model's 0\.2 MiB"):
         size_kv_cache(manifest, None, 4 * row, 16, 4, draft)
-    # The server's own reckoning: the draft bundle's serving graph as stored, and its KV row.
+    # The server's own reckoning: the draft bundle's serving graph as stored (the graph and the weights file
+    # it reads), and its KV row.
     flags = ["--bundle", str(tiny_bundle), "--speculative", "draft", "--draft-bundle", str(tiny_bundle)]
     cost = draft_cost(load_settings(flags))
     assert cost is not None and cost.kv_bytes_per_token == 512
-    inplace = load_bundle(tiny_bundle).inplace_graph
-    assert inplace is not None and cost.weight_bytes == inplace.stat().st_size
+    spec = manifest.graphs.inplace
+    assert spec is not None and len(spec.files()) > 1
+    assert cost.weight_bytes == sum((tiny_bundle / name).stat().st_size for name in spec.files())
     assert draft_cost(load_settings(["--bundle", str(tmp_path)])) is None
 
 

@@ -79,7 +79,7 @@ def run_serve(*args: str) -> subprocess.CompletedProcess[str]:
     """`python -m serve` on loopback (any metrics port) until it exits."""
     loopback = ["--host", "127.0.0.1", "--metrics-port", "0", "--http-port", "0"]
     command = [sys.executable, "-m", "serve", *loopback, *args]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)  # a hang guard
 
 
 def served_memory_mib(args: Sequence[str], bodies: Sequence[dict[str, Any]]) -> tuple[float, float]:
