@@ -4,7 +4,7 @@ manifests so the test and the manifests cannot drift. Containers use the host's 
 listener to 127.0.0.1 and a free port (`loopback_environment`), nothing else.
 
 The manifests are read as kustomize would merge them for one overlay: the base's Deployment, the overlay's
-image and the textgen-config literals of base and overlay (tests/deploy/test_deploy.py renders them with
+image and the textgen-config literals of base and overlay (tests/deploy/test_manifests.py renders them with
 kustomize itself and validates the result).
 """
 
