@@ -26,9 +26,9 @@ from serve.api.auth import TokenAuthInterceptor, server_credentials
 from serve.api.common import LoadedModel
 from serve.api.config import ConfigError, ServerSettings
 from serve.api.grpc_service import SERVICE_NAME, DecodeGuardInterceptor, TextGenerationService
+from serve.api.http.server import HttpServer, http_api
 from serve.api.loading import load_model
 from serve.api.metrics import Metrics
-from serve.api.openai.http_server import HttpServer, http_api
 from serve.api.state import ServingState
 from serve.api.tracing import RequestTracer
 from serve.process import freeze_startup_objects

@@ -303,7 +303,7 @@ def test_serving_lock_installs_and_serves_in_a_fresh_venv(tmp_path: Path, tiny_b
     python = str(venv / "bin" / "python")
     imports = (
         "import serve.api.lifecycle, serve.api.cli, serve.api.client, serve.engine.engine, "
-        "serve.api.metrics, serve.api.openai.http_server"
+        "serve.api.metrics, serve.api.http.server"
     )
     subprocess.run([python, "-c", imports], check=True, cwd=tmp_path)
     no_torch = subprocess.run([python, "-c", "import torch"], capture_output=True, cwd=tmp_path, check=False)

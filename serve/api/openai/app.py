@@ -43,13 +43,9 @@ from serve.api.anthropic.protocol import (
 from serve.api.anthropic.translate import messages_plan, messages_prompt
 from serve.api.common import CallRecord, LoadedModel
 from serve.api.config import ServerSettings
-from serve.api.metrics import Metrics
-from serve.api.openai.chat import ChatRenderer
-from serve.api.openai.completions import CompletionRenderer
-from serve.api.openai.errors import Accounting
-from serve.api.openai.front_door import FrontDoor
-from serve.api.openai.logprobs import Vocabulary
-from serve.api.openai.paths import (
+from serve.api.http.errors import Accounting
+from serve.api.http.front_door import FrontDoor
+from serve.api.http.paths import (
     CHAT,
     COMPLETIONS,
     COUNT_TOKENS,
@@ -63,6 +59,11 @@ from serve.api.openai.paths import (
     TOKENIZE,
     UNLOAD_LORA,
 )
+from serve.api.http.serving import Renderer, Serving
+from serve.api.metrics import Metrics
+from serve.api.openai.chat import ChatRenderer
+from serve.api.openai.completions import CompletionRenderer
+from serve.api.openai.logprobs import Vocabulary
 from serve.api.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -80,7 +81,6 @@ from serve.api.openai.protocol import (
     UnloadLoraAdapterRequest,
 )
 from serve.api.openai.responses import ResponsesRenderer
-from serve.api.openai.serving import Renderer, Serving
 from serve.api.openai.translate import named_model, with_adapter
 from serve.api.openai.translate_chat import chat_messages, chat_plan
 from serve.api.openai.translate_completions import completion_plan

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from serve.api.http.serving import ChunkRenderer, finish_reason
 from serve.api.openai.logprobs import Vocabulary, chat_logprobs
-from serve.api.openai.serving import ChunkRenderer, finish_reason
 from serve.api.openai.translate_chat import ChatPlan
 from serve.api.tool_calls import Reply
 from serve.engine.sampling import Alternatives

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve.api.http.request_events import plan_usage
+from serve.api.http.serving import Renderer, context_filled, finish_reason
 from serve.api.http_status import HttpError
 from serve.api.openai.logprobs import Vocabulary, chat_logprobs
 from serve.api.openai.protocol import (
@@ -35,8 +37,6 @@ from serve.api.openai.protocol import (
     ResponseUsage,
     TokenLogprob,
 )
-from serve.api.openai.request_events import plan_usage
-from serve.api.openai.serving import Renderer, context_filled, finish_reason
 from serve.api.openai.translate_responses import ResponsesPlan
 from serve.api.reply_blocks import ApiEvent, Ended, ReplyBlocks
 from serve.api.tool_calls import ToolPlan

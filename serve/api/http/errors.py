@@ -15,10 +15,10 @@ from starlette.exceptions import HTTPException
 
 from serve.api.common import CallRecord, account
 from serve.api.config import ServerSettings
+from serve.api.http.front_door import error_response
+from serve.api.http.paths import REQUEST_ID_KEY, ROUTES
 from serve.api.http_status import TOO_LARGE, HttpError, http_error
 from serve.api.metrics import Metrics
-from serve.api.openai.front_door import error_response
-from serve.api.openai.paths import REQUEST_ID_KEY, ROUTES
 from serve.api.tracing import RequestTracer
 from serve.errors import InvalidRequest, NotFound
 

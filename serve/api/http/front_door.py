@@ -10,14 +10,14 @@ from fastapi import HTTPException as FastAPIHTTPException
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.api.http_status import TOO_LARGE, HttpError, anthropic_error, http_error
-from serve.api.openai.paths import (
+from serve.api.http.paths import (
     ANTHROPIC_ROUTES,
     HEALTH,
     REQUEST_ID_HEADER,
     REQUEST_ID_KEY,
     ROUTES,
 )
+from serve.api.http_status import TOO_LARGE, HttpError, anthropic_error, http_error
 from serve.api.tracing import take_trace_context
 from serve.api.validation import (
     check_request_id,

@@ -26,9 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serve.api.common import CallRecord, LoadedModel
-from serve.api.http_status import HttpError, http_error
-from serve.api.openai.logprobs import Vocabulary
-from serve.api.openai.request_events import (
+from serve.api.http.request_events import (
     complete,
     first_event,
     merged,
@@ -38,6 +36,8 @@ from serve.api.openai.request_events import (
     until_done,
     with_keepalives,
 )
+from serve.api.http_status import HttpError, http_error
+from serve.api.openai.logprobs import Vocabulary
 from serve.api.openai.translate import Plan
 from serve.api.state import ServingState
 from serve.errors import Draining
