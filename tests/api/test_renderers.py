@@ -15,14 +15,13 @@ from export.tokenizer import train_tokenizer
 from serve.api.anthropic.messages import MessagesRenderer
 from serve.api.anthropic.translate import MessagesPlan
 from serve.api.http.serving import ChunkRenderer
+from serve.api.http.translate import ChatPlan, Prompt
+from serve.api.http.vocabulary import Vocabulary
 from serve.api.http_status import anthropic_error, http_error
 from serve.api.openai.chat import ChatRenderer
 from serve.api.openai.completions import CompletionRenderer
-from serve.api.openai.logprobs import Vocabulary
 from serve.api.openai.protocol import ResponsesRequest
 from serve.api.openai.responses import ResponsesRenderer
-from serve.api.openai.translate import Prompt
-from serve.api.openai.translate_chat import ChatPlan
 from serve.api.openai.translate_completions import CompletionPlan
 from serve.api.openai.translate_responses import ResponsesPlan
 from serve.api.tool_calls import NamedToolChoice, Tool, ToolPlan, tool_plan

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from scheduler_fakes import letter_tokenizer
 
-from serve.api.openai.structured_output import tool_or_format
+from serve.api.http.constraints import tool_or_format
 from serve.api.tool_calls import (
     NamedToolChoice,
     Reply,

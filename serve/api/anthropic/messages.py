@@ -21,8 +21,8 @@ from typing import Any
 from serve.api.anthropic.protocol import MessageObject, MessagesUsage, StopReason, TextOut, ToolUseOut
 from serve.api.anthropic.translate import MessagesPlan
 from serve.api.http.serving import Renderer, context_filled, finish_reason
+from serve.api.http.vocabulary import Vocabulary
 from serve.api.http_status import HttpError, anthropic_error
-from serve.api.openai.logprobs import Vocabulary
 from serve.api.reply_blocks import ApiEvent, Ended, ReplyBlocks
 from serve.api.tool_calls import ToolPlan
 from serve.scheduling.request import Completion, Event, FinishEvent

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 from typing_extensions import TypedDict
 
-from serve.api.openai.protocol import AT_LEAST_ONE, SamplingFields, _Body
+from serve.api.http.fields import AT_LEAST_ONE, SamplingFields, _Body
 from serve.api.tool_calls import NAME_PATTERN
 
 # --- requests -----------------------------------------------------------------------------------------------

@@ -19,8 +19,9 @@ from serve.api.anthropic.protocol import (
     ToolUseBlock,
 )
 from serve.api.common import CallRecord, LoadedModel
-from serve.api.openai.structured_output import constraint_of, tool_or_format
-from serve.api.openai.translate import (
+from serve.api.http.constraints import constraint_of, tool_or_format
+from serve.api.http.translate import (
+    ChatPlan,
     Prompt,
     chat_label,
     chat_prompt,
@@ -29,7 +30,6 @@ from serve.api.openai.translate import (
     model_tool_plan,
     validated,
 )
-from serve.api.openai.translate_chat import ChatPlan
 from serve.api.tool_calls import (
     CalledFunction,
     FunctionDefinition,

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from serve.api.common import LoadedModel
-from serve.api.openai.translate import (
+from serve.api.http.translate import (
     Plan,
 )
 from serve.errors import Cancelled

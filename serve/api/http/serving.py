@@ -36,9 +36,9 @@ from serve.api.http.request_events import (
     until_done,
     with_keepalives,
 )
+from serve.api.http.translate import Plan
+from serve.api.http.vocabulary import Vocabulary
 from serve.api.http_status import HttpError, http_error
-from serve.api.openai.logprobs import Vocabulary
-from serve.api.openai.translate import Plan
 from serve.api.state import ServingState
 from serve.errors import Draining
 from serve.scheduling.handles import RequestHandle

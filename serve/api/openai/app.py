@@ -60,10 +60,11 @@ from serve.api.http.paths import (
     UNLOAD_LORA,
 )
 from serve.api.http.serving import Renderer, Serving
+from serve.api.http.translate import named_model, with_adapter
+from serve.api.http.vocabulary import Vocabulary
 from serve.api.metrics import Metrics
 from serve.api.openai.chat import ChatRenderer
 from serve.api.openai.completions import CompletionRenderer
-from serve.api.openai.logprobs import Vocabulary
 from serve.api.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -81,7 +82,6 @@ from serve.api.openai.protocol import (
     UnloadLoraAdapterRequest,
 )
 from serve.api.openai.responses import ResponsesRenderer
-from serve.api.openai.translate import named_model, with_adapter
 from serve.api.openai.translate_chat import chat_messages, chat_plan
 from serve.api.openai.translate_completions import completion_plan
 from serve.api.openai.translate_responses import responses_plan

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from serve.api.http.serving import ChunkRenderer, finish_reason
-from serve.api.openai.logprobs import Vocabulary, chat_logprobs
-from serve.api.openai.translate_chat import ChatPlan
+from serve.api.http.translate import ChatPlan
+from serve.api.http.vocabulary import Vocabulary
+from serve.api.openai.logprobs import chat_logprobs
 from serve.api.tool_calls import Reply
 from serve.engine.sampling import Alternatives
 from serve.scheduling.request import Completion, FinishEvent, TokenEvent

@@ -7,9 +7,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from serve.api.http.serving import ChunkRenderer, finish_reason
-from serve.api.openai.logprobs import Vocabulary, completion_logprobs
+from serve.api.http.translate import Prompt
+from serve.api.http.vocabulary import Vocabulary
+from serve.api.openai.logprobs import completion_logprobs
 from serve.api.openai.protocol import CompletionLogprobs
-from serve.api.openai.translate import Prompt
 from serve.api.openai.translate_completions import CompletionPlan
 from serve.scheduling.request import Completion, FinishEvent, TokenEvent
 

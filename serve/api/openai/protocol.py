@@ -9,7 +9,7 @@ top_logprobs (and the completions' logprobs) 0..20, max_tokens >= 0. Chat takes 
 takes OpenAI's Responses request with the same sampling fields (`SamplingFields`), its `input` items and
 function tools in their own shape, and `max_output_tokens` (>= 0) for max_tokens. Unknown
 fields that do not change the output (user, safety_identifier, ...) are accepted and ignored; those that would
-and are not supported here are refused (serve/api/openai/translate.py).
+and are not supported here are refused (serve/api/openai/refusals.py).
 
 Responses are typed dicts, not models: a stream sends one object per token, and a dict is serialized as it
 is built (no model to construct and dump on that path), while the schema still says every field. A key
@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import Field
 from typing_extensions import NotRequired, TypedDict
 
+from serve.api.http.fields import AT_LEAST_ONE, SamplingFields, _Body
 from serve.api.tool_calls import Tool, ToolCallIn, ToolChoice
-from serve.api.validation import PRIORITY_HEADER, PRIORITY_MAX, PRIORITY_MIN
 from serve.engine.sampling import MAX_TOP_LOGPROBS
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each takes n rows)
@@ -36,7 +36,6 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 # in its own words (for the prompt, once per member of its union), not with the routes' messages, which name
 # the empty field.
 NOT_EMPTY = Field(json_schema_extra={"minLength": 1})
-AT_LEAST_ONE = Field(json_schema_extra={"minItems": 1})
 PROMPT_COUNT = Field(json_schema_extra={"minItems": 1, "maxItems": MAX_PROMPTS})
 Text = Annotated[str, NOT_EMPTY]
 TokenIds = Annotated[list[int], AT_LEAST_ONE]
@@ -45,52 +44,8 @@ Prompt = Text | Annotated[list[Text], PROMPT_COUNT] | TokenIds | Annotated[list[
 # --- requests -----------------------------------------------------------------------------------------------
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")  # see UNSUPPORTED: the rest is ignored
-
-
 class StreamOptions(_Body):
     include_usage: bool | None = False
-
-
-class SamplingFields(_Body):
-    """What every generation route takes (/v1/responses too): the model, sampling, stopping, streaming."""
-
-    model: str | None = Field(None, description="the served model's name (GET /v1/models); default: it")
-    temperature: float | None = Field(None, ge=0, le=2, description="default 1; 0: greedy")
-    top_p: float | None = Field(None, ge=0, le=1)
-    stream: bool | None = False
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = Field(
-        None, description="token id (as a string) -> bias in -100..100"
-    )
-    user: str | None = None
-    # vLLM's extra sampling parameters
-    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, description="1: off")
-    min_tokens: int | None = Field(None, ge=0)
-    ignore_eos: bool | None = False
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool | None = False
-    truncate_prompt_tokens: int | None = Field(None, ge=1)
-    num_speculative_tokens: int | None = Field(
-        None,
-        ge=0,
-        description="with a speculating server: the most tokens it proposes per step for this request, at "
-        "most the server's (default: the server's; 0: none); the output is the same either way",
-    )
-    # Strict: a float or a string is refused rather than rounded or parsed (a 400 naming the field).
-    priority: StrictInt | None = Field(
-        None,
-        ge=PRIORITY_MIN,
-        le=PRIORITY_MAX,
-        description="under the server's --scheduling-policy priority: lower is admitted first, arrival order "
-        f"among equals (default 0; the {PRIORITY_HEADER} header where the body has none)",
-    )
 
 
 # What a request that gives no output length gets (serve/api/validation.py, max_new_tokens).

@@ -23,8 +23,9 @@ from typing import Any
 
 from serve.api.http.request_events import plan_usage
 from serve.api.http.serving import Renderer, context_filled, finish_reason
+from serve.api.http.vocabulary import Vocabulary
 from serve.api.http_status import HttpError
-from serve.api.openai.logprobs import Vocabulary, chat_logprobs
+from serve.api.openai.logprobs import chat_logprobs
 from serve.api.openai.protocol import (
     FunctionCallOut,
     IncompleteDetails,

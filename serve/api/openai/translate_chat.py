@@ -6,31 +6,23 @@ is served as the chat it means."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from serve.api.common import CallRecord, LoadedModel
-from serve.api.openai.protocol import CHAT_ROLES, ChatCompletionRequest, ChatMessage
-from serve.api.openai.structured_output import chat_constraint
-from serve.api.openai.translate import (
-    Plan,
+from serve.api.http.translate import (
+    ChatPlan,
     chat_label,
     chat_prompt,
-    check_body,
     generation_options,
     generation_requests,
-    include_usage,
     joined_text,
     model_tool_plan,
 )
-from serve.api.tool_calls import ToolPlan, template_message
+from serve.api.openai.protocol import CHAT_ROLES, ChatCompletionRequest, ChatMessage
+from serve.api.openai.refusals import check_body, include_usage
+from serve.api.openai.structured_output import chat_constraint
+from serve.api.tool_calls import template_message
 from serve.errors import InvalidRequest
-
-
-@dataclass
-class ChatPlan(Plan):
-    tools: ToolPlan
-    logprobs: bool
 
 
 async def chat_plan(

@@ -7,16 +7,15 @@ import asyncio
 from dataclasses import dataclass
 
 from serve.api.common import CallRecord, LoadedModel
-from serve.api.openai.protocol import MAX_PROMPTS, CompletionRequest
-from serve.api.openai.structured_output import structured_output
-from serve.api.openai.translate import (
+from serve.api.http.translate import (
     Plan,
     Prompt,
-    check_body,
     generation_options,
     generation_requests,
-    include_usage,
 )
+from serve.api.openai.protocol import MAX_PROMPTS, CompletionRequest
+from serve.api.openai.refusals import check_body, include_usage
+from serve.api.openai.structured_output import structured_output
 from serve.api.validation import text_prompt, token_prompt
 from serve.errors import InvalidRequest
 

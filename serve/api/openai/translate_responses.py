@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve.api.common import CallRecord, LoadedModel
-from serve.api.openai.protocol import FunctionCallItem, FunctionCallOutputItem, ResponsesRequest
-from serve.api.openai.structured_output import text_format, tool_or_format
-from serve.api.openai.translate import (
+from serve.api.http.constraints import tool_or_format
+from serve.api.http.translate import (
+    ChatPlan,
     chat_label,
     chat_prompt,
     generation_options,
@@ -20,7 +20,8 @@ from serve.api.openai.translate import (
     model_tool_plan,
     validated,
 )
-from serve.api.openai.translate_chat import ChatPlan
+from serve.api.openai.protocol import FunctionCallItem, FunctionCallOutputItem, ResponsesRequest
+from serve.api.openai.structured_output import text_format
 from serve.api.tool_calls import (
     CalledFunction,
     FunctionDefinition,

@@ -1,12 +1,12 @@
 """What every generation route's translation shares: a body's fields → the scheduler's requests, in one pass.
 
-Each wire protocol's translation is a module of its own (translate_completions.py, translate_chat.py,
-translate_responses.py, and Anthropic's serve/api/anthropic/translate.py): it reads a body top to bottom and
-makes a `Plan`. They share what is here: the model a body names (a served name or a LoRA adapter), the
-sampling parameters and limits every route takes (`generation_options`), the fields this server refuses
-(`UNSUPPORTED`), a chat's prompt rendered by the bundle's template (tokenized off the event loop) and its
-tools read in the template's tool-call format, and the requests, one `GenerationRequest` per (prompt,
-choice).
+Each wire protocol's translation is a module of its own (serve/api/openai/translate_completions.py,
+translate_chat.py, translate_responses.py, and serve/api/anthropic/translate.py): it reads a body top to
+bottom and makes a `Plan` (a `ChatPlan` for a chat, which the Responses and Messages requests are served
+as). They share what is here: the model a body names (a served name or a LoRA adapter), the sampling
+parameters and limits every route takes (`generation_options`), a chat's prompt rendered by the bundle's
+template (tokenized off the event loop) and its tools read in the template's tool-call format, and the
+requests, one `GenerationRequest` per (prompt, choice).
 
 n > 1 is served as n requests with seeds derived from (seed, index) (`validation.choice_seed`): the same seed
 gives the same n choices whatever else is batched. Choices 1..n-1 are forks of choice 0
@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from serve.api.common import CallRecord, LoadedModel
-from serve.api.openai.protocol import SamplingFields, SamplingRequest
+from serve.api.http.fields import SamplingFields
 from serve.api.state import ServingState
 from serve.api.tool_calls import Tool, ToolChoice, ToolPlan, tool_plan
 from serve.api.tool_formats import tool_format
@@ -75,6 +74,12 @@ class Plan:
     constraint_label: str | None  # the constrained-request metric's kind ("tool": a forced call)
 
 
+@dataclass
+class ChatPlan(Plan):
+    tools: ToolPlan
+    logprobs: bool
+
+
 def model_tool_plan(
     model: LoadedModel, tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None
 ) -> ToolPlan:
@@ -94,17 +99,6 @@ async def chat_prompt(
 
 def chat_label(constraint: Constraint | None, tools: ToolPlan) -> str | None:
     return None if constraint is None else ("tool" if tools.constrained else constraint.kind.value)
-
-
-def check_body(body: SamplingRequest, max_n: int) -> None:
-    _refuse_unsupported(body)
-    n = body.n or 1
-    if n > max_n:
-        raise InvalidRequest(f"n = {n}; allowed 1..{max_n} (the server's max_n)")
-
-
-def include_usage(body: SamplingRequest) -> bool:
-    return bool(body.stream and body.stream_options is not None and body.stream_options.include_usage)
 
 
 # --- the fields of every route ------------------------------------------------------------------------------
@@ -212,40 +206,6 @@ def generation_requests(
         if len(kept) != len(prompt.ids):
             prompts[p] = Prompt(kept, model.tokenizer.decode(kept, skip_special_tokens=False))
     return requests
-
-
-# --- refusals -------------------------------------------------------------------------------------------
-
-
-def _unset(value: Any) -> bool:
-    return value is None or value is False or value == [] or value == {} or value == ""
-
-
-# Fields that would change the output and that this server does not do: refused unless at their default.
-UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "best_of": lambda v: v is None or v == 1,
-    "suffix": _unset,
-    "tools": _unset,  # on /v1/completions (chat declares them)
-    "functions": _unset,
-    "function_call": lambda v: v in (None, "none"),
-    "tool_choice": lambda v: v in (None, "none"),
-    "modalities": lambda v: v is None or v == ["text"],
-    "audio": _unset,
-    "prediction": _unset,
-    "use_beam_search": _unset,
-    "prompt_logprobs": _unset,
-    "length_penalty": lambda v: v is None or v == 1,
-}
-
-
-def _refuse_unsupported(body: SamplingRequest) -> None:
-    fields = {
-        **(body.model_extra or {}),
-        **{k: getattr(body, k) for k in ("best_of", "suffix") if hasattr(body, k)},
-    }
-    for name, is_default in UNSUPPORTED.items():
-        if name in fields and not is_default(fields[name]):
-            raise InvalidRequest(f"{name} is not supported by this server; leave it out")
 
 
 def joined_text(parts: list[Any], kinds: tuple[str, ...], where: str) -> str:
