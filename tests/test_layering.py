@@ -103,7 +103,7 @@ WEB = ("fastapi", "starlette", "uvicorn")
 HTTP_ROOMS = {"http", "openai", "anthropic"}
 
 
-def test_only_the_http_package_knows_the_web_framework() -> None:
+def test_only_the_http_rooms_know_the_web_framework() -> None:
     outside = {
         path: bad for path, bad in offenders("api", WEB).items() if not HTTP_ROOMS & set(Path(path).parts)
     }
@@ -163,3 +163,29 @@ def test_a_room_has_no_import_circle(room: str) -> None:
         for path, imported in modules(room).items()
     }
     assert circles(graph) == []
+
+
+def folder_of(module: str, folders: set[str]) -> str:
+    """The folder (a package of serve/api/) a module is in, or the module itself."""
+    return next((f for f in folders if module == f or module.startswith(f + ".")), module)
+
+
+def test_the_api_rooms_folders_have_no_import_circle() -> None:
+    """Each folder of serve/api/ as one node: the HTTP APIs (openai/, anthropic/) stand on their shared parts
+    (http/) and beside each other, so no folder reaches back to one that imports it."""
+    api = SERVE / "api"
+    folders = {f"serve.api.{d.name}" for d in api.iterdir() if (d / "__init__.py").is_file()}
+    assert {"serve.api.http", "serve.api.openai", "serve.api.anthropic"} <= folders
+    graph: dict[str, set[str]] = {}
+    for path, imported in modules("api").items():
+        node = folder_of(path.removesuffix(".py").removesuffix("/__init__").replace("/", "."), folders)
+        graph.setdefault(node, set()).update(folder_of(m, folders) for m in imported)
+    assert circles({node: edges - {node} for node, edges in graph.items()}) == []
+
+
+@pytest.mark.parametrize(
+    ("api", "other"), [("openai", "serve.api.anthropic"), ("anthropic", "serve.api.openai")]
+)
+def test_the_http_apis_import_neither_each_other_nor_their_assembly(api: str, other: str) -> None:
+    assert offenders(f"api/{api}", (other, "serve.api.http_app")) == {}
+    assert offenders("api/http", (f"serve.api.{api}", "serve.api.http_app")) == {}

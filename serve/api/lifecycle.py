@@ -26,7 +26,8 @@ from serve.api.auth import TokenAuthInterceptor, server_credentials
 from serve.api.common import LoadedModel
 from serve.api.config import ConfigError, ServerSettings
 from serve.api.grpc_service import SERVICE_NAME, DecodeGuardInterceptor, TextGenerationService
-from serve.api.http.server import HttpServer, http_api
+from serve.api.http.server import HttpServer
+from serve.api.http_app import http_api
 from serve.api.loading import load_model
 from serve.api.metrics import Metrics
 from serve.api.state import ServingState

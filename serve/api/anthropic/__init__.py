@@ -1,3 +1,3 @@
-"""Anthropic's Messages API, served by the same HTTP application as the OpenAI-compatible one
-(serve/api/openai/app.py) and through the same skeleton: its wire objects (protocol), a body → scheduler
-translation (translate) and its renderer (messages)."""
+"""Anthropic's Messages API, over the shared HTTP parts (serve/api/http/) and through the same skeleton as
+the OpenAI-compatible one, which it does not import: its wire objects (protocol), a body → scheduler
+translation (translate), its renderer (messages) and the router of its routes (routes)."""

@@ -10,12 +10,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from serve.api.config import ConfigError, ServerSettings
-from serve.api.metrics import Metrics
-from serve.api.openai.app import OpenAIApi
-from serve.api.state import ServingState
-from serve.api.tracing import RequestTracer
 
 
 class _Server(uvicorn.Server):
@@ -43,9 +40,9 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 class HttpServer:
-    """uvicorn serving the API on the running loop: `await start()` (its port), `await stop(grace)`."""
+    """uvicorn serving an ASGI app on the running loop: `await start()` (its port), `await stop(grace)`."""
 
-    def __init__(self, api: OpenAIApi, settings: ServerSettings) -> None:
+    def __init__(self, app: ASGIApp, settings: ServerSettings) -> None:
         self._settings = settings
         tls: dict[str, Any] = {}
         if settings.tls_cert is not None and settings.tls_key is not None:
@@ -53,7 +50,7 @@ class HttpServer:
             if settings.tls_client_ca is not None:
                 tls |= {"ssl_ca_certs": str(settings.tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
         self._config = uvicorn.Config(
-            api.app,
+            app,
             log_config=None,
             access_log=False,
             lifespan="off",
@@ -96,13 +93,4 @@ class HttpServer:
         self._task = None
 
 
-def http_api(
-    state: ServingState,
-    settings: ServerSettings,
-    metrics: Metrics | None,
-    tracer: RequestTracer | None = None,
-) -> HttpServer:
-    return HttpServer(OpenAIApi(state, settings, metrics, tracer), settings)
-
-
-__all__ = ["HttpServer", "http_api"]
+__all__ = ["HttpServer"]

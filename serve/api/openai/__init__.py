@@ -1,6 +1,4 @@
-"""The OpenAI-compatible HTTP API, and the HTTP application that also serves Anthropic's Messages API
-(serve/api/anthropic/): wire objects (protocol), each route's body → scheduler translation (translate_*.py,
-sharing translate.py; structured_output), token logprobs (logprobs), a request's choices as they run
-(request_events), the generation routes' one serving skeleton (serving) and each route's renderer
-(completions, chat, responses), the FastAPI app and its routes (app), calls accounted and errors answered
-(errors), the ASGI front door (front_door, paths) and uvicorn on the event loop (http_server)."""
+"""The OpenAI-compatible HTTP API (vLLM's routes where OpenAI has none), over the shared HTTP parts
+(serve/api/http/): wire objects (protocol), each route's body → scheduler translation (translate_*.py;
+refusals; structured_output), the logprobs formats (logprobs), each generation route's renderer (completions,
+chat, responses) and the router of its routes (routes)."""
