@@ -19,7 +19,8 @@ Families (`SUPPORTED_ARCHITECTURES`):
 - Gemma 2 and 3 (text): GeGLU, norms before and after each sublayer, Gemma's (1 + w) RMSNorm read as RMSNorm
   with weight 1 + w (the same float32 product), the embedding times sqrt(hidden_size), query_pre_attn_scalar,
   sliding-window and global layers interleaved (Gemma 3's local layers with a RoPE base of their own), Gemma
-  2's attention and final-logit soft-capping, Gemma 3's per-head q/k norms;
+  2's attention and final-logit soft-capping, Gemma 3's per-head q/k norms; Gemma 3's multimodal checkpoints
+  (Gemma3ForConditionalGeneration) as their text stack, the vision tower left out;
 - Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, partial rotary, longrope (see below);
 - SmolLM3: layers without rotary (no_rope_layers); Granite: embedding, attention and residual multipliers,
   logits scaling; OLMo 2: norms after attention and MLP only, q/k norms over the whole projection.
@@ -37,11 +38,12 @@ Every problem with the folder is an `HFImportError`: one line naming the file, t
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +66,9 @@ LLAMA_LIKE = (
 )
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 DENSE_FAMILIES = (*GEMMA, "Phi3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM")
-SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, "GPT2LMHeadModel", *DENSE_FAMILIES)
+# Multimodal checkpoints whose text stack imports as the text-only architecture (the vision tower left out).
+TEXT_STACK_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = (*LLAMA_LIKE, "GPT2LMHeadModel", *DENSE_FAMILIES, *TEXT_STACK_OF)
 # Families whose attention is that of another one here.
 ATTENTION_OF = {
     "Qwen3MoeForCausalLM": "Qwen3ForCausalLM",
@@ -88,6 +92,8 @@ TOKENIZER_FILE = "tokenizer.json"
 SENTENCEPIECE_FILE = "tokenizer.model"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+log = logging.getLogger("textgen.hf_import")
 
 
 class HFImportError(Exception):
@@ -651,14 +657,46 @@ def _gpt2_config(f: _Fields) -> DecoderConfig:
     )
 
 
+# Gemma3TextConfig's defaults of what the decoder reads: the published multimodal checkpoints' text_config
+# lists only the values that differ from them (Gemma 3 4B: its sizes, layer count, window and RoPE scaling).
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+}
+
+
+def _text_stack_fields(config: dict[str, Any], path: Path) -> _Fields:
+    """A multimodal config's text_config, as transformers completes it. Whether the head is tied to the
+    embedding is the top-level tie_word_embeddings (the one transformers 5 reads), else the text config's."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise HFImportError(path, f"'text_config' must be an object (the language model's), found {text!r}")
+    tied = config.get("tie_word_embeddings")
+    if tied is None:
+        tied = text.get("tie_word_embeddings", True)
+    return _Fields({**GEMMA3_TEXT_DEFAULTS, **text, "tie_word_embeddings": tied}, path)
+
+
 def decoder_config(folder: Path | str) -> tuple[str, DecoderConfig]:
-    """The architecture named in folder/config.json and the DecoderConfig of its model."""
+    """The architecture named in folder/config.json and the DecoderConfig of its model (of a multimodal
+    checkpoint: of its text stack)."""
     path = Path(folder) / CONFIG_FILE
     config = read_json(path)
     architecture = hf_architecture(config, path)
-    f = _Fields(config, path)
+    text_only = TEXT_STACK_OF.get(architecture)
+    f = _Fields(config, path) if text_only is None else _text_stack_fields(config, path)
     try:
-        cfg = _family_config(f, architecture)
+        cfg = _family_config(f, text_only or architecture)
     except ValueError as exc:  # DecoderConfig's own validation: values that do not fit together
         if isinstance(exc, HFImportError):
             raise
@@ -837,14 +875,52 @@ def _gpt2_sources(cfg: DecoderConfig, prefix: str) -> dict[str, _Source]:
     return sources
 
 
+# Where a multimodal checkpoint keeps its text stack: transformers 5's modules (model.language_model.*, the
+# head at the top), and the layout transformers 4 saved and 5 still writes (language_model.model.*).
+TEXT_STACK_PREFIXES = {
+    "model.language_model.": ("model.language_model.", "lm_head.weight"),
+    "language_model.model.": ("language_model.model.", "language_model.lm_head.weight"),
+}
+# The multimodal checkpoints' tensors the text stack does not use: the vision tower and its projection.
+NOT_TEXT_STACK = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def _text_stack_sources(sources: dict[str, _Source], names: list[str]) -> dict[str, _Source]:
+    """The text-only model's sources renamed to where the multimodal checkpoint holds them (by its names)."""
+    stack, head = next(
+        (v for k, v in TEXT_STACK_PREFIXES.items() if any(n.startswith(k) for n in names)),
+        TEXT_STACK_PREFIXES["model.language_model."],
+    )
+
+    def renamed(name: str) -> str:
+        return head if name == "lm_head.weight" else stack + name.removeprefix("model.")
+
+    return {ours: replace(src, names=tuple(map(renamed, src.names))) for ours, src in sources.items()}
+
+
+def _sources(cfg: DecoderConfig, architecture: str, names: list[str]) -> dict[str, _Source]:
+    """Each tensor of ours -> the checkpoint tensors it is made of, by the architecture (and, for GPT-2's
+    prefix, gpt-oss's MXFP4 experts and a multimodal checkpoint's text stack, the checkpoint's names)."""
+    if architecture == "GPT2LMHeadModel":
+        # GPT-2 checkpoints exist with and without the base model's "transformer." prefix.
+        prefix = "transformer." if any(n.startswith("transformer.") for n in names) else ""
+        return _gpt2_sources(cfg, prefix)
+    mxfp4 = any(n.endswith(MXFP4_SUFFIXES) for n in names)
+    sources = _llama_like_sources(cfg, TEXT_STACK_OF.get(architecture, architecture), mxfp4)
+    return _text_stack_sources(sources, names) if architecture in TEXT_STACK_OF else sources
+
+
 def checkpoint_modules(cfg: DecoderConfig, architecture: str) -> dict[str, list[tuple[str, int]]]:
     """Each projection of ours -> the checkpoint's modules it is made of, with their output features: the
     names a peft adapter of the checkpoint gives its weights (export/lora.py). GPT-2's are those of
-    GPT2LMHeadModel, under "transformer." whichever way its file names them."""
-    if architecture == "GPT2LMHeadModel":
-        sources = _gpt2_sources(cfg, "transformer.")
-    else:
-        sources = _llama_like_sources(cfg, architecture)
+    GPT2LMHeadModel, under "transformer." whichever way its file names them; a multimodal model's those of
+    its transformers 5 modules (model.language_model.*)."""
+    sources = _sources(cfg, architecture, ["transformer.", "model.language_model."])
     modules: dict[str, list[tuple[str, int]]] = {}
     for i in range(cfg.n_layers):
         for projection in PROJECTIONS:
@@ -857,11 +933,14 @@ def checkpoint_modules(cfg: DecoderConfig, architecture: str) -> dict[str, list[
     return modules
 
 
-def _ignored(name: str, cfg: DecoderConfig) -> bool:
+def _ignored(name: str, cfg: DecoderConfig, architecture: str) -> bool:
     """Checkpoint tensors that are not weights of ours: older transformers saved RoPE frequencies and GPT-2's
-    causal-mask buffers (attn.bias, attn.masked_bias) with the weights, and a tied model's file may still
-    hold lm_head.weight (transformers ties it to the embedding all the same)."""
-    if cfg.tie_embeddings and name == "lm_head.weight":
+    causal-mask buffers (attn.bias, attn.masked_bias) with the weights, a tied model's file may still
+    hold lm_head.weight (transformers ties it to the embedding all the same), and a multimodal checkpoint
+    holds its vision tower."""
+    if cfg.tie_embeddings and name in ("lm_head.weight", "language_model.lm_head.weight"):
+        return True
+    if architecture in TEXT_STACK_OF and name.startswith(NOT_TEXT_STACK):
         return True
     return name.endswith(("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias"))
 
@@ -930,8 +1009,9 @@ def _read_shard(path: Path, names: list[str] | None) -> Iterator[tuple[str, torc
         ) from exc
 
 
-# Families whose tensor names decide the mapping: GPT-2's prefix, gpt-oss's dense or MXFP4 experts.
-NAMES_DECIDE = ("GPT2LMHeadModel", "GptOssForCausalLM")
+# Families whose tensor names decide the mapping: GPT-2's prefix, gpt-oss's dense or MXFP4 experts, where a
+# multimodal checkpoint keeps its text stack.
+NAMES_DECIDE = ("GPT2LMHeadModel", "GptOssForCausalLM", *TEXT_STACK_OF)
 
 
 def _tensor_names(files: dict[Path, list[str] | None]) -> list[str]:
@@ -955,14 +1035,7 @@ def load_state_dict(folder: Path | str, architecture: str, cfg: DecoderConfig) -
     folder = Path(folder)
     files = weight_files(folder)
     config_path = folder / CONFIG_FILE
-    all_names = _tensor_names(files) if architecture in NAMES_DECIDE else []
-    if architecture == "GPT2LMHeadModel":
-        # GPT-2 checkpoints exist with and without the base model's "transformer." prefix.
-        prefix = "transformer." if any(n.startswith("transformer.") for n in all_names) else ""
-        sources = _gpt2_sources(cfg, prefix)
-    else:
-        mxfp4 = any(n.endswith(MXFP4_SUFFIXES) for n in all_names)
-        sources = _llama_like_sources(cfg, architecture, mxfp4)
+    sources = _sources(cfg, architecture, _tensor_names(files) if architecture in NAMES_DECIDE else [])
     with torch.device("meta"):
         expected = {k: v.shape for k, v in Decoder(cfg).state_dict().items()}
     wanted = {name for src in sources.values() for name in src.names}
@@ -973,7 +1046,7 @@ def load_state_dict(folder: Path | str, architecture: str, cfg: DecoderConfig) -
     for path, names in files.items():
         for name, tensor in _read_shard(path, names):
             if name not in wanted:
-                if _ignored(name, cfg):
+                if _ignored(name, cfg, architecture):
                     continue
                 raise HFImportError(
                     path,
@@ -1025,6 +1098,13 @@ def load_model(folder: Path | str) -> tuple[str, Decoder]:
     """The folder's model as our Decoder (fp32, eval, CPU): built on the meta device, then given the
     checkpoint's tensors, so no memory goes to a random initialisation first."""
     architecture, cfg = decoder_config(folder)
+    if architecture in TEXT_STACK_OF:
+        log.warning(
+            "%s: %s imports as a text-only %s: its vision tower is left out (images are not served)",
+            folder,
+            architecture,
+            TEXT_STACK_OF[architecture],
+        )
     state = load_state_dict(folder, architecture, cfg)
     with torch.device("meta"):
         model = Decoder(cfg)

@@ -28,6 +28,7 @@ from hf_models import (
     build,
     gemma2_config,
     gemma3_config,
+    gemma3_transformers4_form,
     granite_config,
     hf_greedy_batch,
     max_diff,
@@ -178,19 +179,6 @@ def test_imported_configs_have_the_families_blocks(generated: Generated) -> None
     assert (olmo2.norm_placement, olmo2.qk_norm, olmo2.qk_norm_scope) == ("post", True, "projection")
 
 
-def _gemma3_transformers4(config: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's config.json as transformers 4 wrote it: rope_theta and rope_scaling of the global layers
-    and rope_local_base_freq at the top level, torch_dtype."""
-    out = dict(config)
-    rope = out.pop("rope_parameters")
-    full = dict(rope["full_attention"])
-    out["rope_theta"] = full.pop("rope_theta")
-    out["rope_scaling"] = full
-    out["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
-    out["torch_dtype"] = out.pop("dtype")
-    return out
-
-
 def _top_level_rope(config: dict[str, Any]) -> dict[str, Any]:
     """transformers 4's form of the other families: rope_theta, rope_scaling (with a "type") and
     partial_rotary_factor at the top level."""
@@ -208,7 +196,7 @@ def _top_level_rope(config: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("case", "to_four"),
     [
-        ("gemma3-local-rope-gqa-untied", _gemma3_transformers4),
+        ("gemma3-local-rope-gqa-untied", gemma3_transformers4_form),
         ("gemma2-softcaps-window8", _top_level_rope),
         ("phi3-longrope-gqa", _top_level_rope),
         ("smollm3-nope-layers-tied", _top_level_rope),

@@ -25,7 +25,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3Config,
     Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
@@ -54,6 +56,7 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    SiglipVisionConfig,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -174,6 +177,29 @@ def gemma3_config(**changes: Any) -> Gemma3TextConfig:
     )
 
 
+def gemma3_vlm_config(tie_word_embeddings: bool = True, **text_changes: Any) -> Gemma3Config:
+    """Gemma 3's multimodal form around gemma3_config's text stack: a SigLIP tower of one layer (two 14-pixel
+    patches a side, pooled to four image tokens), the image token ids past the text vocabulary."""
+    text = gemma3_config(tie_word_embeddings=tie_word_embeddings, **text_changes)
+    vision = SiglipVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    return Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=VOCAB,
+        boi_token_index=VOCAB + 1,
+        eoi_token_index=VOCAB + 2,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+
+
 def gemma2_config(**changes: Any) -> Gemma2Config:
     # Soft caps near the scores' and logits' size, so that capping changes them.
     caps = {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}
@@ -228,6 +254,7 @@ MODEL_CLASSES: dict[type[PretrainedConfig], type[PreTrainedModel]] = {
     Qwen3Config: Qwen3ForCausalLM,
     GPT2Config: GPT2LMHeadModel,
     Gemma3TextConfig: Gemma3ForCausalLM,
+    Gemma3Config: Gemma3ForConditionalGeneration,
     Gemma2Config: Gemma2ForCausalLM,
     Phi3Config: Phi3ForCausalLM,
     SmolLM3Config: SmolLM3ForCausalLM,
@@ -288,6 +315,20 @@ def to_transformers4_form(config: dict[str, Any]) -> dict[str, Any]:
     kind = rope.get("rope_type", "default")
     out["rope_scaling"] = None if kind == "default" else rope
     if "dtype" in out:
+        out["torch_dtype"] = out.pop("dtype")
+    return out
+
+
+def gemma3_transformers4_form(config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's config.json as transformers 4 wrote it: rope_theta and rope_scaling of the global layers
+    and rope_local_base_freq at the top level, torch_dtype."""
+    out = dict(config)
+    rope = out.pop("rope_parameters")
+    full = dict(rope["full_attention"])
+    out["rope_theta"] = full.pop("rope_theta")
+    out["rope_scaling"] = full
+    out["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+    if "dtype" in out:  # a multimodal config's text_config has none of its own
         out["torch_dtype"] = out.pop("dtype")
     return out
 
