@@ -533,7 +533,8 @@ def _gemma_config(f: _Fields, architecture: str) -> DecoderConfig:
         norm_placement="sandwich",
         embedding_scale=float(torch.tensor(fields["d_model"] ** 0.5)),  # rounded to float32, as Gemma's
         attn_scale=scalar**-0.5,
-        attn_softcap=f.number("attn_logit_softcapping", 0.0),
+        # transformers' Gemma 3 attention takes no soft cap, whatever attn_logit_softcapping says.
+        attn_softcap=0.0 if gemma3 else f.number("attn_logit_softcapping", 0.0),
         logit_softcap=f.number("final_logit_softcapping", 0.0),
         **rope,
     )
@@ -677,14 +678,18 @@ GEMMA3_TEXT_DEFAULTS = {
 
 def _text_stack_fields(config: dict[str, Any], path: Path) -> _Fields:
     """A multimodal config's text_config, as transformers completes it. Whether the head is tied to the
-    embedding is the top-level tie_word_embeddings (the one transformers 5 reads), else the text config's."""
+    embedding is the top-level tie_word_embeddings (the one transformers 5 reads), else the text config's;
+    final_logit_softcapping is dropped: Gemma3ForConditionalGeneration never caps its logits (the text-only
+    Gemma3ForCausalLM does)."""
     text = config.get("text_config")
     if not isinstance(text, dict):
         raise HFImportError(path, f"'text_config' must be an object (the language model's), found {text!r}")
     tied = config.get("tie_word_embeddings")
     if tied is None:
         tied = text.get("tie_word_embeddings", True)
-    return _Fields({**GEMMA3_TEXT_DEFAULTS, **text, "tie_word_embeddings": tied}, path)
+    return _Fields(
+        {**GEMMA3_TEXT_DEFAULTS, **text, "tie_word_embeddings": tied, "final_logit_softcapping": None}, path
+    )
 
 
 def decoder_config(folder: Path | str) -> tuple[str, DecoderConfig]:

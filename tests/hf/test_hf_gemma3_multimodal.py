@@ -5,14 +5,15 @@ model.language_model.* as its modules name them), tied and untied.
 
 On text-only input our decoder and the in-place serving graph make the same greedy tokens as transformers'
 Gemma3ForConditionalGeneration, the logits within 1e-4 and prompt log-probabilities within 2e-3; the vision
-tower is left out with one warning; the published checkpoints' sparse text_config and transformers 4's form
-of it read as transformers completes them.
+tower is left out with one warning, and so are the soft caps the multimodal model does not apply; the
+published checkpoints' sparse text_config and transformers 4's form of it read as transformers completes them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,8 @@ MODULE_NAMES = {
     "multi_modal_projector.": "model.multi_modal_projector.",
 }
 CASES = {"untied-saved-names": False, "tied-module-names": True}
+# Soft caps near the scores' and logits' size, which the multimodal model applies neither of.
+CAPS = {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}
 
 Imported = dict[str, tuple[PreTrainedModel, Decoder, list[logging.LogRecord]]]
 
@@ -66,7 +69,7 @@ def imported(tmp_path_factory: pytest.TempPathFactory) -> Imported:
     out = {}
     for name, tied in CASES.items():
         folder = tmp_path_factory.mktemp(name)
-        hf = build(gemma3_vlm_config(tie_word_embeddings=tied), folder)
+        hf = build(gemma3_vlm_config(tie_word_embeddings=tied, **CAPS), folder)
         if name.endswith("module-names"):
             _to_module_names(folder)
         records: list[logging.LogRecord] = []
@@ -107,6 +110,27 @@ def test_greedy_tokens_match_transformers_generate(imported: Imported) -> None:
     served = run_inplace(build_inplace_graph(model), model.cfg, PROMPTS)
     assert np.array_equal(served.tokens, ref.tokens), "in-place graph: greedy tokens differ"
     assert max_diff(ref.logits, served.logits) <= TOL
+
+
+def test_soft_caps_the_multimodal_model_ignores_would_change_the_logits(imported: Imported) -> None:
+    """The config's caps are left out as transformers leaves them out, and they are not no-ops here."""
+    hf, model, _ = imported["untied-saved-names"]
+    assert (model.cfg.attn_softcap, model.cfg.logit_softcap) == (0.0, 0.0)
+    assert all(getattr(hf.config.text_config, key) == cap for key, cap in CAPS.items())
+    ids = torch.tensor([PROMPTS[2]])
+    positions = torch.arange(len(PROMPTS[2]))[None]
+    for change in (
+        {"attn_softcap": CAPS["attn_logit_softcapping"]},
+        {"logit_softcap": CAPS["final_logit_softcapping"]},
+    ):
+        capped = Decoder(replace(model.cfg, **change)).eval()
+        capped.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            diff = (
+                capped(ids, torch.ones_like(ids), positions)[0]
+                - model(ids, torch.ones_like(ids), positions)[0]
+            )
+        assert float(diff.abs().max()) > 100 * TOL, change
 
 
 def test_vision_tower_left_out_with_one_warning(imported: Imported) -> None:
