@@ -9,9 +9,6 @@
                                                      rerun the checks on a bundle, print the report
     textgen-export random --preset bench-a --out DIR [PRECISION]
                                                      random weights, for speed benchmarks
-    textgen-export prepare DIR [--compiled-cache DIR] [--threads N] [--kv-cache-dtype auto|fp16]
-                                                     prepare the bundle's serving graph for this machine
-                                                     (its packed weights mapped), as textgen-serve would
     textgen-export inspect ...                       attention heatmaps etc. (export.inspection)
 
 PRECISION: one of --int8 (8-bit MatMulNBits, batch invariant), --int4 (4-bit, embedding and head too),
@@ -50,7 +47,6 @@ from export.pipeline import (
 )
 from export.verify import Reference, VerificationFailed, format_report, verify_bundle
 from serve.bundle import Bundle, load_bundle
-from serve.engine.types import KV_CACHE_DTYPES, SessionConfig, default_compiled_cache
 from serve.errors import BundleError
 
 USER_ERRORS = (CheckpointError, HFImportError, BundleError, FileExistsError, FileNotFoundError, ValueError)
@@ -317,34 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     rand.add_argument("--seed", type=int, default=0)
     rand.set_defaults(handler=cmd_random)
 
-    prepare = sub.add_parser(
-        "prepare",
-        help="prepare a bundle's serving graph for this CPU and ONNX Runtime, where textgen-serve finds it "
-        "(an init container's step: the server then starts without packing the weights)",
-    )
-    prepare.add_argument("bundle", type=Path)
-    prepare.add_argument(
-        "--compiled-cache",
-        type=Path,
-        help="the cache folder, as textgen-serve's --compiled-cache (default: $TEXTGEN_HOME/compiled, else "
-        "./models/compiled)",
-    )
-    prepare.add_argument("--threads", type=int, default=0, help="as textgen-serve's (default: all CPUs)")
-    prepare.add_argument("--kv-cache-dtype", choices=["auto", *sorted(KV_CACHE_DTYPES)], default="auto")
-    prepare.set_defaults(handler=cmd_prepare)
-
     _add_inspect(sub)
     return parser
-
-
-def cmd_prepare(args: argparse.Namespace) -> int:
-    from serve.engine.prepared import prepare_bundle
-
-    cache = args.compiled_cache or default_compiled_cache()
-    config = SessionConfig(providers=("cpu",), threads=args.threads)
-    entry = prepare_bundle(load_bundle(args.bundle), config, args.kv_cache_dtype, cache)
-    print(f"prepared graph of {args.bundle}: {entry} (textgen-serve --compiled-cache {cache} serves it)")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

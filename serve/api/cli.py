@@ -32,13 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     # Started before the front end's modules are imported, so that the engine process imports its own
     # meanwhile (docs/architecture.md, "Start-up order"); a spawned child imports this module again: it
     # stays light.
-    engine = EngineProcess() if settings.engine_process and not settings.print_pod_memory else None
+    runs = not (settings.print_pod_memory or settings.prepare_only)
+    engine = EngineProcess() if settings.engine_process and runs else None
     try:
         from serve.api.lifecycle import serve
-        from serve.api.loading import pod_memory_report
+        from serve.api.loading import pod_memory_report, prepare_serving_graph
 
         if settings.print_pod_memory:
             print(pod_memory_report(settings))
+            return 0
+        if settings.prepare_only:
+            print(prepare_serving_graph(settings))
             return 0
         return asyncio.run(serve(settings, engine))
     except EXPECTED_STARTUP_ERRORS as exc:

@@ -46,6 +46,12 @@ class ServerSettings(BaseSettings, BatchingKnobs):
         description="print the memory a Kubernetes pod serving this configuration needs (requests and "
         "limits: the bundle's weights x a factor + the KV rows + a fixed part; docs/deploy.md) and exit",
     )
+    prepare_only: bool = Field(
+        False,
+        description="prepare the serving graph these flags serve (threads, providers, KV cache dtype) for "
+        "this CPU and ONNX Runtime in --compiled-cache, print where, and exit: an init container's command, "
+        "so that the replicas map the graph rather than each preparing it (exit 1 when it cannot be)",
+    )
     host: str = Field("0.0.0.0", description="gRPC listen address")
     port: Port = Field(50051, description="gRPC port (0: any free port, logged at start)")
     http_host: str = Field("0.0.0.0", description="OpenAI-compatible HTTP API listen address")
@@ -113,7 +119,7 @@ class ServerSettings(BaseSettings, BatchingKnobs):
         None,
         description="where the serving graph prepared for this CPU and ONNX Runtime is kept: its weights in "
         "the layout the kernels read, in a file every session and every replica on the machine maps rather "
-        "than packing its own copy; prepared at the first start (or by `textgen-export prepare BUNDLE`), "
+        "than packing its own copy; prepared at the first start (or by --prepare-only), "
         "never in the bundle, which may be read-only (default: $TEXTGEN_HOME/compiled, else "
         "./models/compiled)",
     )
@@ -311,6 +317,8 @@ class ServerSettings(BaseSettings, BatchingKnobs):
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                 f"({self.prompt_lookup_max})"
             )
+        if self.prepare_only and not self.prepared_graph:
+            raise ValueError("--prepare-only prepares what --no-prepared-graph turns off: leave one out")
         if self.served_model_name == []:
             raise ValueError("served_model_name must give at least one name when given")
         if self.providers == []:

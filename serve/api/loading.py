@@ -35,7 +35,7 @@ from serve.process import (
 from serve.scheduling.engine_client import EngineProcess, ProcessScheduler
 from serve.scheduling.limits import SchedulerLimits
 from serve.scheduling.messages import EngineSpec, EngineWrap
-from serve.scheduling.scheduler import open_in_thread
+from serve.scheduling.scheduler import open_in_thread, prepare_graph
 
 log = logging.getLogger("textgen.server")
 
@@ -165,6 +165,15 @@ def pod_memory_report(settings: ServerSettings) -> str:
     )
     model = f"{root} ({manifest.model_name}, quantization {manifest.quantization})"
     return "\n".join([model, f"{sizing.describe()}; {per_token}", pod.describe()])
+
+
+def prepare_serving_graph(settings: ServerSettings) -> str:
+    """--prepare-only: the serving graph these settings serve, prepared in the compiled cache unless a usable
+    entry is there; one line saying where. BundleError when it cannot be prepared."""
+    cache = compiled_cache(settings)
+    assert cache is not None, "the settings refuse --prepare-only with --no-prepared-graph"
+    entry = prepare_graph(load_bundle(settings.bundle), engine_settings(settings))
+    return f"{settings.bundle}: prepared graph {entry} (served from --compiled-cache {cache})"
 
 
 def kv_sizing(settings: ServerSettings, manifest: Manifest) -> KvSizing:

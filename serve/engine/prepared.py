@@ -8,7 +8,7 @@ weights in an external data file (`save_external_prepacked_constant_initializers
 from that graph maps them from the file: the page cache holds them once for every session over them, in
 this process and in every replica on the node. The packed layout depends on the CPU and on ONNX Runtime's
 version (ONNX Runtime warns that the graph may hold hardware-specific optimizations), so it cannot ship in
-the bundle: it is prepared on the machine that serves, at the first start or by `textgen-export prepare`.
+the bundle: it is prepared on the machine that serves, at the first start or by `textgen-serve --prepare-only`.
 
 An entry of the cache is a folder named by the digest of its `CacheKey` (the bundle's manifest, ONNX
 Runtime's version, the execution providers, the CPU's features, the threads and the KV cache's type):
@@ -159,7 +159,7 @@ def engine_graphs(bundle: Bundle, settings: EngineSettings) -> ServingGraph:
 
 def prepare_bundle(bundle: Bundle, config: SessionConfig, kv_cache_dtype: KvCacheDtype, cache: Path) -> Path:
     """The entry a server of `config` and `kv_cache_dtype` on this machine serves `bundle` from, prepared now
-    unless a usable one is there (`textgen-export prepare`, an init container's); BundleError when it
+    unless a usable one is there (`textgen-serve --prepare-only`, an init container's); BundleError when it
     cannot be."""
     if not cpu_only(config):
         raise BundleError(f"{bundle.root}: only a session on the CPU alone is served from a prepared graph")

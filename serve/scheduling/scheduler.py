@@ -13,11 +13,13 @@ import logging
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Protocol
 
-from serve.bundle import load_bundle
+from serve.bundle import Bundle, load_bundle
 from serve.engine.engine import open_engine
-from serve.engine.types import EngineInfo
+from serve.engine.prepared import prepare_bundle
+from serve.engine.types import EngineInfo, EngineSettings
 from serve.scheduling.adapters import AdapterUpdate, UpdateResult
 from serve.scheduling.engine_protocol import BatchEngine, SchedulerMetrics
 from serve.scheduling.handles import HandleTable, RequestHandle
@@ -175,3 +177,10 @@ async def open_in_thread(spec: EngineSpec, metrics: SchedulerMetrics | None = No
     scheduler = Scheduler(spec.wrap(engine) if spec.wrap else engine, spec.limits, metrics, engine.info)
     await scheduler.start()
     return scheduler
+
+
+def prepare_graph(bundle: Bundle, settings: EngineSettings) -> Path:
+    """The compiled-cache entry an engine of `settings` serves `bundle` from, prepared now unless a usable one
+    is there (`textgen-serve --prepare-only`); BundleError when it cannot be."""
+    assert settings.compiled_cache is not None
+    return prepare_bundle(bundle, settings.session, settings.kv_cache_dtype, settings.compiled_cache)

@@ -14,6 +14,9 @@ import pytest
 from quantized_bundles import quantized_graphs, tiny_model
 
 from export.pipeline import ExportOptions, Precision, write_verified_bundle
+from serve.api.cli import main as serve_main
+from serve.api.config import ServerSettings
+from serve.api.loading import engine_settings
 from serve.bundle import Bundle, load_bundle
 from serve.engine import prepared, row_pad
 from serve.engine.engine import Engine
@@ -220,3 +223,27 @@ def test_a_cache_that_cannot_be_written_serves_the_bundles_graph(tiny_bundle: Pa
     assert prepared_graph(blocked, cache_key(bundle, CONFIG, "auto"), _never, CONFIG) is None
     engine = Engine.from_bundle(bundle, replace(SETTINGS, compiled_cache=blocked))
     assert generate(engine, PROMPTS, 4) == generate(Engine.from_bundle(bundle, SETTINGS), PROMPTS, 4)
+
+
+def test_prepare_only_prepares_the_entry_the_server_then_serves(
+    tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`textgen-serve --prepare-only` (an init container's command, in the torch-free serving image) prepares
+    the entry that a server of the same flags opens, and exits 0; run again, it finds that entry."""
+    flags = ["--bundle", str(tiny_bundle), "--compiled-cache", str(tmp_path), "--threads", "1"]
+    assert serve_main([*flags, "--prepare-only"]) == 0
+    (entry,) = entries(tmp_path)
+    assert str(entry) in capsys.readouterr().out
+    record = (entry / RECORD_FILE).stat().st_mtime_ns
+    assert serve_main([*flags, "--prepare-only"]) == 0 and entries(tmp_path) == [entry]
+    settings = engine_settings(ServerSettings(bundle=tiny_bundle, compiled_cache=tmp_path, threads=1))
+    Engine.from_bundle(load_bundle(tiny_bundle), settings)
+    assert entries(tmp_path) == [entry] and (entry / RECORD_FILE).stat().st_mtime_ns == record
+
+
+def test_prepare_only_fails_with_a_status_for_each_kind_of_problem(tiny_bundle: Path, tmp_path: Path) -> None:
+    cache = ["--compiled-cache", str(tmp_path / "cache")]
+    contradicting = ["--bundle", str(tiny_bundle), "--prepare-only", "--no-prepared-graph", *cache]
+    assert serve_main(contradicting) == 2  # the flags contradict each other
+    assert serve_main(["--bundle", str(tmp_path), "--prepare-only", *cache]) == 1  # no bundle there
+    assert not (tmp_path / "cache").exists() or entries(tmp_path / "cache") == []
