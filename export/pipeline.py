@@ -67,6 +67,8 @@ from serve.lora_layout import LoraLayout
 
 STANDARD_FILE = "model.onnx"
 INPLACE_FILE = "model_inplace.onnx"
+# A LoRA bundle's serving graph without the branches: the steps with no adapter row run it (serve/engine/).
+INPLACE_BASE_FILE = "model_inplace_base.onnx"
 TRT_MAX_BATCH = 16  # the engine's default slot count
 TRT_OPT_BATCH = 8
 PRESETS = {
@@ -256,6 +258,7 @@ class ExportedGraphs:
     standard: onnx.ModelProto
     inplace: onnx.ModelProto
     stats: dict[str, Any]  # trace time, quantized MatMul counts: into the report
+    inplace_base: onnx.ModelProto | None = None  # a LoRA bundle's serving graph without its branches
 
 
 def _convert(
@@ -280,6 +283,8 @@ def _built(role: str, model: Decoder, options: ExportOptions, stats: dict[str, A
         graph = export_standard_graph(model, options.opset)
         stats["trace_seconds"] = round(time.perf_counter() - started, 1)
         return graph
+    if role == "inplace_base":  # the same graph as without slots: its weights are the LoRA graph's, shared
+        return build_inplace_graph(model)
     started = time.perf_counter()
     graph = build_inplace_graph(model, options.lora_layout(model.cfg))
     stats["inplace_build_seconds"] = round(time.perf_counter() - started, 1)
@@ -289,13 +294,21 @@ def _built(role: str, model: Decoder, options: ExportOptions, stats: dict[str, A
 _STEPS = {
     "standard": "tracing the standard graph (torch.onnx dynamo)",
     "inplace": "writing the serving graph",
+    "inplace_base": "writing the serving graph without LoRA branches",
 }
+
+
+def _roles(options: ExportOptions) -> tuple[str, ...]:
+    """The graphs a bundle of `options` holds, as Graphs names them."""
+    return ("standard", "inplace", "inplace_base") if options.lora is not None else ("standard", "inplace")
 
 
 def _add_graph(stage: BundleStage, role: str, graph: onnx.ModelProto, options: ExportOptions) -> GraphSpec:
     if role == "standard":
         return stage.add_graph(STANDARD_FILE, graph, options.opset)
-    return stage.add_graph(INPLACE_FILE, graph, INPLACE_OPSET)
+    return stage.add_graph(
+        INPLACE_BASE_FILE if role == "inplace_base" else INPLACE_FILE, graph, INPLACE_OPSET
+    )
 
 
 def _verify_and_commit(
@@ -337,9 +350,11 @@ def write_verified_bundle(
     """Stage `graphs` as a bundle, verify it against `model`, and only then move it to `out`."""
     progress = progress or _Progress(enabled=False, total=2)
     with BundleStage(out) as stage:
-        specs = {
-            role: _add_graph(stage, role, getattr(graphs, role), options) for role in ("standard", "inplace")
-        }
+        if (graphs.inplace_base is None) != (options.lora is None):
+            raise ValueError(
+                "a LoRA bundle's graphs include the serving graph without branches; no other's do"
+            )
+        specs = {role: _add_graph(stage, role, getattr(graphs, role), options) for role in _roles(options)}
         _verify_and_commit(stage, model.cfg, model, tokenizer, specs, graphs.stats, options, progress, None)
     return load_bundle(out)
 
@@ -360,13 +375,14 @@ def export_bundle(
     the reference's and the graphs' while they are compared."""
     check_replaceable(out)  # fail before minutes of work, not after
     model = model.eval()
-    conversions = 2 * (options.precision.kind != "fp32")
-    progress = _Progress(options.progress, total=4 + conversions)
+    roles = _roles(options)
+    conversions = len(roles) * (options.precision.kind != "fp32")
+    progress = _Progress(options.progress, total=len(roles) + 2 + conversions)
     try:
         with BundleStage(out) as stage:
             stats: dict[str, Any] = {}
             specs = {}
-            for role in ("standard", "inplace"):
+            for role in roles:
                 with progress.step(_STEPS[role]):
                     graph = _built(role, model, options, stats)
                 graph = _convert(role, graph, options, progress, stats)

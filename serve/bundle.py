@@ -4,6 +4,8 @@ Layout (written by `export.bundle_writer`):
     manifest.json          this module's `Manifest`
     model.onnx             the standard graph (portable ops; the TensorRT graph), without its weights
     model_inplace.onnx     the in-place GroupQueryAttention serving graph (ONNX Runtime CPU/CUDA), the same
+    model_inplace_base.onnx  a LoRA bundle's serving graph without its branches, for steps with no adapter
+                           row (older LoRA bundles have none), the same
     weights.data           both graphs' weights, each distinct tensor once (older bundles have no such
                            file: each graph embeds its own weights)
     tokenizer.json         the `tokenizers` tokenizer (its post-processor adds what encoding a text adds)
@@ -167,6 +169,9 @@ class GraphSpec(_Strict):
 class Graphs(_Strict):
     standard: GraphSpec  # input_ids, attention_mask, position_ids, past_key_values.* (concatenating)
     inplace: GraphSpec | None = None  # GroupQueryAttention with bound KV buffers; None: standard graph only
+    # A LoRA bundle's serving graph without the branches (what a bundle without slots serves), over the same
+    # weights: the steps with no adapter row run it. None: no LoRA slots, or a bundle exported before it.
+    inplace_base: GraphSpec | None = None
 
 
 class ShapeRange(_Strict):
@@ -235,7 +240,7 @@ def _check_files(tokenizer: str, files: list[str], checksums: dict[str, str]) ->
 
 
 def _graph_files(graphs: Graphs) -> list[str]:
-    specs = [graphs.standard] + ([graphs.inplace] if graphs.inplace else [])
+    specs = [graphs.standard, *(g for g in (graphs.inplace, graphs.inplace_base) if g is not None)]
     return [f for g in specs for f in g.files()]
 
 
@@ -302,6 +307,11 @@ class Manifest(_Strict):
                 raise ValueError(f"{name} ({max(ids)}) must be below vocab_size ({vocab})")
         if len(set(self.eos_token_ids)) != len(self.eos_token_ids):
             raise ValueError(f"eos_token_ids {self.eos_token_ids} lists an id twice")
+        if self.graphs.inplace_base is not None and (self.lora is None or self.graphs.inplace is None):
+            raise ValueError(
+                "graphs.inplace_base is a LoRA bundle's serving graph without its branches: "
+                "it needs lora and graphs.inplace"
+            )
         _check_files(self.tokenizer, self.files(), self.checksums)
         return self
 

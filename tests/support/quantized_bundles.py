@@ -30,19 +30,27 @@ def tiny_model() -> Decoder:
 
 
 def quantized_graphs(fp32: Path, precision: Precision) -> ExportedGraphs:
-    """The fp32 bundle's two graphs quantized as `precision` says, as export_bundle converts them."""
+    """The fp32 bundle's graphs (two; a LoRA bundle's three) quantized as `precision` says, as export_bundle
+    converts them."""
     bundle = load_bundle(fp32)
-    graphs = []
-    for path in (bundle.standard_graph, bundle.inplace_graph):
+    base = bundle.manifest.graphs.inplace_base
+    paths = {
+        "standard": bundle.standard_graph,
+        "inplace": bundle.inplace_graph,
+        **({} if base is None else {"inplace_base": bundle.checked_graph(base)}),
+    }
+    graphs, counts = {}, {}
+    for role, path in paths.items():
         assert path is not None
         model = onnx.load(str(path))
         if precision.kind == "int8-dynamic":
-            graphs.append(quantize_int8(model))
+            graphs[role], counts[role] = quantize_int8(model)
         else:
             assert precision.bits and precision.block
-            graphs.append(quantize_nbits(model, precision.bits, precision.block))
-    (standard, s_counts), (inplace, i_counts) = graphs
-    return ExportedGraphs(standard, inplace, {"standard": s_counts, "inplace": i_counts})
+            graphs[role], counts[role] = quantize_nbits(model, precision.bits, precision.block)
+    return ExportedGraphs(
+        graphs["standard"], graphs["inplace"], counts, inplace_base=graphs.get("inplace_base")
+    )
 
 
 def rotary_gqa_bundle(tiny_bundle: Path, out: Path, precision: Precision) -> Path:
