@@ -84,6 +84,9 @@ class Engine(Prefills):
         # positions as speculation.num_tokens + 1
         verifier: str | InMemoryGraph | None = None,
         lora: LoraLayout | None = None,  # the graph's LoRA branches (serve/engine/lora/); None: none
+        # with `lora`: the serving graph without branches, which runs the steps with no adapter row; None:
+        # the graph with branches runs them (on empty tensors)
+        branch_free: str | InMemoryGraph | None = None,
     ) -> None:
         if settings.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {settings.max_batch_size}")
@@ -104,6 +107,11 @@ class Engine(Prefills):
         if lora is not None:  # before the KV cache is allocated: a mismatch would surface at the first run
             where = graph if isinstance(graph, str) else str(graph.folder)
             check_graph_inputs(lora, {i.name: i.shape for i in self.session.get_inputs()}, where)
+        self._branch_free = None
+        if branch_free is not None:
+            if lora is None:
+                raise ValueError("a branch-free graph is the serving graph of a LoRA bundle without branches")
+            self._branch_free = self._branch_free_session(branch_free, settings, set(lora.input_shapes()))
         self.kv_device: Device = kv_device(self.providers, session_device_id(self.session))
         rows = settings.max_batch_size + settings.prefix_cache_rows
         # The graph decides the precision (an fp16 bundle has fp16 caches and logits).
@@ -167,8 +175,8 @@ class Engine(Prefills):
         self._side: ThreadPoolExecutor | None = None  # its thread, started by the first such prefill
         self._background = None
         self.last_logits = self._logits[:0]
-        # (first row, end row, side) -> its binding
-        self._bindings: dict[tuple[int, int, bool], Any] = {}
+        # (first row, end row, side, on the branch-free session) -> its binding
+        self._bindings: dict[tuple[int, int, bool, bool], Any] = {}
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, settings: EngineSettings) -> Engine:
@@ -207,7 +215,18 @@ class Engine(Prefills):
             verifier = verification_graph(Path(graph) if isinstance(graph, str) else graph, positions)
             if settings.speculation.draft_bundle is not None:
                 proposer = DraftModel(_draft_engine(bundle, settings))
-        engine = cls(graph, bundle.tokenizer, spec, settings, graphs.scoring, proposer, verifier, m.lora)
+        branch_free = graphs.branch_free
+        engine = cls(
+            graph,
+            bundle.tokenizer,
+            spec,
+            settings,
+            graphs.scoring,
+            proposer,
+            verifier,
+            m.lora,
+            str(branch_free) if isinstance(branch_free, Path) else branch_free,
+        )
         for name, path in settings.adapters:
             if m.lora is None:
                 raise BundleError(
@@ -220,9 +239,38 @@ class Engine(Prefills):
                 raise BundleError(f"adapter {name!r}: {exc}") from exc
         return engine
 
+    def _branch_free_session(
+        self, graph: str | InMemoryGraph, settings: EngineSettings, lora: set[str]
+    ) -> Any:
+        """The branch-free graph's session; BundleError unless its inputs are the serving graph's but the
+        `lora` ones, and its outputs the same (it binds the same KV buffers and logits)."""
+        session = create_session(graph, settings.session)
+
+        def names(s: Any) -> tuple[set[str], set[str]]:
+            return {i.name for i in s.get_inputs()} - lora, {o.name for o in s.get_outputs()}
+
+        if names(session) != names(self.session):
+            where = graph if isinstance(graph, str) else str(graph.folder)
+            raise BundleError(
+                f"{where}: the serving graph without LoRA branches does not take the inputs and give the "
+                "outputs of the graph with them (re-export the bundle)"
+            )
+        log.info("LoRA: steps with no adapter row run the serving graph without branches")
+        return session
+
     def warm_up(self) -> None:
-        """One prefill and one decode step, so the first request does not pay for ONNX Runtime's lazy
-        set-up; run before the scheduler starts, so no metric counts it as a request."""
+        """One prefill and one decode step on each serving session, so the first request does not pay for
+        ONNX Runtime's lazy set-up; run before the scheduler starts, so no metric counts it as a request."""
+        branch_free = self._branch_free
+        if branch_free is not None:  # steps with no adapter row run it: the graph with branches first
+            self._branch_free = None
+            try:
+                self._warm_up()
+            finally:
+                self._branch_free = branch_free
+        self._warm_up()
+
+    def _warm_up(self) -> None:
         warm = NewSequence(seq_id="warm-up", prompt_ids=[self.eos_token_id], sampling=SamplingParams())
         self.prefill([warm])
         if self._verifier is not None and self.capacity > 2:

@@ -132,11 +132,11 @@ class Prefills(Steps):
             raise ValueError("forked sequences (n choices of one prompt) are prefilled between decode steps")
         first = self.batch_size
         rows = slice(first, first + len(new))
-        binding, inputs = self._bound(rows, self._group_inputs(first, new), side=True)
+        session, binding, inputs = self._bound(rows, self._group_inputs(first, new), side=True)
         if self._side is None:
             self._side = ThreadPoolExecutor(1, thread_name_prefix="textgen-prefill")
         joining = self._joining(new)
-        run = self._side.submit(_timed, self.session.run_with_iobinding, binding)
+        run = self._side.submit(_timed, session.run_with_iobinding, binding)
         self._background = Background(new, first, run, inputs, joining)
 
     def end_prefill(self) -> tuple[list[TokenOut], float]:

@@ -8,11 +8,13 @@ weights in an external data file (`save_external_prepacked_constant_initializers
 from that graph maps them from the file: the page cache holds them once for every session over them, in
 this process and in every replica on the node. The packed layout depends on the CPU and on ONNX Runtime's
 version (ONNX Runtime warns that the graph may hold hardware-specific optimizations), so it cannot ship in
-the bundle: it is prepared on the machine that serves, at the first start or by `textgen-serve --prepare-only`.
+the bundle: it is prepared on the machine that serves, at the first start or by
+`textgen-serve --prepare-only`.
 
 An entry of the cache is a folder named by the digest of its `CacheKey` (the bundle's manifest, ONNX
 Runtime's version, the execution providers, the CPU's features, the threads and the KV cache's type):
-serving.onnx, weights.data, and RECORD_FILE, which repeats the key, lists each file's size and sha256, and
+serving.onnx (with a LoRA bundle's branch-free graph, serving_base.onnx, too), scoring.onnx, weights.data,
+and RECORD_FILE, which repeats the key, lists each file's size and sha256, and
 records the row-pad probe's decision (serve/engine/row_pad.py), so a later start neither probes nor reads
 the bundle's graph. An entry is staged in a folder of its own and renamed into place whole: two replicas
 preparing at once each stage their own, the first rename wins and the other serves the winner's. An entry
@@ -37,11 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 from serve.bundle import MANIFEST_FILE, Bundle, sha256_file
 from serve.engine.kv_dtype import fp16_cache_graph, needs_rewrite
-from serve.engine.row_pad import unpadded_graph
+from serve.engine.row_pad import strip_row_pads, unpadded_graph
 from serve.engine.runtime import (
     InMemoryGraph,
     cpu_only,
     create_session,
+    editable_graph,
     onnxruntime,
     resolve_providers,
     structure_only,
@@ -57,8 +60,11 @@ log = logging.getLogger(__name__)
 FORMAT = 1  # of an entry's files; an entry of another is prepared again
 GRAPH_FILE = "serving.onnx"
 SCORING_FILE = "scoring.onnx"  # the standard graph, which scores prompts (serve/engine/prompt_scoring.py)
+BASE_FILE = "serving_base.onnx"  # a LoRA bundle's serving graph without branches (its base-only steps)
 DATA_FILE = "weights.data"
-_SCORING_DATA = "scoring.data"  # where ONNX Runtime writes the scoring graph's, before they join DATA_FILE
+# Where ONNX Runtime writes the scoring and branch-free graphs' tensors, before they join DATA_FILE.
+_SCORING_DATA = "scoring.data"
+_BASE_DATA = "serving_base.data"
 ALIGNMENT = 4096  # each tensor added to DATA_FILE starts on a page, as ONNX Runtime aligns its own
 RECORD_FILE = "prepared.json"
 ENTRY_FILES = (GRAPH_FILE, SCORING_FILE, DATA_FILE)
@@ -117,11 +123,17 @@ class ServingGraph:
     graph: Path | InMemoryGraph
     row_pads_removed: int  # 0: none (kept, or the bundle has none)
     scoring: Callable[[], Path]
+    # A LoRA bundle's serving graph without branches, for the steps with no adapter row; None: the engine
+    # runs every step on `graph` (no such graph, or it would pack a second copy of the weights).
+    branch_free: Path | InMemoryGraph | None = None
 
 
-def serving_graph(bundle: Bundle, config: SessionConfig, kv_cache_dtype: KvCacheDtype) -> ServingGraph:
+def serving_graph(
+    bundle: Bundle, config: SessionConfig, kv_cache_dtype: KvCacheDtype, branch_free: bool = False
+) -> ServingGraph:
     """The bundle's serving graph, checked against the manifest, without its row pads where this CPU does
-    not need them (serve/engine/row_pad.py) and with the KV cache's type (serve/engine/kv_dtype.py)."""
+    not need them (serve/engine/row_pad.py) and with the KV cache's type (serve/engine/kv_dtype.py); with
+    `branch_free`, a LoRA bundle's graph without branches too, made alike (the same pads out)."""
     m = bundle.manifest
     if m.graphs.inplace is None:
         raise BundleError(
@@ -137,9 +149,19 @@ def serving_graph(bundle: Bundle, config: SessionConfig, kv_cache_dtype: KvCache
         unpadded = unpadded_graph(path, config)
         if unpadded is not None:
             graph, pads = unpadded
-    if needs_rewrite(kv_cache_dtype, m.dtype, bundle.root):
+    fp16_cache = needs_rewrite(kv_cache_dtype, m.dtype, bundle.root)
+    if fp16_cache:
         graph = fp16_cache_graph(graph)
-    return ServingGraph(graph, pads, lambda: bundle.standard_graph)
+    base: Path | InMemoryGraph | None = None
+    if branch_free and m.graphs.inplace_base is not None:
+        base = bundle.checked_graph(m.graphs.inplace_base)
+        if pads:  # its MatMulNBits are the serving graph's: the probe's answer holds for them
+            model, folder = editable_graph(base)
+            strip_row_pads(model)
+            base = InMemoryGraph(model.SerializeToString(), folder)
+        if fp16_cache:
+            base = fp16_cache_graph(base)
+    return ServingGraph(graph, pads, lambda: bundle.standard_graph, base)
 
 
 def engine_graphs(bundle: Bundle, settings: EngineSettings) -> ServingGraph:
@@ -148,13 +170,15 @@ def engine_graphs(bundle: Bundle, settings: EngineSettings) -> ServingGraph:
     config, dtype = settings.session, settings.kv_cache_dtype
 
     def build() -> ServingGraph:
-        return serving_graph(bundle, config, dtype)
+        return serving_graph(bundle, config, dtype, branch_free=True)
 
     if settings.compiled_cache is not None and cpu_only(config):
         prepared = prepared_graph(settings.compiled_cache, cache_key(bundle, config, dtype), build, config)
         if prepared is not None:
-            return ServingGraph(prepared.graph, prepared.row_pads_removed, prepared.scoring)
-    return build()
+            return ServingGraph(prepared.graph, prepared.row_pads_removed, prepared.scoring, prepared.base)
+    # Without the prepared graph a second session would pack its own copy of the weights: a LoRA bundle
+    # runs its base-only steps on the graph with branches (on empty tensors) instead.
+    return serving_graph(bundle, config, dtype)
 
 
 def prepare_bundle(bundle: Bundle, config: SessionConfig, kv_cache_dtype: KvCacheDtype, cache: Path) -> Path:
@@ -164,7 +188,9 @@ def prepare_bundle(bundle: Bundle, config: SessionConfig, kv_cache_dtype: KvCach
     if not cpu_only(config):
         raise BundleError(f"{bundle.root}: only a session on the CPU alone is served from a prepared graph")
     key = cache_key(bundle, config, kv_cache_dtype)
-    found = prepared_graph(cache, key, lambda: serving_graph(bundle, config, kv_cache_dtype), config)
+    found = prepared_graph(
+        cache, key, lambda: serving_graph(bundle, config, kv_cache_dtype, branch_free=True), config
+    )
     if found is None:
         raise BundleError(f"{cache}: the prepared graph cannot be written there (the log says why)")
     return found.folder
@@ -177,6 +203,7 @@ class Prepared:
     folder: Path
     graph: InMemoryGraph
     row_pads_removed: int
+    base: InMemoryGraph | None  # the branch-free graph (ServingGraph.branch_free), its weights mapped alike
 
     def scoring(self) -> Path:
         """The prepared standard graph, whose weights are the serving graph's where they are the same."""
@@ -222,13 +249,13 @@ def prepared_graph(
 
 def prepare(folder: Path, key: CacheKey, serving: ServingGraph, config: SessionConfig) -> None:
     """Write the entry's files into `folder`: a session of the serving graph saves its optimized graph and
-    packed weights, one of the standard graph its own, whose tensors then join the serving graph's data file
-    (each one the serving graph has is referenced where it lies there); the record last (an entry without
-    it is incomplete)."""
-    for graph, name, data in (
-        (serving.graph, GRAPH_FILE, DATA_FILE),
-        (serving.scoring(), SCORING_FILE, _SCORING_DATA),
-    ):
+    packed weights, one of the standard graph (and of the branch-free graph) its own, whose tensors and
+    packed copies then join the serving graph's data file (each one already there, byte for byte, is
+    referenced where it lies); the record last (an entry without it is incomplete)."""
+    graphs = [(serving.graph, GRAPH_FILE, DATA_FILE), (serving.scoring(), SCORING_FILE, _SCORING_DATA)]
+    if serving.branch_free is not None:
+        graphs.append((serving.branch_free, BASE_FILE, _BASE_DATA))
+    for graph, name, data in graphs:
         create_session(
             graph,
             config,
@@ -239,22 +266,29 @@ def prepare(folder: Path, key: CacheKey, serving: ServingGraph, config: SessionC
                 "session.save_external_prepacked_constant_initializers": "1",
             },
         )
-    _merge(folder, SCORING_FILE, _SCORING_DATA)
-    files = {name: _fingerprint(folder / name) for name in ENTRY_FILES}
+    merged = [GRAPH_FILE]
+    for _, name, data in graphs[1:]:
+        _merge(folder, name, data, merged)
+        merged.append(name)
+    names = [*ENTRY_FILES, *([BASE_FILE] if serving.branch_free is not None else [])]
+    files = {name: _fingerprint(folder / name) for name in names}
     record = {"key": key.fields(), "row_pads_removed": serving.row_pads_removed, "files": files}
     (folder / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
-def _merge(folder: Path, graph: str, data: str) -> None:
+def _merge(folder: Path, graph: str, data: str, merged: list[str]) -> None:
     """Move the tensors and packed copies `graph` keeps in `data` into DATA_FILE: each one whose bytes are
-    there already (the serving graph's) is referenced where they lie, the others are appended; `data` goes."""
+    there already (those of the `merged` graphs) is referenced where they lie, the others are appended;
+    `data` goes. Packed copies are compared by their bytes too: the branch-free graph's are the serving
+    graph's (the same weights packed for the same kernels), so they are stored once."""
     import onnx
 
     index: dict[bytes, int] = {}  # digest of a blob's bytes -> its offset in DATA_FILE
     with (folder / DATA_FILE).open("r+b") as shared, (folder / data).open("rb") as own:
-        for offset, length in _spans(onnx.load(str(folder / GRAPH_FILE), load_external_data=False)):
-            shared.seek(offset)
-            index.setdefault(_digest(shared.read(length)), offset)
+        for name in merged:
+            for offset, length in _spans(onnx.load(str(folder / name), load_external_data=False)):
+                shared.seek(offset)
+                index.setdefault(_digest(shared.read(length)), offset)
 
         def moved(offset: int, length: int) -> int:
             own.seek(offset)
@@ -320,7 +354,8 @@ def _open(entry: Path, key: CacheKey) -> Prepared | None:
         _discard(entry)
         return None
     graph = structure_only(entry / GRAPH_FILE)
-    return Prepared(entry, graph, int(record["row_pads_removed"]))
+    base = structure_only(entry / BASE_FILE) if BASE_FILE in record["files"] else None
+    return Prepared(entry, graph, int(record["row_pads_removed"]), base)
 
 
 def _checked_record(entry: Path, key: CacheKey) -> dict[str, Any]:
@@ -332,7 +367,7 @@ def _checked_record(entry: Path, key: CacheKey) -> dict[str, Any]:
             path = entry / name
             if path.stat().st_size != expected["size"] or sha256_file(path) != expected["sha256"]:
                 raise _Unusable(f"{name} was changed or truncated")
-        if set(record["files"]) != set(ENTRY_FILES):
+        if set(record["files"]) - {BASE_FILE} != set(ENTRY_FILES):
             raise _Unusable("its record does not list its files")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise _Unusable(f"incomplete or unreadable: {exc}") from exc

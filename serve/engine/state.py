@@ -101,6 +101,8 @@ class EngineState:
     prefix_cache_rows: int
     capacity: int  # tokens per KV row
     session: ort.InferenceSession  # the serving graph's
+    # a LoRA bundle's serving graph without branches (prepared), which runs the steps with no adapter row
+    _branch_free: ort.InferenceSession | None
     providers: list[str]
     kv_device: Device
     _kv: KvCache  # max_batch_size running rows, then prefix_cache_rows kept ones
@@ -136,7 +138,7 @@ class EngineState:
     _side: ThreadPoolExecutor | None  # the thread of a prefill beside decode steps
     _background: Background | None  # that prefill, while it runs
     last_logits: np.ndarray
-    _bindings: dict[tuple[int, int, bool], Any]  # (first row, end row, side) -> its binding
+    _bindings: dict[tuple[int, int, bool, bool], Any]  # (first row, end row, side, branch-free) -> binding
 
     @property
     def batch_size(self) -> int:

@@ -162,40 +162,47 @@ class Steps(KvRows):
         return tokens, logprobs, notes
 
     def _run(self, rows: slice, inputs: RunInputs) -> np.ndarray:
-        binding, _arrays = self._bound(rows, inputs)
+        session, binding, _arrays = self._bound(rows, inputs)
         logits = self._logits[: rows.stop - rows.start]
         try:
-            self.session.run_with_iobinding(binding)
+            session.run_with_iobinding(binding)
         except Exception:  # it may have written part of any row it was given: do not keep those
             self._untrusted.update(self._ids[rows])
             raise
         self.last_logits = logits
         return logits
 
-    def _bound(self, rows: slice, run: RunInputs, side: bool = False) -> tuple[Any, dict[str, np.ndarray]]:
-        """A row range's binding with these inputs bound, and the arrays to keep alive until it has run."""
+    def _bound(
+        self, rows: slice, run: RunInputs, side: bool = False
+    ) -> tuple[Any, Any, dict[str, np.ndarray]]:
+        """The session that runs a row range (the branch-free one when no row has an adapter and there is
+        one), its binding with these inputs bound, and the arrays to keep alive until it has run."""
         span = self._lora_span(rows)
+        branch_free = span == (0, 0) and self._branch_free is not None
         inputs: dict[str, np.ndarray] = {
             "input_ids": np.ascontiguousarray(run.input_ids, np.int64),
             "position_ids": np.ascontiguousarray(run.position_ids, np.int64),
             "seqlens_k": run.seqlens_k.astype(np.int32),
             "total_sequence_length": np.array(run.total, np.int32),
             "last_index": np.ascontiguousarray(run.last_index, np.int64),
-            **self._lora_routes(rows, run.input_ids.shape[1], span),
+            **({} if branch_free else self._lora_routes(rows, run.input_ids.shape[1], span)),
         }
-        binding = self._binding(rows, side)
+        session = self._branch_free if branch_free else self.session
+        binding = self._binding(rows, side, session)
         for name, array in inputs.items():
             binding.bind_cpu_input(name, array)
-        self._bind_adapters(binding, span)
-        return binding, inputs
+        if not branch_free:
+            self._bind_adapters(binding, span)
+        return session, binding, inputs
 
-    def _binding(self, rows: slice, side: bool) -> Any:
-        """The IOBinding of a row range, with its KV rows and logits bound once and reused; `side`: a
-        prefill beside a decode step, which writes its own logits."""
-        key = (rows.start, rows.stop, side)
+    def _binding(self, rows: slice, side: bool, session: Any) -> Any:
+        """The IOBinding of a row range on the serving session (or the branch-free one), with its KV rows and
+        logits bound once and reused; `side`: a prefill beside a decode step, which writes its own logits.
+        Both sessions bind the same KV buffers: a row's cache is one whichever runs its step."""
+        key = (rows.start, rows.stop, side, session is not self.session)
         binding = self._bindings.get(key)
         if binding is None:
-            binding = self.session.io_binding()
+            binding = session.io_binding()
             logits = self._side_logits if side else self._logits
             binding.bind_ortvalue_output("logits", ortvalue(logits[: rows.stop - rows.start]))
             self._kv.bind(binding, rows)

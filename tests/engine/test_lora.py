@@ -17,12 +17,13 @@ import torch
 from onnx import TensorProto, helper
 from peft import LoraConfig, get_peft_model
 from proposers import Oracle
+from pydantic import ValidationError
 from quantized_bundles import quantized_graphs
 
 from export.lora import LoraOptions
 from export.model import Decoder, DecoderConfig
 from export.pipeline import ExportOptions, Precision, export_bundle, write_verified_bundle
-from serve.bundle import MANIFEST_FILE, ROW_PAD_PREFIX, load_bundle, sha256_file
+from serve.bundle import MANIFEST_FILE, ROW_PAD_PREFIX, Manifest, load_bundle, sha256_file
 from serve.engine.engine import Engine
 from serve.engine.lora import (
     AdapterError,
@@ -230,6 +231,75 @@ def test_base_requests_are_what_the_bundle_without_slots_gives(
         assert [(o.token_id, o.logprob) for o in got[seq.seq_id]] == [
             (o.token_id, o.logprob) for o in want[seq.seq_id]
         ]
+
+
+def test_base_only_steps_run_the_branch_free_graph_bit_for_bit_as_steps_beside_adapters(
+    bundles: tuple[Path, Path],
+    adapters: dict[str, tuple[Path, torch.nn.Module]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From the prepared graph, a step with no adapter row runs the serving graph without branches: request
+    A's tokens and logprobs are the same whether its steps ran there (alone), on the graph with branches
+    (beside a request on an adapter, which joins after A's 4th token and leaves after its 8th) or on the
+    bundle without slots; the branch-free graph's weights and packed copies are stored once."""
+    cache = tmp_path / "compiled"
+    engine = engine_for(bundles[0], adapters, compiled_cache=cache)
+    assert engine._branch_free is not None
+    assert engine_for(bundles[0], adapters)._branch_free is None  # from the bundle: one session
+    plain = engine_for(bundles[1], {}, compiled_cache=cache)
+    branch_free_runs = []
+    run_branch_free = engine._branch_free.run_with_iobinding
+    monkeypatch.setattr(
+        engine._branch_free, "run_with_iobinding", lambda b: branch_free_runs.append(1) or run_branch_free(b)
+    )
+    prompt, other = prompts(2)
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.9, top_k=50, seed=5)):
+        a = NewSequence("a", prompt, sampling, logprobs=True)
+        want = [(o.token_id, o.logprob) for o in run(plain, [a], 16)["a"]]
+        runs = len(branch_free_runs)
+        assert [(o.token_id, o.logprob) for o in run(engine, [a], 16)["a"]] == want
+        assert len(branch_free_runs) - runs == 16  # its prefill and 15 decode steps
+        got = [(o.token_id, o.logprob) for o in engine.prefill([a])]
+        got += [(o.token_id, o.logprob) for _ in range(3) for o in engine.decode()]
+        runs = len(branch_free_runs)
+        engine.prefill([NewSequence("b", other, sampling, adapter="a1")])
+        got += [(o.token_id, o.logprob) for _ in range(4) for o in engine.decode() if o.seq_id == "a"]
+        assert len(branch_free_runs) == runs  # steps beside an adapter row ran the graph with branches
+        engine.release(["b"])
+        got += [(o.token_id, o.logprob) for _ in range(8) for o in engine.decode()]
+        assert len(branch_free_runs) - runs == 8
+        engine.release(["a"])
+        assert got == want
+    data = [entry / "weights.data" for entry in cache.iterdir()]
+    lora, without_slots = sorted(data, key=lambda path: len(list(path.parent.iterdir())), reverse=True)
+    assert (lora.parent / "serving_base.onnx").exists()
+    # Each of the branch-free graph's tensors and packed copies is the serving graph's: the entry holds the
+    # weights as the bundle without slots' does (plus the float32 constants of the branches).
+    assert lora.stat().st_size < 1.05 * without_slots.stat().st_size
+    # So does the bundle's data file: the three graphs reference each weight where it lies.
+    shared = [(path / "weights.data").stat().st_size for path in bundles]
+    assert shared[0] < 1.05 * shared[1]
+
+
+def test_a_lora_bundle_exported_without_the_branch_free_graph_runs_every_step_with_branches(
+    fp32_bundles: tuple[Path, Path], adapters: dict[str, tuple[Path, torch.nn.Module]], tmp_path: Path
+) -> None:
+    old = Path(shutil.copytree(fp32_bundles[0], tmp_path / "old"))
+    raw = json.loads((old / MANIFEST_FILE).read_text())
+    base = raw["graphs"].pop("inplace_base")
+    (old / base["file"]).unlink()
+    del raw["checksums"][base["file"]]
+    (old / MANIFEST_FILE).write_text(json.dumps(raw))
+    cache = tmp_path / "compiled"
+    engine = engine_for(old, adapters, compiled_cache=cache)
+    assert engine._branch_free is None
+    seq = NewSequence("a", prompts(1)[0], SamplingParams(), logprobs=True)
+    assert run(engine, [seq], 8) == run(engine_for(fp32_bundles[0], adapters, compiled_cache=cache), [seq], 8)
+    plain = json.loads((fp32_bundles[1] / MANIFEST_FILE).read_text())
+    plain["graphs"]["inplace_base"] = base
+    with pytest.raises(ValidationError, match=r"it needs lora and graphs\.inplace"):
+        Manifest.model_validate(plain)
 
 
 def test_an_int4_bundle_with_slots_cuts_its_padded_rows_around_each_branch_at_most_once(
