@@ -40,6 +40,7 @@ from hf_models import (
 from transformers import PreTrainedModel
 
 from export.hf_import import HFImportError, decoder_config, import_checkpoint
+from export.hf_verify import transformers_greedy
 from export.model import Decoder, rotary_tables
 from export.onnx_inplace import build_inplace_graph
 
@@ -199,6 +200,17 @@ def test_a_prompt_past_the_original_context_in_one_forward(longrope: Longrope) -
     _assert_same_run(ref, run_inplace(longrope.graph, model.cfg, [LONG]), "in-place graph")
     one_call = longrope.hf(ids).logits[0].numpy()
     assert float(np.abs(one_call - ours).max()) > 100 * TOL
+
+
+@torch.no_grad()
+def test_the_export_verifier_runs_transformers_as_the_bundle_rotates(longrope: Longrope) -> None:
+    """`textgen-export hf` verifies a bundle against transformers_greedy: for a prompt past the original
+    context, its prefill logits and greedy run are those of transformers token by token, not of one call."""
+    prompt_ref, ref = stepwise(longrope.hf, LONG)
+    got = transformers_greedy(longrope.hf, [LONG, CROSSING], pad_id=0, steps=STEPS - 1)
+    assert float(np.abs(got.logits[0][0] - prompt_ref).max()) <= TOL
+    assert np.array_equal(got.own[0], ref.tokens[0])
+    assert max_diff([step[:1] for step in got.logits[1:]], ref.logits[1:]) <= TOL
 
 
 @pytest.mark.parametrize(
