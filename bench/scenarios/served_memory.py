@@ -9,7 +9,8 @@ The assets are bench.scenarios.served_peers' (prepared in WORK, each only when m
 PRECISION=DIR`, `--gguf QUANT=FILE` and `--bin-dir` (llama-server's folder) name them all.
 
 A cell: one server started alone with 16 rows of C positions each (served_peers.Workload), C one of
-`--contexts` (textgen: `--max-batch-size 16 --max-model-len C --prefix-cache-rows 0`; llama-server: `-np 16
+`--contexts` (textgen: `--max-batch-size 16 --max-model-len C --prefix-cache-rows 0 --compiled-cache` one
+of the run's own per precision, empty at its first start; llama-server: `-np 16
 -c 16 x C`, its KV cache in its default f16), then `--requests` requests at once over HTTP
 (bench.scenarios.served_peers' client, random 32-token prompts, `--new-tokens` each). It reports:
 - ready: seconds from starting the process to GET /health answering 200 (asked every 50 ms; both servers
@@ -20,6 +21,8 @@ A cell: one server started alone with 16 rows of C positions each (served_peers.
   peak, which is what a container's memory limit must cover.
 Memory hardly depends on the machine's load, but what start-up leaves resident can differ from one start to
 the next: the table shows the lowest and the highest over `--rounds`.
+The table is of later starts (textgen maps the graph it prepared before, as a restarted replica does); a
+second one puts each precision's first start (preparing the graph) beside them.
 
 `--textgen-flag` and `--llama-flag` add a flag to every cell of that server (a KV cache type, say); the KV
 columns and the formula's figures still take textgen's cache in the bundle's dtype, llama-server's in f16.
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -58,6 +62,7 @@ from serve.api.sizing import FIXED_BYTES, ITEMSIZE, WEIGHT_FACTORS, PodMemory, p
 from serve.bundle import read_manifest
 
 SERVERS = ("textgen", "llama-server")
+FIRST, LATER = "first", "later"  # a start that prepares textgen's graph, and one that maps the prepared graph
 LLAMA_KV_ITEMSIZE = 2  # llama-server's default KV cache type, f16
 MB = 1e6
 MIB = 2**20
@@ -155,22 +160,35 @@ def command_of(
 
 def measure(ready: Prepared, args: argparse.Namespace, base: Workload, result: Cell, output: Path) -> None:
     """Every cell into result["records"], the record written to `output` after each (a run cut short keeps
-    what it measured; `--report` reads it)."""
+    what it measured; `--report` reads it).
+
+    textgen's prepared graph is kept in a compiled cache of the run's own, one per precision: the first
+    textgen cell of each precision starts with it empty (a first start, which prepares the graph), and is
+    followed by the same cell started again; every other cell is a later start, as a replica's restart is."""
     logs = output.with_suffix("")
     records = result["records"]
+
+    def run(server: str, precision: str, work: Workload, round_no: int, start: str) -> None:
+        port, cache = free_port(), logs / f"compiled-{precision}"
+        log = logs / f"{server}-{precision}-{work.ctx_per_slot}-{round_no}-{start}.log"
+        command = command_of(server, ready, precision, port, work, args)
+        if server == "textgen":
+            command += ["--compiled-cache", str(cache)]
+        cell = run_cell(command, port, log, work, args.requests, seed=1000 * (round_no + 1))
+        record = {"round": round_no, "context": work.ctx_per_slot, "precision": precision, "server": server}
+        records.append(record | cell | {"start": start})
+        write_json(output, result)
+        print(json.dumps(records[-1]), flush=True)
+
     for round_no in range(args.rounds):
         for context in args.contexts:
             work = replace(base, ctx_per_slot=context)
             for precision in args.precisions:
+                if round_no == 0 and context == args.contexts[0]:
+                    shutil.rmtree(logs / f"compiled-{precision}", ignore_errors=True)
+                    run("textgen", precision, work, round_no, FIRST)
                 for server in SERVERS:
-                    port = free_port()
-                    log = logs / f"{server}-{precision}-{context}-{round_no}.log"
-                    command = command_of(server, ready, precision, port, work, args)
-                    cell = run_cell(command, port, log, work, args.requests, seed=1000 * (round_no + 1))
-                    record = {"round": round_no, "context": context, "precision": precision, "server": server}
-                    records.append(record | cell)
-                    write_json(output, result)
-                    print(json.dumps(records[-1]), flush=True)
+                    run(server, precision, work, round_no, LATER)
 
 
 def assets(args: argparse.Namespace) -> Prepared:
@@ -193,11 +211,15 @@ def _median(records: list[Cell], key: str) -> float:
     return statistics.median(r[key] for r in records) if records else float("nan")
 
 
-def _pick(records: list[Cell], server: str, precision: str, context: int) -> list[Cell]:
+def _pick(records: list[Cell], server: str, precision: str, context: int, start: str = LATER) -> list[Cell]:
+    """The cells of a server, precision and context; of later starts unless `start` says otherwise."""
     return [
         r
         for r in records
-        if r["server"] == server and r["precision"] == precision and r["context"] == context
+        if r["server"] == server
+        and r["precision"] == precision
+        and r["context"] == context
+        and r.get("start", LATER) == start
     ]
 
 
@@ -258,6 +280,26 @@ def memory_table(result: Cell) -> list[str]:
     return table(header, rows)
 
 
+def first_start_table(result: Cell) -> list[str]:
+    """textgen's first start (it prepares the graph into an empty compiled cache) beside its later starts
+    (they map it), at the first context: the ready time and the peak a new node's first replica pays."""
+    context, records = result["contexts"][0], result["records"]
+    header = ["precision", "first start: ready, peak", "later starts: ready (median), peak"]
+    rows = []
+    for precision in result["precisions"]:
+        first, later = (_pick(records, "textgen", precision, context, s) for s in (FIRST, LATER))
+        if not first or not later:
+            continue
+        rows.append(
+            [
+                precision,
+                f"{_median(first, 'ready_s'):.1f} s, {_span([r['peak_mib'] for r in first])} MiB",
+                f"{_median(later, 'ready_s'):.1f} s, {_span([r['peak_mib'] for r in later])} MiB",
+            ]
+        )
+    return table(header, rows) if rows else []
+
+
 def factor_table(result: Cell) -> list[str]:
     """The weight factors these cells ask of the sizing formula: (textgen's memory - its KV cache - the
     formula's fixed part) / the serving graph's bytes, the largest over the contexts and rounds, beside the
@@ -291,6 +333,8 @@ def report(result: Cell) -> str:
     m = result["machine"]
     machine_line = f"{m['cpu']}, {m['cores']} cores, onnxruntime {m['onnxruntime']}; {result['started']}"
     lines = [f"`{result['command']}` ({machine_line})", "", *memory_table(result), "", *factor_table(result)]
+    if first := first_start_table(result):
+        lines += ["", *first]
     if lost:
         lines += ["", f"{len(lost)} cells lost requests: {lost}"]
     return "\n".join(lines)

@@ -71,3 +71,24 @@ def test_the_report_compares_the_servers_and_fits_the_formulas_factors(tiny_bund
     text = report(result)
     assert f"| **{(fixed + 120) / fixed:.2f}** |" in text
     assert "| 100 + " in text and "2.0 s; 2.0 s" in text
+    assert "first start" not in text  # no first start recorded: no such table
+
+
+def test_a_first_start_is_reported_apart_from_the_later_ones(tiny_bundle: Path) -> None:
+    fixed = FIXED_BYTES / MIB
+    later = _record("textgen", 64, fixed + 120, fixed + 130)
+    first = later | {"ready_s": 9.0, "peak_mib": fixed + 900.0, "start": "first"}
+    result = {
+        "command": "textgen-bench served-memory",
+        "machine": {"cpu": "a CPU", "cores": "2", "onnxruntime": "1"},
+        "started": "now",
+        "slots": 4,
+        "contexts": [64],
+        "precisions": ["fp32"],
+        "kv_mib": {"fp32": {"64": {"textgen": 10.0, "llama-server": 5.0}}},
+        "predicted": {"fp32": {"64": predicted(tiny_bundle, TINY) | {"weights_mib": 100.0}}},
+        "records": [first, later, _record("llama-server", 64, fixed, fixed)],
+    }
+    text = report(result)
+    assert f"| fp32 | 9.0 s, {fixed + 900:,.0f} MiB | 2.0 s, {fixed + 130:,.0f} MiB |" in text
+    assert "2.0 s; 2.0 s" in text and f"{fixed + 900:,.0f} MiB" not in text.split("first start")[0]
