@@ -86,6 +86,30 @@ def binaries(work: Path) -> Path:
     return bin_dir
 
 
+# llama.cpp's convert_hf_to_gguf.py, run so that a family whose converter reads only byte-level BPE
+# tokenizers (Qwen3-MoE's, with a known pre-tokenizer) takes a SentencePiece tokenizer.model as the
+# Llama converter does: the bench models (C-moe) carry C-llama's SentencePiece tokenizer, and the served
+# benchmarks send token ids, so the vocabulary's kind changes nothing measured. Weights are converted by
+# llama.cpp's own code either way. argv: the llama.cpp source folder, then the converter's arguments.
+CONVERT = """
+import sys
+from pathlib import Path
+src = sys.argv.pop(1)
+sys.path.insert(0, src)
+from conversion.base import TextModel
+bpe = TextModel._set_vocab_gpt2
+def vocab(self):
+    if (Path(self.dir_model) / "tokenizer.model").is_file():
+        self._set_vocab_sentencepiece()
+    else:
+        bpe(self)
+TextModel._set_vocab_gpt2 = vocab
+sys.argv[0] = src + "/convert_hf_to_gguf.py"
+import runpy
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def gguf_path(work: Path, model_dir: Path, quant: str) -> Path:
     return work / "gguf" / f"{model_dir.name}-{quant}.gguf"
 
@@ -96,7 +120,7 @@ def ggufs(work: Path, model_dir: Path) -> dict[str, Path]:
     f32 = gguf_path(work, model_dir, "f32")
     if not f32.is_file():
         f32.parent.mkdir(parents=True, exist_ok=True)
-        convert = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", "f32"]
+        convert = [sys.executable, "-c", CONVERT, str(src), str(model_dir), "--outtype", "f32"]
         run_logged([*convert, "--outfile", str(f32)], env={"PYTHONPATH": str(src / "gguf-py")})
     out = {"f32": f32}
     for quant in QUANTS:

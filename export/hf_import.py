@@ -27,10 +27,14 @@ Families (`SUPPORTED_ARCHITECTURES`):
 config.json may be in transformers 4 form (rope_theta and rope_scaling at the top level, torch_dtype) or 5
 (rope_parameters with rope_theta inside, dtype). RoPE: default, linear, llama3 and YaRN (fixed tables, scaled
 by its attention factor), and Phi-3's longrope; types whose tables depend on the sequence length (dynamic,
-...) are refused by name: the graphs precompute one cos/sin table. longrope is the exception: transformers
-uses its short factors while a sequence is within original_max_position_embeddings (and recomputes the whole
-cache with the long ones past it), so a longrope model imports with the short factors and that original
-context as its context length.
+...) are refused by name: the graphs precompute one cos/sin table. A longrope model keeps its whole context
+(max_position_embeddings) in one table whose rows before original_max_position_embeddings rotate by the
+short factors and the rows from it on by the long ones, both times the attention factor: a token's rotation
+depends on its position alone. That is transformers' model fed one token per call with its KV cache (each
+call picks the factors by its last position). transformers differs in two places, both past the original
+context: one forward call over positions on both sides of it rotates all of them by the long factors, and
+Phi-3's generate drops its cache when the sequence first outgrows the original context and recomputes it
+all with the long factors; the KV cache here keeps each position's rotation as it was first computed.
 
 Every problem with the folder is an `HFImportError`: one line naming the file, the problem and what to do.
 """
@@ -42,6 +46,7 @@ import logging
 import math
 import os
 import re
+import reprlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -259,8 +264,7 @@ def _rope_fields(
     longrope: bool = False,
 ) -> dict[str, Any]:
     """The DecoderConfig's RoPE fields from `params` (default: _rope_params), the base read from them, else
-    from the top-level rope_theta, else `theta`. A longrope model (where the family has it) gets its
-    original context as its context_length."""
+    from the top-level rope_theta, else `theta`. longrope only where the family has it."""
     params = _rope_params(f) if params is None else params
     kind = params.get("rope_type", params.get("type")) or "default"
     if kind not in ROPE_TYPES or (kind == "longrope" and not longrope):
@@ -273,9 +277,7 @@ def _rope_fields(
     fields: dict[str, Any] = {"rope_theta": p.number("rope_theta", f.number("rope_theta", theta))}
     partial = p.number("partial_rotary_factor", f.number("partial_rotary_factor", 1.0))
     if partial != 1.0:
-        d_model, heads = f.integer("hidden_size"), f.integer("num_attention_heads")
-        head_dim = f.integer("head_dim") if f.has("head_dim") else d_model // heads
-        fields["rotary_dim"] = int(head_dim * partial)
+        fields["rotary_dim"] = int(_head_dim(f) * partial)
     if kind == "linear":
         fields |= {"rope_scaling": "linear", "rope_factor": p.number("factor", 1.0)}
     elif kind == "llama3":
@@ -292,14 +294,13 @@ def _rope_fields(
         )
         factor = p.number("factor", context_length / original)
         default_attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
-        short = params.get("short_factor")
-        if not isinstance(short, list) or not all(isinstance(v, int | float) for v in short):
-            raise f.refuse(f"longrope needs a list of numbers as short_factor, found {short!r}")
+        pairs = int(_head_dim(f) * partial) // 2
         fields |= {
             "rope_scaling": "longrope",
-            "rope_short_factors": tuple(float(v) for v in short),
+            "rope_short_factors": _longrope_factors(f, params, "short_factor", pairs),
+            "rope_long_factors": _longrope_factors(f, params, "long_factor", pairs),
+            "rope_original_context": original,
             "rope_attention_factor": p.number("attention_factor", default_attention),
-            "context_length": min(original, context_length),
         }
     elif kind == "yarn":
         original = p.integer("original_max_position_embeddings", context_length)
@@ -317,6 +318,27 @@ def _rope_fields(
             "rope_attention_factor": _yarn_attention_factor(p, factor),
         }
     return fields
+
+
+def _head_dim(f: _Fields) -> int:
+    return (
+        f.integer("head_dim")
+        if f.has("head_dim")
+        else f.integer("hidden_size") // f.integer("num_attention_heads")
+    )
+
+
+def _longrope_factors(f: _Fields, params: dict[str, Any], key: str, pairs: int) -> tuple[float, ...]:
+    """longrope's short_factor or long_factor: one positive number per rotated pair of the head dim."""
+    factors = params.get(key)
+    if (
+        not isinstance(factors, list)
+        or len(factors) != pairs
+        or not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in factors)
+    ):
+        found = reprlib.repr(factors)  # Phi-4-mini's lists have 48 numbers: the line stays short
+        raise f.refuse(f"longrope needs {key} as a list of {pairs} positive numbers, found {found}")
+    return tuple(float(v) for v in factors)
 
 
 def _yarn_attention_factor(p: _Fields, factor: float) -> float:
@@ -551,7 +573,7 @@ def _phi3_config(f: _Fields) -> DecoderConfig:
         **{**fields, **rope},
         qkv_bias=bias,
         out_bias=bias,
-        sliding_window=window if window < rope.get("context_length", fields["context_length"]) else 0,
+        sliding_window=window if window < fields["context_length"] else 0,
     )
 
 

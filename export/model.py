@@ -8,11 +8,11 @@ The defaults are the GPT-style decoder this project trains (LayerNorm, GELU MLP,
 everywhere). The other options are the blocks of the Hugging Face families export/hf_import.py reads: RMSNorm,
 SwiGLU, tanh-approximated GELU, grouped-query attention (fewer key/value heads, each shared by a group of
 query heads; the cache holds the key/value heads only), an explicit head dim, RMSNorm of q and k (per head,
-or over the whole projection), scaled RoPE (linear, llama3) on all of the head dim or its first part, GeGLU,
-norms before and/or after each sublayer, scales of the embedding, the residual branches, the attention
-scores and the logits, tanh soft-capping of the attention scores and of the logits, layers that attend
-differently (`LayerAttention`: a sliding window, a RoPE base of their own, or no rotary at all), and sparse
-mixture-of-experts feed-forward layers (export/moe.py).
+or over the whole projection), scaled RoPE (linear, llama3, YaRN, longrope) on all of the head dim or its
+first part, GeGLU, norms before and/or after each sublayer, scales of the embedding, the residual branches,
+the attention scores and the logits, tanh soft-capping of the attention scores and of the logits, layers
+that attend differently (`LayerAttention`: a sliding window, a RoPE base of their own, or no rotary at all),
+and sparse mixture-of-experts feed-forward layers (export/moe.py).
 
 Shapes in comments: B batch, S new tokens, P past tokens, T = P + S, H heads, Hkv key/value heads, Dh head
 dim, D d_model, F d_ff, V vocab.
@@ -96,8 +96,9 @@ class DecoderConfig:
     rope_factor: float = 1.0  # linear, llama3
     rope_low_freq_factor: float = 1.0  # llama3
     rope_high_freq_factor: float = 4.0  # llama3
-    rope_original_context: int = 0  # llama3, yarn: the context pretrained with; 0: context_length
-    rope_short_factors: tuple[float, ...] = ()  # longrope: each frequency divided by its factor
+    rope_original_context: int = 0  # llama3, yarn, longrope: the context pretrained with; 0: context_length
+    rope_short_factors: tuple[float, ...] = ()  # longrope: frequency i / factor i before the original context
+    rope_long_factors: tuple[float, ...] = ()  # longrope: frequency i / factor i from the original context on
     rope_beta_fast: float = 32.0  # yarn: rotations per original context above which frequencies stay
     rope_beta_slow: float = 1.0  # yarn: ... below which they are interpolated
     rope_truncate: bool = True  # yarn: the ramp between them on whole dims
@@ -121,7 +122,8 @@ class DecoderConfig:
             LayerAttention(**layer) if isinstance(layer, dict) else layer for layer in self.layer_attention
         )
         object.__setattr__(self, "layer_attention", layers)
-        object.__setattr__(self, "rope_short_factors", tuple(float(f) for f in self.rope_short_factors))
+        for name in ("rope_short_factors", "rope_long_factors"):
+            object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -185,14 +187,16 @@ class DecoderConfig:
                 f"llama3 rope scaling needs rope_high_freq_factor ({self.rope_high_freq_factor}) above "
                 f"rope_low_freq_factor ({self.rope_low_freq_factor})"
             )
+        if self.rope_scaling == "longrope":
+            pairs = self.rotary_features // 2
+            for name in ("rope_short_factors", "rope_long_factors"):
+                factors = getattr(self, name)
+                if len(factors) != pairs or not all(f > 0 for f in factors):
+                    raise ValueError(f"longrope needs {pairs} positive {name}, got {factors!r}")
 
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.d_model // self.n_heads
-
-        pairs = self.rotary_features // 2
-        if self.rope_scaling == "longrope" and len(self.rope_short_factors) != pairs:
-            raise ValueError(f"longrope needs {pairs} rope_short_factors, got {len(self.rope_short_factors)}")
 
     @property
     def rotary_features(self) -> int:
@@ -257,14 +261,15 @@ def sinusoidal_table(length: int, dim: int) -> Tensor:
     return table
 
 
-def rope_frequencies(cfg: DecoderConfig, theta: float = 0.0) -> Tensor:
+def rope_frequencies(cfg: DecoderConfig, theta: float = 0.0, long: bool = False) -> Tensor:
     """The rotary angle per position of each rotated pair of the head dim, [rotary/2], scaled as cfg says;
     with `theta` > 0, that base unscaled instead (a layer's own RoPE, LayerAttention.rope_theta).
 
     The scalings are of the frequencies, so the tables do not depend on the sequence length:
     - linear: every frequency / factor (positions interpolated by the factor);
-    - longrope: each frequency / its own short factor (transformers' _compute_longrope_parameters up to
-      the original context; rotary_tables scales cos and sin by the attention factor);
+    - longrope: each frequency / its own short factor, or with `long` its long factor (transformers'
+      _compute_longrope_parameters; rotary_tables uses the long ones from the original context on and
+      scales cos and sin by the attention factor);
     - llama3: wavelengths shorter than original / high_freq_factor unchanged, longer than
       original / low_freq_factor divided by the factor, and those between interpolated smoothly
       (transformers' _compute_llama3_parameters);
@@ -280,7 +285,8 @@ def rope_frequencies(cfg: DecoderConfig, theta: float = 0.0) -> Tensor:
     if cfg.rope_scaling == "linear":
         return inv / factor
     if cfg.rope_scaling == "longrope":
-        return inv / torch.tensor(cfg.rope_short_factors, dtype=torch.float32)
+        factors = cfg.rope_long_factors if long else cfg.rope_short_factors
+        return inv / torch.tensor(factors, dtype=torch.float32)
     if cfg.rope_scaling == "llama3":
         original = cfg.rope_original_context or cfg.context_length
         low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
@@ -308,9 +314,19 @@ def rope_frequencies(cfg: DecoderConfig, theta: float = 0.0) -> Tensor:
 
 def rotary_tables(cfg: DecoderConfig, theta: float = 0.0) -> tuple[Tensor, Tensor]:
     """cos and sin of the rotary angles, [context_length, rotary/2] each (GPT-NeoX, non-interleaved
-    halves), times the attention factor of the config's RoPE; `theta` as rope_frequencies takes it."""
-    inv = rope_frequencies(cfg, theta)
-    angles = torch.arange(cfg.context_length, dtype=torch.float32)[:, None] * inv[None, :]
+    halves), times the attention factor of the config's RoPE; `theta` as rope_frequencies takes it.
+
+    longrope: the rows before the original context of the short factors' frequencies, the rows from it on
+    of the long factors'. transformers picks one set per forward call, by the call's last position, for all
+    of the call's positions; a row of its own per position makes a token's rotation depend on its position
+    alone (not on how the sequence is cut into calls, nor on its batch), which is what transformers gives
+    when it is fed one token per call with its KV cache, and what a KV cache computed once needs."""
+    positions = torch.arange(cfg.context_length, dtype=torch.float32)[:, None]
+    angles = positions * rope_frequencies(cfg, theta)[None, :]
+    if cfg.rope_scaling == "longrope" and not theta:
+        original = cfg.rope_original_context or cfg.context_length
+        long = positions[original:] * rope_frequencies(cfg, long=True)[None, :]
+        angles = torch.cat((angles[:original], long))
     scale = 1.0 if theta else cfg.rope_attention_factor
     return torch.cos(angles) * scale, torch.sin(angles) * scale
 

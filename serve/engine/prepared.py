@@ -8,8 +8,8 @@ weights in an external data file (`save_external_prepacked_constant_initializers
 from that graph maps them from the file: the page cache holds them once for every session over them, in
 this process and in every replica on the node. The packed layout depends on the CPU and on ONNX Runtime's
 version (ONNX Runtime warns that the graph may hold hardware-specific optimizations), so it cannot ship in
-the bundle: it is prepared on the machine that serves, at the first start or by
-`textgen-serve --prepare-only`.
+the bundle: it is prepared on the machine that serves, at the first start or by `textgen-serve
+--prepare-only`.
 
 An entry of the cache is a folder named by the digest of its `CacheKey` (the bundle's manifest, ONNX
 Runtime's version, the execution providers, the CPU's features, the threads and the KV cache's type):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,6 +39,42 @@ def test_batched_bench_rows_and_their_new_token_rate() -> None:
     assert rows[0].tok_s == pytest.approx(128 / 1.75)
     assert rows[1].tok_s == pytest.approx(128 * 4 / 4.0)
     assert llama_cpp.parse_batched_bench("no table here") == []
+
+
+# A stand-in for llama.cpp's converter: its TextModel's BPE vocabulary reader, and a script that calls it.
+FAKE_BASE = """
+class TextModel:
+    def __init__(self, dir_model):
+        self.dir_model = dir_model
+    def _set_vocab_gpt2(self):
+        print("bpe")
+    def _set_vocab_sentencepiece(self):
+        print("sentencepiece")
+"""
+FAKE_CONVERTER = """
+import sys
+from conversion.base import TextModel
+TextModel(sys.argv[1])._set_vocab_gpt2()
+"""
+
+
+@pytest.mark.parametrize(("tokenizer_file", "read_as"), [("tokenizer.model", "sentencepiece"), (None, "bpe")])
+def test_the_converter_reads_a_sentencepiece_tokenizer_where_it_would_ask_for_bpe(
+    tmp_path: Path, tokenizer_file: str | None, read_as: str
+) -> None:
+    src, model = tmp_path / "llama.cpp", tmp_path / "model"
+    (src / "conversion").mkdir(parents=True)
+    (src / "conversion" / "__init__.py").write_text("")
+    (src / "conversion" / "base.py").write_text(FAKE_BASE)
+    (src / "convert_hf_to_gguf.py").write_text(FAKE_CONVERTER)
+    model.mkdir()
+    if tokenizer_file:
+        (model / tokenizer_file).write_bytes(b"a SentencePiece model")
+    done = subprocess.run(
+        [sys.executable, "-c", llama_cpp.CONVERT, str(src), str(model)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [read_as]
 
 
 def test_server_commands_share_the_slots_context_and_threads(tmp_path: Path) -> None:

@@ -167,7 +167,11 @@ def test_imported_configs_have_the_families_blocks(generated: Generated) -> None
     phi3 = cfg["phi3-partial-rotary-mqa-window8"]
     assert (phi3.head_dim, phi3.rotary_features, phi3.sliding_window, phi3.kv_heads) == (32, 16, 8, 1)
     longrope = cfg["phi3-longrope-gqa"]
-    assert (longrope.rope_scaling, longrope.context_length) == ("longrope", 128)
+    assert (longrope.rope_scaling, longrope.context_length, longrope.rope_original_context) == (
+        "longrope",
+        256,
+        128,
+    )
     assert longrope.rope_attention_factor == pytest.approx((1 + np.log(2) / np.log(128)) ** 0.5)
     assert [layer.rotary for layer in cfg["smollm3-nope-layers-tied"].layers] == [True, False, True]
     granite = cfg["granite-multipliers-mqa"]

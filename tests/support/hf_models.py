@@ -221,8 +221,8 @@ def phi3_config(**changes: Any) -> Phi3Config:
     )
 
 
-# Phi-3.5 / Phi-4-mini's longrope over a context twice the original: the short factors, and the attention
-# factor sqrt(1 + ln 2 / ln 128) on cos and sin.
+# Phi-3.5 / Phi-4-mini's longrope on phi3_config's 16 rotated features: 8 short and 8 long factors, the two
+# sets different and none of them 1 (the original context is the config's original_max_position_embeddings).
 PHI3_LONGROPE = {
     "rope_type": "longrope",
     "rope_theta": 10000.0,
