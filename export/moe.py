@@ -9,13 +9,21 @@ Routing, as each family normalizes it (`ROUTINGS`), from the router's logits l o
 - "topk_softmax": softmax over the k largest logits (gpt-oss) — the same weights as "softmax_topk_norm" in
   exact arithmetic, computed as the family computes them.
 
-In the serving graph the experts are routed gathers: per expert, the tokens that chose it are gathered
-(NonZero of its id in the top-k indices), multiplied by its weights, scaled by their routing weight and
-added back where they came from (ScatterND). ONNX Runtime 1.32's CPU `MoE` kernel computes the same to 2e-6
-but not batch invariantly: on a random 32-expert layer every token's output differed bit for bit between
-the token alone and in a batch of 64, while the gathers give identical bits (a token meets the same packed
-MatMul whatever else its expert computes). The gathers also leave each expert's projections as plain
-MatMuls of constant weights, which the int8/int4 quantizer turns into MatMulNBits like any other.
+In the serving graph a sparse layer sorts its tokens' (token, slot) pairs by expert once (TopK, which
+breaks ties by the lower index, so one expert's rows keep their tokens' order), counts each expert's rows,
+and gathers every pair's token row at once. A Split by the counts hands each expert its own rows, zero
+rows for one no token took: an expert is its up MatMul and its down MatMul and nothing else, the
+activation (and gpt-oss's biases, gathered per row by expert) running once over every row between two
+Splits. One Gather puts the outputs back in pair order, each token's pairs by ascending expert; they are
+scaled by their routing weights and added one rank at a time starting from zero, the order in which
+`Experts.forward` adds them. No ScatterND with repeated indices: ONNX Runtime 1.32's CPU ScatterND applies
+its updates in parallel chunks, which for one row hit twice is neither ordered nor safe.
+
+Each MatMul computes a row the same whatever the rows beside it, so a token's output is bit for bit the
+same alone and in any batch. ONNX Runtime 1.32's CPU `MoE` kernel computes the same to 2e-6 but not batch
+invariantly: on a random 32-expert layer every token's output differed bit for bit between the token alone
+and in a batch of 64. The experts' projections stay plain MatMuls of constant weights, which the int8/int4
+quantizer turns into MatMulNBits like any other (`pad_expert_rows` then makes their row counts even).
 """
 
 from __future__ import annotations
@@ -157,7 +165,7 @@ class Experts(nn.Module):
 
 
 def experts_graph(g: _GraphBuilder, x: str, module: Experts, d_model: int, name: str) -> str:
-    """The experts of x [B,S,D] as routed gathers (module docstring); returns the [B,S,D] output."""
+    """The experts of x [B,S,D] as one sorted gather (module docstring); returns the [B,S,D] output."""
     cfg = module.cfg
     (flat,) = g.node("Reshape", [x, g.const_i64("experts.flat", [-1, d_model])], f"{name}/flat")  # [N,D]
     router = module.router.weight.detach().numpy().T
@@ -170,37 +178,95 @@ def experts_graph(g: _GraphBuilder, x: str, module: Experts, d_model: int, name:
         bias = g.weight(f"{name}.router.bias", module.router.bias.detach().numpy())
         (logits,) = g.node("Add", [logits, bias], f"{name}/router_bias")
     weights, chosen = _routing(g, logits, cfg, name)  # [N,k] each
-    (shape,) = g.node("Shape", [flat], f"{name}/shape")
-    (acc,) = g.node("ConstantOfShape", [shape], f"{name}/zeros")  # float zeros [N,D]
+    k = g.const_i64(f"experts.k_{cfg.top_k}", [cfg.top_k])
+    # A token's pairs (token, slot) reordered by expert, ascending: pair j = token * k + rank, the order in
+    # which its outputs are added up at the end. TopK breaks ties by the lower index (ONNX's definition).
+    chosen, slots = g.node(
+        "TopK", [chosen, k], f"{name}/by_expert", outputs=[f"{name}/experts_asc", f"{name}/slots"], largest=0
+    )  # [N,k] each
+    (weights,) = g.node("GatherElements", [weights, slots], f"{name}/weights_asc", axis=1)  # [N,k]
+    minus_one = g.const_i64("experts.minus_one", [-1])
+    (pair_experts,) = g.node("Reshape", [chosen, minus_one], f"{name}/pair_experts")  # [Nk]
+    (pairs,) = g.node("Shape", [pair_experts], f"{name}/pairs")  # [1]: Nk
+    # The pairs sorted by expert, one expert's by j (so by token): each expert's rows side by side.
+    sorted_experts, order = g.node(
+        "TopK",
+        [pair_experts, pairs],
+        f"{name}/sort",
+        outputs=[f"{name}/sorted_experts", f"{name}/order"],
+        largest=0,
+    )  # [Nk] each
+    (rows,) = g.node("Div", [order, k], f"{name}/sorted_tokens")  # [Nk]: token ids, by expert
+    (column,) = g.node("Unsqueeze", [pair_experts, g.const_i64("experts.one", [1])], f"{name}/pair_column")
+    ids = g.const_i64(f"experts.ids_{cfg.n_experts}", list(range(cfg.n_experts)))
+    (hit,) = g.node("Equal", [column, ids], f"{name}/hit")  # [Nk,E]
+    (hit,) = g.node("Cast", [hit], f"{name}/hit_i", to=onnx.TensorProto.INT64)
+    (counts,) = g.node(
+        "ReduceSum", [hit, g.const_i64("experts.zero", [0])], f"{name}/counts", keepdims=0
+    )  # [E]: each expert's row count, zero for one no token took
+    (tokens,) = g.node("Gather", [flat, rows], f"{name}/tokens", axis=0)  # [Nk,D]
     up, down = module.up.detach().numpy(), module.down.detach().numpy()
-    for e in range(cfg.n_experts):
-        p = f"{name}.{EXPERTS_NAME}.{e}"
-        (hit,) = g.node("Equal", [chosen, g.const_i64(f"experts.id_{e}", [e])], f"{p}/hit")  # [N,k]
-        (where,) = g.node("NonZero", [hit], f"{p}/where")  # [2,m]: (token, slot), tokens ascending
-        (pairs,) = g.node("Transpose", [where], f"{p}/pairs", perm=[1, 0])  # [m,2]
-        (rows,) = g.node("Gather", [where, g.const_i64("experts.zero", [0])], f"{p}/rows", axis=0)  # [1,m]
-        (rows,) = g.node("Squeeze", [rows, g.const_i64("experts.zero", [0])], f"{p}/rows_1d")  # [m]
-        (tokens,) = g.node("Gather", [flat, rows], f"{p}/tokens", axis=0)  # [m,D]
-        (h,) = g.node("MatMul", [tokens, g.weight(f"{p}.up.weight_t", up[e].T)], f"{p}/up")  # [m,2F]
-        if module.up_bias is not None:
-            bias = g.weight(f"{p}.up.bias", module.up_bias[e].detach().numpy())
-            (h,) = g.node("Add", [h, bias], f"{p}/up_bias")
-        h = _activation(g, h, cfg, f"{p}/act")
-        down_bias = None if module.down_bias is None else module.down_bias[e].detach().numpy()
-        (h,) = g.node(
-            "MatMul",
-            [h, g.weight(f"{p}.down.weight_t", down[e].T)],
-            f"{p}/out" if down_bias is None else f"{p}/down",
-        )  # [m,D]
-        if down_bias is not None:  # the expert's output is named {p}/out either way (pad_expert_rows)
-            (h,) = g.node("Add", [h, g.weight(f"{p}.down.bias", down_bias)], f"{p}/out")
-        (w,) = g.node("GatherND", [weights, pairs], f"{p}/weight")  # [m]
-        (w,) = g.node("Unsqueeze", [w, g.const_i64("experts.one", [1])], f"{p}/weight_col")  # [m,1]
-        (h,) = g.node("Mul", [h, w], f"{p}/weighted")
-        (idx,) = g.node("Unsqueeze", [rows, g.const_i64("experts.one", [1])], f"{p}/indices")  # [m,1]
-        (acc,) = g.node("ScatterND", [acc, idx, h], f"{p}/add", reduction="add")
+    expert = [f"{name}.{EXPERTS_NAME}.{e}" for e in range(cfg.n_experts)]
+    parts = g.node("Split", [tokens, counts], f"{name}/split", outputs=[f"{p}/rows" for p in expert], axis=0)
+    ups = [
+        g.node("MatMul", [part, g.weight(f"{p}.up.weight_t", up[e].T)], f"{p}/up")[0]
+        for e, (p, part) in enumerate(zip(expert, parts, strict=True))
+    ]  # [m_e,2F] each
+    (h,) = g.node("Concat", ups, f"{name}/up", axis=0)  # [Nk,2F]
+    if module.up_bias is not None:
+        h = _expert_bias(g, h, sorted_experts, module.up_bias, f"{name}/up_bias")
+    h = _activation(g, h, cfg, f"{name}/act")  # on each row on its own: once for every expert
+    hidden = g.node(
+        "Split", [h, counts], f"{name}/split_hidden", outputs=[f"{p}/hidden" for p in expert], axis=0
+    )
+    downs = [
+        g.node("MatMul", [part, g.weight(f"{p}.down.weight_t", down[e].T)], f"{p}/down")[0]
+        for e, (p, part) in enumerate(zip(expert, hidden, strict=True))
+    ]  # [m_e,D] each
+    out = f"{name}/expert_out"  # [Nk,D]: the experts' outputs, by expert (pad_expert_rows reads the name)
+    if module.down_bias is None:
+        g.node("Concat", downs, out, axis=0)
+    else:
+        (h,) = g.node("Concat", downs, f"{name}/down", axis=0)
+        _expert_bias(g, h, sorted_experts, module.down_bias, out)
+    # Back to the pairs' order: pair j's output at row j; the sort's inverse permutation is the sort of its
+    # indices.
+    _, unsort = g.node(
+        "TopK", [order, pairs], f"{name}/unsort", outputs=[f"{name}/unsorted", f"{name}/unsort"], largest=0
+    )
+    (h,) = g.node("Gather", [out, unsort], f"{name}/by_pair", axis=0)  # [Nk,D]
+    (w,) = g.node("Reshape", [weights, g.const_i64("experts.column", [-1, 1])], f"{name}/weight_col")
+    (h,) = g.node("Mul", [h, w], f"{name}/weighted")
+    (h,) = g.node(
+        "Reshape",
+        [h, g.const_i64(f"experts.by_token_{cfg.top_k}_{d_model}", [-1, cfg.top_k, d_model])],
+        f"{name}/by_token",
+    )
+    ranks = (
+        g.node(
+            "Split",
+            [h],
+            f"{name}/ranks",
+            outputs=[f"{name}/rank_{r}" for r in range(cfg.top_k)],
+            axis=1,
+            num_outputs=cfg.top_k,
+        )
+        if cfg.top_k > 1
+        else [h]
+    )  # [N,1,D] each
+    # From zero, in ascending expert order, one add at a time: the sum Experts.forward computes.
+    (acc,) = g.node("Add", [g.scalar("experts.zero_f", 0.0), ranks[0]], f"{name}/sum_0")
+    for r in range(1, cfg.top_k):
+        (acc,) = g.node("Add", [acc, ranks[r]], f"{name}/sum_{r}")
     (x_shape,) = g.node("Shape", [x], f"{name}/x_shape")
     return g.node("Reshape", [acc, x_shape], f"{name}/out")[0]
+
+
+def _expert_bias(g: _GraphBuilder, h: str, sorted_experts: str, bias: Tensor, name: str) -> str:
+    """h [Nk, n] (rows by expert) plus each row's expert's bias: one Gather of the [E, n] biases."""
+    table = g.weight(f"{name}.table", bias.detach().numpy())
+    (rows,) = g.node("Gather", [table, sorted_experts], f"{name}/rows", axis=0)
+    return g.node("Add", [h, rows], name)[0]
 
 
 def _activation(g: _GraphBuilder, h: str, cfg: ExpertsConfig, name: str) -> str:
@@ -242,6 +308,9 @@ def _routing(g: _GraphBuilder, logits: str, cfg: ExpertsConfig, name: str) -> tu
 
 # -- quantized experts: even row counts ---------------------------------------------------------------------
 
+# The per-layer tensors pad_expert_rows finds by name (experts_graph writes them).
+_TOKENS, _SORTED_TOKENS, _COUNTS = "/tokens", "/sorted_tokens", "/counts"
+_SORTED_EXPERTS, _EXPERT_OUT = "/sorted_experts", "/expert_out"
 _EXPERT_TENSOR = re.compile(rf"\.{EXPERTS_NAME}\.\d+/")
 
 
@@ -257,54 +326,87 @@ def routers(model: onnx.ModelProto) -> list[str]:
 
 def pad_expert_rows(model: onnx.ModelProto) -> int:
     """Give every expert's MatMulNBits an even row count, as export/row_pad.py does for the dense
-    projections (export/quantize.py says which block sizes need it, and why): an expert's gathered token
-    indices get their last one repeated when their count is odd, the expert computes that token twice, and
-    its output is cut back to its real rows before the routing weights. Named as row_pad names its pads, so
-    the engine takes these out with the others on a CPU that needs none (serve/engine/row_pad.py). Returns
-    how many MatMulNBits read padded rows."""
+    projections (export/quantize.py says which block sizes need it, and why): in each sparse layer, an
+    expert with an odd count gets the token ids of its rows with its last one repeated, the row counts the
+    Splits cut by grow to match, the expert computes that token twice, and one Gather takes the real rows
+    back before the routing weights. Named as row_pad names its pads, so the engine takes these out with the
+    others on a CPU that needs none (serve/engine/row_pad.py). Returns how many MatMulNBits read padded
+    rows."""
     p = ROW_PAD_PREFIX
     graph = model.graph
     nodes = list(graph.node)
-    starts = {
-        n.output[0]: k
-        for k, n in enumerate(nodes)
-        if n.op_type == "Gather" and n.output[0].endswith("/tokens")
-    }
+    starts = [k for k, n in enumerate(nodes) if n.op_type == "Gather" and n.name.endswith(_TOKENS)]
+    if not starts:
+        return 0
     out: list[onnx.NodeProto] = []
     padded = 0
-    k = 0
-    while k < len(nodes):
-        node = nodes[k]
-        if node.output[0] not in starts or not is_expert_tensor(node.output[0]):
-            out.append(node)
-            k += 1
-            continue
-        expert = node.output[0].removesuffix("/tokens")
-        rows = node.input[1]
-        end = next(j for j in range(k, len(nodes)) if nodes[j].output[0] == f"{expert}/out")
-        chain = nodes[k : end + 1]  # gather, up, the activation, down: each row on its own
-        inside = {o for n in chain for o in n.output}
-        m, odd, pads = f"{p}_{expert}_m", f"{p}_{expert}_odd", f"{p}_{expert}_pads"
-        out += [
-            helper.make_node("Shape", [rows], [m], name=m),
-            helper.make_node("Mod", [m, f"{p}_experts_two"], [odd], name=odd),
-            helper.make_node("Concat", [f"{p}_experts_zero", odd], [pads], name=pads, axis=0),
-            helper.make_node("Pad", [rows, pads], [f"{rows}_{p}"], name=f"{rows}_{p}_pad", mode="edge"),
-        ]
+    done = 0
+    for k in starts:
+        layer = nodes[k].name.removesuffix(_TOKENS)
+        end = next(j for j in range(k, len(nodes)) if nodes[j].output[0] == f"{layer}{_EXPERT_OUT}")
+        chain = nodes[k : end + 1]  # the gather, the experts, their activation and biases: rows on their own
+        rows, counts, sorted_experts = (f"{layer}{s}" for s in (_SORTED_TOKENS, _COUNTS, _SORTED_EXPERTS))
+        reads = {i for n in chain for i in n.input}
+        out += nodes[done:k]
+        out += _padded_rows(layer, counts, sorted_experts)
+        out.append(_take(rows, f"{p}_{layer}_source", f"{rows}_{p}", f"{rows}_{p}_pad"))
+        if sorted_experts in reads:  # the biases' gathers read each row's expert
+            pad = f"{sorted_experts}_{p}_pad"
+            out.append(_take(sorted_experts, f"{p}_{layer}_source", f"{sorted_experts}_{p}", pad))
+        inside = {o for n in chain for o in n.output} | {rows, counts, sorted_experts}
         for n in chain:
-            n.input[:] = [f"{i}_{p}" if i in inside or i == rows else i for i in n.input]
+            n.input[:] = [f"{i}_{p}" if i in inside else i for i in n.input]
             n.output[:] = [f"{o}_{p}" for o in n.output]
         out += chain
-        real = f"{expert}/out"
-        cut = [f"{real}_{p}", f"{p}_experts_zero", m, f"{p}_experts_zero"]
-        out.append(helper.make_node("Slice", cut, [real], name=f"{real}_{p}_cut"))
+        real = f"{layer}{_EXPERT_OUT}"
+        out.append(_take(f"{real}_{p}", f"{p}_{layer}_real", real, f"{real}_{p}_cut"))
         padded += sum(n.op_type == "MatMulNBits" for n in chain)
-        k = end + 1
-    if padded:
-        del graph.node[:]
-        graph.node.extend(out)
-        for name, value in (("two", 2), ("zero", 0)):
-            graph.initializer.append(
-                numpy_helper.from_array(np.array([value], np.int64), f"{p}_experts_{name}")
-            )
+        done = end + 1
+    out += nodes[done:]
+    del graph.node[:]
+    graph.node.extend(out)
+    for name, value in (("two", [2]), ("zero", 0), ("one", 1), ("axis", [1])):
+        graph.initializer.append(numpy_helper.from_array(np.array(value, np.int64), f"{p}_experts_{name}"))
     return padded
+
+
+def _padded_rows(layer: str, counts: str, sorted_experts: str) -> list[onnx.NodeProto]:
+    """The counts made even ({counts}_pad), and which real row each padded row takes (`{p}_{layer}_source`)
+    and where each real row lands among the padded ones (`{p}_{layer}_real`). Expert e's rows move down by
+    shift_e, the odd counts before it; padded row j, of the expert whose padded rows reach past j, takes real
+    row j - shift_e, or the expert's last real row for its repeated one."""
+    p, c = ROW_PAD_PREFIX, f"{ROW_PAD_PREFIX}_experts"
+    v = f"{p}_{layer}"  # the names of this layer's pad arithmetic
+
+    def node(op: str, inputs: list[str], output: str, **attrs: int) -> onnx.NodeProto:
+        name = output if output.startswith(v) else f"{v}{output.removeprefix(layer)}"  # starts with p
+        made = helper.make_node(op, inputs, [output], name=name)
+        made.attribute.extend(helper.make_attribute(key, value) for key, value in attrs.items())
+        return made
+
+    return [
+        node("Mod", [counts, f"{c}_two"], f"{v}_odd"),
+        node("Add", [counts, f"{v}_odd"], f"{counts}_{p}"),  # named so the strip gives the real counts back
+        node("CumSum", [f"{v}_odd", f"{c}_zero"], f"{v}_shift", exclusive=1),
+        node("CumSum", [counts, f"{c}_zero"], f"{v}_ends"),
+        node("CumSum", [f"{counts}_{p}", f"{c}_zero"], f"{v}_padded_ends"),
+        node("ReduceSum", [f"{counts}_{p}"], f"{v}_padded_total", keepdims=0),
+        node("Range", [f"{c}_zero", f"{v}_padded_total", f"{c}_one"], f"{v}_j"),
+        node("Unsqueeze", [f"{v}_j", f"{c}_axis"], f"{v}_j_column"),
+        node("LessOrEqual", [f"{v}_padded_ends", f"{v}_j_column"], f"{v}_past"),  # [rows, E]
+        node("Cast", [f"{v}_past"], f"{v}_past_i", to=onnx.TensorProto.INT64),
+        node("ReduceSum", [f"{v}_past_i", f"{c}_axis"], f"{v}_expert", keepdims=0),
+        node("Gather", [f"{v}_shift", f"{v}_expert"], f"{v}_row_shift", axis=0),
+        node("Sub", [f"{v}_j", f"{v}_row_shift"], f"{v}_moved_back"),
+        node("Gather", [f"{v}_ends", f"{v}_expert"], f"{v}_row_end", axis=0),
+        node("Sub", [f"{v}_row_end", f"{c}_one"], f"{v}_row_last"),
+        node("Min", [f"{v}_moved_back", f"{v}_row_last"], f"{v}_source"),
+        node("ReduceSum", [counts], f"{v}_total", keepdims=0),
+        node("Range", [f"{c}_zero", f"{v}_total", f"{c}_one"], f"{v}_i"),
+        node("Gather", [f"{v}_shift", sorted_experts], f"{v}_real_shift", axis=0),
+        node("Add", [f"{v}_i", f"{v}_real_shift"], f"{v}_real"),
+    ]
+
+
+def _take(data: str, indices: str, output: str, name: str) -> onnx.NodeProto:
+    return helper.make_node("Gather", [data, indices], [output], name=name, axis=0)

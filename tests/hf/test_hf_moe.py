@@ -9,11 +9,14 @@ One tiny random Qwen3-MoE (8 experts of width 32, top 2, one dense layer) built 
 from __future__ import annotations
 
 import copy
+import re
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from hf_models import PROMPTS, STEPS, build, gpt_oss_config, qwen3_moe_config, run_inplace, train_bpe
@@ -23,14 +26,14 @@ from transformers import GptOssForCausalLM
 from export.checkpoint import load_checkpoint, save_checkpoint
 from export.hf_import import import_checkpoint
 from export.model import Decoder, count_active_parameters, count_parameters
-from export.moe import ROUTER_SUFFIX, is_expert_tensor
+from export.moe import ROUTER_SUFFIX, Experts, ExpertsConfig, experts_graph, is_expert_tensor, pad_expert_rows
 from export.mxfp4 import dequantize_mxfp4
-from export.onnx_inplace import build_inplace_graph
+from export.onnx_inplace import OPSET, _GraphBuilder, build_inplace_graph
 from export.pipeline import architecture_fields
 from export.quantize import quantize_nbits
 from export.tokenizer import SPECIAL_TOKENS
 from serve.api.sizing import scoring_bytes_per_position
-from serve.bundle import Architecture
+from serve.bundle import ROW_PAD_PREFIX, Architecture
 from serve.engine.row_pad import strip_row_pads
 
 # Five rows of three lengths, two of them alone-sized: each expert sees odd and even row counts.
@@ -161,3 +164,77 @@ def test_gpt_oss_mxfp4_experts_read_exactly(tmp_path: Path) -> None:
         theirs = hf(ids).logits
         mine, _ = ours(ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None])
     assert float((theirs - mine).abs().max()) <= 1e-4
+
+
+def _experts_only(experts: Experts, d_model: int) -> onnx.ModelProto:
+    """One sparse layer's serving graph alone: x [B,S,D] in, y out."""
+    g = _GraphBuilder()
+    y = experts_graph(g, "x", experts, d_model, "blocks.0.ffn")
+    model = g.model
+    model.graph.node.extend(g.nodes)
+    model.graph.input.append(
+        onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["b", "s", d_model])
+    )
+    model.graph.output.append(onnx.helper.make_tensor_value_info(y, onnx.TensorProto.FLOAT, None))
+    model.opset_import.append(onnx.helper.make_opsetid("", OPSET))
+    model.ir_version = 10
+    return model
+
+
+def _random_experts(n_experts: int, bias: bool) -> Experts:
+    torch.manual_seed(0)
+    activation = "swiglu_clamped" if bias else "swiglu"
+    experts = Experts(16, ExpertsConfig(n_experts, 2, 8, "topk_softmax", activation=activation, bias=bias))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(std=0.5)
+    return experts.eval()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_an_expert_costs_two_operators(moe: tuple[Decoder, onnx.ModelProto], bias: bool) -> None:
+    """Each expert adds its up and down products to the serving graph and nothing else (the routing, the
+    gathers, the activation and the sums run once per layer), in float and padded at 4 bits."""
+    counts = [len(_experts_only(_random_experts(e, bias), 16).graph.node) for e in (4, 8)]
+    assert counts[1] - counts[0] == 2 * 4
+    _, graph = moe
+    for model in (graph, quantize_nbits(graph, 4, 32)[0]):
+        per_expert = Counter(m[1] for n in model.graph.node if (m := re.search(r"\.experts\.(\d+)/", n.name)))
+        assert per_expert == {str(e): 2 for e in range(8)}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_expert_row_pads_give_even_counts_and_the_same_output(bias: bool) -> None:
+    """pad_expert_rows on one layer: every expert's products read an even row count (its real rows, the last
+    repeated when odd) and the layer's output is bit for bit the unpadded one's, itself the PyTorch
+    module's, for 1 to 9 tokens (experts with no token, one, and several)."""
+    experts = _random_experts(8, bias)
+    plain = _experts_only(experts, 16)
+    padded = copy.deepcopy(plain)
+    pad_expert_rows(padded)
+    names = [f"blocks.0.ffn.experts.{e}/{t}" for e in range(8) for t in ("rows", "hidden")]
+    padded.graph.output.extend(
+        onnx.helper.make_tensor_value_info(f"{n}_{ROW_PAD_PREFIX}", onnx.TensorProto.FLOAT, None)
+        for n in names
+    )
+    plain.graph.output.extend(
+        onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names
+    )
+    sessions = [
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        for m in (plain, padded)
+    ]
+    rng = np.random.default_rng(0)
+    odd = 0
+    for n in range(1, 10):
+        x = rng.standard_normal((1, n, 16)).astype(np.float32)
+        (y, *real), (y_padded, *parts) = (s.run(None, {"x": x}) for s in sessions)
+        assert np.array_equal(y, y_padded), n
+        with torch.no_grad():
+            np.testing.assert_allclose(y, experts(torch.from_numpy(x)).numpy(), rtol=1e-5, atol=1e-5)
+        for rows, part in zip(real, parts, strict=True):
+            m = len(rows)
+            assert len(part) == m + m % 2 and np.array_equal(part[:m], rows), n
+            assert m % 2 == 0 or np.array_equal(part[m], rows[m - 1])
+            odd += m % 2
+    assert odd  # the pads were exercised
