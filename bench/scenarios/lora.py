@@ -4,6 +4,7 @@ textgen against llama-server on the same adapters.
     textgen-bench lora adapters MODEL_DIR OUT_DIR [--count 4 --rank 16]
     textgen-bench lora load LORA_BUNDLE ADAPTER_DIR... [--repeats 3 --starts 3]
     textgen-bench lora steps --plain BUNDLE --lora LORA_BUNDLE ADAPTER_DIR... [--batches 1,16]
+        [--compiled-cache DIR]
     textgen-bench lora peers --bundle LORA_BUNDLE --gguf MODEL.gguf --llama-cpp LLAMA_CPP_DIR \\
         --model-dir MODEL_DIR ADAPTER_DIR... [--clients 16 --rounds 2]
 
@@ -18,7 +19,10 @@ adapters (`--lora`) and without, alternated.
 
 `steps` times engine decode steps in-process, alternated round by round: the bundle without slots, the LoRA
 bundle serving base requests, and the LoRA bundle with every row on an adapter (spread over the adapters):
-where a served difference comes from.
+where a served difference comes from. Engines are built as the server builds them, from the prepared graph
+(`--compiled-cache`), where a LoRA bundle's base-only steps run its graph without branches; the two base
+cases are timed from the bundles' graphs too (as `--no-prepared-graph` serves them), where every step of
+the LoRA bundle runs its branches.
 
 `peers` serves the same adapters from textgen (`--lora`, the OpenAI `model` field) and from llama.cpp's
 llama-server (each adapter converted with its convert_lora_to_gguf.py, loaded at start with scale 0 by
@@ -51,6 +55,7 @@ from bench.rounds import in_turn, median_ratio
 from bench.scenarios.served_peers import Workload, llama_command, load, served_cell, textgen_command
 from bench.servers import free_port, http_answers, server_process
 from serve.engine.lora import LoraSlots, read_adapter
+from serve.engine.types import default_compiled_cache
 from serve.lora_layout import LoraLayout
 
 SEED = 4321
@@ -176,6 +181,7 @@ class StepCase:
     name: str
     bundle: Path
     adapters: tuple[str, ...]  # what the rows name in turn; ("",): the base model
+    prepared: bool = True  # from the prepared graph; False: from the bundle's graph
 
 
 def step_cases(plain: Path, lora: Path, adapters: list[Path]) -> list[StepCase]:
@@ -183,6 +189,8 @@ def step_cases(plain: Path, lora: Path, adapters: list[Path]) -> list[StepCase]:
         StepCase("no slots", plain, ("",)),
         StepCase("slots, base rows", lora, ("",)),
         StepCase("slots, adapter rows", lora, tuple(adapter_names(adapters))),
+        StepCase("no slots, bundle graph", plain, ("",), prepared=False),
+        StepCase("slots, base rows, bundle graph", lora, ("",), prepared=False),
     ]
 
 
@@ -207,32 +215,41 @@ def decode_ms(engine: Any, case: StepCase, batch: int, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def step_engines(cases: list[StepCase], adapters: list[Path], batch: int, capacity: int) -> dict[Path, Any]:
-    """One engine per bundle, the adapters loaded into the one with slots."""
+def step_engines(
+    cases: list[StepCase], adapters: list[Path], batch: int, capacity: int, cache: Path
+) -> dict[tuple[Path, bool], Any]:
+    """One engine per bundle and graph (prepared under `cache`, or the bundle's), the adapters loaded into
+    those with slots."""
     from serve.bundle import load_bundle
     from serve.engine.engine import Engine
     from serve.engine.types import EngineSettings, SessionConfig
 
     engines = {}
-    for bundle in dict.fromkeys(case.bundle for case in cases):
+    for bundle, prepared in dict.fromkeys((case.bundle, case.prepared) for case in cases):
         lora = load_bundle(bundle)
         loaded = tuple((path.name, str(path)) for path in adapters) if lora.manifest.lora else ()
-        session = SessionConfig(threads=2)
-        settings = EngineSettings(max_batch_size=batch, capacity=capacity, session=session, adapters=loaded)
-        engines[bundle] = Engine.from_bundle(lora, settings)
+        settings = EngineSettings(
+            max_batch_size=batch,
+            capacity=capacity,
+            session=SessionConfig(threads=2),
+            adapters=loaded,
+            compiled_cache=cache if prepared else None,
+        )
+        engines[bundle, prepared] = Engine.from_bundle(lora, settings)
     return engines
 
 
 def step_times(
-    cases: list[StepCase], adapters: list[Path], batches: list[int], steps: int, rounds: int
+    cases: list[StepCase], adapters: list[Path], batches: list[int], steps: int, rounds: int, cache: Path
 ) -> dict[str, dict[str, float]]:
     """Median decode step ms per case and batch over rounds, each round running every case in turn."""
-    engines = step_engines(cases, adapters, max(batches), PROMPT_LEN + steps + 8)
+    engines = step_engines(cases, adapters, max(batches), PROMPT_LEN + steps + 8, cache)
     times: dict[str, dict[int, list[float]]] = {c.name: {b: [] for b in batches} for c in cases}
     for round_no in range(rounds):
         for case in in_turn(cases, round_no):
             for batch in batches:
-                times[case.name][batch].append(decode_ms(engines[case.bundle], case, batch, steps))
+                engine = engines[case.bundle, case.prepared]
+                times[case.name][batch].append(decode_ms(engine, case, batch, steps))
         latest = {name: {b: ms[-1] for b, ms in cells.items()} for name, cells in times.items()}
         print(json.dumps({"round": round_no, **latest}), flush=True)
     return {name: {str(b): statistics.median(v) for b, v in t.items()} for name, t in times.items()}
@@ -350,6 +367,9 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--batches", type=csv_ints, default=[1, 16])
     st.add_argument("--steps", type=int, default=16, help="decode steps timed per cell")
     st.add_argument("--rounds", type=int, default=3)
+    st.add_argument(
+        "--compiled-cache", type=Path, default=None, help="prepared graphs (default: textgen-serve's)"
+    )
     pe = sub.add_parser("peers", help="textgen against llama-server on the same adapters")
     pe.add_argument("--bundle", type=Path, required=True, help="a bundle exported with --lora-slots")
     pe.add_argument("--gguf", type=Path, required=True, help="the same weights as GGUF (e.g. q4_0)")
@@ -378,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "steps":
         print(json.dumps(bytes_a_step(args.plain, args.lora)))
         cases = step_cases(args.plain, args.lora, args.adapters)
-        print(json.dumps(step_times(cases, args.adapters, args.batches, args.steps, args.rounds)))
+        cache = args.compiled_cache or default_compiled_cache()
+        print(json.dumps(step_times(cases, args.adapters, args.batches, args.steps, args.rounds, cache)))
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         records = peers(args)

@@ -149,6 +149,7 @@ def served_features(settings: ServerSettings) -> ServedFeatures:
         # Without runtime loads only the adapters given at start are ever held.
         registered_adapters=settings.max_cpu_loras if settings.lora_runtime_updates else len(settings.lora),
         swap_bytes=settings.swap_space if settings.scheduling_policy == "priority" else 0,
+        prepared_graph=settings.prepared_graph,
     )
 
 

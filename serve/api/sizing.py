@@ -171,6 +171,9 @@ class ServedFeatures:
     prompt_logprobs: bool = False  # a session of the standard graph, created when a prompt is first scored
     registered_adapters: int = 0  # --max-cpu-loras, for a bundle with LoRA slots: adapters held in memory
     swap_bytes: int = 0  # --swap-space under the priority policy: preempted rows' keys and values
+    # The prepared graph (the default on the CPU): a LoRA bundle's base-only steps then run a second,
+    # branch-free session over the same weights
+    prepared_graph: bool = False
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,9 @@ def feature_parts(
         parts.append(MemoryPart("prompt-logprobs session and prompt", session + prompt))
     if manifest.lora is not None:
         parts.append(MemoryPart(f"{manifest.lora.slots} LoRA slots", manifest.lora.slots_bytes))
+        if features.prepared_graph and manifest.graphs.inplace_base is not None:
+            branch_free = int(serving_weight_bytes(root, manifest) * factor.steady) + SESSION_BYTES
+            parts.append(MemoryPart("branch-free session (base-only steps)", branch_free))
         if features.registered_adapters:
             held = features.registered_adapters * manifest.lora.max_adapter_bytes
             parts.append(MemoryPart(f"{features.registered_adapters} registered adapters", held))

@@ -114,6 +114,21 @@ def test_the_formula_counts_the_lora_slots_as_the_engine_holds_them(
     assert "3 registered adapters" not in {part.what for part in formula(bundle, {"max_cpu_loras": 3}).parts}
 
 
+def test_the_formula_counts_a_lora_bundles_branch_free_session_where_it_runs(
+    lora_bundle: tuple[Path, dict[str, Path]],
+) -> None:
+    """From the prepared graph a LoRA bundle's base-only steps run a second session (its graph without
+    branches): counted as a second session of the serving graph is; without the prepared graph there is
+    none."""
+    bundle, _ = lora_bundle
+    assert read_manifest(bundle).graphs.inplace_base is not None
+    branch_free = "branch-free session (base-only steps)"
+    prepared = {part.what: part.bytes for part in formula(bundle, {}).parts}
+    speculating = {part.what: part.bytes for part in formula(bundle, {"speculative": "ngram"}).parts}
+    assert prepared[branch_free] == speculating["verification session (--speculative)"] > 0
+    assert branch_free not in {part.what for part in formula(bundle, {"prepared_graph": False}).parts}
+
+
 def test_the_formula_counts_the_swap_cap_under_the_priority_policy(tiny_bundle: Path) -> None:
     """The planner never swaps out more than --swap-space (tests/scheduling/test_planner.py): the formula
     counts the cap itself, and only where preemption can happen."""

@@ -13,7 +13,7 @@ import onnx
 import pytest
 from quantized_bundles import quantized_graphs, tiny_model
 
-from export.pipeline import ExportOptions, Precision, write_verified_bundle
+from export.pipeline import ExportOptions, Precision, PrecisionKind, write_verified_bundle
 from serve.api.cli import main as serve_main
 from serve.api.config import ServerSettings
 from serve.api.loading import engine_settings
@@ -40,22 +40,34 @@ SETTINGS = EngineSettings(max_batch_size=4, session=CONFIG)
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15]]
 
 
+def quantized(tiny_bundle: Path, factory: pytest.TempPathFactory, kind: PrecisionKind) -> Bundle:
+    """The tiny bundle quantized to `kind` (MatMulNBits at the kind's default block) and verified."""
+    precision = Precision(kind)
+    options = ExportOptions(model_name=f"tiny-{kind}", precision=precision, progress=False)
+    out = factory.mktemp("quantized") / kind
+    graphs = quantized_graphs(tiny_bundle, precision)
+    tokenizer = load_bundle(tiny_bundle).tokenizer
+    return write_verified_bundle(tiny_model(), tokenizer, graphs, out, options)
+
+
 @pytest.fixture(scope="module")
 def padded_int4(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Bundle:
     """The tiny bundle at 4 bits, block 32: row-padded, so the engine probes this CPU when it opens it."""
-    precision = Precision("int4")
-    options = ExportOptions(model_name="tiny-int4", precision=precision, progress=False)
-    out = tmp_path_factory.mktemp("quantized") / "int4"
-    graphs = quantized_graphs(tiny_bundle, precision)
-    tokenizer = load_bundle(tiny_bundle).tokenizer
-    bundle = write_verified_bundle(tiny_model(), tokenizer, graphs, out, options)
+    bundle = quantized(tiny_bundle, tmp_path_factory, "int4")
     assert bundle.manifest.odd_rows_padded
     return bundle
 
 
-@pytest.fixture(params=["fp32", "int4-padded"])
+@pytest.fixture(scope="module")
+def int8(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Bundle:
+    return quantized(tiny_bundle, tmp_path_factory, "int8")
+
+
+@pytest.fixture(params=["fp32", "int8", "int4-padded"])
 def bundle(request: pytest.FixtureRequest, tiny_bundle: Path) -> Bundle:
-    return load_bundle(tiny_bundle) if request.param == "fp32" else request.getfixturevalue("padded_int4")
+    if request.param == "fp32":
+        return load_bundle(tiny_bundle)
+    return request.getfixturevalue("int8" if request.param == "int8" else "padded_int4")
 
 
 def generate(engine: Engine, prompts: list[list[int]], n: int) -> dict[str, list[TokenOut]]:
