@@ -374,6 +374,8 @@ def _embedded(root: Path, out: Path) -> Path:
     out.mkdir()
     manifest = json.loads((root / MANIFEST_FILE).read_text())
     for spec in manifest["graphs"].values():
+        if spec is None:  # a graph the bundle has not: a LoRA bundle's branch-free one
+            continue
         onnx.save(onnx.load(str(root / spec["file"])), str(out / spec["file"]))
         spec["external_data"] = None
     shutil.copy(root / "tokenizer.json", out / "tokenizer.json")
