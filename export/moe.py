@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import onnx
@@ -410,3 +410,223 @@ def _padded_rows(layer: str, counts: str, sorted_experts: str) -> list[onnx.Node
 
 def _take(data: str, indices: str, output: str, name: str) -> onnx.NodeProto:
     return helper.make_node("Gather", [data, indices], [output], name=name, axis=0)
+
+
+# -- quantized experts: one QMoE per layer ------------------------------------------------------------------
+
+_BY_PAIR, _FLAT, _HIT = "/by_pair", "/flat", "/hit"
+_EXPERT_NBITS = re.compile(rf"\.{EXPERTS_NAME}\.(\d+)/(up|down)")
+QMOE_NAME = "/qmoe"  # the layer's QMoE node: blocks.{i}.ffn/qmoe
+MS_DOMAIN = "com.microsoft"
+
+
+def experts_to_qmoe(model: onnx.ModelProto, pad_rows: bool) -> int:
+    """Replace each sparse layer's quantized experts (its sorted gather, 2E MatMulNBits and their Splits
+    and Concats) by one ONNX Runtime `QMoE` over the layer's (token, slot) pairs, each pair a row routed to
+    its one expert (k=1, a one-hot router row), with the same packed weights and scales. Returns the layers
+    rewritten.
+
+    Why k=1 over pairs: QMoE's CPU kernel with k > 1 adds a token's experts in an order set by the batch
+    (experts taken by most rows first, and across its threads' partial sums), so a token's sum moves with
+    its company. With one expert per row the kernel's sum is 0 + 1 x the expert's output, exact; the
+    routing weights and the sum over a token's experts stay in the graph, in ascending expert order from
+    zero, as `Experts.forward` adds them. Each expert's rows go through MLAS's block-quantized GEMM (the
+    MatMulNBits kernel, int8 activations as accuracy_level 4 gives it) as a MatMulNBits would. With
+    `pad_rows` (the block sizes whose lone row some CPU computes unlike a batch's, export/quantize.py)
+    every pair row goes in twice, so every expert's row count is even, and the first of each two comes
+    back out: named as row_pad names its pads, so the engine takes the doubling out where its CPU needs
+    none (serve/engine/row_pad.py)."""
+    graph = model.graph
+    nodes = list(graph.node)
+    weights = {t.name: t for t in graph.initializer}
+    layers = [
+        n.name.removesuffix(_TOKENS) for n in nodes if n.op_type == "Gather" and n.name.endswith(_TOKENS)
+    ]
+    added: dict[str, list[onnx.NodeProto]] = {}
+    for layer in layers:
+        experts = _layer_nbits(nodes, layer)
+        # Biased experts (gpt-oss) keep their MatMulNBits: ONNX Runtime 1.32's QMoE adds the biases unlike
+        # the experts' Adds (outputs off by ~1 on a random layer), measured in tests/hf/test_hf_moe.py.
+        if experts is None or any(f"{layer}/{b}_bias.table" in weights for b in ("up", "down")):
+            continue
+        added[layer] = _qmoe_nodes(graph, weights, nodes, layer, experts, pad_rows)
+    if not added:
+        return 0
+    out: list[onnx.NodeProto] = []
+    for n in nodes:
+        layer = n.name.removesuffix(_BY_PAIR)
+        out += added.get(layer, []) if n.name.endswith(_BY_PAIR) else [n]
+    del graph.node[:]
+    graph.node.extend(out)
+    _prune(model)
+    return len(added)
+
+
+def _layer_nbits(nodes: list[onnx.NodeProto], layer: str) -> dict[str, list[onnx.NodeProto]] | None:
+    """A layer's expert MatMulNBits, {"up": [by expert], "down": [...]}; None when its experts are not all
+    MatMulNBits without zero points (a float graph, or one the quantizer left partly float)."""
+    found: dict[str, dict[int, onnx.NodeProto]] = {"up": {}, "down": {}}
+    for n in nodes:
+        m = _EXPERT_NBITS.search(n.name)
+        if m and n.name.startswith(f"{layer}.{EXPERTS_NAME}."):
+            if n.op_type != "MatMulNBits" or any(n.input[3:]):
+                return None
+            found[m.group(2)][int(m.group(1))] = n
+    count = len(found["up"])
+    if not count or sorted(found["up"]) != list(range(count)) or sorted(found["down"]) != list(range(count)):
+        return None
+    for n in (found["up"][0], found["down"][0]):
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        # QMoE takes MLAS's block-quantized GEMM only where whole blocks tile K; else it dequantizes to a
+        # float GEMM, another kernel with other roundings.
+        if attrs["K"] % attrs["block_size"]:
+            return None
+    return {which: [found[which][e] for e in range(count)] for which in found}
+
+
+def _stacked(
+    weights: dict[str, onnx.TensorProto], experts: list[onnx.NodeProto], order: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The experts' packed MatMulNBits weights [E, N, K / pack] and scales [E, N, K / block], their output
+    rows (N) in `order`."""
+    packed, scales = [], []
+    for n in experts:
+        b = numpy_helper.to_array(weights[n.input[1]])  # [N, K / block, block bytes]
+        s = numpy_helper.to_array(weights[n.input[2]]).reshape(b.shape[0], -1)  # [N, K / block]
+        b = b.reshape(b.shape[0], -1)
+        packed.append(b if order is None else b[order])
+        scales.append(s if order is None else s[order])
+    return np.stack(packed), np.stack(scales)
+
+
+def _qmoe_nodes(
+    graph: onnx.GraphProto,
+    weights: dict[str, onnx.TensorProto],
+    nodes: list[onnx.NodeProto],
+    layer: str,
+    experts: dict[str, list[onnx.NodeProto]],
+    pad_rows: bool,
+) -> list[onnx.NodeProto]:
+    """The nodes that compute `{layer}/by_pair` (each pair's expert output, in pair order) with one QMoE,
+    their constants added to `graph`."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in experts["up"][0].attribute}
+    d_model, width = int(attrs["K"]), int(attrs["N"]) // 2
+    top_k = _top_k(nodes, layer)
+    # QMoE's CPU SwiGLU reads [gate; up] interleaved: gate_0, up_0, gate_1, up_1, ...
+    interleave = np.stack([np.arange(width), width + np.arange(width)], axis=1).reshape(-1)
+    fc1, fc1_scales = _stacked(weights, experts["up"], interleave)
+    fc2, fc2_scales = _stacked(weights, experts["down"], None)
+    by_name = {n.name: n for n in nodes}
+    clamped = by_name.get(f"{layer}/act.gate_clamped")
+    if clamped is None:  # silu(gate) * up = gate * sigmoid(1 * gate) * (up + 0), nothing clamped
+        alpha, beta, limit = 1.0, 0.0, float(np.finfo(np.float32).max)
+    else:
+        limit = float(numpy_helper.to_array(weights[clamped.input[1]]))
+        alpha = float(numpy_helper.to_array(weights[by_name[f"{layer}/act.scaled"].input[1]]))
+        beta = 1.0
+    consts = {
+        f"{layer}.experts.fc1": fc1,
+        f"{layer}.experts.fc1_scales": fc1_scales,
+        f"{layer}.experts.fc2": fc2,
+        f"{layer}.experts.fc2_scales": fc2_scales,
+    }
+    graph.initializer.extend(numpy_helper.from_array(np.ascontiguousarray(v), k) for k, v in consts.items())
+    shared = {
+        "experts.pair_repeat": np.array([1, top_k, 1], np.int64),
+        "experts.rows_flat": np.array([-1, d_model], np.int64),
+        "experts.one": np.array([1], np.int64),
+    }
+    p = ROW_PAD_PREFIX
+    if pad_rows:
+        shared |= {
+            f"{p}_experts_twice": np.array([1, 2, 1], np.int64),
+            f"{p}_experts_router_flat": np.array([-1, len(experts["up"])], np.int64),
+            f"{p}_experts_two_rows": np.array([-1, 2, d_model], np.int64),
+            f"{p}_experts_first": np.array(0, np.int64),
+        }
+    known = {t.name for t in graph.initializer}
+    graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in shared.items() if k not in known)
+
+    def node(op: str, inputs: list[str], output: str, name: str | None = None, **kw: Any) -> onnx.NodeProto:
+        return helper.make_node(op, inputs, [output], name=name or output, **kw)
+
+    rows, router = f"{layer}/pair_rows", f"{layer}/pair_router"
+    made = [
+        node("Unsqueeze", [f"{layer}{_FLAT}", "experts.one"], f"{layer}/flat_column"),
+        node("Expand", [f"{layer}/flat_column", "experts.pair_repeat"], f"{layer}/pair_tokens"),
+        node("Reshape", [f"{layer}/pair_tokens", "experts.rows_flat"], rows),  # [Nk, D]: pair j = token j / k
+        node("Cast", [f"{layer}{_HIT}"], router, to=onnx.TensorProto.FLOAT),  # [Nk, E]: one-hot
+    ]
+    out = f"{layer}{_BY_PAIR}"
+    if pad_rows:
+        v = f"{p}_{layer}"
+        made += [
+            node("Unsqueeze", [rows, "experts.one"], f"{v}_rows_column"),
+            node("Expand", [f"{v}_rows_column", f"{p}_experts_twice"], f"{v}_rows_twice"),
+            node("Reshape", [f"{v}_rows_twice", "experts.rows_flat"], f"{rows}_{p}", name=f"{v}_rows"),
+            node("Unsqueeze", [router, "experts.one"], f"{v}_router_column"),
+            node("Expand", [f"{v}_router_column", f"{p}_experts_twice"], f"{v}_router_twice"),
+            node(
+                "Reshape",
+                [f"{v}_router_twice", f"{p}_experts_router_flat"],
+                f"{router}_{p}",
+                name=f"{v}_router",
+            ),
+        ]
+        rows, router, out = f"{rows}_{p}", f"{router}_{p}", f"{out}_{p}"
+    inputs = [rows, router, f"{layer}.experts.fc1", f"{layer}.experts.fc1_scales", ""]
+    inputs += [f"{layer}.experts.fc2", f"{layer}.experts.fc2_scales"]
+    made.append(
+        helper.make_node(
+            "QMoE",
+            inputs,
+            [out],
+            name=f"{layer}{QMOE_NAME}",
+            domain=MS_DOMAIN,
+            k=1,
+            activation_type="swiglu",
+            swiglu_fusion=1,
+            activation_alpha=alpha,
+            activation_beta=beta,
+            swiglu_limit=limit,
+            normalize_routing_weights=0,
+            expert_weight_bits=int(attrs["bits"]),
+            block_size=int(attrs["block_size"]),
+            accuracy_level=int(attrs["accuracy_level"]),
+        )
+    )
+    if pad_rows:
+        v = f"{p}_{layer}"
+        made += [
+            node("Reshape", [out, f"{p}_experts_two_rows"], f"{v}_outputs_twice"),
+            node(
+                "Gather",
+                [f"{v}_outputs_twice", f"{p}_experts_first"],
+                f"{layer}{_BY_PAIR}",
+                name=f"{out}_cut",
+                axis=1,
+            ),
+        ]
+    return made
+
+
+def _top_k(nodes: list[onnx.NodeProto], layer: str) -> int:
+    """The layer's k, from its by_token Reshape's constant name (experts.by_token_{k}_{d_model})."""
+    reshape = next(n for n in nodes if n.name == f"{layer}/by_token")
+    return int(reshape.input[1].removeprefix("experts.by_token_").split("_")[0])
+
+
+def _prune(model: onnx.ModelProto) -> None:
+    """Drop the nodes no graph output depends on any more, then the initializers no node reads."""
+    graph = model.graph
+    needed = {o.name for o in graph.output}
+    kept: list[onnx.NodeProto] = []
+    for n in reversed(graph.node):
+        if any(o in needed for o in n.output):
+            kept.append(n)
+            needed.update(i for i in n.input if i)
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+    used = [t for t in graph.initializer if t.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(used)

@@ -57,7 +57,7 @@ from tokenizers import Tokenizer
 
 from export.fp16 import copy_model
 from export.generation import PROMPTS, Shape, StepFn, agreement_prefix, encode_prompts, greedy
-from export.moe import pad_expert_rows, routers
+from export.moe import experts_to_qmoe, pad_expert_rows, routers
 from export.row_pad import TOKEN_IDS_INPUT, pad_single_rows
 from export.train import encode_stream, load_corpus
 
@@ -249,10 +249,11 @@ def _gather_8bit(model: onnx.ModelProto, block_size: int) -> int:
 
 
 def quantize_nbits(
-    model: onnx.ModelProto, bits: int, block_size: int, pad_rows: bool = True
+    model: onnx.ModelProto, bits: int, block_size: int, pad_rows: bool = True, qmoe: bool = True
 ) -> tuple[onnx.ModelProto, dict[str, int]]:
     """Weight-only MatMulNBits of every weight MatMul, and GatherBlockQuantized of the token embedding; with
-    `pad_single_rows` where `pads_rows` (`pad_rows=False` measures without)."""
+    `pad_single_rows` where `pads_rows` (`pad_rows=False` measures without); a sparse layer's experts then
+    one QMoE (`experts_to_qmoe`; `qmoe=False` keeps their MatMulNBits, to measure against)."""
     if bits not in NBITS:
         raise ValueError(f"bits must be one of {NBITS}, got {bits}")
     check_block_size(block_size)
@@ -274,6 +275,7 @@ def quantize_nbits(
     if bits == 8:
         _gather_8bit(quantized, block_size)
     pad = pad_rows and pads_rows(bits, block_size)
+    fused = experts_to_qmoe(quantized, pad) if qmoe else 0
     padded = pad_expert_rows(quantized) + pad_single_rows(quantized) if pad else 0
     counts = count_weight_matmuls(quantized)
     gathers = count_quantized_gathers(quantized)
@@ -282,6 +284,7 @@ def quantize_nbits(
         "transposes_folded": folded,
         "quantized_gathers": gathers,
         "single_row_padded": padded,
+        "qmoe_layers": fused,
     }
 
 
