@@ -58,7 +58,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from export.lora import PROJECTIONS, projection_features
+from export.lora import PROJECTIONS, AdapterNames, projection_features
 from export.model import Decoder, DecoderConfig, LayerAttention
 from export.moe import ExpertsConfig, Routing
 from export.mxfp4 import dequantize_mxfp4
@@ -968,6 +968,15 @@ def checkpoint_modules(cfg: DecoderConfig, architecture: str) -> dict[str, list[
             sizes = {3: [cfg.q_dim, cfg.kv_dim, cfg.kv_dim], 2: [total // 2] * 2}.get(len(names), [total])
             modules[f"blocks.{i}.{projection}"] = list(zip(names, sizes, strict=True))
     return modules
+
+
+def adapter_names(architecture: str) -> AdapterNames:
+    """What a peft adapter of the checkpoint may name besides checkpoint_modules: a multimodal checkpoint's
+    vision tower and projection (peft's target_modules match their q_proj, fc1, ... too), left out as the
+    import leaves them out, and transformers 4's names of its text stack (language_model.model.*)."""
+    if architecture not in TEXT_STACK_OF:
+        return AdapterNames()
+    return AdapterNames(NOT_TEXT_STACK, {"language_model.model.": "model.language_model."})
 
 
 def _ignored(name: str, cfg: DecoderConfig, architecture: str) -> bool:
