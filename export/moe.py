@@ -445,8 +445,8 @@ def experts_to_qmoe(model: onnx.ModelProto, pad_rows: bool) -> int:
     added: dict[str, list[onnx.NodeProto]] = {}
     for layer in layers:
         experts = _layer_nbits(nodes, layer)
-        # Biased experts (gpt-oss) keep their MatMulNBits: ONNX Runtime 1.32's QMoE adds the biases unlike
-        # the experts' Adds (outputs off by ~1 on a random layer), measured in tests/hf/test_hf_moe.py.
+        # Biased experts (gpt-oss) keep their MatMulNBits: with the biases as its inputs, ONNX Runtime
+        # 1.32's QMoE came out ~1 off the graph's own bias Adds on a random layer of 8 experts.
         if experts is None or any(f"{layer}/{b}_bias.table" in weights for b in ("up", "down")):
             continue
         added[layer] = _qmoe_nodes(graph, weights, nodes, layer, experts, pad_rows)
