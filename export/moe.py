@@ -420,7 +420,7 @@ QMOE_NAME = "/qmoe"  # the layer's QMoE node: blocks.{i}.ffn/qmoe
 MS_DOMAIN = "com.microsoft"
 
 
-def experts_to_qmoe(model: onnx.ModelProto, pad_rows: bool) -> int:
+def experts_to_qmoe(model: onnx.ModelProto) -> int:
     """Replace each sparse layer's quantized experts (its sorted gather, 2E MatMulNBits and their Splits
     and Concats) by one ONNX Runtime `QMoE` over the layer's (token, slot) pairs, each pair a row routed to
     its one expert (k=1, a one-hot router row), with the same packed weights and scales. Returns the layers
@@ -431,11 +431,9 @@ def experts_to_qmoe(model: onnx.ModelProto, pad_rows: bool) -> int:
     its company. With one expert per row the kernel's sum is 0 + 1 x the expert's output, exact; the
     routing weights and the sum over a token's experts stay in the graph, in ascending expert order from
     zero, as `Experts.forward` adds them. Each expert's rows go through MLAS's block-quantized GEMM (the
-    MatMulNBits kernel, int8 activations as accuracy_level 4 gives it) as a MatMulNBits would. With
-    `pad_rows` (the block sizes whose lone row some CPU computes unlike a batch's, export/quantize.py)
-    every pair row goes in twice, so every expert's row count is even, and the first of each two comes
-    back out: named as row_pad names its pads, so the engine takes the doubling out where its CPU needs
-    none (serve/engine/row_pad.py)."""
+    MatMulNBits kernel, int8 activations as accuracy_level 4 gives it) as a MatMulNBits would, so a row
+    comes out the same whatever its expert's row count wherever MatMulNBits needs no row pad
+    (export/quantize.py, which calls this only there)."""
     graph = model.graph
     nodes = list(graph.node)
     weights = {t.name: t for t in graph.initializer}
@@ -449,7 +447,7 @@ def experts_to_qmoe(model: onnx.ModelProto, pad_rows: bool) -> int:
         # 1.32's QMoE came out ~1 off the graph's own bias Adds on a random layer of 8 experts.
         if experts is None or any(f"{layer}/{b}_bias.table" in weights for b in ("up", "down")):
             continue
-        added[layer] = _qmoe_nodes(graph, weights, nodes, layer, experts, pad_rows)
+        added[layer] = _qmoe_nodes(graph, weights, nodes, layer, experts)
     if not added:
         return 0
     out: list[onnx.NodeProto] = []
@@ -505,7 +503,6 @@ def _qmoe_nodes(
     nodes: list[onnx.NodeProto],
     layer: str,
     experts: dict[str, list[onnx.NodeProto]],
-    pad_rows: bool,
 ) -> list[onnx.NodeProto]:
     """The nodes that compute `{layer}/by_pair` (each pair's expert output, in pair order) with one QMoE,
     their constants added to `graph`."""
@@ -536,19 +533,11 @@ def _qmoe_nodes(
         "experts.rows_flat": np.array([-1, d_model], np.int64),
         "experts.one": np.array([1], np.int64),
     }
-    p = ROW_PAD_PREFIX
-    if pad_rows:
-        shared |= {
-            f"{p}_experts_twice": np.array([1, 2, 1], np.int64),
-            f"{p}_experts_router_flat": np.array([-1, len(experts["up"])], np.int64),
-            f"{p}_experts_two_rows": np.array([-1, 2, d_model], np.int64),
-            f"{p}_experts_first": np.array(0, np.int64),
-        }
     known = {t.name for t in graph.initializer}
     graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in shared.items() if k not in known)
 
-    def node(op: str, inputs: list[str], output: str, name: str | None = None, **kw: Any) -> onnx.NodeProto:
-        return helper.make_node(op, inputs, [output], name=name or output, **kw)
+    def node(op: str, inputs: list[str], output: str, **kw: Any) -> onnx.NodeProto:
+        return helper.make_node(op, inputs, [output], name=output, **kw)
 
     rows, router = f"{layer}/pair_rows", f"{layer}/pair_router"
     made = [
@@ -558,22 +547,6 @@ def _qmoe_nodes(
         node("Cast", [f"{layer}{_HIT}"], router, to=onnx.TensorProto.FLOAT),  # [Nk, E]: one-hot
     ]
     out = f"{layer}{_BY_PAIR}"
-    if pad_rows:
-        v = f"{p}_{layer}"
-        made += [
-            node("Unsqueeze", [rows, "experts.one"], f"{v}_rows_column"),
-            node("Expand", [f"{v}_rows_column", f"{p}_experts_twice"], f"{v}_rows_twice"),
-            node("Reshape", [f"{v}_rows_twice", "experts.rows_flat"], f"{rows}_{p}", name=f"{v}_rows"),
-            node("Unsqueeze", [router, "experts.one"], f"{v}_router_column"),
-            node("Expand", [f"{v}_router_column", f"{p}_experts_twice"], f"{v}_router_twice"),
-            node(
-                "Reshape",
-                [f"{v}_router_twice", f"{p}_experts_router_flat"],
-                f"{router}_{p}",
-                name=f"{v}_router",
-            ),
-        ]
-        rows, router, out = f"{rows}_{p}", f"{router}_{p}", f"{out}_{p}"
     inputs = [rows, router, f"{layer}.experts.fc1", f"{layer}.experts.fc1_scales", ""]
     inputs += [f"{layer}.experts.fc2", f"{layer}.experts.fc2_scales"]
     made.append(
@@ -595,18 +568,6 @@ def _qmoe_nodes(
             accuracy_level=int(attrs["accuracy_level"]),
         )
     )
-    if pad_rows:
-        v = f"{p}_{layer}"
-        made += [
-            node("Reshape", [out, f"{p}_experts_two_rows"], f"{v}_outputs_twice"),
-            node(
-                "Gather",
-                [f"{v}_outputs_twice", f"{p}_experts_first"],
-                f"{layer}{_BY_PAIR}",
-                name=f"{out}_cut",
-                axis=1,
-            ),
-        ]
     return made
 
 

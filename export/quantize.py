@@ -252,8 +252,8 @@ def quantize_nbits(
     model: onnx.ModelProto, bits: int, block_size: int, pad_rows: bool = True, qmoe: bool = True
 ) -> tuple[onnx.ModelProto, dict[str, int]]:
     """Weight-only MatMulNBits of every weight MatMul, and GatherBlockQuantized of the token embedding; with
-    `pad_single_rows` where `pads_rows` (`pad_rows=False` measures without); a sparse layer's experts then
-    one QMoE (`experts_to_qmoe`; `qmoe=False` keeps their MatMulNBits, to measure against)."""
+    `pad_single_rows` where `pads_rows` (`pad_rows=False` measures without); elsewhere a sparse layer's
+    experts then one QMoE (`experts_to_qmoe`; `qmoe=False` keeps their MatMulNBits, to measure against)."""
     if bits not in NBITS:
         raise ValueError(f"bits must be one of {NBITS}, got {bits}")
     check_block_size(block_size)
@@ -275,7 +275,9 @@ def quantize_nbits(
     if bits == 8:
         _gather_8bit(quantized, block_size)
     pad = pad_rows and pads_rows(bits, block_size)
-    fused = experts_to_qmoe(quantized, pad) if qmoe else 0
+    # Where MatMulNBits needs its rows padded, the experts keep their MatMulNBits and pad_expert_rows: QMoE
+    # fed every pair row twice (even counts) measured slower at 4 tokens (docs/benchmarks.md).
+    fused = experts_to_qmoe(quantized) if qmoe and not pad else 0
     padded = pad_expert_rows(quantized) + pad_single_rows(quantized) if pad else 0
     counts = count_weight_matmuls(quantized)
     gathers = count_quantized_gathers(quantized)

@@ -50,45 +50,19 @@ class NBitsShape:
 
 
 def nbits_shapes(model: onnx.ModelProto) -> set[NBitsShape] | None:
-    """The distinct MatMulNBits shapes of a graph, a QMoE's two expert products counted as the MatMulNBits
-    whose kernel they run (export/moe.py); None when a MatMulNBits takes inputs past its scales (zero
-    points, a bias, group indices), which the probe does not model."""
+    """The distinct MatMulNBits shapes of a graph; None when one takes inputs past its scales (zero points,
+    a bias, group indices), which the probe does not model."""
     from onnx import helper
 
     dims = {t.name: tuple(t.dims) for t in model.graph.initializer}
     shapes = set()
     for node in model.graph.node:
-        if node.op_type == "QMoE":
-            shapes |= _qmoe_shapes(node, dims)
-            continue
         if node.op_type != "MatMulNBits":
             continue
         if any(node.input[3:]) or node.input[1] not in dims or node.input[2] not in dims:
             return None
         attributes = tuple(sorted((a.name, int(helper.get_attribute_value(a))) for a in node.attribute))
         shapes.add(NBitsShape(attributes, dims[node.input[1]], dims[node.input[2]]))
-    return shapes
-
-
-def _qmoe_shapes(node: onnx.NodeProto, dims: dict[str, tuple[int, ...]]) -> set[NBitsShape]:
-    """A QMoE's up and down products as MatMulNBits shapes: weights [E, N, K / pack] per expert."""
-    from onnx import helper
-
-    attrs = {a.name: int(helper.get_attribute_value(a)) for a in node.attribute if a.type == a.INT}
-    bits, block = attrs["expert_weight_bits"], attrs["block_size"]
-    shapes = set()
-    for weights in (node.input[2], node.input[5]):
-        _, n, packed = dims[weights]
-        k = packed * 8 // bits
-        kernel = {
-            "K": k,
-            "N": n,
-            "bits": bits,
-            "block_size": block,
-            "accuracy_level": attrs["accuracy_level"],
-        }
-        shape = (n, k // block, block * bits // 8)
-        shapes.add(NBitsShape(tuple(sorted(kernel.items())), shape, (n * (k // block),)))
     return shapes
 
 

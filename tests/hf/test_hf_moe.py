@@ -33,6 +33,7 @@ from export.moe import (
     ExpertsConfig,
     experts_graph,
     experts_to_qmoe,
+    is_expert_tensor,
     pad_expert_rows,
 )
 from export.mxfp4 import dequantize_mxfp4
@@ -42,8 +43,7 @@ from export.quantize import quantize_nbits
 from export.tokenizer import SPECIAL_TOKENS
 from serve.api.sizing import scoring_bytes_per_position
 from serve.bundle import ROW_PAD_PREFIX, Architecture
-from serve.engine.row_pad import lone_row_exact, nbits_shapes, strip_row_pads
-from serve.engine.types import SessionConfig
+from serve.engine.row_pad import strip_row_pads
 
 # Five rows of three lengths, two of them alone-sized: each expert sees odd and even row counts.
 BATCH = (*PROMPTS, (9,), (77, 78))
@@ -73,14 +73,15 @@ def test_experts_are_batch_invariant(
 
 
 def test_expert_row_pads_come_out_with_the_dense_ones(moe: tuple[Decoder, onnx.ModelProto]) -> None:
-    """int4 at block 32 pads: the sparse layer's QMoE reads every pair row twice, and the engine's strip
+    """int4 at block 32 pads: every expert's MatMulNBits reads an even row count, and the engine's strip
     leaves exactly the graph quantized without pads; the routers are float MatMuls either way."""
     _, graph = moe
     padded, counts = quantize_nbits(graph, 4, 32)
-    plain, _ = quantize_nbits(graph, 4, 32, pad_rows=False)
-    (qmoe,) = [n for n in padded.graph.node if n.op_type == "QMoE"]
-    assert qmoe.input[0].endswith("_single_row_pad") and qmoe.output[0].endswith("_single_row_pad")
-    assert counts["single_row_padded"] > 0  # the dense projections' MatMulNBits
+    plain, _ = quantize_nbits(graph, 4, 32, pad_rows=False, qmoe=False)  # as the padded graph: MatMulNBits
+    experts = [n for n in padded.graph.node if n.op_type == "MatMulNBits" and is_expert_tensor(n.input[0])]
+    assert len(experts) == 2 * 8  # up and down of the one sparse layer's 8 experts
+    assert all(n.input[0].endswith("_single_row_pad") for n in experts)
+    assert counts["single_row_padded"] > len(experts)  # and the dense projections' MatMulNBits
     routers = [n for n in padded.graph.node if n.name.endswith(ROUTER_SUFFIX)]
     assert [n.op_type for n in routers] == ["MatMul"]
     stripped = copy.deepcopy(padded)
@@ -208,18 +209,19 @@ def test_an_expert_costs_two_operators(bias: bool) -> None:
     assert counts[1] - counts[0] == 2 * 4
 
 
-@pytest.mark.parametrize(("bits", "block"), [(4, 32), (8, 64)])
+@pytest.mark.parametrize(("bits", "block"), [(4, 16), (8, 64)])
 def test_quantized_experts_are_one_qmoe_a_layer(
     moe: tuple[Decoder, onnx.ModelProto], bits: int, block: int
 ) -> None:
-    """At --int8 and --int4 a sparse layer's experts are one QMoE, whatever their number: no expert's
-    products, Splits or Concats are left, and the layer's nodes do not grow with its experts."""
+    """Where no row pad applies (--int8, --int4 at block 16) a sparse layer's experts are one QMoE, whatever
+    their number: no expert's products, Splits or Concats are left, and the layer's nodes do not grow with
+    its experts."""
     _, graph = moe
     quantized = quantize_nbits(graph, bits, block)[0]
     nodes = quantized.graph.node
     assert [n.name for n in nodes if n.op_type == "QMoE"] == [f"blocks.0.ffn{QMOE_NAME}"]
     assert not [n.name for n in nodes if ".experts." in n.name or (n.op_type == "Concat" and "ffn" in n.name)]
-    layer = [n for n in nodes if n.name.startswith(("blocks.0.ffn/", "single_row_pad_blocks.0.ffn"))]
+    layer = [n for n in nodes if n.name.startswith("blocks.0.ffn/")]
     assert len(layer) <= 40
     sizes = []
     for e in (4, 16):
@@ -228,35 +230,34 @@ def test_quantized_experts_are_one_qmoe_a_layer(
     assert sizes[0] == sizes[1]
 
 
-@pytest.mark.parametrize(("bits", "block"), [(4, 32), (8, 32)])
+@pytest.mark.parametrize(("bits", "block"), [(4, 16), (8, 32)])
 def test_a_layers_qmoe_computes_its_matmulnbits(bits: int, block: int) -> None:
     """One layer's QMoE gives what the same quantized weights give as the sorted gather's MatMulNBits, to
-    float rounding (another SwiGLU), for 1 to 9 tokens and a batch of 40; and each of the 40 tokens bit for
-    bit the same alone as in the batch, with its rows doubled (the row pad) and without where this CPU
-    computes a lone row as a batch's. Biased experts (gpt-oss) keep their MatMulNBits."""
-    plain = _experts_only(_random_experts(8, False, d_model=64, width=64), 64)
-    gathers = quantize_nbits(plain, bits, block, pad_rows=False, qmoe=False)[0]
-    fused = [copy.deepcopy(gathers) for _ in (False, True)]
-    assert [experts_to_qmoe(m, pad_rows=p) for m, p in zip(fused, (False, True), strict=True)] == [1, 1]
-    assert not [n for n in fused[0].graph.node if n.op_type == "MatMulNBits"]
+    float rounding (another SwiGLU), for 1 to 9 tokens and a batch of 40, and each of the 40 tokens bit for
+    bit the same alone as in the batch. Biased experts (gpt-oss), and experts at a block size whose rows
+    are padded, keep their MatMulNBits."""
+    experts = _random_experts(8, False, d_model=64, width=64)
+    gathers = quantize_nbits(_experts_only(experts, 64), bits, block, qmoe=False)[0]
+    fused = copy.deepcopy(gathers)
+    assert experts_to_qmoe(fused) == 1
+    assert not [n for n in fused.graph.node if n.op_type == "MatMulNBits"]
     sessions = [
         ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-        for m in (gathers, *fused)
+        for m in (gathers, fused)
     ]
     rng = np.random.default_rng(0)
     for n in (*range(1, 10), 40):
         x = rng.standard_normal((1, n, 64)).astype(np.float32)
-        reference, *outputs = (s.run(None, {"x": x})[0] for s in sessions)
-        for y in outputs:
-            np.testing.assert_allclose(y, reference, rtol=1e-4, atol=1e-4)
-    exact = all(lone_row_exact(shape, SessionConfig()) for shape in nbits_shapes(fused[0]) or ())
-    for s in sessions[1:] if exact else sessions[2:]:
-        batched = s.run(None, {"x": x})[0]
-        for t in range(x.shape[1]):
-            assert np.array_equal(s.run(None, {"x": x[:, t : t + 1]})[0][0, 0], batched[0, t]), t
-    biased = quantize_nbits(_experts_only(_random_experts(8, True, d_model=64, width=64), 64), bits, block)
-    assert biased[1]["qmoe_layers"] == 0
-    assert sum(n.op_type == "MatMulNBits" for n in biased[0].graph.node) == 2 * 8
+        reference, y = (s.run(None, {"x": x})[0] for s in sessions)
+        np.testing.assert_allclose(y, reference, rtol=1e-4, atol=1e-4)
+    batched = sessions[1].run(None, {"x": x})[0]
+    for t in range(x.shape[1]):
+        assert np.array_equal(sessions[1].run(None, {"x": x[:, t : t + 1]})[0][0, 0], batched[0, t]), t
+    biased = _experts_only(_random_experts(8, True, d_model=64, width=64), 64)
+    for model, b in ((biased, block), (_experts_only(experts, 64), 32 if bits == 4 else 128)):
+        kept, counts = quantize_nbits(model, bits, b)
+        assert counts["qmoe_layers"] == 0
+        assert sum(n.op_type == "MatMulNBits" for n in kept.graph.node) == 2 * 8
 
 
 @pytest.mark.parametrize("bias", [False, True])
