@@ -26,15 +26,17 @@ Families (`SUPPORTED_ARCHITECTURES`):
   logits scaling; OLMo 2: norms after attention and MLP only, q/k norms over the whole projection.
 config.json may be in transformers 4 form (rope_theta and rope_scaling at the top level, torch_dtype) or 5
 (rope_parameters with rope_theta inside, dtype). RoPE: default, linear, llama3 and YaRN (fixed tables, scaled
-by its attention factor), and Phi-3's longrope; types whose tables depend on the sequence length (dynamic,
-...) are refused by name: the graphs precompute one cos/sin table. A longrope model keeps its whole context
-(max_position_embeddings) in one table whose rows before original_max_position_embeddings rotate by the
-short factors and the rows from it on by the long ones, both times the attention factor: a token's rotation
-depends on its position alone. That is transformers' model fed one token per call with its KV cache (each
-call picks the factors by its last position). transformers differs in two places, both past the original
-context: one forward call over positions on both sides of it rotates all of them by the long factors, and
-Phi-3's generate drops its cache when the sequence first outgrows the original context and recomputes it
-all with the long factors; the KV cache here keeps each position's rotation as it was first computed.
+by its attention factor), and Phi-3's longrope (Phi-3's only scaling, also under its first names "su" and
+"yarn", as transformers reads them; it refuses the others for Phi-3, and so does the import); types whose
+tables depend on the sequence length (dynamic, ...) are refused by name: the graphs precompute one cos/sin
+table. A longrope model keeps its whole context (max_position_embeddings) in one table whose rows before
+original_max_position_embeddings rotate by the short factors and the rows from it on by the long ones, both
+times the attention factor: a token's rotation depends on its position alone. That is transformers' model fed
+one token per call with its KV cache (each call picks the factors by its last position). transformers differs
+in two places, both past the original context: one forward call over positions on both sides of it rotates all
+of them by the long factors, and Phi-3's generate drops its cache when the sequence first outgrows the
+original context and recomputes it all with the long factors; the KV cache here keeps each position's rotation
+as it was first computed.
 
 Every problem with the folder is an `HFImportError`: one line naming the file, the problem and what to do.
 """
@@ -56,7 +58,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from export.lora import PROJECTIONS, projection_features
+from export.lora import PROJECTIONS, AdapterNames, projection_features
 from export.model import Decoder, DecoderConfig, LayerAttention
 from export.moe import ExpertsConfig, Routing
 from export.mxfp4 import dequantize_mxfp4
@@ -85,6 +87,10 @@ QK_NORM = ("Qwen3ForCausalLM", "OlmoeForCausalLM")  # of the attention families 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # Scalings whose cos/sin depend on the current sequence length (or switch tables past a length).
 LENGTH_DEPENDENT_ROPE = ("dynamic", "su", "ntk")
+# Phi-3's RoPE types as transformers 4.43+ and 5 read them: its first long-context checkpoints
+# (Phi-3-mini-128k, Phi-3-medium-128k) name longrope "su", and its first modeling code also took "yarn"
+# with the same short and long factors; both are longrope, and every other scaling is refused for Phi-3.
+PHI3_ROPE_TYPES = {"default": "default", "longrope": "longrope", "su": "longrope", "yarn": "longrope"}
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MXFP4_SUFFIXES = ("_blocks", "_scales")  # gpt-oss's MXFP4 expert weights (export/mxfp4.py)
 
@@ -261,17 +267,21 @@ def _rope_fields(
     context_length: int,
     params: dict[str, Any] | None = None,
     theta: float = 10000.0,
-    longrope: bool = False,
+    phi3: bool = False,
 ) -> dict[str, Any]:
     """The DecoderConfig's RoPE fields from `params` (default: _rope_params), the base read from them, else
-    from the top-level rope_theta, else `theta`. longrope only where the family has it."""
+    from the top-level rope_theta, else `theta`. longrope only for Phi-3, which reads PHI3_ROPE_TYPES."""
     params = _rope_params(f) if params is None else params
-    kind = params.get("rope_type", params.get("type")) or "default"
-    if kind not in ROPE_TYPES or (kind == "longrope" and not longrope):
+    named = params.get("rope_type", params.get("type")) or "default"
+    kind = PHI3_ROPE_TYPES.get(named, "") if phi3 else named
+    if kind not in ROPE_TYPES or (kind == "longrope" and not phi3):
+        if phi3:
+            supported = ", ".join(f"{t} (longrope)" if v != t else t for t, v in PHI3_ROPE_TYPES.items())
+            raise f.refuse(f"RoPE type {named!r} is not supported for Phi-3; supported: {supported}")
         why = " (its tables depend on the sequence length)" if kind in LENGTH_DEPENDENT_ROPE else ""
         if kind == "longrope":
             why = " for this family (its tables depend on the sequence length)"
-        supported = ", ".join(t for t in ROPE_TYPES if longrope or t != "longrope")
+        supported = ", ".join(t for t in ROPE_TYPES if t != "longrope")
         raise f.refuse(f"RoPE type {kind!r} is not supported{why}; supported: {supported}")
     p = _Fields(params, f.path)
     fields: dict[str, Any] = {"rope_theta": p.number("rope_theta", f.number("rope_theta", theta))}
@@ -567,7 +577,7 @@ def _phi3_config(f: _Fields) -> DecoderConfig:
     fields = _rotary_fields(f, SILU, "hidden_act", tied=False)
     fields["mlp_bias"] = False
     bias = f.flag("attention_bias", False)
-    rope = _rope_fields(f, fields["context_length"], longrope=True)
+    rope = _rope_fields(f, fields["context_length"], phi3=True)
     window = f.integer("sliding_window") if f.has("sliding_window") else 0
     return DecoderConfig(
         **{**fields, **rope},
@@ -958,6 +968,15 @@ def checkpoint_modules(cfg: DecoderConfig, architecture: str) -> dict[str, list[
             sizes = {3: [cfg.q_dim, cfg.kv_dim, cfg.kv_dim], 2: [total // 2] * 2}.get(len(names), [total])
             modules[f"blocks.{i}.{projection}"] = list(zip(names, sizes, strict=True))
     return modules
+
+
+def adapter_names(architecture: str) -> AdapterNames:
+    """What a peft adapter of the checkpoint may name besides checkpoint_modules: a multimodal checkpoint's
+    vision tower and projection (peft's target_modules match their q_proj, fc1, ... too), left out as the
+    import leaves them out, and transformers 4's names of its text stack (language_model.model.*)."""
+    if architecture not in TEXT_STACK_OF:
+        return AdapterNames()
+    return AdapterNames(NOT_TEXT_STACK, {"language_model.model.": "model.language_model."})
 
 
 def _ignored(name: str, cfg: DecoderConfig, architecture: str) -> bool:

@@ -28,13 +28,24 @@ output features (a token multiplies no zeros of the other parts).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from export.model import GATED_ACTIVATIONS, DecoderConfig
 from serve.lora_layout import LORA_GEMM_TERMS, LoraBranch, LoraLayout, LoraPart
 
 # Our projection -> the checkpoint modules it is made of, in order, each with its output features.
 ModuleMap = Mapping[str, Sequence[tuple[str, int]]]
+
+
+@dataclass(frozen=True)
+class AdapterNames:
+    """What else adapters of a checkpoint may name than the ModuleMap's modules (LoraLayout's left_out and
+    renamed): prefixes of modules the bundle's model leaves out, and other prefixes of its own modules."""
+
+    left_out: tuple[str, ...] = ()
+    renamed: Mapping[str, str] = field(default_factory=dict)
+
+
 PROJECTIONS = ("attn.qkv", "attn.out", "ffn.up", "ffn.down")
 
 
@@ -78,9 +89,11 @@ def projection_inputs(cfg: DecoderConfig, projection: str) -> int:
     ]
 
 
-def lora_layout(cfg: DecoderConfig, modules: ModuleMap, options: LoraOptions) -> LoraLayout:
+def lora_layout(
+    cfg: DecoderConfig, modules: ModuleMap, options: LoraOptions, names: AdapterNames | None = None
+) -> LoraLayout:
     """The branches for `options.target_modules` (all when empty); ValueError naming a target that matches no
-    module of the model."""
+    module of the model. `names`: what adapters may name besides `modules`."""
     targets = set(options.target_modules)
     known = {_leaf(name) for parts in modules.values() for name, _ in parts}
     unknown = sorted(targets - known)
@@ -106,7 +119,14 @@ def lora_layout(cfg: DecoderConfig, modules: ModuleMap, options: LoraOptions) ->
                     parts=kept,
                 )
             )
-    return LoraLayout(slots=options.slots, max_rank=options.max_rank, branches=branches)
+    names = names or AdapterNames()
+    return LoraLayout(
+        slots=options.slots,
+        max_rank=options.max_rank,
+        branches=branches,
+        left_out=list(names.left_out),
+        renamed=dict(names.renamed),
+    )
 
 
 def _leaf(module: str) -> str:

@@ -32,11 +32,12 @@ from export.hf_import import (
     CONFIG_FILE,
     TOKENIZER_FILE,
     HFImportError,
+    adapter_names,
     checkpoint_modules,
     import_checkpoint,
     locate_model,
 )
-from export.lora import LoraOptions, ModuleMap, lora_layout, own_modules
+from export.lora import AdapterNames, LoraOptions, ModuleMap, lora_layout, own_modules
 from export.model import Decoder, DecoderConfig
 from export.onnx_inplace import OPSET as INPLACE_OPSET
 from export.onnx_inplace import build_inplace_graph
@@ -149,6 +150,7 @@ class ExportOptions:
     lora: LoraOptions | None = None  # LoRA slots in the serving graph (export/lora.py); None: none
     # The checkpoint's modules each projection is made of, as adapters name them; None: ours (own_modules).
     lora_modules: ModuleMap | None = None
+    lora_names: AdapterNames | None = None  # what else adapters of the checkpoint may name
 
     def __post_init__(self) -> None:
         if not self.eos_token_ids:
@@ -162,7 +164,7 @@ class ExportOptions:
     def lora_layout(self, cfg: DecoderConfig) -> LoraLayout | None:
         if self.lora is None:
             return None
-        return lora_layout(cfg, self.lora_modules or own_modules(cfg), self.lora)
+        return lora_layout(cfg, self.lora_modules or own_modules(cfg), self.lora, self.lora_names)
 
 
 def tensorrt_settings(cfg: DecoderConfig, fp16: bool) -> TensorRTSettings:
@@ -464,6 +466,7 @@ def export_hf(
         eval_text=eval_text,
         lora=lora,
         lora_modules=checkpoint_modules(ckpt.config, ckpt.architecture),
+        lora_names=adapter_names(ckpt.architecture),
     )
     return export_bundle(ckpt.model, tokenizer, out, options, transformers_reference(folder))
 

@@ -70,6 +70,22 @@ class LoraLayout(_Strict):
     slots: PositiveInt  # adapters resident at once (ids 1..slots)
     max_rank: PositiveInt = Field(le=LORA_GEMM_TERMS)  # the largest adapter rank a slot holds
     branches: list[LoraBranch] = Field(min_length=1)
+    # Prefixes of the checkpoint's modules the bundle's model leaves out (a multimodal checkpoint's vision
+    # tower): an adapter trained on the whole checkpoint may hold weights for them, which are not served.
+    left_out: list[str] = Field(default_factory=list)
+    # Other prefixes adapters give the parts' modules -> the prefix the parts' names have (transformers 4
+    # named Gemma 3's multimodal text stack language_model.model.*, transformers 5 model.language_model.*).
+    renamed: dict[str, str] = Field(default_factory=dict)
+
+    def module_name(self, module: str) -> str:
+        """An adapter's module name as the parts name it (an old prefix replaced)."""
+        for old, new in self.renamed.items():
+            if module.startswith(old):
+                return new + module.removeprefix(old)
+        return module
+
+    def leaves_out(self, module: str) -> bool:
+        return module.startswith(tuple(self.left_out))
 
     def width(self, branch: LoraBranch) -> int:
         return len(branch.parts) * self.max_rank

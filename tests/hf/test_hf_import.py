@@ -452,7 +452,7 @@ def test_unsupported_architecture(llama_folder: Path) -> None:
     assert all(name in message for name in SUPPORTED_ARCHITECTURES)
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "su"])
 def test_sequence_length_dependent_rope_is_refused(llama_folder: Path, rope_type: str) -> None:
     rope = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 5000.0}
     rewrite_config(llama_folder, lambda c: {**c, "rope_parameters": rope})

@@ -12,7 +12,9 @@ the sequence first outgrows it), the tests assert the difference, so what the do
 from __future__ import annotations
 
 import inspect
+import json
 import math
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,9 +37,10 @@ from hf_models import (
     phi3_config,
     rewrite_config,
     run_inplace,
+    to_transformers4_form,
     torch_forced,
 )
-from transformers import PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from export.hf_import import HFImportError, decoder_config, import_checkpoint
 from export.hf_verify import transformers_greedy
@@ -238,6 +241,53 @@ def test_bad_factors_are_refused_naming_the_field(
         decoder_config(tmp_path)
     assert "config.json" in str(error.value)
     assert f"longrope needs {key} as a list of 8 positive numbers" in error.value.problem
+
+
+@pytest.mark.parametrize("name", ["su", "yarn"])
+@torch.no_grad()
+def test_phi3s_first_names_for_longrope_import_as_transformers_reads_them(
+    longrope: Longrope, tmp_path: Path, name: str
+) -> None:
+    """Phi-3-mini-128k and Phi-3-medium-128k write rope_scaling {"type": "su", "short_factor", "long_factor"}
+    (transformers 4's form), and Phi-3's first code also took "yarn" with the same factors: transformers reads
+    both as longrope, and the import of such a folder is transformers' model loaded from it."""
+    shutil.copytree(longrope.folder, tmp_path, dirs_exist_ok=True)
+    factors = {k: PHI3_LONGROPE[k] for k in ("short_factor", "long_factor")}
+    rewrite_config(
+        tmp_path,
+        lambda c: {
+            **to_transformers4_form(c),
+            "partial_rotary_factor": 0.5,
+            "rope_scaling": {"type": name, **factors},
+        },
+    )
+    assert "rope_parameters" not in json.loads((tmp_path / "config.json").read_text())
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert hf.config.rope_parameters["rope_type"] == "longrope"
+    model = import_checkpoint(tmp_path).model
+    assert model.cfg == longrope.model.cfg
+    prompt_ref, ref = stepwise(hf, LONG)
+    ids = torch.tensor([LONG])
+    ours = model(ids, torch.ones_like(ids), torch.arange(len(LONG))[None])[0][0].numpy()
+    assert float(np.abs(ours - prompt_ref).max()) <= TOL
+    assert _logprob_diff(ours, prompt_ref) <= LOGPROB_TOL
+    _assert_same_run(ref, torch_forced(model, [LONG], ref.tokens), "pytorch")
+
+
+@pytest.mark.parametrize("name", ["linear", "dynamic"])
+def test_phi3_refuses_the_scalings_transformers_refuses_for_it(
+    longrope: Longrope, tmp_path: Path, name: str
+) -> None:
+    longrope.hf.config.save_pretrained(tmp_path)
+    rope = {"rope_type": name, "factor": 2.0, "rope_theta": 10000.0}
+    rewrite_config(tmp_path, lambda c: {**c, "rope_parameters": rope})
+    with pytest.raises(Exception, match=f"type field must be one of .*, got {name}"):  # transformers' own
+        AutoConfig.from_pretrained(tmp_path)
+    with pytest.raises(HFImportError) as error:
+        decoder_config(tmp_path)
+    assert f"RoPE type {name!r} is not supported for Phi-3; supported: default, longrope, su" in str(
+        error.value
+    )
 
 
 def test_the_decoder_config_checks_both_factor_sets(longrope: Longrope) -> None:

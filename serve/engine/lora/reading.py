@@ -5,6 +5,8 @@ An adapter is what `peft` saves: adapter_config.json (r, lora_alpha, use_rslora,
 adapter_model.safetensors with `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight`
 [out, r]. Each module's update is scale * B @ A with scale = lora_alpha / r (lora_alpha / sqrt(r) with
 rsLoRA; alpha_pattern and rank_pattern per module as peft reads them); the scale is folded into B here.
+Modules under the layout's `left_out` prefixes (a multimodal checkpoint's vision tower, which the bundle
+leaves out) are skipped with one warning, and its `renamed` prefixes are read as the parts' own.
 A registered adapter (`Adapter`) holds its modules at their own ranks, in float32 (fp16 and bf16 widened
 exactly), so it costs its own size; it takes the slots' dense layout only when written into one (slots.py).
 """
@@ -208,6 +210,7 @@ def _plan(path: Path, header: Mapping[str, tuple[list[int], str]], layout: LoraL
     """The adapter's modules as the header describes them, each checked against `layout`: a LoRA A or B
     name, both halves, one rank within --max-lora-rank, a module with a branch, the model's shapes."""
     halves: dict[str, dict[str, str]] = {}
+    left_out: set[str] = set()
     for name in header:
         match = _KEY.match(name.removeprefix(PEFT_PREFIX))
         if match is None:
@@ -215,9 +218,22 @@ def _plan(path: Path, header: Mapping[str, tuple[list[int], str]], layout: LoraL
                 path,
                 f"tensor {name!r} is not a LoRA A or B weight (embedding or other adapters are not served)",
             )
-        halves.setdefault(match["module"], {})[match["side"]] = name
+        module = match["module"]
+        if layout.leaves_out(layout.module_name(module)):
+            left_out.add(module)
+        else:
+            halves.setdefault(module, {})[match["side"]] = name
+    if left_out:
+        log.warning(
+            "%s: %d modules of the adapter are outside the bundle's model (%s, ...), which leaves out %s: "
+            "served without them",
+            path,
+            len(left_out),
+            min(left_out),
+            ", ".join(layout.left_out),
+        )
     if not halves:
-        raise AdapterError(path, "holds no LoRA weights")
+        raise AdapterError(path, "holds no LoRA weights" + (" for the bundle's model" if left_out else ""))
     where = {part.module: (branch, j) for branch in layout.branches for j, part in enumerate(branch.parts)}
     planned = []
     for module, sides in halves.items():
@@ -230,7 +246,7 @@ def _plan(path: Path, header: Mapping[str, tuple[list[int], str]], layout: LoraL
             raise AdapterError(
                 path, f"{module} has rank {rank}, above the bundle's --max-lora-rank {layout.max_rank}"
             )
-        branch, j = _place(path, module, where, layout)
+        branch, j = _place(path, layout.module_name(module), where, layout)
         part = branch.parts[j]
         expected = {"A": [rank, branch.in_features], "B": [part.stop - part.start, rank]}
         for side, found in (("A", [rank, in_features]), ("B", [out_features, b_rank])):
