@@ -3,11 +3,14 @@
 `ChatTemplate` compiles the manifest's `chat_template` (Jinja) the way transformers' `apply_chat_template`
 does: jinja2's `ImmutableSandboxedEnvironment` with `trim_blocks` and `lstrip_blocks`, the loop-control
 extension and the `{% generation %}` tag, a `tojson` filter that does not escape HTML, and the globals
-`raise_exception`, `strftime_now`, `dict` and `namespace`; it is rendered with `messages`,
-`add_generation_prompt=True`, `tools` (the HTTP request's tool dicts, or None), `documents` (None) and the
-tokenizer's special tokens (`bos_token`, `eos_token`, `pad_token`, ... those the bundle has). The rendered
-text is tokenized WITHOUT adding special tokens again: the template writes those it wants. Both front ends
-use it (gRPC's `messages` input and the HTTP API's /v1/chat/completions).
+`raise_exception`, `strftime_now`, `dict` and `namespace`; it is rendered with `messages` (each message's
+fields as the request gave them, a Phi-4-mini system message's `tools` included),
+`add_generation_prompt=True`, `tools` (the HTTP request's tool dicts, or None), `documents` (the request's, or
+None), the tokenizer's special tokens (`bos_token`, `eos_token`, `pad_token`, ... those the bundle has) and
+the request's template variables (vLLM's `chat_template_kwargs`: SmolLM3's `enable_thinking` and `xml_tools`,
+Granite's `thinking`, ...). The rendered text is tokenized WITHOUT adding special tokens again: the template
+writes those it wants. Both front ends use it (gRPC's `messages` input and the HTTP API's
+/v1/chat/completions).
 
 A template is code from whoever exported the bundle: the sandbox keeps it from reaching Python's internals,
 and a message it refuses (`raise_exception`) or cannot render is the client's InvalidRequest.
@@ -31,6 +34,8 @@ from tokenizers import Tokenizer
 from serve.errors import BundleError, InvalidRequest
 
 ROLES = ("system", "user", "assistant")
+# What the server itself hands a template, which a request's template variables cannot replace.
+TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 # The special tokens transformers hands a template (its special_tokens_map), and the manifest field or
 # tokenizer id each one comes from here.
 SPECIAL_TOKEN_NAMES = (
@@ -151,19 +156,27 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text; InvalidRequest if the template refuses the messages or fails on them. `tools` are
         the request's tool dicts (`{"type": "function", "function": {...}}`), as apply_chat_template passes
-        them."""
+        them; `documents` its documents; `variables` its keyword arguments (vLLM's chat_template_kwargs:
+        enable_thinking, xml_tools, ...), which, as there, take the place of a special token of their name."""
         if not messages:
             raise InvalidRequest("messages is empty: give at least one message")
+        reserved = sorted(set(variables or ()) & TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise InvalidRequest(
+                f"chat_template_kwargs.{reserved[0]}: the server sets it (from messages, tools, documents)"
+            )
         chat = [{key: value for key, value in m.items() if value is not None} for m in messages]
         try:
             return self._template.render(
-                **self.tokens,
+                **{**self.tokens, **(variables or {})},
                 messages=chat,
                 tools=None if tools is None else [dict(tool) for tool in tools],
-                documents=None,
+                documents=None if documents is None else [dict(d) for d in documents],
                 add_generation_prompt=add_generation_prompt,
             )
         except jinja2.exceptions.TemplateError as exc:  # raise_exception, a sandbox refusal, an undefined
@@ -178,9 +191,11 @@ class ChatTemplate:
         tokenizer: Tokenizer,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The rendered chat's token ids; special tokens are not added again (apply_chat_template's way)."""
-        text = self.render(messages, tools=tools)
+        text = self.render(messages, tools=tools, documents=documents, variables=variables)
         ids = tokenizer.encode(text, add_special_tokens=False).ids
         if not ids:
             raise InvalidRequest("the chat template rendered the messages as no tokens")

@@ -69,7 +69,11 @@ class LoadedModel:
         return self.names[0]
 
     def chat_prompt(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> list[int]:
         """A chat's prompt ids (rendered, then tokenized without special tokens); InvalidRequest when the
         bundle has no chat template or the template refuses the messages. Takes milliseconds: call it off
@@ -79,7 +83,7 @@ class LoadedModel:
                 f"model {self.name} has no chat template (its bundle's manifest sets no chat_template): "
                 "send a completion with a prompt instead"
             )
-        return self.chat.prompt_ids(self.tokenizer, messages, tools)
+        return self.chat.prompt_ids(self.tokenizer, messages, tools, documents, variables)
 
 
 @dataclass

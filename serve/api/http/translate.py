@@ -89,10 +89,16 @@ def model_tool_plan(
 
 
 async def chat_prompt(
-    messages: list[dict[str, Any]], tools: ToolPlan, model: LoadedModel, record: CallRecord
+    messages: list[dict[str, Any]],
+    tools: ToolPlan,
+    model: LoadedModel,
+    record: CallRecord,
+    documents: list[dict[str, Any]] | None = None,
+    variables: dict[str, Any] | None = None,
 ) -> Prompt:
-    """The messages rendered by the chat template and tokenized (off the event loop)."""
-    ids = await asyncio.to_thread(model.chat_prompt, messages, tools.template_tools)
+    """The messages rendered by the chat template (with the request's documents and template variables) and
+    tokenized (off the event loop)."""
+    ids = await asyncio.to_thread(model.chat_prompt, messages, tools.template_tools, documents, variables)
     record.prompt = json.dumps(messages, ensure_ascii=False)
     return Prompt(ids, "")
 

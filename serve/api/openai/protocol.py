@@ -88,6 +88,11 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = Field(
         None, description="a prompt's special tokens (BOS), as a completion adds them; default true"
     )
+    tools: list[Tool] | None = Field(None, description="with messages: the tools the chat declares")
+    documents: list[dict[str, Any]] | None = Field(None, description="with messages: the chat's documents")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="with messages: more variables for the chat template"
+    )
     return_token_strs: bool | None = Field(False, description="each id's vocabulary entry too")
 
 
@@ -127,6 +132,14 @@ class ChatCompletionRequest(SamplingRequest):
         None, description='"none", "auto" (the default with tools), "required" or a named function'
     )
     parallel_tool_calls: bool | None = Field(None, description="false: tool_choice required makes one call")
+    documents: list[dict[str, Any]] | None = Field(
+        None, description="vLLM's: documents for a chat template that takes them (Granite's)"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's: more variables for the chat template, as apply_chat_template's keyword "
+        "arguments (SmolLM3's enable_thinking and xml_tools, ...)",
+    )
 
 
 class ResponsesRequest(SamplingFields):

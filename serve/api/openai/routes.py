@@ -221,12 +221,18 @@ async def _tokenize(api: HttpApi, body: TokenizeRequest) -> TokenizeResponse:
     model = named_model(api.state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("give exactly one of prompt and messages")
+    chat_only = ("tools", "documents", "chat_template_kwargs")
+    given = next((name for name in chat_only if getattr(body, name) is not None), None)
+    if body.prompt is not None and given is not None:
+        raise InvalidRequest(f"{given} applies to messages: a prompt is not rendered by the chat template")
     if body.messages is not None:
         if body.add_special_tokens:
             raise InvalidRequest(
                 "add_special_tokens applies to a prompt: a chat's special tokens are its template's"
             )
-        ids = await asyncio.to_thread(model.chat_prompt, chat_messages(body.messages))
+        tools = [tool.model_dump(exclude_unset=True) for tool in body.tools] if body.tools else None
+        messages, variables = chat_messages(body.messages), body.chat_template_kwargs
+        ids = await asyncio.to_thread(model.chat_prompt, messages, tools, body.documents, variables)
     else:
         special = body.add_special_tokens is not False
         encode = model.tokenizer.encode

@@ -38,7 +38,9 @@ async def chat_plan(
     options = generation_options(
         body, max_tokens, constraint, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0
     )
-    prompts, n = [await chat_prompt(chat_messages(body.messages), tools, model, record)], body.n or 1
+    messages, variables = chat_messages(body.messages), body.chat_template_kwargs
+    prompts = [await chat_prompt(messages, tools, model, record, body.documents, variables)]
+    n = body.n or 1
     requests = generation_requests(prompts, options, n, model, record.request_id, bool(body.stream))
     label = chat_label(constraint, tools)
     stream, usage = bool(body.stream), include_usage(body)
@@ -58,7 +60,10 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             )
         calls = message.tool_calls
         text = None if calls and message.content is None else message_text(index, message)
-        out.append(template_message(index, message.role, text, calls, message.tool_call_id, message.name))
+        fields = template_message(index, message.role, text, calls, message.tool_call_id, message.name)
+        # Fields beyond OpenAI's reach the template as apply_chat_template hands them over (Phi-4-mini reads
+        # a system message's tools).
+        out.append({**(message.model_extra or {}), **fields})
     return out
 
 
