@@ -25,6 +25,7 @@ SCENARIOS: dict[str, str] = {
     "prepared-memory": "the engine's memory and start with and without the prepared graph",
     "peers": "same weights as ONNX Runtime GenAI and llama.cpp, offline and served",
     "engine": "the engine offline on bench-a, beside the peer stacks",
+    "step-profile": "one batched step's time by owner: operators, engine Python, front end",
     "kv-design": "the in-place KV-cache graph against the concatenating one",
     "kv-dtype": "an fp16 KV cache against fp32: memory, step speed, accuracy",
     "beside": "prefill between decode steps against beside them (engine)",

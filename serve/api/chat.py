@@ -142,8 +142,11 @@ class ChatTemplate:
     """A bundle's chat template, compiled once; `render` and `prompt_ids` are safe to call from any thread."""
 
     def __init__(self, source: str, tokens: Mapping[str, str], *, where: str = "chat_template") -> None:
+        env = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = env.from_string(source)
+            # Whether a request's text parts reach it as parts, else joined into one string.
+            self.reads_parts = _reads_content_parts(env.parse(source))
         except jinja2.exceptions.TemplateSyntaxError as exc:
             raise BundleError(
                 f"{where}: not a valid Jinja template: line {exc.lineno}: {exc.message}"
@@ -200,6 +203,28 @@ class ChatTemplate:
         if not ids:
             raise InvalidRequest("the chat template rendered the messages as no tokens")
         return list(ids)
+
+
+def _reads_content_parts(template: jinja2.nodes.Template) -> bool:
+    """Whether the template loops over a message's content (`for part in message['content']`, directly,
+    through filters, or through a variable set to it): vLLM's "openai" content format, as its auto mode
+    detects it. Such a template (Gemma 3's) renders a message's parts one by one, and gets them as the
+    request gave them; the others take content as a string, and get the text parts joined."""
+
+    def content(node: jinja2.nodes.Node, names: set[str]) -> bool:
+        while isinstance(node, jinja2.nodes.Filter) and node.node is not None:
+            node = node.node
+        if isinstance(node, jinja2.nodes.Getattr):
+            return node.attr == "content"
+        if isinstance(node, jinja2.nodes.Getitem):
+            return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+        return isinstance(node, jinja2.nodes.Name) and node.name in names
+
+    names: set[str] = set()
+    for assign in template.find_all(jinja2.nodes.Assign):
+        if isinstance(assign.target, jinja2.nodes.Name) and content(assign.node, names):
+            names.add(assign.target.name)
+    return any(content(loop.iter, names) for loop in template.find_all(jinja2.nodes.For))
 
 
 def _why(messages: Sequence[Mapping[str, Any]]) -> str:

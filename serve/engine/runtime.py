@@ -110,6 +110,9 @@ def create_session(
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.spinning else "0")
     if config.spinning and not config.spin_between_runs:
         options.add_session_config_entry("session.force_spinning_stop", "1")
+    if config.profile_prefix:
+        options.enable_profiling = True
+        options.profile_file_prefix = config.profile_prefix
     if optimized_path is not None:
         options.optimized_model_filepath = str(optimized_path)
     for key, value in (entries or {}).items():

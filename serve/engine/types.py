@@ -55,6 +55,9 @@ class SessionConfig:
     # With spinning: whether the threads go on spinning after a run returns (ONNX Runtime's default) or stop
     # until the next run (session.force_spinning_stop), leaving the cores to the Python between steps.
     spin_between_runs: bool = True
+    # ONNX Runtime's profiler: a JSON trace of every operator a run executes, written under this path prefix
+    # when the session ends its profiling (bench/scenarios/step_profile.py); empty: off
+    profile_prefix: str = ""
     tensorrt_options: dict[str, Any] = field(default_factory=dict)
 
 

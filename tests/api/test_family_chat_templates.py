@@ -65,7 +65,22 @@ ONE_TURN = {"messages": [{"role": "user", "content": "hello"}]}
 SYSTEM_AND_TURNS = {"messages": [SYSTEM, *TURNS]}
 # family -> the requests (bodies of /v1/chat/completions) it renders
 CASES: dict[str, dict[str, dict[str, Any]]] = {
-    "gemma3": {"one-turn": ONE_TURN, "system-multi-turn": SYSTEM_AND_TURNS},
+    "gemma3": {
+        "one-turn": ONE_TURN,
+        "system-multi-turn": SYSTEM_AND_TURNS,
+        "several-text-parts": {
+            "messages": [
+                {
+                    "role": "system",
+                    "content": [{"type": "text", "text": "Be"}, {"type": "text", "text": " brief."}],
+                },
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": " 2+2? "}, {"type": "text", "text": "\n3+3?"}],
+                },
+            ]
+        },
+    },
     "gemma2": {"one-turn": ONE_TURN, "multi-turn": {"messages": TURNS}},
     "phi4-mini": {
         "system-multi-turn": SYSTEM_AND_TURNS,
@@ -139,12 +154,12 @@ def server_template(family: str, tok: Tokenizer) -> ChatTemplate:
     return ChatTemplate(FAMILIES[family][0], special_tokens(tok, ids))
 
 
-def server_inputs(template: str, request: dict[str, Any]) -> dict[str, Any]:
-    """What /v1/chat/completions hands the chat template for `request`."""
+def server_inputs(template: str, request: dict[str, Any], parts: bool = False) -> dict[str, Any]:
+    """What /v1/chat/completions hands the chat template for `request` (`parts`: the template reads them)."""
     body = ChatCompletionRequest.model_validate(request)
     plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, tool_format(template))
     return {
-        "messages": chat_messages(body.messages),
+        "messages": chat_messages(body.messages, parts),
         "tools": plan.template_tools,
         "documents": body.documents,
         "variables": body.chat_template_kwargs,
@@ -152,7 +167,7 @@ def server_inputs(template: str, request: dict[str, Any]) -> dict[str, Any]:
 
 
 # The templates that read a message's content parts; the others take content as a string, and a client of
-# transformers gives them strings (the server joins text parts for every template).
+# transformers gives them strings (the server joins the text parts for them).
 READS_PARTS = ("gemma3",)
 
 
@@ -180,7 +195,7 @@ def test_the_server_renders_and_tokenizes_as_apply_chat_template(family: str, ca
     request = CASES[family][case]
     tok, hf = family_tokenizers(family)
     ours = server_template(family, tok)
-    inputs = server_inputs(ours.source, request)
+    inputs = server_inputs(ours.source, request, ours.reads_parts)
     theirs = {
         "conversation": transformers_chat(family, request),
         "tools": request.get("tools"),
@@ -256,3 +271,20 @@ def test_the_routes_hand_documents_variables_and_message_fields_to_the_template(
     assert reply["usage"]["prompt_tokens"] == len(want)
     refused = httpx.post(f"{base}/tokenize", json={"prompt": "x", "documents": chat["documents"]})
     assert refused.status_code == 400 and "documents applies to messages" in refused.text
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_templates_that_read_content_parts_get_them(family: str) -> None:
+    """A template that loops over a message's content gets the request's parts (each rendered as
+    transformers renders it); the others get the text parts joined with newlines."""
+    tok, _ = family_tokenizers(family)
+    template = server_template(family, tok)
+    assert template.reads_parts == (family in READS_PARTS)
+    request = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+        ]
+    }
+    (message,) = server_inputs(template.source, request, template.reads_parts)["messages"]
+    joined = message["content"] == "a\nb"
+    assert joined != template.reads_parts

@@ -38,7 +38,8 @@ async def chat_plan(
     options = generation_options(
         body, max_tokens, constraint, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0
     )
-    messages, variables = chat_messages(body.messages), body.chat_template_kwargs
+    parts = model.chat is not None and model.chat.reads_parts
+    messages, variables = chat_messages(body.messages, parts), body.chat_template_kwargs
     prompts = [await chat_prompt(messages, tools, model, record, body.documents, variables)]
     n = body.n or 1
     requests = generation_requests(prompts, options, n, model, record.request_id, bool(body.stream))
@@ -47,9 +48,10 @@ async def chat_plan(
     return ChatPlan(prompts, requests, n, stream, usage, label, tools, bool(body.logprobs))
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The request's messages as the chat template takes them; InvalidRequest for a role or a message the
-    API does not take."""
+def chat_messages(messages: list[ChatMessage], parts: bool = False) -> list[dict[str, Any]]:
+    """The request's messages as the chat template takes them: content given as text parts joined into one
+    string, or with `parts` (a template that reads them: ChatTemplate.reads_parts) the parts as given;
+    InvalidRequest for a role or a message the API does not take."""
     if not messages:
         raise InvalidRequest("messages is empty: give at least one message")
     out = []
@@ -61,6 +63,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         calls = message.tool_calls
         text = None if calls and message.content is None else message_text(index, message)
         fields = template_message(index, message.role, text, calls, message.tool_call_id, message.name)
+        if parts and isinstance(message.content, list):  # text parts only: message_text checked them
+            fields["content"] = message.content
         # Fields beyond OpenAI's reach the template as apply_chat_template hands them over (Phi-4-mini reads
         # a system message's tools).
         out.append({**(message.model_extra or {}), **fields})
