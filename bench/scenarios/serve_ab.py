@@ -13,9 +13,10 @@ compared by their medians, do. Round r starts with configuration r mod k, so ove
 each goes first equally often (what runs first in a round may run slower or faster for it). Each round
 starts each configuration's server afresh, warms it up with a short load, then times `--requests`
 closed-loop requests from `--clients` clients (exactly `--new-tokens` tokens each, greedy). Prints one line
-per round and the medians, with the CPU a generated token cost in each process over the timed requests: the
-server's (the front end; in brackets its main thread, the event loop), its engine process, and the load
-generator (this process); `--json` keeps every figure.
+per round and the medians (each configuration against the first as the median of the rounds' ratios, which
+a drift between rounds leaves alone), with the CPU a generated token cost in each process over the timed
+requests: the server's (the front end; in brackets its main thread, the event loop), its engine process,
+and the load generator (this process); `--json` keeps every figure.
 
 A configuration's `--bench-rpc=NAME` is the clients' call for it alone (`--rpc` for the rest), so a streamed
 run and a unary one alternate under one load: `--config='' --config='--bench-rpc=unary'`. `--rpc http` calls
@@ -44,7 +45,7 @@ from bench.cpus import engine_cpus_flag
 from bench.loadgen import RPC_NAMES, LoadConfig, Rpc, benchmark, model_names
 from bench.proc import CpuMeter, descendants, main_thread_cpu_seconds
 from bench.report import RESULTS, write_json
-from bench.rounds import in_turn
+from bench.rounds import in_turn, median_ratio
 from bench.servers import ROOT, free_port, server_process, textgen_command
 from serve.process import beside
 
@@ -172,6 +173,26 @@ def measure(config: str, args: argparse.Namespace, log: Path) -> Figures:
     return Figures(rate, itl["median"], itl["p99"], {k: v / tokens * 1e6 for k, v in seconds.items()})
 
 
+def summary(runs: dict[str, list[Figures]]) -> list[str]:
+    """A line a configuration: its medians over the rounds, and its tok/s ÷ the first configuration's as the
+    median of the rounds' ratios (a drift of the machine between rounds cancels out of each)."""
+    first = [f.tokens_per_second for f in next(iter(runs.values()))]
+    lines = []
+    for config, figures in runs.items():
+        rate = statistics.median(f.tokens_per_second for f in figures)
+        ratio = median_ratio([f.tokens_per_second for f in figures], first)
+        p50 = statistics.median(f.itl_p50_ms for f in figures)
+        p99 = statistics.median(f.itl_p99_ms for f in figures)
+        cpu = {k: statistics.median(f.cpu_us_per_token[k] for f in figures) for k in CPU_PARTS}
+        lines.append(
+            f"  [{config or 'defaults'}] {rate:.0f} tok/s ({ratio:.2f}x the first, median of the rounds' "
+            f"ratios), ITL p50 {p50:.1f} p99 {p99:.1f} ms; CPU µs a token: front end "
+            f"{cpu['front_end']:.0f} ({cpu['event_loop']:.0f}), engine {cpu['engine']:.0f}, "
+            f"load generator {cpu['load_generator']:.0f}"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", type=Path, required=True, help="model bundle (a --bench-bundle= replaces it)")
@@ -213,19 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             runs[config].append(measure(config, args, log))
         cells = "  ".join(f"[{c or 'defaults'}] {runs[c][-1].tokens_per_second:.0f}" for c in args.config)
         print(f"round {round_}: {cells} tok/s", flush=True)
-    first = statistics.median(f.tokens_per_second for f in runs[args.config[0]])
     print(f"medians over {args.rounds} rounds ({args.rpc}, {args.clients} clients, {args.bundle}):")
-    for config, figures in runs.items():
-        rate = statistics.median(f.tokens_per_second for f in figures)
-        p50 = statistics.median(f.itl_p50_ms for f in figures)
-        p99 = statistics.median(f.itl_p99_ms for f in figures)
-        cpu = {k: statistics.median(f.cpu_us_per_token[k] for f in figures) for k in CPU_PARTS}
-        name = config or "defaults"
-        print(
-            f"  [{name}] {rate:.0f} tok/s ({rate / first:.2f}x), ITL p50 {p50:.1f} p99 {p99:.1f} ms; "
-            f"CPU µs a token: front end {cpu['front_end']:.0f} ({cpu['event_loop']:.0f}), "
-            f"engine {cpu['engine']:.0f}, load generator {cpu['load_generator']:.0f}"
-        )
+    print("\n".join(summary(runs)))
     if args.json is not None:
         write_json(args.json, {c: [asdict(f) for f in fs] for c, fs in runs.items()})
     return 0

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from bench.scenarios.serve_ab import CPU_PARTS, Served, client_rpc, main, served, split_config
+from bench.scenarios.serve_ab import (
+    CPU_PARTS,
+    Figures,
+    Served,
+    client_rpc,
+    main,
+    served,
+    split_config,
+    summary,
+)
 
 
 def test_the_ab_benchmark_alternates_server_configurations(tiny_bundle: Path, tmp_path: Path) -> None:
@@ -59,3 +68,14 @@ def test_an_ab_configuration_may_serve_its_own_bundle_and_name_adapters() -> Non
     assert served(["--threads", "1"], args) == Served(Path("plain"), "stream", (), ["--threads", "1"])
     with pytest.raises(ValueError, match="bench-"):
         served(["--bench-bundel=lora"], args)
+
+
+def test_a_configuration_is_compared_with_the_first_by_the_rounds_ratios_not_the_medians() -> None:
+    def run(rate: float) -> Figures:
+        return Figures(rate, 10.0, 20.0, dict.fromkeys(CPU_PARTS, 1.0))
+
+    # The machine slowed in the second round: B was 0.8x then 1.2x A; the medians (70 against 64) would say
+    # 0.91x, the rounds' ratios say 1.00x.
+    lines = summary({"": [run(100), run(40)], "--b": [run(80), run(48)]})
+    assert lines[0].startswith("  [defaults] 70 tok/s (1.00x the first")
+    assert lines[1].startswith("  [--b] 64 tok/s (1.00x the first")
