@@ -68,6 +68,12 @@ class LoadedModel:
         """The name the server reports the model by: the first of `names`."""
         return self.names[0]
 
+    @property
+    def chat_reads_parts(self) -> bool:
+        """Whether the chat template takes a message's content parts as given (ChatTemplate.reads_parts),
+        not joined into one string."""
+        return self.chat is not None and self.chat.reads_parts
+
     def chat_prompt(
         self,
         messages: list[dict[str, Any]],

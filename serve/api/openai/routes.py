@@ -231,8 +231,7 @@ async def _tokenize(api: HttpApi, body: TokenizeRequest) -> TokenizeResponse:
                 "add_special_tokens applies to a prompt: a chat's special tokens are its template's"
             )
         tools = [tool.model_dump(exclude_unset=True) for tool in body.tools] if body.tools else None
-        parts = model.chat is not None and model.chat.reads_parts
-        messages, variables = chat_messages(body.messages, parts), body.chat_template_kwargs
+        messages, variables = chat_messages(body.messages, model.chat_reads_parts), body.chat_template_kwargs
         ids = await asyncio.to_thread(model.chat_prompt, messages, tools, body.documents, variables)
     else:
         special = body.add_special_tokens is not False

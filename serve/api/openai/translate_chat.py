@@ -38,8 +38,7 @@ async def chat_plan(
     options = generation_options(
         body, max_tokens, constraint, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0
     )
-    parts = model.chat is not None and model.chat.reads_parts
-    messages, variables = chat_messages(body.messages, parts), body.chat_template_kwargs
+    messages, variables = chat_messages(body.messages, model.chat_reads_parts), body.chat_template_kwargs
     prompts = [await chat_prompt(messages, tools, model, record, body.documents, variables)]
     n = body.n or 1
     requests = generation_requests(prompts, options, n, model, record.request_id, bool(body.stream))
@@ -50,7 +49,7 @@ async def chat_plan(
 
 def chat_messages(messages: list[ChatMessage], parts: bool = False) -> list[dict[str, Any]]:
     """The request's messages as the chat template takes them: content given as text parts joined into one
-    string, or with `parts` (a template that reads them: ChatTemplate.reads_parts) the parts as given;
+    string, or with `parts` (a template that reads them: LoadedModel.chat_reads_parts) the parts as given;
     InvalidRequest for a role or a message the API does not take."""
     if not messages:
         raise InvalidRequest("messages is empty: give at least one message")
