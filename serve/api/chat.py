@@ -4,7 +4,8 @@
 does: jinja2's `ImmutableSandboxedEnvironment` with `trim_blocks` and `lstrip_blocks`, the loop-control
 extension and the `{% generation %}` tag, a `tojson` filter that does not escape HTML, and the globals
 `raise_exception`, `strftime_now`, `dict` and `namespace`; it is rendered with `messages` (each message's
-fields as the request gave them, a Phi-4-mini system message's `tools` included),
+fields as the request gave them, a Phi-4-mini system message's `tools` included, and a message's reasoning
+under both of its names, as transformers 5 aliases them),
 `add_generation_prompt=True`, `tools` (the HTTP request's tool dicts, or None), `documents` (the request's, or
 None), the tokenizer's special tokens (`bos_token`, `eos_token`, `pad_token`, ... those the bundle has) and
 the request's template variables (vLLM's `chat_template_kwargs`: SmolLM3's `enable_thinking` and `xml_tools`,
@@ -36,6 +37,9 @@ from serve.errors import BundleError, InvalidRequest
 ROLES = ("system", "user", "assistant")
 # What the server itself hands a template, which a request's template variables cannot replace.
 TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+# The names a message's reasoning goes by, the one templates are written for first (transformers 5's
+# _REASONING_FIELDS): see `_alias_reasoning`.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # The special tokens transformers hands a template (its special_tokens_map), and the manifest field or
 # tokenizer id each one comes from here.
 SPECIAL_TOKEN_NAMES = (
@@ -173,7 +177,7 @@ class ChatTemplate:
             raise InvalidRequest(
                 f"chat_template_kwargs.{reserved[0]}: the server sets it (from messages, tools, documents)"
             )
-        chat = [{key: value for key, value in m.items() if value is not None} for m in messages]
+        chat = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in messages]
         try:
             return self._template.render(
                 **{**self.tokens, **(variables or {})},
@@ -203,6 +207,17 @@ class ChatTemplate:
         if not ids:
             raise InvalidRequest("the chat template rendered the messages as no tokens")
         return list(ids)
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with its reasoning (the first of REASONING_FIELDS it sets) also under `reasoning_content`
+    and, unless it sets `thinking` itself, `thinking` (gpt-oss's templates read that name): what transformers
+    5's apply_chat_template does to every message, whatever its role, so that a template written for either
+    name renders a turn given under the other."""
+    reasoning = next((message[key] for key in REASONING_FIELDS if message.get(key) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _reads_content_parts(template: jinja2.nodes.Template) -> bool:

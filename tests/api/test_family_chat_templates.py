@@ -3,7 +3,8 @@ written here) render through the server's template path as transformers' apply_c
 an OpenAI chat request read as /v1/chat/completions reads it (its messages, tools, documents and
 chat_template_kwargs), rendered and tokenized as the server does, against apply_chat_template given the
 same chat (tool calls' arguments as the objects transformers documents) with the same keyword arguments.
-The HTTP routes hand the request's documents, template variables and messages' own fields to the template.
+The HTTP routes hand the request's documents, template variables and messages' own fields to the template. A
+message's reasoning reaches templates written for either of its names, as transformers aliases them.
 """
 
 from __future__ import annotations
@@ -271,6 +272,40 @@ def test_the_routes_hand_documents_variables_and_message_fields_to_the_template(
     assert reply["usage"]["prompt_tokens"] == len(want)
     refused = httpx.post(f"{base}/tokenize", json={"prompt": "x", "documents": chat["documents"]})
     assert refused.status_code == 400 and "documents applies to messages" in refused.text
+
+
+# Templates written for one name of a message's reasoning, and chats that give it under each name.
+REASONING_TEMPLATES = {
+    name: "{%- for m in messages %}{{ m.role }}["
+    f"{{{{ m.{name} if m.{name} is defined else '-' }}}}]:{{{{ m.content }}}}\n{{% endfor %}}"
+    for name in ("thinking", "reasoning_content")
+}
+REASONING_CHATS: dict[str, list[dict[str, Any]]] = {
+    "reasoning_content": [{"role": "assistant", "content": "4", "reasoning_content": "2+2"}],
+    "thinking": [{"role": "assistant", "content": "4", "thinking": "2+2"}],
+    "reasoning": [{"role": "assistant", "content": "4", "reasoning": "2+2"}],
+    "both": [{"role": "assistant", "content": "4", "reasoning_content": "a", "thinking": "b"}],
+    "thinking-and-reasoning": [{"role": "assistant", "content": "4", "thinking": "b", "reasoning": "c"}],
+    "a-user-turn-and-none": [
+        {"role": "user", "content": "q", "thinking": "u"},
+        {"role": "assistant", "content": "4"},
+    ],
+}
+
+
+@pytest.mark.parametrize("chat", REASONING_CHATS)
+@pytest.mark.parametrize("reads", REASONING_TEMPLATES)
+def test_a_messages_reasoning_reaches_a_template_under_either_name_as_in_transformers(
+    reads: str, chat: str
+) -> None:
+    tok, _ = family_tokenizers("olmo2")
+    template = REASONING_TEMPLATES[reads]
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template, eos_token="<|endoftext|>")
+    messages = REASONING_CHATS[chat]
+    ours = ChatTemplate(template, {}).render(**server_inputs(template, {"messages": messages}))
+    theirs = hf.apply_chat_template(copy.deepcopy(messages), add_generation_prompt=True, tokenize=False)
+    assert ours == theirs
+    assert "[-]" not in ours.split("\n")[0]  # the first message's reasoning reached the template
 
 
 @pytest.mark.parametrize("family", FAMILIES)
