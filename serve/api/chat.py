@@ -20,7 +20,7 @@ and a message it refuses (`raise_exception`) or cannot render is the client's In
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -34,7 +34,6 @@ from tokenizers import Tokenizer
 
 from serve.errors import BundleError, InvalidRequest
 
-ROLES = ("system", "user", "assistant")
 # What the server itself hands a template, which a request's template variables cannot replace.
 TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 # The names a message's reasoning goes by, the one templates are written for first (transformers 5's
@@ -254,13 +253,3 @@ def _why(messages: Sequence[Mapping[str, Any]]) -> str:
                     "object; the template got that string and cannot render it: send them as JSON)"
                 )
     return ""
-
-
-def check_messages(messages: Sequence[tuple[str, str]]) -> Iterator[dict[str, str]]:
-    """(role, content) pairs → the template's messages; InvalidRequest for a role the API does not take."""
-    if not messages:
-        raise InvalidRequest("messages is empty: give at least one message")
-    for index, (role, content) in enumerate(messages):
-        if role not in ROLES:
-            raise InvalidRequest(f"messages[{index}].role is {role!r}; allowed: {', '.join(ROLES)}")
-        yield {"role": role, "content": content}

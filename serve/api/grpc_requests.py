@@ -1,18 +1,24 @@
 """A `textgen.v1.GenerateRequest` → the neutral values of `serve.api.validation`, or InvalidRequest.
 
-The wire message's own checks (unknown fields, which input is set) live here; every value's range is checked
-by the core the HTTP API shares (`validation.build_request`).
+The wire message's own checks (unknown fields, which input is set, the JSON text fields of a chat) live here;
+every value's range is checked by the core the HTTP API shares (`validation.build_request`), and a chat is
+read as /v1/chat/completions reads one (`chat_input`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from serve._proto.textgen.v1 import textgen_pb2 as pb
-from serve.api.chat import check_messages
+from serve.api.http.translate import validated
+from serve.api.openai.protocol import ChatCompletionRequest
+from serve.api.openai.translate_chat import chat_messages
+from serve.api.tool_calls import tool_plan
 from serve.api.validation import (
     GenerationOptions,
     RequestLimits,
@@ -25,8 +31,13 @@ from serve.engine.types import Constraint
 from serve.errors import InvalidRequest
 from serve.scheduling.request import GenerationRequest
 
-# A chat's (role, content) messages → its prompt ids (the bundle's chat template; None: the bundle has none).
-ChatEncoder = Callable[[list[dict[str, str]]], list[int]]
+# A chat's messages, tools, documents and template variables → its prompt ids (LoadedModel.chat_prompt).
+ChatEncoder = Callable[
+    [list[dict[str, Any]], list[dict[str, Any]] | None, list[dict[str, Any]] | None, dict[str, Any] | None],
+    list[int],
+]
+# The ChatMessage fields that `fields` may not repeat: each has its own.
+_TYPED_MESSAGE_FIELDS = frozenset(pb.ChatMessage.DESCRIPTOR.fields_by_name) - {"fields"}
 
 
 def reject_unknown_fields(message: Message) -> None:
@@ -63,11 +74,70 @@ def prompt_ids(
     if which == "text":
         return text_prompt(request.text, encode)
     if which == "messages":
-        messages = list(check_messages([(m.role, m.content) for m in request.messages.messages]))
+        messages, tools, documents, variables = chat_input(request.messages)
         if chat is None:
             raise InvalidRequest("this model's bundle has no chat template: send text or token_ids")
-        return chat(messages)
+        return chat(messages, tools, documents, variables)
     return token_prompt(request.token_ids.ids, vocab_size)
+
+
+def chat_input(
+    chat: pb.ChatMessages,
+) -> tuple[
+    list[dict[str, Any]], list[dict[str, Any]] | None, list[dict[str, Any]] | None, dict[str, Any] | None
+]:
+    """The chat's messages, tools, documents and template variables as /v1/chat/completions hands them to
+    the template: the chat is read as that route's body (its types, checks and messages' translation), so
+    both render one prompt from one chat."""
+    if not chat.messages:
+        raise InvalidRequest("messages is empty: give at least one message")
+    body = {
+        "messages": [_message(index, message) for index, message in enumerate(chat.messages)],
+        "documents": _json(chat.documents, "messages.documents"),
+        "chat_template_kwargs": _json(chat.chat_template_kwargs, "messages.chat_template_kwargs"),
+        "tools": _json(chat.tools, "messages.tools"),
+    }
+    read = validated(ChatCompletionRequest, body, "messages")
+    tools = tool_plan(read.tools, None, None).template_tools
+    return chat_messages(read.messages), tools, read.documents, read.chat_template_kwargs
+
+
+def _message(index: int, message: pb.ChatMessage) -> dict[str, Any]:
+    """A ChatMessage as the HTTP API's JSON message: its `fields`, then its typed fields where set."""
+    where = f"messages.messages[{index}]"
+    fields = _json(message.fields, f"{where}.fields")
+    if fields is None:
+        fields = {}
+    if not isinstance(fields, dict):
+        kind = type(fields).__name__
+        raise InvalidRequest(f"{where}.fields: a JSON object of the message's fields, not a {kind}")
+    typed = sorted(_TYPED_MESSAGE_FIELDS & set(fields))
+    if typed:
+        raise InvalidRequest(f"{where}.fields.{typed[0]}: set ChatMessage.{typed[0]} instead")
+    out: dict[str, Any] = {**fields, "role": message.role, "content": message.content}
+    for name in ("name", "tool_call_id", "reasoning_content"):
+        if message.HasField(name):
+            out[name] = getattr(message, name)
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id or None,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in message.tool_calls
+        ]
+    return out
+
+
+def _json(text: str, where: str) -> Any:
+    """A JSON text field's value (None when it is empty); InvalidRequest naming it when it is not JSON."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest(f"{where} is not valid JSON: {exc}") from None
 
 
 def sampling_params(sampling: pb.SamplingParams) -> SamplingParams:

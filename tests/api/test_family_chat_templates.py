@@ -3,8 +3,9 @@ written here) render through the server's template path as transformers' apply_c
 an OpenAI chat request read as /v1/chat/completions reads it (its messages, tools, documents and
 chat_template_kwargs), rendered and tokenized as the server does, against apply_chat_template given the
 same chat (tool calls' arguments as the objects transformers documents) with the same keyword arguments.
-The HTTP routes hand the request's documents, template variables and messages' own fields to the template. A
-message's reasoning reaches templates written for either of its names, as transformers aliases them.
+The HTTP routes and gRPC's `messages` input hand the request's tools, documents, template variables and
+messages' own fields to the template, and both render one chat as one prompt. A message's reasoning reaches
+templates written for either of its names, as transformers aliases them.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 from family_chat_templates import GEMMA2, GEMMA3, GRANITE, OLMO2, PHI4_MINI, SMOLLM3
 from running_server import RunningServer, serve_with_template
-from server_tools import LoopThread
+from server_tools import LoopThread, rpc_error
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from serve._proto.textgen.v1 import textgen_pb2 as pb
+from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.api.chat import ChatTemplate, special_tokens
 from serve.api.openai.protocol import ChatCompletionRequest
 from serve.api.openai.translate_chat import chat_messages
@@ -237,9 +241,13 @@ def test_template_variables_cannot_replace_what_the_server_gives() -> None:
         server_template("smollm3", tok).render(**inputs)
 
 
-# What the routes hand a template, in a few tokens: a message's own field, the documents, a variable.
+# What the routes hand a template, in a few tokens: a message's own field, its reasoning (as `thinking`) and
+# tool calls (their arguments parsed), the tools, the documents, a variable.
 ROUTED = (
-    "{%- for m in messages %}{{ m.role[0] }}{{ m.mood or '' }}:{{ m.content }}\n{% endfor %}"
+    "{%- for t in tools or [] %}<{{ t.function.name }}>{% endfor %}"
+    "{%- for m in messages %}{{ m.role[0] }}{{ m.mood or '' }}{{ m.thinking or '' }}"
+    "{%- for c in m.tool_calls or [] %}{{ c.function.name }}={{ c.function.arguments.n }}{% endfor %}"
+    ":{{ m.content }}\n{% endfor %}"
     "{%- for d in documents or [] %}[{{ d.text }}]{% endfor %}{{ suffix if suffix is defined else '' }}a:"
 )
 
@@ -272,6 +280,76 @@ def test_the_routes_hand_documents_variables_and_message_fields_to_the_template(
     assert reply["usage"]["prompt_tokens"] == len(want)
     refused = httpx.post(f"{base}/tokenize", json={"prompt": "x", "documents": chat["documents"]})
     assert refused.status_code == 400 and "documents applies to messages" in refused.text
+
+
+def test_grpc_renders_a_chat_as_the_http_api_renders_it(routed: RunningServer, tiny_bundle: Path) -> None:
+    """The same chat over gRPC (its typed fields and JSON text fields) and over HTTP is one prompt."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"n": 7}'}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    chat: dict[str, Any] = {
+        "messages": [
+            {"role": "system", "content": "s", "name": "ops"},
+            {"role": "user", "content": "q", "mood": "!"},
+            {"role": "assistant", "content": None, "reasoning_content": "hm", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "8"},
+            {"role": "user", "content": "def f("},
+        ],
+        "tools": [tool],
+        "documents": [{"text": "x = 1"}],
+        "chat_template_kwargs": {"suffix": "#"},
+    }
+    tokenizer = load_bundle(tiny_bundle).tokenizer
+    counted = httpx.post(f"{routed.http_base}/tokenize", json=chat).json()["tokens"]
+    text = "<f>s:s\nu!:q\nahmf=7:\nt:8\nu:def f(\n[x = 1]#a:"
+    assert counted == tokenizer.encode(text, add_special_tokens=False).ids
+
+    messages = [
+        pb.ChatMessage(role="system", content="s", name="ops"),
+        pb.ChatMessage(role="user", content="q", fields=json.dumps({"mood": "!"})),
+        pb.ChatMessage(
+            role="assistant",
+            reasoning_content="hm",
+            tool_calls=[pb.ToolCall(id="c1", name="f", arguments='{"n": 7}')],
+        ),
+        pb.ChatMessage(role="tool", tool_call_id="c1", content="8"),
+        pb.ChatMessage(role="user", content="def f("),
+    ]
+    grpc_chat = pb.ChatMessages(
+        messages=messages,
+        tools=json.dumps(chat["tools"]),
+        documents=json.dumps(chat["documents"]),
+        chat_template_kwargs=json.dumps(chat["chat_template_kwargs"]),
+    )
+    stopping = pb.StoppingCriteria(max_new_tokens=3, ignore_eos=True)
+    with grpc.insecure_channel(routed.target) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        by_chat, by_ids = (
+            stub.Generate(pb.GenerateRequest(stopping=stopping, include_prompt_logprobs=True, **prompt))
+            for prompt in ({"messages": grpc_chat}, {"token_ids": pb.TokenIds(ids=counted)})
+        )
+        assert by_chat.usage.prompt_tokens == len(counted)
+        assert list(by_chat.token_ids) == list(by_ids.token_ids)
+        assert list(by_chat.prompt_logprobs) == pytest.approx(list(by_ids.prompt_logprobs), abs=1e-5)
+
+        user = [pb.ChatMessage(role="user", content="q")]
+        for bad, why in [
+            (
+                pb.ChatMessages(messages=user, chat_template_kwargs='{"documents": []}'),
+                "chat_template_kwargs.documents: the server sets it",
+            ),
+            (pb.ChatMessages(messages=user, documents="[{"), "messages.documents is not valid JSON"),
+            (
+                pb.ChatMessages(messages=user, documents="{}"),
+                "messages.documents: Input should be a valid list",
+            ),
+            (
+                pb.ChatMessages(messages=[pb.ChatMessage(role="user", fields='{"name": "x"}')]),
+                "messages.messages[0].fields.name: set ChatMessage.name instead",
+            ),
+            (pb.ChatMessages(messages=[pb.ChatMessage(role="tool")]), "tool_call_id is required"),
+        ]:
+            error = rpc_error(lambda bad=bad: stub.Generate(pb.GenerateRequest(messages=bad)))
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and why in error.details()
 
 
 # Templates written for one name of a message's reasoning, and chats that give it under each name.

@@ -278,7 +278,10 @@ def test_chat_messages_are_rendered_by_the_bundles_template(
     assert list(by_chat.token_ids) == list(by_ids.token_ids) and by_chat.usage.prompt_tokens == len(ids)
     for bad, message in [
         (pb.ChatMessages(), "messages is empty"),
-        (pb.ChatMessages(messages=[pb.ChatMessage(role="tool", content="x")]), "messages[0].role is 'tool'"),
+        (
+            pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")]),
+            "messages[0].role is 'robot'",
+        ),
     ]:
         error = rpc_error(lambda bad=bad: stub.Generate(pb.GenerateRequest(messages=bad)))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.details()

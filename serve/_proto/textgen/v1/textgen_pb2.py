@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18textgen/v1/textgen.proto\x12\ntextgen.v1\"\x92\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.textgen.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x0b \x01(\x0b\x32\x18.textgen.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.textgen.v1.SamplingParams\x12.\n\x08stopping\x18\x05 \x01(\x0b\x32\x1c.textgen.v1.StoppingCriteria\x12\x18\n\x10include_logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\r\x12\x1e\n\x16truncate_prompt_tokens\x18\x08 \x01(\r\x12\x1f\n\x17include_prompt_logprobs\x18\t \x01(\x08\x12\x1b\n\x13prompt_top_logprobs\x18\n \x01(\r\x12*\n\nconstraint\x18\x0c \x01(\x0b\x32\x16.textgen.v1.Constraint\x12#\n\x16num_speculative_tokens\x18\r \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x0e \x01(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x0f \x01(\tB\x07\n\x05inputB\x19\n\x17_num_speculative_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.textgen.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x90\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x16.textgen.v1.ChoiceListH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xb0\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).textgen.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\xa0\x01\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x16\n\x0emin_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x9c\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.textgen.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.textgen.v1.Usage\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\x15\n\rqueue_seconds\x18\x07 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x08 \x01(\x01\x12\x15\n\rtotal_seconds\x18\t \x01(\x01\x12-\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x17.textgen.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x0b \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\x0c \x03(\x0b\x32\x17.textgen.v1.TopLogprobs\x12\x1d\n\x15\x63onstraint_incomplete\x18\r \x01(\x08\"\xcf\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.textgen.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.textgen.v1.Usage\x12-\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x17.textgen.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x08 \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\t \x03(\x0b\x32\x17.textgen.v1.TopLogprobs\x12\x1d\n\x15\x63onstraint_incomplete\x18\n \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xc6\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x1c\n\x14max_new_tokens_limit\x18\x04 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0cquantization\x18\x07 \x01(\t\x12\x1b\n\x13\x65xecution_providers\x18\x08 \x03(\t\x12\x14\n\x0c\x65os_token_id\x18\t \x01(\r\x12\x16\n\x0eserver_version\x18\n \x01(\t\x12\x19\n\x11prefix_cache_rows\x18\x0b \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x04\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12\x15\n\rmax_model_len\x18\x0e \x01(\r\x12\x17\n\x0f\x62\x61tch_invariant\x18\x0f \x01(\x08\x12\x13\n\x0bspeculative\x18\x10 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x11 \x01(\r\x12\x10\n\x08\x61\x64\x61pters\x18\x12 \x03(\t\x12\x12\n\nlora_slots\x18\x13 \x01(\r\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"/\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\" \n\x11\x44\x65tokenizeRequest\x12\x0b\n\x03ids\x18\x01 \x03(\r\"A\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x0e\n\x06tokens\x18\x03 \x03(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04\x32\x88\x03\n\x0eTextGeneration\x12\x45\n\x08Generate\x12\x1b.textgen.v1.GenerateRequest\x1a\x1c.textgen.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.textgen.v1.GenerateRequest\x1a\".textgen.v1.GenerateStreamResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.textgen.v1.GetModelInfoRequest\x1a\x15.textgen.v1.ModelInfo\x12\x45\n\x08Tokenize\x12\x1b.textgen.v1.TokenizeRequest\x1a\x1c.textgen.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.textgen.v1.DetokenizeRequest\x1a\x1e.textgen.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18textgen/v1/textgen.proto\x12\ntextgen.v1\"\x92\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.textgen.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x0b \x01(\x0b\x32\x18.textgen.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.textgen.v1.SamplingParams\x12.\n\x08stopping\x18\x05 \x01(\x0b\x32\x1c.textgen.v1.StoppingCriteria\x12\x18\n\x10include_logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\r\x12\x1e\n\x16truncate_prompt_tokens\x18\x08 \x01(\r\x12\x1f\n\x17include_prompt_logprobs\x18\t \x01(\x08\x12\x1b\n\x13prompt_top_logprobs\x18\n \x01(\r\x12*\n\nconstraint\x18\x0c \x01(\x0b\x32\x16.textgen.v1.Constraint\x12#\n\x16num_speculative_tokens\x18\r \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x0e \x01(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x0f \x01(\tB\x07\n\x05inputB\x19\n\x17_num_speculative_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"y\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.textgen.v1.ChatMessage\x12\x11\n\tdocuments\x18\x02 \x01(\t\x12\x1c\n\x14\x63hat_template_kwargs\x18\x03 \x01(\t\x12\r\n\x05tools\x18\x04 \x01(\t\"\xe4\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12(\n\ntool_calls\x18\x05 \x03(\x0b\x32\x14.textgen.v1.ToolCall\x12\x1e\n\x11reasoning_content\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x0e\n\x06\x66ields\x18\x07 \x01(\tB\x07\n\x05_nameB\x0f\n\r_tool_call_idB\x14\n\x12_reasoning_content\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x90\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x16.textgen.v1.ChoiceListH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xb0\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).textgen.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\xa0\x01\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x16\n\x0emin_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x9c\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.textgen.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.textgen.v1.Usage\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\x15\n\rqueue_seconds\x18\x07 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x08 \x01(\x01\x12\x15\n\rtotal_seconds\x18\t \x01(\x01\x12-\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x17.textgen.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x0b \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\x0c \x03(\x0b\x32\x17.textgen.v1.TopLogprobs\x12\x1d\n\x15\x63onstraint_incomplete\x18\r \x01(\x08\"\xcf\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.textgen.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.textgen.v1.Usage\x12-\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x17.textgen.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x08 \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\t \x03(\x0b\x32\x17.textgen.v1.TopLogprobs\x12\x1d\n\x15\x63onstraint_incomplete\x18\n \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xc6\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x1c\n\x14max_new_tokens_limit\x18\x04 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0cquantization\x18\x07 \x01(\t\x12\x1b\n\x13\x65xecution_providers\x18\x08 \x03(\t\x12\x14\n\x0c\x65os_token_id\x18\t \x01(\r\x12\x16\n\x0eserver_version\x18\n \x01(\t\x12\x19\n\x11prefix_cache_rows\x18\x0b \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x04\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12\x15\n\rmax_model_len\x18\x0e \x01(\r\x12\x17\n\x0f\x62\x61tch_invariant\x18\x0f \x01(\x08\x12\x13\n\x0bspeculative\x18\x10 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x11 \x01(\r\x12\x10\n\x08\x61\x64\x61pters\x18\x12 \x03(\t\x12\x12\n\nlora_slots\x18\x13 \x01(\r\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"/\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\" \n\x11\x44\x65tokenizeRequest\x12\x0b\n\x03ids\x18\x01 \x03(\r\"A\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x0e\n\x06tokens\x18\x03 \x03(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04\x32\x88\x03\n\x0eTextGeneration\x12\x45\n\x08Generate\x12\x1b.textgen.v1.GenerateRequest\x1a\x1c.textgen.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.textgen.v1.GenerateRequest\x1a\".textgen.v1.GenerateStreamResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.textgen.v1.GetModelInfoRequest\x1a\x15.textgen.v1.ModelInfo\x12\x45\n\x08Tokenize\x12\x1b.textgen.v1.TokenizeRequest\x1a\x1c.textgen.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.textgen.v1.DetokenizeRequest\x1a\x1e.textgen.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,46 +33,48 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2965
-  _globals['_FINISHREASON']._serialized_end=3110
+  _globals['_FINISHREASON']._serialized_start=3271
+  _globals['_FINISHREASON']._serialized_end=3416
   _globals['_GENERATEREQUEST']._serialized_start=41
   _globals['_GENERATEREQUEST']._serialized_end=571
   _globals['_TOKENIDS']._serialized_start=573
   _globals['_TOKENIDS']._serialized_end=596
   _globals['_CHATMESSAGES']._serialized_start=598
-  _globals['_CHATMESSAGES']._serialized_end=655
-  _globals['_CHATMESSAGE']._serialized_start=657
-  _globals['_CHATMESSAGE']._serialized_end=701
-  _globals['_CONSTRAINT']._serialized_start=704
-  _globals['_CONSTRAINT']._serialized_end=848
-  _globals['_CHOICELIST']._serialized_start=850
-  _globals['_CHOICELIST']._serialized_end=879
-  _globals['_SAMPLINGPARAMS']._serialized_start=882
-  _globals['_SAMPLINGPARAMS']._serialized_end=1186
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1129
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1177
-  _globals['_STOPPINGCRITERIA']._serialized_start=1189
-  _globals['_STOPPINGCRITERIA']._serialized_end=1349
-  _globals['_USAGE']._serialized_start=1351
-  _globals['_USAGE']._serialized_end=1438
-  _globals['_TOPLOGPROBS']._serialized_start=1440
-  _globals['_TOPLOGPROBS']._serialized_end=1490
-  _globals['_GENERATERESPONSE']._serialized_start=1493
-  _globals['_GENERATERESPONSE']._serialized_end=1905
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1908
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2243
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2245
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2266
-  _globals['_MODELINFO']._serialized_start=2269
-  _globals['_MODELINFO']._serialized_end=2723
-  _globals['_TOKENIZEREQUEST']._serialized_start=2725
-  _globals['_TOKENIZEREQUEST']._serialized_end=2812
-  _globals['_TOKENIZERESPONSE']._serialized_start=2814
-  _globals['_TOKENIZERESPONSE']._serialized_end=2861
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2863
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2895
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2897
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2962
-  _globals['_TEXTGENERATION']._serialized_start=3113
-  _globals['_TEXTGENERATION']._serialized_end=3505
+  _globals['_CHATMESSAGES']._serialized_end=719
+  _globals['_CHATMESSAGE']._serialized_start=722
+  _globals['_CHATMESSAGE']._serialized_end=950
+  _globals['_TOOLCALL']._serialized_start=952
+  _globals['_TOOLCALL']._serialized_end=1007
+  _globals['_CONSTRAINT']._serialized_start=1010
+  _globals['_CONSTRAINT']._serialized_end=1154
+  _globals['_CHOICELIST']._serialized_start=1156
+  _globals['_CHOICELIST']._serialized_end=1185
+  _globals['_SAMPLINGPARAMS']._serialized_start=1188
+  _globals['_SAMPLINGPARAMS']._serialized_end=1492
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1435
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1483
+  _globals['_STOPPINGCRITERIA']._serialized_start=1495
+  _globals['_STOPPINGCRITERIA']._serialized_end=1655
+  _globals['_USAGE']._serialized_start=1657
+  _globals['_USAGE']._serialized_end=1744
+  _globals['_TOPLOGPROBS']._serialized_start=1746
+  _globals['_TOPLOGPROBS']._serialized_end=1796
+  _globals['_GENERATERESPONSE']._serialized_start=1799
+  _globals['_GENERATERESPONSE']._serialized_end=2211
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2214
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2549
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2551
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2572
+  _globals['_MODELINFO']._serialized_start=2575
+  _globals['_MODELINFO']._serialized_end=3029
+  _globals['_TOKENIZEREQUEST']._serialized_start=3031
+  _globals['_TOKENIZEREQUEST']._serialized_end=3118
+  _globals['_TOKENIZERESPONSE']._serialized_start=3120
+  _globals['_TOKENIZERESPONSE']._serialized_end=3167
+  _globals['_DETOKENIZEREQUEST']._serialized_start=3169
+  _globals['_DETOKENIZEREQUEST']._serialized_end=3201
+  _globals['_DETOKENIZERESPONSE']._serialized_start=3203
+  _globals['_DETOKENIZERESPONSE']._serialized_end=3268
+  _globals['_TEXTGENERATION']._serialized_start=3419
+  _globals['_TEXTGENERATION']._serialized_end=3811
 # @@protoc_insertion_point(module_scope)
