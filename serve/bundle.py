@@ -48,6 +48,7 @@ from tokenizers import Tokenizer
 
 from serve.errors import BundleError
 from serve.lora_layout import LoraLayout
+from serve.onnx_fields import external_data_bytes
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -454,11 +455,30 @@ def _verify_file(root: Path, name: str, expected: str) -> None:
         )
 
 
+def graph_weight_bytes(root: Path, spec: GraphSpec) -> int:
+    """Bytes of the weights one graph reads, as stored: its file (its structure, and its weights where it
+    embeds them) and, of an external data file, the tensors it references there; the data file both graphs
+    share also holds tensors only the other one reads (a quantized mixture of experts: its serving graph's
+    experts in QMoE layout, its standard graph's as MatMulNBits). Reads the graph's headers, not its
+    weights, and no checksum."""
+    path = root / spec.file
+    total = path.stat().st_size
+    if spec.external_data is None:
+        return total
+    try:
+        referenced = external_data_bytes(path)
+    except (ValueError, IndexError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{path}: not a readable ONNX graph: {exc}") from exc
+    # A reference without a length runs to its file's end: the whole file, at most.
+    return total + sum(
+        (root / name).stat().st_size if length is None else length for name, length in referenced.items()
+    )
+
+
 def serving_weight_bytes(root: Path, manifest: Manifest) -> int:
-    """Bytes of a bundle's serving graph files (its weights, as stored): what loading it takes, at least.
-    Reads sizes only: no checksum, which opening the graph does anyway."""
-    spec = manifest.graphs.inplace or manifest.graphs.standard
-    return sum((root / name).stat().st_size for name in spec.files())
+    """Bytes of the weights a bundle's serving graph reads, as stored (`graph_weight_bytes`): what loading
+    it takes, at least."""
+    return graph_weight_bytes(root, manifest.graphs.inplace or manifest.graphs.standard)
 
 
 def load_bundle(path: Path | str) -> Bundle:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serve.api.config import ConfigError
-from serve.bundle import Architecture, Manifest, serving_weight_bytes
+from serve.bundle import Architecture, Manifest, graph_weight_bytes, serving_weight_bytes
 from serve.engine.types import KV_CACHE_DTYPES, KvCacheDtype
 
 # A model's full context (32k for Qwen2.5, 128k for Llama 3.1) times 20 rows is tens of GiB: serve a
@@ -40,8 +40,8 @@ def kv_itemsize(manifest: Manifest, kv_cache_dtype: KvCacheDtype = "auto") -> in
 
 @dataclass(frozen=True)
 class WeightFactor:
-    """Resident memory per byte of a serving graph's files: after start-up (a pod's request) and at the
-    start-up peak (its limit)."""
+    """Resident memory per byte of the weights a serving graph reads (`serve.bundle.graph_weight_bytes`):
+    after start-up (a pod's request) and at the start-up peak (its limit)."""
 
     steady: float
     peak: float
@@ -70,7 +70,7 @@ FIXED_BYTES = 288 * MIB
 class DraftCost:
     """What a draft model takes beside the model's KV rows."""
 
-    weight_bytes: int  # its serving graph's files
+    weight_bytes: int  # what its serving graph reads (serve.bundle.graph_weight_bytes)
     kv_bytes_per_token: int  # of its one KV row
 
     def bytes(self, max_model_len: int) -> int:
@@ -238,7 +238,7 @@ def feature_parts(
         verifying = int(serving_weight_bytes(root, manifest) * factor.steady) + SESSION_BYTES
         parts.append(MemoryPart("verification session (--speculative)", verifying))
     if features.prompt_logprobs:
-        standard = sum((root / name).stat().st_size for name in manifest.graphs.standard.files())
+        standard = graph_weight_bytes(root, manifest.graphs.standard)
         prompt = kv.max_model_len * scoring_bytes_per_position(manifest.architecture, kv.max_model_len)
         session = int(standard * factor.steady) + SESSION_BYTES
         parts.append(MemoryPart("prompt-logprobs session and prompt", session + prompt))

@@ -9,78 +9,25 @@ INLINE_BYTES becomes an external-data reference to its own bytes at their offset
 Python holds is then the structure only (kilobytes to a few MB), and ONNX Runtime, given it with the bundle's
 folder, maps each tensor from the file as it maps a bundle's external data file.
 
-The headers are read a few bytes at a time, not through a memory map of the file: a map makes resident
-whatever the kernel maps around each header touched (whole page-cache folios), 170 MB of C-llama int4's
-234 MB graph.
+The headers are read a few bytes at a time (serve/onnx_fields.py says why).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from io import FileIO
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from serve.errors import BundleError
+from serve.onnx_fields import GRAPH_INITIALIZER, MODEL_GRAPH, TENSOR_RAW_DATA, Field, fields, read
 
 if TYPE_CHECKING:
     import onnx
 
-# ModelProto.graph, GraphProto.initializer, TensorProto.raw_data (onnx.proto's field numbers)
-MODEL_GRAPH, GRAPH_INITIALIZER, TENSOR_RAW_DATA = 7, 5, 9
 # Tensors up to this size stay inside the graph: ONNX Runtime's shape inference needs the values of shape
 # constants, which it cannot read from external data when the model comes from memory.
 INLINE_BYTES = 1 << 16
-_VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
-_HEADER = 20  # a field's tag and length: two varints of at most 10 bytes each
-
-
-class _Field(NamedTuple):
-    """One field of a serialized protobuf message: its number, and where it, its value and its end lie."""
-
-    number: int
-    start: int
-    value: int
-    end: int
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        byte = data[pos]
-        result |= (byte & 0x7F) << shift
-        pos += 1
-        if byte < 0x80:
-            return result, pos
-        shift += 7
-
-
-def _read(file: FileIO, first: int, end: int) -> bytes:
-    file.seek(first)
-    return file.read(end - first) or b""
-
-
-def _fields(file: FileIO, start: int, end: int) -> Iterator[_Field]:
-    """The fields of the message that fills bytes [start, end) of the file, read a header at a time."""
-    pos = start
-    while pos < end:
-        header = _read(file, pos, pos + _HEADER)
-        tag, at = _varint(header, 0)
-        number, wire = tag >> 3, tag & 7
-        if wire == _VARINT:
-            _, at = _varint(header, at)
-            size = 0
-        elif wire in (_FIXED64, _FIXED32):
-            size = 8 if wire == _FIXED64 else 4
-        elif wire == _LENGTH:
-            size, at = _varint(header, at)
-        else:  # groups (3, 4): no ONNX message has them
-            raise ValueError(f"protobuf wire type {wire} at byte {pos}")
-        yield _Field(number, pos, pos + at, pos + at + size)
-        pos += at + size
-    if pos != end:
-        raise ValueError(f"a field runs past its message's end (byte {end})")
 
 
 def read_structure(path: Path) -> onnx.ModelProto:
@@ -99,25 +46,25 @@ def _structure(file: FileIO, name: str, size: int) -> onnx.ModelProto:
     import onnx
 
     model_parts, graph_parts, referenced = [], [], []
-    graph: _Field | None = None
-    for field in _fields(file, 0, size):
+    graph: Field | None = None
+    for field in fields(file, 0, size):
         if field.number == MODEL_GRAPH:
             graph = field
         else:
-            model_parts.append(_read(file, field.start, field.end))
+            model_parts.append(read(file, field.start, field.end))
     if graph is None:
         raise ValueError("no graph")
-    for field in _fields(file, graph.value, graph.end):
+    for field in fields(file, graph.value, graph.end):
         raw = None
         if field.number == GRAPH_INITIALIZER:
-            tensor_fields = _fields(file, field.value, field.end)
+            tensor_fields = fields(file, field.value, field.end)
             raw = next((f for f in tensor_fields if f.number == TENSOR_RAW_DATA), None)
         if raw is None or raw.end - raw.value <= INLINE_BYTES:
-            graph_parts.append(_read(file, field.start, field.end))
+            graph_parts.append(read(file, field.start, field.end))
             continue
         # the tensor's other fields (name, type, dims) lie before and after its bytes
-        fields = _read(file, field.value, raw.start) + _read(file, raw.end, field.end)
-        tensor = onnx.TensorProto.FromString(fields)
+        rest = read(file, field.value, raw.start) + read(file, raw.end, field.end)
+        tensor = onnx.TensorProto.FromString(rest)
         for key, value in (("location", name), ("offset", raw.value), ("length", raw.end - raw.value)):
             entry = tensor.external_data.add()
             entry.key, entry.value = key, str(value)

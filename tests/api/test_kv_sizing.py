@@ -9,10 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 from running_server import RunningServer, loopback_settings
 from server_tools import LoopThread
 
+from export.bundle_writer import SharedWeights
 from serve._proto.textgen.v1 import textgen_pb2 as pb
 from serve._proto.textgen.v1 import textgen_pb2_grpc as pb_grpc
 from serve.api import cli
@@ -22,13 +26,15 @@ from serve.api.loading import draft_cost
 from serve.api.sizing import (
     DEFAULT_MAX_MODEL_LEN,
     FIXED_BYTES,
+    SESSION_BYTES,
     WEIGHT_FACTORS,
     DraftCost,
     ServedFeatures,
     pod_memory,
+    scoring_bytes_per_position,
     size_kv_cache,
 )
-from serve.bundle import load_bundle, serving_weight_bytes
+from serve.bundle import Graphs, GraphSpec, graph_weight_bytes, load_bundle, serving_weight_bytes
 from serve.memory import parse_memory
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
@@ -93,14 +99,14 @@ def test_a_draft_model_is_paid_from_the_budget_first(tiny_bundle: Path, tmp_path
     assert "after 0.2 MiB for the draft model's weights and KV row" in sizing.describe()
     with pytest.raises(ConfigError, match=r"holds no KV row after the draft model's 0\.2 MiB"):
         size_kv_cache(manifest, None, 4 * row, 16, 4, draft)
-    # The server's own reckoning: the draft bundle's serving graph as stored (the graph and the weights file
-    # it reads), and its KV row.
+    # The server's own reckoning: the draft bundle's serving graph as stored (the graph and the weights it
+    # reads in the data file), and its KV row.
     flags = ["--bundle", str(tiny_bundle), "--speculative", "draft", "--draft-bundle", str(tiny_bundle)]
     cost = draft_cost(load_settings(flags))
     assert cost is not None and cost.kv_bytes_per_token == 512
     spec = manifest.graphs.inplace
     assert spec is not None and len(spec.files()) > 1
-    assert cost.weight_bytes == sum((tiny_bundle / name).stat().st_size for name in spec.files())
+    assert cost.weight_bytes == graph_weight_bytes(tiny_bundle, spec)
     assert draft_cost(load_settings(["--bundle", str(tmp_path)])) is None
 
 
@@ -193,6 +199,66 @@ def test_a_pods_memory_is_weights_times_a_factor_plus_kv_plus_the_fixed_part(tin
         assert mib * MIB >= exact > (mib - 1) * MIB  # rounded up to whole MiB
     assert pod.request_mib <= pod.limit_mib
     assert f"requests.memory: {pod.request_mib}Mi" in pod.describe()
+
+
+def _graph(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """A graph that hands its weights out as they are: only its initializers matter here."""
+    nodes = [helper.make_node("Identity", [name], [f"{name}.out"]) for name in weights]
+    outputs = [
+        helper.make_tensor_value_info(f"{n}.out", TensorProto.FLOAT, list(w.shape))
+        for n, w in weights.items()
+    ]
+    inits = [numpy_helper.from_array(w, name) for name, w in weights.items()]
+    return helper.make_model(helper.make_graph(nodes, "g", [], outputs, inits))
+
+
+def test_a_graph_counts_the_weights_it_reads_of_a_shared_data_file(tiny_bundle: Path, tmp_path: Path) -> None:
+    """Two graphs over one data file, each tensor stored once, as a quantized mixture of experts has them
+    (its experts laid out one way for the serving graph, another for the standard graph): a graph's weights
+    are its file and the tensors it references there, not the whole data file; the tensors both read count
+    for each. The pod's weights are the serving graph's, its prompt-logprobs session the standard graph's."""
+    rng = np.random.default_rng(0)
+    sizes = (3000, 50000, 700)  # floats: each past the writer's smallest external tensor
+    both, standard_only, serving_only = (rng.standard_normal(n).astype(np.float32) for n in sizes)
+    data = SharedWeights(tmp_path / "weights.data")
+    graphs = {
+        "model.onnx": _graph({"both": both, "standard_only": standard_only}),
+        "model_inplace.onnx": _graph({"both": both, "serving_only": serving_only}),
+    }
+    for name, graph in graphs.items():
+        data.externalize(graph)
+        (tmp_path / name).write_bytes(graph.SerializeToString())
+    data.close()
+    specs = {
+        name: GraphSpec(file=name, external_data="weights.data", inputs=["x"], outputs=["y"], opset=21)
+        for name in graphs
+    }
+    tiny = load_bundle(tiny_bundle).manifest
+    manifest = tiny.model_copy(
+        update={"graphs": Graphs(standard=specs["model.onnx"], inplace=specs["model_inplace.onnx"])}
+    )
+    serving = (tmp_path / "model_inplace.onnx").stat().st_size + both.nbytes + serving_only.nbytes
+    standard = (tmp_path / "model.onnx").stat().st_size + both.nbytes + standard_only.nbytes
+    assert serving_weight_bytes(tmp_path, manifest) == serving
+    assert graph_weight_bytes(tmp_path, specs["model.onnx"]) == standard
+    whole = (tmp_path / "weights.data").stat().st_size
+    assert whole >= both.nbytes + standard_only.nbytes + serving_only.nbytes > serving
+    kv = size_kv_cache(manifest, 128, None, 4, 0)
+    pod = pod_memory(tmp_path, manifest, kv, ServedFeatures(prompt_logprobs=True))
+    factor = WEIGHT_FACTORS[manifest.quantization]
+    (scoring,) = pod.parts
+    scored = kv.max_model_len * scoring_bytes_per_position(manifest.architecture, kv.max_model_len)
+    assert pod.weight_bytes == serving
+    assert scoring.bytes == int(standard * factor.steady) + SESSION_BYTES + scored
+    # A reference without a length runs to its file's end: the whole file is counted.
+    graph = graphs["model_inplace.onnx"]
+    tensor = next(t for t in graph.graph.initializer if t.name == "serving_only")
+    kept = [e for e in tensor.external_data if e.key != "length"]
+    del tensor.external_data[:]
+    tensor.external_data.extend(kept)
+    (tmp_path / "model_inplace.onnx").write_bytes(graph.SerializeToString())
+    size = (tmp_path / "model_inplace.onnx").stat().st_size
+    assert serving_weight_bytes(tmp_path, manifest) == size + whole
 
 
 def test_a_draft_model_counts_with_the_kv_cache(tiny_bundle: Path) -> None:

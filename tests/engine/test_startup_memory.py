@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from startup_memory import serving_weight_bytes, wide_int4_bundle
+from startup_memory import wide_int4_bundle
+
+from serve.bundle import load_bundle, serving_weight_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "support" / "startup_memory.py"
@@ -32,8 +34,12 @@ def _started(bundle: Path, row_pads: str | None = None) -> dict[str, float]:
     return dict(json.loads(done.stdout.splitlines()[-1]))
 
 
+def _weight_mib(bundle: Path) -> float:
+    return serving_weight_bytes(bundle, load_bundle(bundle).manifest) / MIB
+
+
 def _bound(bundle: Path, kv_mib: float) -> float:
-    return FIXED_MIB + WEIGHTS_MULTIPLE * serving_weight_bytes(bundle) / MIB + kv_mib
+    return FIXED_MIB + WEIGHTS_MULTIPLE * _weight_mib(bundle) + kv_mib
 
 
 def test_the_demo_starts_within_its_weights_and_kv_cache(demo_bundle: Path) -> None:
@@ -50,7 +56,7 @@ def wide_int4(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 def test_an_int4_bundle_starts_holding_its_weights_about_once(wide_int4: Path, row_pads: str) -> None:
     """Whether the engine takes the graph's row pads out (rewriting the graph at load) or keeps them, the
     weights are not read into Python, nor held by ONNX Runtime twice over."""
-    weights = serving_weight_bytes(wide_int4) / MIB
+    weights = _weight_mib(wide_int4)
     assert weights > FIXED_MIB / 2  # the weights, not the fixed cost, decide the bound
     started = _started(wide_int4, row_pads)
     assert started["peak"] - started["before"] <= _bound(wide_int4, started["kv"]), started

@@ -52,19 +52,6 @@ def wide_int4_bundle(tiny: Path, out: Path) -> Path:
     return out
 
 
-def serving_weight_bytes(bundle: Path) -> int:
-    """The bytes of the bundle's serving graph: its file, and its external data file if it has one."""
-    from serve.bundle import load_bundle
-
-    loaded = load_bundle(bundle)
-    spec = loaded.manifest.graphs.inplace
-    assert loaded.inplace_graph is not None and spec is not None
-    external = spec.external_data
-    return loaded.inplace_graph.stat().st_size + (
-        0 if external is None else (bundle / external).stat().st_size
-    )
-
-
 def main(bundle: Path, row_pads: str | None) -> dict[str, float]:
     """Open the bundle's engine (warmed up) as the engine process does; the resident memory before, once
     ready, and at the peak (VmHWM), in MiB, and the KV cache's MiB."""
