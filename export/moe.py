@@ -52,6 +52,7 @@ ExpertActivation = Literal["swiglu", "swiglu_clamped"]
 EXPERT_ACTIVATIONS = ("swiglu", "swiglu_clamped")
 EXPERTS_NAME = "experts"  # in the names of the serving graph's expert nodes: blocks.{i}.ffn.experts.{e}/...
 ROUTER_SUFFIX = "/router"  # of the router's MatMul: blocks.{i}.ffn/router
+ROUTER_WEIGHT_SUFFIX = ".router.weight"  # of its weight in the traced standard graph: the Linear's parameter
 
 
 @dataclass(frozen=True)
@@ -317,6 +318,13 @@ _EXPERT_TENSOR = re.compile(rf"\.{EXPERTS_NAME}\.\d+/")
 def is_expert_tensor(name: str) -> bool:
     """Whether a serving graph tensor belongs to one expert's rows (`experts_graph` names them so)."""
     return bool(_EXPERT_TENSOR.search(name))
+
+
+def router_name(weight: str) -> str | None:
+    """The node name `routers` knows a router's MatMul by, from its weight's name in the traced standard
+    graph (the module's parameter, ...ffn.router.weight); None for any other weight."""
+    prefix = weight.removesuffix(ROUTER_WEIGHT_SUFFIX)
+    return f"{prefix}{ROUTER_SUFFIX}" if prefix != weight else None
 
 
 def routers(model: onnx.ModelProto) -> list[str]:

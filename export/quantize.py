@@ -30,7 +30,10 @@ QInt8 because it measured faster than QUInt8 on the x86 CPUs tried. Known trap: 
 tied output head as `MatMul(x, Transpose(embedding))`, quantize_dynamic sees no constant weight and skips it
 (16 of 17 MatMuls on bench-a). `fold_weight_transposes` replaces such Transposes of initializers with
 pre-transposed initializers first, so the head, the largest MatMul, is quantized too. The in-place builder
-already writes the head as its own [d, vocab] initializer.
+already writes the head as its own [d, vocab] initializer. The other trap is Gemm, which neither quantizer
+takes: torch's dynamo exporter writes a Linear on 2-D rows as one (the standard graph's experts and routers,
+on the flattened [batch x seq, d] rows), and `gemms_to_matmuls` makes MatMuls of them first, so a mixture of
+experts scores prompts with the experts it generates with, not float ones (and stores them at its precision).
 
 Accuracy against fp32 (`quantized_accuracy`): mean next-token loss and perplexity of both on held-out text
 (stdlib files the demo model never trained on, or the user's --eval-text), top-1 agreement of the two at
@@ -57,7 +60,7 @@ from tokenizers import Tokenizer
 
 from export.fp16 import copy_model
 from export.generation import PROMPTS, Shape, StepFn, agreement_prefix, encode_prompts, greedy
-from export.moe import experts_to_qmoe, pad_expert_rows, routers
+from export.moe import experts_to_qmoe, pad_expert_rows, router_name, routers
 from export.row_pad import TOKEN_IDS_INPUT, pad_single_rows
 from export.train import encode_stream, load_corpus
 
@@ -104,14 +107,95 @@ def fold_weight_transposes(model: onnx.ModelProto) -> int:
     return folded
 
 
-def count_weight_matmuls(model: onnx.ModelProto) -> dict[str, int]:
-    """MatMuls with a constant weight left in float (the experts' routers, float on purpose, not counted),
-    and quantized MatMul ops."""
+def gemms_to_matmuls(model: onnx.ModelProto) -> int:
+    """Turn each Gemm by a constant weight into MatMul (and an Add of its bias), which the quantizers take:
+    torch's dynamo exporter writes a Linear on 2-D rows as Gemm (the standard graph's experts and routers,
+    export/onnx_standard.py). A weight is an initializer or a Gather of one by a constant index (an expert's
+    slice of its layer's stacked [E, N, K] parameter), which becomes an initializer of its own: the stacked
+    one goes once no node reads it. Only where the result is the same sums: transA 0, alpha 1, and beta 1
+    where there is a bias; a transB weight is stored transposed, as `fold_weight_transposes` does. A
+    router's MatMul is named as the serving graph names it (export.moe.ROUTER_SUFFIX), so it stays float in
+    both graphs. Returns how many were rewritten."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    producers = {out: node for node in graph.node for out in node.output}
+    arrays: dict[str, np.ndarray] = {}  # initializers read as arrays, each once
+
+    def array(name: str) -> np.ndarray:
+        if name not in arrays:
+            arrays[name] = numpy_helper.to_array(inits[name])
+        return arrays[name]
+
+    def constant(name: str) -> np.ndarray | None:
+        if name in inits:
+            return array(name)
+        gather = producers.get(name)
+        if gather is None or gather.op_type != "Gather" or not all(i in inits for i in gather.input[:2]):
+            return None
+        axis = next((a.i for a in gather.attribute if a.name == "axis"), 0)
+        return np.take(array(gather.input[0]), array(gather.input[1]), axis=axis)
+
+    nodes: list[onnx.NodeProto] = []
+    replaced: set[str] = set()  # the weights' former names
+    rewritten = 0
+    for node in graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+        exact = attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0
+        exact = exact and (bias is None or attrs.get("beta", 1.0) == 1.0)
+        weight = constant(node.input[1]) if node.op_type == "Gemm" and exact else None
+        if weight is None or weight.ndim != 2:
+            nodes.append(node)
+            continue
+        source = node.input[1]
+        name = f"{source}.transposed" if attrs.get("transB", 0) else f"{source}.folded"
+        if name not in inits:
+            values = np.ascontiguousarray(weight.T if attrs.get("transB", 0) else weight)
+            inits[name] = numpy_helper.from_array(values, name)
+            graph.initializer.append(inits[name])
+        replaced.add(source)
+        product = f"{node.output[0]}_matmul" if bias else node.output[0]
+        matmul_name = router_name(source) or node.name
+        nodes.append(helper.make_node("MatMul", [node.input[0], name], [product], name=matmul_name))
+        if bias:
+            add = helper.make_node("Add", [product, bias], list(node.output), name=f"{node.name}_bias")
+            nodes.append(add)
+        rewritten += 1
+    # The Gathers of the weights, and the initializers they and the Gemms read, go where nothing else reads
+    # them: the graph keeps one copy of each weight.
+    outputs = {o.name for o in graph.output}
+    used = {name for n in nodes for name in n.input} | outputs
+    gathers = [producers[r] for r in replaced if r in producers and r not in used]
+    nodes = [n for n in nodes if not any(n is g for g in gathers)]
+    used = {name for n in nodes for name in n.input} | outputs
+    sources = replaced | {i for g in gathers for i in g.input}
+    del graph.node[:]
+    graph.node.extend(nodes)
+    for name in sources - used:
+        if name in inits:
+            graph.initializer.remove(inits[name])
+    return rewritten
+
+
+def weight_tensors(model: onnx.ModelProto) -> set[str]:
+    """The tensors a product by a weight reads as its weight: initializers, and the Gathers of an initializer
+    by a constant index (the traced standard graph's experts, each a slice of its layer's stacked
+    parameter)."""
     inits = {t.name for t in model.graph.initializer}
+    gathers = (n for n in model.graph.node if n.op_type == "Gather")
+    return inits | {n.output[0] for n in gathers if all(i in inits for i in n.input[:2])}
+
+
+def count_weight_matmuls(model: onnx.ModelProto) -> dict[str, int]:
+    """MatMuls and Gemms by a weight (`weight_tensors`) left in float (the experts' routers, float on
+    purpose, not counted), and quantized MatMul ops."""
+    weights = weight_tensors(model)
     ops = Counter(n.op_type for n in model.graph.node)
     kept = set(routers(model))
     float_weight = sum(
-        1 for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits and n.name not in kept
+        1
+        for n in model.graph.node
+        if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights and n.name not in kept
     )
     return {"float": float_weight, "quantized": sum(ops[o] for o in QUANTIZED_MATMUL_OPS)}
 
@@ -142,6 +226,7 @@ def quantize_int8(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, in
     model = copy_model(model)  # the caller's graph stays fp32
     large = sum(len(t.raw_data) for t in model.graph.initializer) > LARGE_MODEL_BYTES
     folded = fold_weight_transposes(model)
+    gemms = gemms_to_matmuls(model)
     with tempfile.TemporaryDirectory() as tmp, _quiet_loggers():
         out = Path(tmp) / "int8.onnx"
         quantize_dynamic(
@@ -156,7 +241,7 @@ def quantize_int8(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, in
         )
         quantized = onnx.load(str(out))  # loads the external data too: the temp dir goes away
     counts = count_weight_matmuls(quantized)
-    return quantized, {**counts, "transposes_folded": folded}
+    return quantized, {**counts, "transposes_folded": folded, "gemms_rewritten": gemms}
 
 
 def check_block_size(block_size: int) -> int:
@@ -259,6 +344,7 @@ def quantize_nbits(
     check_block_size(block_size)
     model = copy_model(model)
     folded = fold_weight_transposes(model)
+    gemms = gemms_to_matmuls(model)
     quantizer = _matmul_nbits().MatMulNBitsQuantizer(
         model,
         bits=bits,
@@ -284,6 +370,7 @@ def quantize_nbits(
     return quantized, {
         **counts,
         "transposes_folded": folded,
+        "gemms_rewritten": gemms,
         "quantized_gathers": gathers,
         "single_row_padded": padded,
         "qmoe_layers": fused,

@@ -28,10 +28,12 @@ from serve.bundle import ROW_PAD_PREFIX  # names of the nodes and constants pad_
 
 TOKEN_IDS_INPUT = "input_ids"  # [batch, seq]: its shape gives the pads (both graphs)
 
-# Rows laid out as [batch, seq, d] (the residual stream) or [batch, d] (the head after the last-position
-# gather): what a Pad adds and a Slice cuts along, and the rank of every tensor padded so.
-BATCH_SEQ, BATCH = "batch_seq", "batch"
-RANK = {BATCH_SEQ: 3, BATCH: 2}
+# Rows laid out as [batch, seq, d] (the residual stream), [batch, d] (the head after the last-position
+# gather) or [batch x seq, d] (every position's row, flattened: the traced standard graph's experts, which
+# torch writes as a Linear on 2-D rows): what a Pad adds and a Slice cuts along, and the rank of every tensor
+# padded so.
+BATCH_SEQ, BATCH, FLAT = "batch_seq", "batch", "flat"
+RANK = {BATCH_SEQ: 3, BATCH: 2, FLAT: 2}
 IDS = "ids"  # a [batch, seq] input of ids
 
 ELEMENTWISE = {
@@ -198,7 +200,11 @@ def _padded_name(name: str) -> str:
 
 def _pad(name: str, layout: str) -> onnx.NodeProto:
     p = ROW_PAD_PREFIX
-    pads, axes = (f"{p}_pads3", f"{p}_axes") if layout == BATCH_SEQ else (f"{p}_pads2", f"{p}_zero")
+    pads, axes = {
+        BATCH_SEQ: (f"{p}_pads3", f"{p}_axes"),
+        BATCH: (f"{p}_pads2", f"{p}_zero"),
+        FLAT: (f"{p}_pads_flat", f"{p}_zero"),
+    }[layout]
     padded = _padded_name(name)
     return helper.make_node("Pad", [name, pads, "", axes], [padded], mode="edge", name=f"{padded}_pad")
 
@@ -208,7 +214,7 @@ def _cut(real: str, layout: str) -> onnx.NodeProto:
     if layout == BATCH_SEQ:
         starts, ends, axes = f"{p}_zeros", f"{p}_shape", f"{p}_axes"
     else:
-        starts, ends, axes = f"{p}_zero", f"{p}_b", f"{p}_zero"
+        starts, ends, axes = f"{p}_zero", f"{p}_b" if layout == BATCH else f"{p}_rows", f"{p}_zero"
     padded = _padded_name(real)
     return helper.make_node("Slice", [padded, starts, ends, axes], [real], name=f"{padded}_cut")
 
@@ -222,19 +228,29 @@ def _int64s(name: str, values: list[int]) -> onnx.TensorProto:
 
 
 def _matmul_layouts(model: onnx.ModelProto) -> dict[str, str]:
-    """The layout of each MatMulNBits input, from its rank: declared (value_info, as the traced graph has
+    """The layout of each MatMulNBits input, from its shape: declared (value_info, as the traced graph has
     them), or that of the graph output it produces (the serving graph's head: [batch, vocab] from [batch,
-    d]), or 3 (export.model's residual stream, [batch, seq, d], which every other projection reads)."""
-    declared = {v.name: len(v.type.tensor_type.shape.dim) for v in model.graph.value_info}
-    outputs = {v.name: len(v.type.tensor_type.shape.dim) for v in model.graph.output}
-    ranks = {
-        n.input[0]: declared.get(n.input[0], outputs.get(n.output[0], 3))
+    d]), or rank 3 (export.model's residual stream, [batch, seq, d], which every other projection reads). Of
+    rank 2, [batch, d] where its first axis is input_ids' batch axis, else [batch x seq, d]."""
+    declared = {v.name: _dims(v) for v in model.graph.value_info}
+    outputs = {v.name: _dims(v) for v in model.graph.output}
+    batch = next((_dims(i)[0] for i in model.graph.input if i.name == TOKEN_IDS_INPUT), None)
+    shapes = {
+        n.input[0]: declared.get(n.input[0], outputs.get(n.output[0], [batch, None, None]))
         for n in model.graph.node
         if n.op_type == "MatMulNBits" and not is_expert_tensor(n.input[0])  # export.moe pads those
     }
-    if not set(ranks.values()) <= {2, 3}:
-        raise ValueError(f"MatMulNBits inputs of rank {sorted(set(ranks.values()))}: expected 2 or 3")
-    return {name: BATCH_SEQ if rank == 3 else BATCH for name, rank in ranks.items()}
+    ranks = {len(dims) for dims in shapes.values()}
+    if not ranks <= {2, 3}:
+        raise ValueError(f"MatMulNBits inputs of rank {sorted(ranks)}: expected 2 or 3")
+    return {
+        name: BATCH_SEQ if len(dims) == 3 else BATCH if dims[0] == batch else FLAT
+        for name, dims in shapes.items()
+    }
+
+
+def _dims(value: onnx.ValueInfoProto) -> list[str | int | None]:
+    return [d.dim_param or d.dim_value or None for d in value.type.tensor_type.shape.dim]
 
 
 def _ids_inputs(graph: onnx.GraphProto) -> dict[str, str]:
@@ -259,14 +275,20 @@ def _row_free_inputs(graph: onnx.GraphProto) -> set[str]:
 def _row_pad_nodes(layouts: set[str]) -> list[onnx.NodeProto]:
     """The pads (and the shape to cut back to) shared by every Pad and Slice, from input_ids' shape.
     [batch, seq, ...]: when batch x seq is odd, one more position along the longer axis, which adds the
-    fewer rows (one more seq position adds batch rows). [batch, ...]: one more row when batch is odd."""
+    fewer rows (one more seq position adds batch rows). [batch, ...]: one more row when batch is odd.
+    [batch x seq, ...]: one more row when batch x seq is odd."""
     p = ROW_PAD_PREFIX
     nodes = [helper.make_node("Shape", [TOKEN_IDS_INPUT], [f"{p}_shape"])]
     nodes.append(helper.make_node("Gather", [f"{p}_shape", f"{p}_zero"], [f"{p}_b"], axis=0))
-    if BATCH_SEQ in layouts:
+    if layouts & {BATCH_SEQ, FLAT}:
         nodes += [
             helper.make_node("ReduceProd", [f"{p}_shape"], [f"{p}_rows"], keepdims=1),
             helper.make_node("Mod", [f"{p}_rows", f"{p}_two"], [f"{p}_odd"]),
+        ]
+    if FLAT in layouts:  # one more row when batch x seq is odd
+        nodes.append(helper.make_node("Concat", [f"{p}_zero", f"{p}_odd"], [f"{p}_pads_flat"], axis=0))
+    if BATCH_SEQ in layouts:
+        nodes += [
             helper.make_node("Gather", [f"{p}_shape", f"{p}_one"], [f"{p}_s"], axis=0),
             helper.make_node("Greater", [f"{p}_s", f"{p}_b"], [f"{p}_seq_longer"]),
             helper.make_node("Cast", [f"{p}_seq_longer"], [f"{p}_seq_longer_i"], to=onnx.TensorProto.INT64),

@@ -18,13 +18,23 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from hf_models import PROMPTS, STEPS, build, gpt_oss_config, qwen3_moe_config, run_inplace, train_bpe
+from hf_models import (
+    FAMILIES,
+    PROMPTS,
+    STEPS,
+    build,
+    gpt_oss_config,
+    run_inplace,
+    train_bpe,
+)
 from safetensors.torch import load_file, save_file
 from transformers import GptOssForCausalLM
 
+from export.bundle_writer import ALIGNMENT
 from export.checkpoint import load_checkpoint, save_checkpoint
+from export.cli import main
 from export.hf_import import import_checkpoint
-from export.model import Decoder, count_active_parameters, count_parameters
+from export.model import Decoder, DecoderConfig, count_active_parameters, count_parameters
 from export.moe import (
     QMOE_NAME,
     ROUTER_SUFFIX,
@@ -38,23 +48,42 @@ from export.moe import (
 )
 from export.mxfp4 import dequantize_mxfp4
 from export.onnx_inplace import OPSET, _GraphBuilder, build_inplace_graph
+from export.onnx_standard import export_standard_graph
 from export.pipeline import architecture_fields
 from export.quantize import quantize_nbits
 from export.tokenizer import SPECIAL_TOKENS
 from serve.api.sizing import scoring_bytes_per_position
-from serve.bundle import ROW_PAD_PREFIX, Architecture
+from serve.bundle import ROW_PAD_PREFIX, Architecture, load_bundle
+from serve.engine.engine import Engine
 from serve.engine.row_pad import strip_row_pads
+from serve.engine.sampling import SamplingParams
+from serve.engine.types import EngineSettings, NewSequence
 
 # Five rows of three lengths, two of them alone-sized: each expert sees odd and even row counts.
 BATCH = (*PROMPTS, (9,), (77, 78))
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Decoder, onnx.ModelProto]:
+def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("qwen3-moe")
-    build(qwen3_moe_config(mlp_only_layers=[1], moe_intermediate_size=64), folder)
-    model = import_checkpoint(folder).model
+    family = FAMILIES["qwen3-moe"]
+    build(family.make_config(mlp_only_layers=[1], moe_intermediate_size=64), folder)
+    family.save_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def moe(moe_folder: Path) -> tuple[Decoder, onnx.ModelProto]:
+    model = import_checkpoint(moe_folder).model
     return model, build_inplace_graph(model)
+
+
+@pytest.fixture(scope="module")
+def moe_int8(moe_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The model exported at --int8 as an operator exports it: both graphs, verified against transformers."""
+    bundle = tmp_path_factory.mktemp("qwen3-moe-int8") / "bundle"
+    assert main(["hf", "--model", str(moe_folder), "--out", str(bundle), "--int8"]) == 0
+    return bundle
 
 
 @pytest.mark.parametrize(("bits", "block"), [(None, None), (4, 32), (4, 16), (8, 64)])
@@ -91,6 +120,104 @@ def test_expert_row_pads_come_out_with_the_dense_ones(moe: tuple[Decoder, onnx.M
         return [(n.op_type, list(n.input), list(n.output)) for n in m.graph.node]
 
     assert structure(stripped) == structure(plain)
+
+
+def test_an_int8_bundle_quantizes_every_expert_in_both_graphs(
+    moe: tuple[Decoder, onnx.ModelProto], moe_int8: Path
+) -> None:
+    """The float products by a weight left in either graph are the routers: the standard graph's experts,
+    which torch traces as Gemm on 2-D rows, are MatMulNBits too. So the data file holds every weight at most
+    twice at 8 bits (the experts once in the serving graph's QMoE layout and once as the standard graph's
+    MatMulNBits, a tied embedding as table and head), the routers and norms in float, and each tensor on a
+    page of its own; with float experts in the standard graph they alone would take 4 bytes a weight."""
+    model, _ = moe
+    manifest = load_bundle(moe_int8).manifest
+    assert manifest.graphs.inplace is not None and manifest.quantization_block_size is not None
+    spans: set[tuple[int, int]] = set()
+    for spec in (manifest.graphs.standard, manifest.graphs.inplace):
+        graph = onnx.load(str(moe_int8 / spec.file), load_external_data=False)
+        weights = {t.name for t in graph.graph.initializer}
+        # and a weight's slice, as torch traces an expert's: a Gather of its stacked weights by a constant
+        weights |= {n.output[0] for n in graph.graph.node if n.op_type == "Gather" and n.input[1] in weights}
+        floats = [n for n in graph.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]
+        assert len(floats) == manifest.architecture.sparse_layers, spec.file
+        assert all(n.op_type == "MatMul" and n.name.endswith(ROUTER_SUFFIX) for n in floats), spec.file
+        for tensor in graph.graph.initializer:
+            where = {e.key: e.value for e in tensor.external_data}
+            if where:
+                spans.add((int(where["offset"]), int(where["length"])))
+    parameters = count_parameters(model)
+    float_parameters = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 1 or "router" in n)
+    per_weight = 1 + 4 / manifest.quantization_block_size  # a byte and its share of a float scale
+    stored = sum(length for _, length in spans)
+    assert stored < 2 * parameters * per_weight + 2 * 4 * float_parameters
+    assert (moe_int8 / "weights.data").stat().st_size <= stored + ALIGNMENT * len(spans)
+
+
+def test_an_int8_bundles_prompt_logprobs_are_its_generation_logprobs(
+    moe: tuple[Decoder, onnx.ModelProto], moe_int8: Path
+) -> None:
+    """The standard graph, which scores prompts, computes at the serving graph's precision: a generated
+    token's score as part of a prompt is the logprob the serving graph gave it, much closer to it than
+    both are to the fp32 model's."""
+    model, _ = moe
+    engine = Engine.from_bundle(load_bundle(moe_int8), EngineSettings(max_batch_size=1))
+    for prompt in PROMPTS:
+        (first,) = engine.prefill([NewSequence("s", list(prompt), SamplingParams(), logprobs=True)])
+        outs = [first] + [engine.decode()[0] for _ in range(STEPS - 1)]
+        engine.release(["s"])
+        tokens = [out.token_id for out in outs]
+        generated = np.array([out.logprob for out in outs])
+        scored = np.array(engine.score_prompt([*prompt, *tokens]).logprobs[len(prompt) - 1 :])
+        ids = torch.tensor([[*prompt, *tokens]])
+        with torch.no_grad():
+            logits, _ = model(ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None])
+        steps = torch.arange(len(prompt) - 1, ids.shape[1] - 1)
+        fp32 = torch.log_softmax(logits[0], dim=-1)[steps, ids[0, steps + 1]].numpy()
+        print(prompt[:2], np.abs(scored - generated).max(), np.abs(fp32 - generated).max())
+        assert np.abs(scored - generated).max() < np.abs(fp32 - generated).max() / 4
+
+
+def _standard_logits(graph: onnx.ModelProto, cfg: DecoderConfig, ids: np.ndarray) -> np.ndarray:
+    """The standard graph's logits of every position of `ids` [batch, seq], from an empty past."""
+    session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+    empty = np.zeros((len(ids), cfg.kv_heads, 0, cfg.head_dim), np.float32)
+    feed = {
+        "input_ids": ids,
+        "attention_mask": np.ones_like(ids),
+        "position_ids": np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy(),
+    }
+    feed |= {f"past_key_values.{i}.{k}": empty for i in range(cfg.n_layers) for k in ("key", "value")}
+    return np.asarray(session.run(["logits"], feed)[0])
+
+
+def test_the_standard_graphs_experts_take_the_row_pads(moe: tuple[Decoder, onnx.ModelProto]) -> None:
+    """int4 at block 32 pads: the traced standard graph's experts, Gemms on the flattened batch x seq rows,
+    become MatMulNBits that read those rows made even and cut back to batch x seq; the engine's strip
+    leaves the graph quantized without pads, and the pads change a logit by less than the quantization
+    does, for odd and even row counts alike."""
+    model, _ = moe
+    standard = export_standard_graph(model)
+    padded, counts = quantize_nbits(standard, 4, 32)
+    plain, _ = quantize_nbits(standard, 4, 32, pad_rows=False)
+    assert counts["float"] == 0 and counts["gemms_rewritten"] == 2 * 8 + 1  # the experts and the router
+    assert not [n for n in padded.graph.node if n.op_type == "Gemm"]
+    weights = {t.name for t in padded.graph.initializer}
+    nbits = [n for n in padded.graph.node if n.op_type == "MatMulNBits"]
+    assert all(n.input[0].endswith(f"_{ROW_PAD_PREFIX}") for n in nbits)
+    assert len({n.input[0] for n in nbits if n.input[1] in weights}) < len(nbits)  # experts share a pad
+    stripped = copy.deepcopy(padded)
+    strip_row_pads(stripped)
+    assert [(n.op_type, list(n.input)) for n in stripped.graph.node] == [
+        (n.op_type, list(n.input)) for n in plain.graph.node
+    ]
+    rng = np.random.default_rng(0)
+    for shape in ((1, 3), (2, 3), (3, 1), (1, 4)):
+        ids = rng.integers(3, model.cfg.vocab_size, shape)
+        fp32, unpadded = _standard_logits(standard, model.cfg, ids), _standard_logits(plain, model.cfg, ids)
+        got = _standard_logits(padded, model.cfg, ids)
+        assert got.shape == fp32.shape
+        assert np.abs(got - unpadded).max() < np.abs(unpadded - fp32).max(), shape
 
 
 def test_active_parameters_count_a_tokens_experts(moe: tuple[Decoder, onnx.ModelProto]) -> None:
