@@ -166,7 +166,8 @@ def gemms_to_matmuls(model: onnx.ModelProto) -> int:
     outputs = {o.name for o in graph.output}
     used = {name for n in nodes for name in n.input} | outputs
     gathers = [producers[r] for r in replaced if r in producers and r not in used]
-    nodes = [n for n in nodes if not any(n is g for g in gathers)]
+    dropped = {g.output[0] for g in gathers}
+    nodes = [n for n in nodes if not (n.op_type == "Gather" and n.output[0] in dropped)]
     used = {name for n in nodes for name in n.input} | outputs
     sources = replaced | {i for g in gathers for i in g.input}
     del graph.node[:]

@@ -26,6 +26,7 @@ from export.quantize import (
     INVARIANT_MAX_BLOCK,
     count_weight_matmuls,
     fold_weight_transposes,
+    gemms_to_matmuls,
     quantize_int8,
     quantize_nbits,
 )
@@ -178,9 +179,41 @@ def test_fold_weight_transposes_keeps_results_and_enables_quantization() -> None
     assert [n.op_type for n in folded.graph.node] == ["MatMul"]
     np.testing.assert_allclose(session(folded).run(None, x)[0], before, rtol=1e-6)
     quantized, counts = quantize_int8(model)
-    assert counts == {"float": 0, "quantized": 1, "transposes_folded": 1}
+    assert counts == {"float": 0, "quantized": 1, "transposes_folded": 1, "gemms_rewritten": 0}
     after = session(quantized).run(None, x)[0]
     assert np.corrcoef(after.ravel(), before.ravel())[0, 1] > 0.95  # int8 of a 4-wide dot: approximate
+
+
+def test_gemms_by_a_weight_become_matmuls_where_the_sums_are_the_same() -> None:
+    """torch traces a Linear on 2-D rows as Gemm, a stacked weight's slice as a Gather: with transB and a
+    bias, and from a Gather by a constant index, the Gemm becomes MatMul (and Add), the same to float
+    rounding, and is quantized; alpha != 1 is not the same sums and stays a (counted) float Gemm."""
+    rng = np.random.default_rng(0)
+    stacked, bias = rng.normal(size=(3, 5, 4)), rng.normal(size=5)
+    weights = {"stacked": stacked, "bias": bias, "w": rng.normal(size=(4, 5)), "index": np.array(1)}
+    inits = [
+        numpy_helper.from_array(v.astype(np.float32 if v.ndim else np.int64), k) for k, v in weights.items()
+    ]
+    nodes = [
+        helper.make_node("Gather", ["stacked", "index"], ["expert"], axis=0),
+        helper.make_node("Gemm", ["x", "expert", "bias"], ["y"], transB=1),
+        helper.make_node("Gemm", ["x", "w"], ["z"], alpha=0.5),
+    ]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["n", 5]) for n in ("y", "z")]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])]
+    graph = helper.make_graph(nodes, "gemms", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x = {"x": rng.normal(size=(3, 4)).astype(np.float32)}
+    before = session(model).run(None, x)
+    assert count_weight_matmuls(model) == {"float": 2, "quantized": 0}
+    rewritten = onnx.ModelProto.FromString(model.SerializeToString())
+    assert gemms_to_matmuls(rewritten) == 1
+    assert [n.op_type for n in rewritten.graph.node] == ["MatMul", "Add", "Gemm"]
+    assert "stacked" not in {t.name for t in rewritten.graph.initializer}  # its one slice is all it was for
+    for got, expected in zip(session(rewritten).run(None, x), before, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    _, counts = quantize_nbits(model, 8, 16)
+    assert (counts["gemms_rewritten"], counts["quantized"], counts["float"]) == (1, 1, 1)
 
 
 def _projection_and_head_graph(k: int) -> onnx.ModelProto:
