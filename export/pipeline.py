@@ -272,7 +272,10 @@ def _convert(
             graph, stats[f"int8_{role}"] = quantize_int8(graph)
     elif precision.bits and precision.block:
         with progress.step(f"{precision.kind.upper()} MatMulNBits, block {precision.block} ({role} graph)"):
-            graph, stats[f"{precision.kind}_{role}"] = quantize_nbits(graph, precision.bits, precision.block)
+            # The float graph is dropped once quantized: quantized in place, its weights are not copied.
+            graph, stats[f"{precision.kind}_{role}"] = quantize_nbits(
+                graph, precision.bits, precision.block, in_place=True
+            )
     if precision.fp16:
         with progress.step(f"FP16 conversion ({role} graph)"):
             graph = convert_fp16(graph)

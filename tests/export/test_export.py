@@ -271,6 +271,19 @@ def test_nbits_rows_are_computed_alone_as_in_a_batch(bits: int, block: int) -> N
     assert not {n.op_type for n in unpadded.graph.node} & {"Pad", "Slice"}
 
 
+def test_nbits_copies_the_float_graph_unless_in_place() -> None:
+    """The exporter quantizes in place so the float weights are not copied at its memory peak; other callers
+    (which quantize one graph several ways) keep theirs float."""
+    model = _projection_and_head_graph(k=64)
+    float_ops = [n.op_type for n in model.graph.node]
+    copied = quantize_nbits(model, 8, 64)[0]
+    assert copied is not model and [n.op_type for n in model.graph.node] == float_ops
+    same, counts = quantize_nbits(model, 8, 64, in_place=True)
+    assert same is model and counts["float"] == 0
+    assert [n.op_type for n in model.graph.node] == [n.op_type for n in copied.graph.node]
+    assert _rows_that_differ_alone(same) == []
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_nbits_quantizes_every_weight_matmul_and_the_token_embedding(tiny_bundle: Path, bits: int) -> None:
     layers = PRESETS["tiny"].n_layers
