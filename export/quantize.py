@@ -78,6 +78,9 @@ HELDOUT_PERCENT = 5
 LOSS_WINDOWS = 16
 LOSS_WINDOW_TOKENS = 128
 GREEDY_STEPS = 32
+# The held-out logits quantized_accuracy holds at once, per model: all windows at a small vocabulary (one
+# call), a window or two at a large one (16 windows of 128 positions at 262,144 ids are 2.1 GB per model).
+ACCURACY_LOGITS_BYTES = 256 * 2**20
 
 
 def fold_weight_transposes(model: onnx.ModelProto) -> int:
@@ -426,11 +429,30 @@ def quantized_accuracy(
     pad_id: int,
     context_length: int,
     eval_text: str | None = None,
+    logits_bytes: int = ACCURACY_LOGITS_BYTES,
 ) -> dict[str, Any]:
+    """The quantized model against the fp32 one: held-out perplexity, logits and greedy tokens. The windows
+    are run in chunks of at most `logits_bytes` of logits per model (at least one window), each chunk's
+    figures kept and its logits dropped: both models' logits of every window, and the loss's temporaries
+    as large, would otherwise be the export's memory peak at a large vocabulary."""
     windows = heldout_windows(tokenizer, context_length, eval_text)
-    ref_logits, q_logits = _full_logits(fp32, windows, shape), _full_logits(quantized, windows, shape)
-    targets = windows[:, 1:]
-    ref_loss, q_loss = mean_loss(ref_logits, targets), mean_loss(q_logits, targets)
+    ref_nll = q_nll = max_diff = 0.0
+    top1_agree = start = 0
+    per_chunk = 1  # the first window tells one window's size
+    while start < len(windows):
+        chunk = windows[start : start + per_chunk]
+        ref_logits, q_logits = _full_logits(fp32, chunk, shape), _full_logits(quantized, chunk, shape)
+        targets = chunk[:, 1:]
+        # Sums of the losses, so the mean is over every target whatever the chunks.
+        ref_nll += mean_loss(ref_logits, targets) * targets.size
+        q_nll += mean_loss(q_logits, targets) * targets.size
+        max_diff = max(max_diff, float(np.abs(ref_logits - q_logits).max()))
+        top1_agree += int((ref_logits.argmax(-1) == q_logits.argmax(-1)).sum())
+        start += len(chunk)
+        per_chunk = max(1, logits_bytes // ref_logits[0].nbytes)
+        del ref_logits, q_logits
+    targets_size = windows[:, 1:].size
+    ref_loss, q_loss = ref_nll / targets_size, q_nll / targets_size
     steps = min(GREEDY_STEPS, context_length // 2)
     prompts = encode_prompts(tokenizer, context_length, steps)
     ref_tokens = greedy(fp32, prompts, pad_id, shape, steps).tokens
@@ -438,14 +460,14 @@ def quantized_accuracy(
     ratio = math.exp(q_loss) / math.exp(ref_loss)
     return {
         "heldout_text": "eval text" if eval_text is not None else "stdlib held-out split",
-        "heldout_tokens": int(targets.size),
+        "heldout_tokens": int(targets_size),
         "fp32_loss": ref_loss,
         "quantized_loss": q_loss,
         "fp32_perplexity": math.exp(ref_loss),
         "quantized_perplexity": math.exp(q_loss),
         "perplexity_ratio": ratio,
-        "max_abs_logits_diff": float(np.abs(ref_logits - q_logits).max()),
-        "top1_agreement": float((ref_logits.argmax(-1) == q_logits.argmax(-1)).mean()),
+        "max_abs_logits_diff": max_diff,
+        "top1_agreement": top1_agree / targets_size,
         "greedy_prompts": len(PROMPTS),
         "greedy_steps": steps,
         "greedy_identical_prompts": int(np.all(ref_tokens == q_tokens, axis=1).sum()),

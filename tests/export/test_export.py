@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +28,11 @@ from export.quantize import (
     count_weight_matmuls,
     fold_weight_transposes,
     gemms_to_matmuls,
+    heldout_windows,
+    mean_loss,
     quantize_int8,
     quantize_nbits,
+    quantized_accuracy,
 )
 from export.verify import FP32_TOLERANCE, VerificationFailed, batch_invariant, verify_bundle
 from serve.bundle import MANIFEST_FILE, GraphSpec, load_bundle, sha256_file
@@ -346,6 +350,40 @@ def test_quantized_bundle_of_the_demo_model(
     assert quant["top1_agreement"] >= (0.95 if kind == "int8" else 0.8)
     assert 0 < quant["max_abs_logits_diff"] < 10
     assert report["standard"]["finite"] and report["inplace"]["finite"]
+
+
+def test_quantized_accuracy_holds_a_few_windows_logits_at_a_time(tiny_bundle: Path) -> None:
+    """Its figures are those of all held-out windows' logits at once, without holding them all: at a large
+    vocabulary those arrays, not the weights, would be the verification's memory peak."""
+    tokenizer = load_bundle(tiny_bundle).tokenizer
+    cfg = DecoderConfig(vocab_size=4096, context_length=64, d_model=32, n_layers=1, n_heads=2, d_ff=64)
+    torch.manual_seed(0)
+    fp32 = Decoder(cfg).eval()
+    other = Decoder(cfg).eval()  # a second model as the "quantized" one: its figures differ from fp32's
+    shape = Shape(cfg.n_layers, cfg.kv_heads, cfg.head_dim)
+    windows = heldout_windows(tokenizer, cfg.context_length)
+    all_at_once = [
+        greedy(torch_step(m), [list(w) for w in windows], 0, shape, steps=0).logits[0][:, :-1]
+        for m in (fp32, other)
+    ]
+    tracemalloc.start()
+    try:
+        # Chunks of 3 windows: uneven (16 windows), and far below all of them at once.
+        budget = 3 * all_at_once[0][0].nbytes
+        step, other_step = torch_step(fp32), torch_step(other)
+        report = quantized_accuracy(step, other_step, tokenizer, shape, 0, cfg.context_length, None, budget)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    targets = windows[:, 1:]
+    assert report["heldout_tokens"] == targets.size
+    assert report["fp32_loss"] == pytest.approx(mean_loss(all_at_once[0], targets), rel=1e-5)
+    assert report["quantized_loss"] == pytest.approx(mean_loss(all_at_once[1], targets), rel=1e-5)
+    diff = np.abs(all_at_once[0] - all_at_once[1])
+    assert report["max_abs_logits_diff"] == pytest.approx(float(diff.max()), rel=1e-5)
+    agree = (all_at_once[0].argmax(-1) == all_at_once[1].argmax(-1)).mean()
+    assert report["top1_agreement"] == pytest.approx(float(agree), abs=1e-3)  # a near tie may flip
+    assert len(windows) > 4 and peak < all_at_once[0].nbytes  # a few windows' arrays, not all of one model's
 
 
 def test_dynamic_int8_is_reported_not_batch_invariant(tiny_bundle: Path, tmp_path: Path) -> None:
