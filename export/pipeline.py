@@ -11,6 +11,7 @@ built, and its serialization), not once per graph more.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import time
 from collections.abc import Iterator
@@ -241,6 +242,19 @@ def _manifest_fields(cfg: DecoderConfig, options: ExportOptions, graphs: dict[st
     }
 
 
+def _return_freed_memory() -> None:
+    """Collect the dropped objects and hand the heap's free pages back to the OS. glibc keeps freed blocks
+    in its heap for reuse, and a graph's weights are mostly blocks under its mmap threshold (which grows to
+    32 MiB): measured on a 373M-parameter import, 1.4 GiB stayed resident after its graphs were dropped,
+    under the transformers model loaded next. Elsewhere (no glibc) only the collection runs."""
+    gc.collect()  # the tracer's and the quantizer's objects hold references to weights in cycles
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)
+
+
 class _Progress:
     def __init__(self, enabled: bool, total: int) -> None:
         self._bar = tqdm(total=total, disable=not enabled, unit="step", leave=False)
@@ -393,12 +407,13 @@ def export_bundle(
                 graph = _convert(role, graph, options, progress, stats)
                 specs[role] = _add_graph(stage, role, graph, options)
                 del graph
+                _return_freed_memory()
             cfg = model.cfg
             fp32_model: Decoder | None = model
             if reference is not None and options.precision.bits is None:
                 fp32_model = None
                 model.to("meta")
-                gc.collect()  # the tracer's objects hold references to the weights in cycles
+                _return_freed_memory()
             _verify_and_commit(stage, cfg, fp32_model, tokenizer, specs, stats, options, progress, reference)
         return load_bundle(out)
     finally:
